@@ -1,0 +1,7 @@
+"""laplace-debiased: two-batch debiased mini-batch quadratics for laplace-torch.
+
+Importing this package registers the debiased Hessian structures with laplace-torch's
+``Laplace(...)`` factory (it finds subclasses of ``BaseLaplace`` by their ``_key``).
+"""
+
+__version__ = "0.1.0"
