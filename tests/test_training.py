@@ -1,0 +1,55 @@
+"""MAP training cache: reuse exactly, never reuse stale or broken files."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_debiased.models import digits_mlp
+from laplace_debiased.training import TrainConfig, cache_key, evaluate_loss, train_map
+
+
+def _data(seed: int = 0, n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, 1, 8, 8, generator=g)
+    return TensorDataset(X, (X.flatten(1).sum(1) > 32).long())
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return digits_mlp(hidden=(8,), n_classes=2)
+
+
+def test_training_decreases_loss_and_cache_reloads_identical_weights(tmp_path):
+    cfg = TrainConfig(epochs=40, lr=3e-2, batch_size=16, weight_decay=0.0)
+    before = evaluate_loss(_model(), DataLoader(_data(), batch_size=64))["loss"]
+    model, hist = train_map(_model(), _data(), cfg, cache_dir=tmp_path, log=None)
+    assert hist[-1]["train_loss"] < 0.5 * before
+    again, hist2 = train_map(_model(), _data(), cfg, cache_dir=tmp_path, log=None)
+    for p, q in zip(model.parameters(), again.parameters()):
+        assert torch.equal(p, q)
+    assert hist2 == hist
+
+
+def test_cache_key_changes_with_config_and_data():
+    cfg = TrainConfig(epochs=1)
+    k = cache_key(_model(), _data(), cfg)
+    assert k != cache_key(_model(), _data(), TrainConfig(epochs=2))
+    assert k != cache_key(_model(), _data(seed=1), cfg)
+    assert k != cache_key(digits_mlp(hidden=(9,), n_classes=2), _data(), cfg)
+
+
+def test_truncated_cache_file_is_reported_and_replaced(tmp_path):
+    cfg = TrainConfig(epochs=2, batch_size=16)
+    train_map(_model(), _data(), cfg, cache_dir=tmp_path, log=None)
+    (path,) = tmp_path.glob("*.pt")
+    path.write_bytes(path.read_bytes()[:50])
+    with pytest.warns(UserWarning, match="unreadable model cache"):
+        train_map(_model(), _data(), cfg, cache_dir=tmp_path, log=None)
+    torch.load(path, weights_only=True)  # replaced by a readable file
+
+
+def test_bad_settings_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="optimizer"):
+        train_map(_model(), _data(), TrainConfig(epochs=1, optimizer="lbfgs"), cache_dir=tmp_path, log=None)
+    with pytest.raises(FloatingPointError, match="lower the learning rate"):
+        train_map(_model(), _data(), TrainConfig(epochs=3, lr=1e30, optimizer="sgd"), cache_dir=tmp_path, log=None)
