@@ -1,0 +1,255 @@
+"""Choosing the two independent batches of a debiased fit: B (directions) and B̃ (magnitudes).
+
+A *batch* is whatever the loader yields: a ``(X, y)`` pair of tensors or a
+``MutableMapping`` holding the input under ``dict_key_x`` and the targets under
+``dict_key_y`` (laplace-torch's convention for Huggingface-style data).
+
+Selection rules of :func:`split_batches` (the fit semantics of every two-batch Laplace class):
+
+``split="batches"`` (default)
+    B = the first ``n_direction_batches`` loader batches, B̃ = the next
+    ``n_magnitude_batches`` loader batches (disjoint as long as the loader does not repeat
+    samples within one pass).  With ``generator`` the batches are instead drawn at random
+    (without replacement) from one pass over the loader, reproducibly for a fixed seed (a
+    shuffling loader must also be seeded for the whole selection to be reproducible).
+``split="halves"``
+    all batches of one pass over the loader: the first ``ceil(K/2)`` go to B, the remaining
+    ``floor(K/2)`` to B̃ (the paper's "debiased full-batch"); with ``generator`` the batches
+    are randomly assigned to the halves. ``n_*_batches`` must not be given.
+``magnitude_loader=other_loader``
+    B from ``train_loader`` as above, B̃ = the first (or, with ``generator``, randomly drawn)
+    ``n_magnitude_batches`` batches of ``other_loader``.
+``magnitude_loader=train_loader`` (the *same object*)
+    explicit opt-in to the reduction B̃ = B: the magnitude batches are the direction
+    batches themselves, and the debiased fit reduces to ordinary K-FAC / eigen
+    decompositions on B.  This is the only way to make B and B̃ share samples.
+
+Checks (``ValueError`` with a hint what to do): too few batches in a loader, a batch with
+fewer than two samples, NaN/Inf in inputs or targets, mismatched batch types, and any
+sample whose input (and target) appears in both B and B̃ — detected by hashing the raw
+bytes of every sample, since batches carry no sample ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader
+
+__all__ = ["Batch", "BatchSplit", "split_batches", "batch_inputs_targets", "batch_size"]
+
+Batch = Any  # (X, y) tuple/list of tensors, or a MutableMapping (dict batches)
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """The batches of a two-batch fit.
+
+    Attributes
+    ----------
+    direction : list
+        batches forming B (choose eigenvectors / search directions).
+    magnitude : list
+        batches forming B̃ (measure curvature along them).  Is the very same list as
+        ``direction`` when B̃ = B was requested explicitly.
+    n_data : int
+        ``N = len(train_loader.dataset)``: curvatures are scaled to N data points.
+    """
+
+    direction: list[Batch]
+    magnitude: list[Batch]
+    n_data: int
+
+    @property
+    def same_batches(self) -> bool:
+        """True for the explicit reduction B̃ = B (``magnitude_loader=train_loader``)."""
+        return self.magnitude is self.direction
+
+
+def batch_inputs_targets(
+    batch: Batch, dict_key_x: str = "input_ids", dict_key_y: str = "labels"
+) -> tuple[Any, torch.Tensor]:
+    """Split a loader batch into ``(X, y)`` the way laplace-torch does.
+
+    For a ``MutableMapping`` batch, ``X`` is the whole mapping (the model consumes it) and
+    ``y = batch[dict_key_y]``; otherwise the batch must be a pair ``(X, y)``.
+    """
+    if isinstance(batch, MutableMapping):
+        if dict_key_x not in batch or dict_key_y not in batch:
+            raise ValueError(
+                f"dict batch needs keys {dict_key_x!r} and {dict_key_y!r} "
+                f"(got {sorted(batch)}); set dict_key_x / dict_key_y on the Laplace object."
+            )
+        return batch, batch[dict_key_y]
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(
+            "each loader batch must be a pair (X, y) or a dict-like batch; "
+            f"got {type(batch).__name__}."
+        )
+    return batch[0], batch[1]
+
+
+def _input_tensor(X: Any, dict_key_x: str) -> torch.Tensor:
+    return X[dict_key_x] if isinstance(X, MutableMapping) else X
+
+
+def batch_size(batch: Batch, dict_key_x: str = "input_ids", dict_key_y: str = "labels") -> int:
+    """Number of samples in a batch (length of the targets' leading dimension)."""
+    _, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
+    return int(y.shape[0])
+
+
+def _check_batch(batch: Batch, where: str, dict_key_x: str, dict_key_y: str) -> None:
+    X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
+    x = _input_tensor(X, dict_key_x)
+    for name, t in (("inputs", x), ("targets", y)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(
+                f"{where}: {name} contain NaN or Inf; clean or impute the data first."
+            )
+    if y.shape[0] < 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"{where}: a batch needs at least two samples and as many inputs as targets "
+            f"(got {x.shape[0]} inputs, {y.shape[0]} targets); use a larger batch_size or "
+            "drop_last=True."
+        )
+
+
+def _sample_keys(batch: Batch, dict_key_x: str, dict_key_y: str) -> list[int]:
+    """One hash per sample of the raw bytes of its input and target."""
+    X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
+    x = _input_tensor(X, dict_key_x).detach().cpu().reshape(y.shape[0], -1).contiguous()
+    t = y.detach().cpu().reshape(y.shape[0], -1).contiguous()
+    xb, tb = x.numpy(), t.numpy()
+    return [hash((xb[i].tobytes(), tb[i].tobytes())) for i in range(len(xb))]
+
+
+def _check_disjoint(
+    direction: list[Batch], magnitude: list[Batch], dict_key_x: str, dict_key_y: str
+) -> None:
+    seen = {k for b in direction for k in _sample_keys(b, dict_key_x, dict_key_y)}
+    shared = sum(k in seen for b in magnitude for k in _sample_keys(b, dict_key_x, dict_key_y))
+    if shared:
+        raise ValueError(
+            f"{shared} sample(s) of the magnitude batch B̃ also occur in the direction batch "
+            "B; the two batches must be independent. Check that the loader does not repeat "
+            "samples and that magnitude_loader draws from data disjoint from the direction "
+            "batches (to use B̃ = B on purpose, pass magnitude_loader=train_loader)."
+        )
+
+
+def _take(loader: Iterable, n: int, generator: torch.Generator | None, name: str) -> list[Batch]:
+    """The first ``n`` batches of one pass over ``loader``, or ``n`` drawn at random from
+    the whole pass (without replacement) when a ``generator`` is given."""
+    batches: list[Batch] = []
+    for b in loader:
+        batches.append(b)
+        if generator is None and len(batches) == n:
+            break
+    if len(batches) < n:
+        raise ValueError(
+            f"{name} yields {len(batches)} batch(es) but {n} are needed; use a smaller "
+            "batch_size, fewer batches, or a larger data set."
+        )
+    if generator is None:
+        return batches
+    order = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in order[:n]]
+
+
+def _dataset_size(loader: DataLoader) -> int:
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        raise ValueError("train_loader.dataset must be set: N = len(dataset) scales the fit.")
+    return len(dataset)
+
+
+def split_batches(
+    train_loader: DataLoader,
+    *,
+    n_direction_batches: int | None = None,
+    n_magnitude_batches: int | None = None,
+    magnitude_loader: DataLoader | None = None,
+    split: Literal["batches", "halves"] = "batches",
+    generator: torch.Generator | None = None,
+    dict_key_x: str = "input_ids",
+    dict_key_y: str = "labels",
+) -> BatchSplit:
+    """Choose the direction batches B and the magnitude batches B̃ (see module docstring).
+
+    Parameters
+    ----------
+    train_loader : DataLoader
+        training data; ``len(train_loader.dataset)`` is N.
+    n_direction_batches, n_magnitude_batches : int, optional
+        loader batches forming B and B̃ (default 1 each; not allowed with ``split="halves"``).
+    magnitude_loader : DataLoader, optional
+        separate source of B̃; pass ``train_loader`` itself for the reduction B̃ = B.
+    split : {"batches", "halves"}
+        ``"halves"`` uses every batch of one pass, half for B and half for B̃.
+    generator : torch.Generator, optional
+        draws the batches at random (reproducibly) instead of taking them in loader order.
+    dict_key_x, dict_key_y : str
+        keys of dict batches.
+
+    Returns
+    -------
+    BatchSplit
+    """
+    n_data = _dataset_size(train_loader)
+    if split == "halves":
+        if n_direction_batches is not None or n_magnitude_batches is not None:
+            raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
+        if magnitude_loader is not None:
+            raise ValueError("split='halves' splits train_loader; do not pass magnitude_loader.")
+        batches = list(train_loader)
+        if len(batches) < 2:
+            raise ValueError(
+                f"split='halves' needs at least 2 loader batches, train_loader yields "
+                f"{len(batches)}; use a smaller batch_size."
+            )
+        order = (
+            torch.randperm(len(batches), generator=generator).tolist()
+            if generator is not None
+            else list(range(len(batches)))
+        )
+        half = (len(batches) + 1) // 2
+        direction = [batches[i] for i in order[:half]]
+        magnitude = [batches[i] for i in order[half:]]
+    elif split == "batches":
+        n_dir = 1 if n_direction_batches is None else n_direction_batches
+        n_mag = 1 if n_magnitude_batches is None else n_magnitude_batches
+        if n_dir < 1 or n_mag < 1:
+            raise ValueError("n_direction_batches and n_magnitude_batches must be >= 1.")
+        if magnitude_loader is train_loader:
+            if n_mag != n_dir:
+                raise ValueError(
+                    "magnitude_loader=train_loader requests B̃ = B; n_magnitude_batches "
+                    "must then equal n_direction_batches."
+                )
+            direction = _take(train_loader, n_dir, generator, "train_loader")
+            magnitude = direction
+        elif magnitude_loader is None:
+            chosen = _take(train_loader, n_dir + n_mag, generator, "train_loader")
+            direction, magnitude = chosen[:n_dir], chosen[n_dir:]
+        else:
+            direction = _take(train_loader, n_dir, generator, "train_loader")
+            magnitude = _take(magnitude_loader, n_mag, generator, "magnitude_loader")
+    else:
+        raise ValueError(f"split must be 'batches' or 'halves', got {split!r}.")
+
+    first = direction[0]
+    for where, group in (("direction batch", direction), ("magnitude batch", magnitude)):
+        for i, b in enumerate(group):
+            if isinstance(b, MutableMapping) != isinstance(first, MutableMapping):
+                raise ValueError("all batches must be of the same kind (all dicts or all pairs).")
+            _check_batch(b, f"{where} {i}", dict_key_x, dict_key_y)
+    split_ = BatchSplit(direction=direction, magnitude=magnitude, n_data=n_data)
+    if not split_.same_batches:
+        _check_disjoint(direction, magnitude, dict_key_x, dict_key_y)
+    return split_

@@ -1,0 +1,188 @@
+"""Debiased K-FAC Laplace (Tatzel et al., ICLR 2025, Sec. 4.2.2 / App. A.3.3).
+
+Per parameter block, the K-FAC factors ``[G, A]`` of the direction batch B give the
+eigenvectors, and the factors ``[D, C]`` of the independent magnitude batch B̃ give the
+eigenvalues ``diag(U_Gᵀ D U_G)``, ``diag(U_Aᵀ C U_A)`` (:func:`laplace_debiased.linalg.debiased_kron`).
+
+Scale convention (identical to a laplace-torch ``KronLaplace`` fit over all ``N`` data):
+the factors of a batch set S with ``m`` samples are ``G_S = N/m * sum_{n in S} g_n g_nᵀ``
+(output side, summed loss; bias blocks likewise) and ``A_S = mean_{n in S} a_n a_nᵀ``
+(input side), so ``G_S ⊗ A_S`` estimates the K-FAC of the summed loss over ``N`` points and
+``split="halves"`` is directly comparable to ``KronLaplace.fit(full_loader)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from laplace.curvature.backpack import BackPackInterface
+from laplace.curvature.curvature import GGNInterface, EFInterface
+from laplace.baselaplace import KronLaplace
+from laplace.lllaplace import KronLLLaplace
+from laplace.utils.matrix import Kron, KronDecomposed
+from laplace.utils.utils import _is_valid_scalar
+from torch import nn
+
+from laplace_debiased._two_batch import TwoBatchLaplaceMixin
+from laplace_debiased.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.linalg import debiased_kron
+
+__all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
+
+_KFAC_LAYERS = (nn.Linear, nn.Conv2d)
+
+
+class DebiasedKronDecomposed(KronDecomposed):
+    """``KronDecomposed`` whose ``+`` (prior precision) and ``*`` (likelihood factor) keep
+    ``damping``; laplace-torch 0.3 silently drops it in both operations."""
+
+    def __add__(self, deltas: torch.Tensor) -> DebiasedKronDecomposed:
+        self._check_deltas(deltas)
+        return DebiasedKronDecomposed(
+            self.eigenvectors, self.eigenvalues, self.deltas + deltas, damping=self.damping
+        )
+
+    def __mul__(self, scalar: torch.Tensor | float) -> DebiasedKronDecomposed:
+        if not _is_valid_scalar(scalar):
+            raise ValueError("Invalid argument, can only multiply Kron with scalar.")
+        eigenvalues = [
+            [pow(scalar, 1 / len(ls)) * eigval for eigval in ls] for ls in self.eigenvalues
+        ]
+        return DebiasedKronDecomposed(
+            self.eigenvectors, eigenvalues, self.deltas, damping=self.damping
+        )
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+
+def _combine(old: Kron, new: Kron, n_old: int, n_new: int) -> Kron:
+    """K-FAC of ``n_old + n_new`` points from two fits: output-side factors (and single-factor
+    blocks) add up, input-side factors are averaged with weights ``n / (n_old + n_new)``."""
+    w_old, w_new = n_old / (n_old + n_new), n_new / (n_old + n_new)
+    kfacs = []
+    for F_old, F_new in zip(old.kfacs, new.kfacs):
+        if len(F_old) == 2:
+            kfacs.append([F_old[0] + F_new[0], w_old * F_old[1] + w_new * F_new[1]])
+        else:
+            kfacs.append([F_old[0] + F_new[0]])
+    return Kron(kfacs)
+
+
+class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
+    """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
+    subset_of_weights="all", hessian_structure="debiased_kron")``).
+
+    Same interface as ``KronLaplace``; ``fit`` takes the extra two-batch arguments of
+    :meth:`TwoBatchLaplaceMixin.fit`. After fitting, ``H_facs`` / ``H_facs_magnitude`` are the
+    ``Kron`` factors of B and B̃ (both scaled to ``n_data``) and ``H`` is a
+    :class:`DebiasedKronDecomposed` with B's eigenvectors and B̃'s Rayleigh quotients.
+    Supported layers: ``nn.Linear`` and ``nn.Conv2d``; backends: Curvlinops GGN/EF (default
+    GGN) and ASDL GGN/EF (BackPACK only for models without Conv2d).
+    """
+
+    _key = ("all", "debiased_kron")
+
+    def _reset_fit_state(self) -> None:
+        super()._reset_fit_state()
+        self.H_facs = None
+        self.H_facs_magnitude: Kron | None = None
+
+    def _fit_two_batch(
+        self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
+    ) -> None:
+        self._check_supported()
+        direction = self._kfac(direction_batches, N)
+        magnitude = (
+            direction if magnitude_batches is direction_batches else self._kfac(magnitude_batches, N)
+        )
+        if self.H_facs is not None:  # online: combine with the previous fit(s)
+            n_old = self.n_data
+            direction = _combine(self.H_facs, direction, n_old, N)
+            magnitude = _combine(self.H_facs_magnitude, magnitude, n_old, N)
+        self.H_facs, self.H_facs_magnitude = direction, magnitude
+        self._decompose()
+
+    def _decompose(self) -> None:
+        eigenvectors, eigenvalues = debiased_kron(
+            self.H_facs.kfacs, self.H_facs_magnitude.kfacs
+        )
+        self.H = DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping)
+
+    def _kfac(self, batches: list[Batch], N: int) -> Kron:
+        """K-FAC of the batch set, scaled to ``N`` points (module docstring convention)."""
+        m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
+        total: Kron | None = None
+        for b in batches:
+            X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
+            self.model.zero_grad()
+            # with N=m every backend returns [sum_b g gᵀ, (1/m) sum_b a aᵀ]; factor-wise
+            # addition over the batches then gives [sum_S g gᵀ, mean_S a aᵀ].
+            _, kron = self.backend.kron(X, y, N=m, **self._asdl_fisher_kwargs)
+            total = kron if total is None else total + kron
+        kfacs = [[F[0] * (N / m), *F[1:]] for F in total.kfacs]
+        self._check_blocks(kfacs)
+        return Kron(kfacs)
+
+    def _layers(self) -> nn.Module:
+        return self.backend._model
+
+    def _check_supported(self) -> None:
+        for name, module in self._layers().named_modules():
+            owns = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if owns and not isinstance(module, _KFAC_LAYERS):
+                raise ValueError(
+                    f"layer '{name}' ({type(module).__name__}) has trainable parameters but "
+                    "debiased K-FAC supports only nn.Linear and nn.Conv2d. Freeze it "
+                    "(p.requires_grad_(False) for its parameters) or use "
+                    "subset_of_weights='last_layer'."
+                )
+            if (
+                isinstance(self.backend, BackPackInterface)
+                and isinstance(module, nn.Conv2d)
+                and owns
+            ):
+                raise ValueError(
+                    f"BackPACK's Conv2d K-FAC (layer '{name}') is mis-scaled by the number of "
+                    "spatial positions in this laplace-torch version; use the default "
+                    "CurvlinopsGGN or AsdlGGN backend."
+                )
+        if not isinstance(self.backend, (GGNInterface, EFInterface)):
+            raise ValueError(
+                f"backend {type(self.backend).__name__} is not a GGN/Fisher/EF backend; the "
+                "debiased K-FAC needs positive semi-definite curvature."
+            )
+
+    def _check_blocks(self, kfacs: list[list[torch.Tensor]]) -> None:
+        """Every trainable parameter tensor must have its own block (none dropped)."""
+        expected = Kron.init_from_model(self.backend.params, self._device, self._dtype).kfacs
+        shapes = [[tuple(F.shape) for F in block] for block in kfacs]
+        wanted = [[tuple(F.shape) for F in block] for block in expected]
+        if shapes != wanted:
+            raise ValueError(
+                f"the backend returned K-FAC blocks {shapes} but the trainable parameters "
+                f"need {wanted}; some layer is unsupported by {type(self.backend).__name__}."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["H_magnitude"] = self.H_facs_magnitude.kfacs
+        state["H_eigenvectors"] = self.H.eigenvectors
+        state["H_eigenvalues"] = self.H.eigenvalues
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
+        self.H = DebiasedKronDecomposed(
+            state_dict["H_eigenvectors"], state_dict["H_eigenvalues"], damping=self.damping
+        )
+
+
+class DebiasedKronLLLaplace(DebiasedKronLaplace, KronLLLaplace):
+    """Last-layer two-batch debiased K-FAC Laplace (``Laplace(..., "last_layer",
+    hessian_structure="debiased_kron")``), a ``KronLLLaplace`` with the debiased fit of
+    :class:`DebiasedKronLaplace`. ``override=False`` is not supported (as in laplace-torch)."""
+
+    _key = ("last_layer", "debiased_kron")
