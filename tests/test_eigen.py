@@ -1,0 +1,205 @@
+"""Eigen routines against dense curvature matrices built explicitly on tiny float64 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from laplace_debiased import eigen
+
+LIKELIHOODS = ("classification", "regression")
+
+
+def tiny_mlp(seed: int = 0, n_out: int = 3) -> nn.Module:
+    """4 → 6 → n_out tanh MLP in float64 (51 parameters for 3 outputs)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, n_out)).double()
+
+
+def make_batch(n: int, likelihood: str, seed: int, n_in: int = 4, n_out: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, n_in, generator=g, dtype=torch.float64)
+    if likelihood == "classification":
+        y = torch.randint(0, n_out, (n,), generator=g)
+    else:
+        y = torch.randn(n, n_out, generator=g, dtype=torch.float64)
+    return X, y
+
+
+def explicit_curvature(model: nn.Module, batches, likelihood: str, curvature: str = "ggn") -> torch.Tensor:
+    """Dense GGN / EF of laplace-torch's summed loss, sample by sample with plain autograd.
+
+    GGN: Σ_n J_nᵀ ∇²_f(factor·ℓ) J_n; EF: factor Σ_n ∇ℓ_n ∇ℓ_nᵀ (ℓ = CE or squared error).
+    """
+    names = [k for k, p in model.named_parameters() if p.requires_grad]
+    shapes = [p.shape for k, p in model.named_parameters() if p.requires_grad]
+    theta0 = torch.cat([p.detach().reshape(-1) for k, p in model.named_parameters() if p.requires_grad])
+    factor = 1.0 if likelihood == "classification" else 0.5
+
+    def forward(theta, x):
+        pieces = torch.split(theta, [s.numel() for s in shapes])
+        params = {n: t.reshape(s) for n, t, s in zip(names, pieces, shapes)}
+        return functional_call(model, params, (x[None],), strict=False)[0]
+
+    def loss(f, y):
+        if likelihood == "classification":
+            return nn.functional.cross_entropy(f[None], y[None], reduction="sum")
+        return (f - y).square().sum()
+
+    G = torch.zeros(len(theta0), len(theta0), dtype=torch.float64)
+    for X, Y in batches:
+        for x, y in zip(X, Y):
+            if curvature == "ggn":
+                J = torch.autograd.functional.jacobian(lambda th: forward(th, x), theta0)
+                f = forward(theta0, x).detach()
+                L = torch.autograd.functional.hessian(lambda out: factor * loss(out, y), f)
+                G += J.T @ L @ J
+            else:
+                g = torch.autograd.functional.jacobian(lambda th: loss(forward(th, x), y), theta0)
+                G += factor * torch.outer(g, g)
+    return G
+
+
+def assert_same_subspace_vectors(U: torch.Tensor, V: torch.Tensor, atol: float = 1e-6) -> None:
+    """Columns equal up to sign."""
+    signs = torch.sign((U * V).sum(0))
+    torch.testing.assert_close(U * signs, V, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+def test_dense_curvature_matches_explicit(likelihood, curvature):
+    model = tiny_mlp()
+    batches = [make_batch(5, likelihood, 1), make_batch(4, likelihood, 2)]
+    G = eigen.dense_curvature(model, batches, likelihood, curvature)
+    torch.testing.assert_close(G, explicit_curvature(model, batches, likelihood, curvature), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+def test_linear_features_route_matches_explicit(bias, likelihood, curvature):
+    torch.manual_seed(3)
+    layer = nn.Linear(5, 3, bias=bias).double()
+    batches = [make_batch(7, likelihood, 4, n_in=5), make_batch(6, likelihood, 5, n_in=5)]
+    G = eigen.dense_curvature(layer, batches, likelihood, curvature)
+    torch.testing.assert_close(G, explicit_curvature(layer, batches, likelihood, curvature), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+def test_curvature_factor_reproduces_dense(likelihood, curvature):
+    model = tiny_mlp()
+    batches = [make_batch(6, likelihood, 6)]
+    V = eigen.curvature_factor(model, batches, likelihood, curvature, max_chunk_elements=200)  # chunked
+    n_out = 3 if curvature == "ggn" else 1
+    assert V.shape == (51, 6 * n_out)
+    torch.testing.assert_close(V @ V.T, explicit_curvature(model, batches, likelihood, curvature), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("n_samples", [8, 40])  # VᵀV (24 < P=51) and V Vᵀ (120 > 51) branches
+@pytest.mark.parametrize("method", ["gram", "lanczos"])
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+def test_top_eigenpairs_match_dense_top_k(n_samples, method, likelihood):
+    model = tiny_mlp()
+    batches = [make_batch(n_samples, likelihood, 7)]
+    G = explicit_curvature(model, batches, likelihood)
+    values, vectors = torch.linalg.eigh(G)
+    values, vectors = values.flip(0)[:5], vectors.flip(1)[:, :5]
+    assert (values[:-1] - values[1:]).min() > 1e-6 * values[0]  # distinct: vectors are unique up to sign
+    pairs = eigen.top_eigenpairs(model, batches, likelihood, rank=5, method=method)
+    assert pairs.method == method
+    torch.testing.assert_close(pairs.values, values, atol=1e-9 * float(values[0]), rtol=1e-9)
+    assert_same_subspace_vectors(pairs.vectors, vectors)
+
+
+@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+def test_lanczos_and_gram_routes_agree(curvature):
+    model = tiny_mlp(seed=1)
+    batches = [make_batch(6, "classification", 8), make_batch(6, "classification", 9)]
+    gram = eigen.top_eigenpairs(model, batches, "classification", rank=4, curvature=curvature, method="gram")
+    lanczos = eigen.top_eigenpairs(model, batches, "classification", rank=4, curvature=curvature, method="lanczos")
+    torch.testing.assert_close(gram.values, lanczos.values, atol=1e-9 * float(gram.values[0]), rtol=1e-9)
+    assert_same_subspace_vectors(gram.vectors, lanczos.vectors)
+    torch.testing.assert_close(gram.vectors.T @ gram.vectors, torch.eye(4, dtype=torch.float64), atol=1e-10, rtol=0)
+
+
+def test_linear_layer_top_eigenpairs_use_features_route():
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).double()
+    batches = [make_batch(30, "regression", 10, n_in=4)]
+    G = explicit_curvature(layer, batches, "regression")  # full rank 15 (softmax would have a null space)
+    pairs = eigen.top_eigenpairs(layer, batches, "regression", rank=15)  # rank ≥ P−1 ⇒ gram
+    assert pairs.method == "gram"
+    values = torch.linalg.eigvalsh(G).flip(0)[:15]
+    torch.testing.assert_close(pairs.values, values, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(pairs.vectors @ torch.diag(pairs.values) @ pairs.vectors.T, G, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+def test_directional_curvatures_equal_dense_rayleigh_quotients(likelihood, curvature):
+    model = tiny_mlp()
+    batches = [make_batch(5, likelihood, 11), make_batch(7, likelihood, 12)]
+    G = explicit_curvature(model, batches, likelihood, curvature)
+    U = torch.randn(51, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    lam = eigen.directional_curvatures(model, batches, U, likelihood, curvature, chunk_size=3)
+    torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, G, U), atol=1e-10, rtol=1e-10)
+
+
+def test_remeasured_top_eigenvectors_on_same_batch_give_eigenvalues():
+    """Reduction B̃ = B: uᵀ G_B u of B's own eigenvectors are its eigenvalues."""
+    model = tiny_mlp()
+    batches = [make_batch(10, "classification", 13)]
+    pairs = eigen.top_eigenpairs(model, batches, "classification", rank=6, method="gram")
+    lam = eigen.directional_curvatures(model, batches, pairs.vectors, "classification")
+    torch.testing.assert_close(lam, pairs.values, atol=1e-10, rtol=1e-10)
+
+
+def test_directional_curvatures_rejects_wrong_shape():
+    with pytest.raises(ValueError, match="shape"):
+        eigen.directional_curvatures(tiny_mlp(), [make_batch(3, "classification", 0)], torch.zeros(50, 2), "classification")
+
+
+def test_relative_threshold_drops_small_eigenvalues():
+    model = tiny_mlp()
+    batches = [make_batch(2, "classification", 14)]  # rank of G_B ≤ 2 · (C − 1) = 4
+    full = eigen.top_eigenpairs(model, batches, "classification", rank=10, method="gram")
+    assert len(full.values) == 4  # the numerical null space of VᵀV never yields directions
+    cut = eigen.top_eigenpairs(model, batches, "classification", rank=10, method="gram", rtol=0.5)
+    assert torch.all(cut.values > 0.5 * full.values[0])
+    assert len(cut.values) == int((full.values > 0.5 * full.values[0]).sum())
+
+
+def test_drop_flat_directions_removes_nonpositive_and_tiny():
+    U = torch.eye(4, dtype=torch.float64)
+    lam = torch.tensor([2.0, 0.0, -1e-17, 1e-12], dtype=torch.float64)
+    kept_U, kept = eigen.drop_flat_directions(U, lam, rtol=1e-10)
+    torch.testing.assert_close(kept, torch.tensor([2.0], dtype=torch.float64))
+    torch.testing.assert_close(kept_U, U[:, :1])
+    U0, lam0 = eigen.drop_flat_directions(U, torch.zeros(4, dtype=torch.float64), rtol=0.0)
+    assert U0.shape == (4, 0) and lam0.shape == (0,)
+
+
+def test_choose_method_cost_rules():
+    assert eigen.choose_method(n_params=100, n_samples=10, n_columns=100, rank=99) == "gram"  # eigsh needs k < P−1
+    assert eigen.choose_method(n_params=10**6, n_samples=1000, n_columns=10**4, rank=5) == "lanczos"  # V too big
+    assert eigen.choose_method(n_params=5000, n_samples=4, n_columns=40, rank=10) == "gram"  # tiny Gram matrix
+    assert eigen.choose_method(n_params=5000, n_samples=2000, n_columns=20000, rank=2, max_gram_bytes=1e12) == "lanczos"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rank=0), "rank"),
+        (dict(rank=2, method="power"), "method"),
+        (dict(rank=2, curvature="hessian"), "curvature"),
+        (dict(rank=2, rtol=-1.0), "rtol"),
+        (dict(rank=51, method="lanczos"), "Lanczos"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        eigen.top_eigenpairs(tiny_mlp(), [make_batch(4, "classification", 0)], "classification", **kwargs)
