@@ -6,3 +6,4 @@ Importing this package registers the debiased Hessian structures with laplace-to
 
 __version__ = "0.1.0"
 from laplace_debiased import kron as _kron  # noqa: E402,F401  registers "debiased_kron"
+from laplace_debiased import lowrank as _lowrank  # noqa: E402,F401  registers "debiased_lowrank", "debiased_full"

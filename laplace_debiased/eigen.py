@@ -391,26 +391,25 @@ def top_eigenpairs(
     return threshold_eigenpairs(pairs, rtol)
 
 
+def above_relative_floor(values: Tensor, rtol: float) -> Tensor:
+    """Boolean mask of ``values > rtol · max(values)`` and ``> 0`` (all False if none is positive)."""
+    if values.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool, device=values.device)
+    return values > max(float(values.max()) * rtol, 0.0)
+
+
 def threshold_eigenpairs(pairs: EigenPairs, rtol: float) -> EigenPairs:
     """Keep eigenpairs with eigenvalue ``> rtol · max(eigenvalues)`` and ``> 0``."""
-    if pairs.values.numel() == 0:
-        return pairs
-    floor = max(float(pairs.values.max()) * rtol, 0.0)
-    keep = pairs.values > floor
+    keep = above_relative_floor(pairs.values, rtol)
     return EigenPairs(pairs.values[keep], pairs.vectors[:, keep], pairs.method)
 
 
-def drop_flat_directions(vectors: Tensor, curvatures: Tensor, rtol: float) -> tuple[Tensor, Tensor]:
-    """Remove directions whose re-measured curvature is ``≤ rtol · max`` (or ``≤ 0``).
+def curved_directions(curvatures: Tensor, rtol: float) -> Tensor:
+    """Mask of the directions to keep after re-measuring: ``λ̃ > rtol · max λ̃`` and ``λ̃ > 0``.
 
-    ``vectors``: ``(P, k)``; ``curvatures``: ``(k,)``. A direction with curvature ``λ̃`` adds
-    ``λ̃ u uᵀ`` to the precision, so removing it is exact for ``λ̃ = 0``, changes the precision by at
-    most ``rtol · λ̃_max`` otherwise, and keeps the Woodbury inverse ``diag(1/λ̃)`` finite.
-    Negative values can only come from round-off (a GGN/EF is PSD) and are removed as well.
-    Returns the kept ``(vectors, curvatures)``, possibly with zero columns.
+    A direction with curvature ``λ̃`` adds ``λ̃ u uᵀ`` to the precision, so removing one is exact
+    for ``λ̃ = 0``, changes the precision by at most ``rtol · max λ̃`` otherwise, and keeps the
+    Woodbury inverse ``diag(1/λ̃)`` finite. Negative values can only come from round-off (a
+    GGN/EF is PSD) and are removed as well. All directions go if no ``λ̃`` is positive.
     """
-    if curvatures.numel() == 0:
-        return vectors, curvatures
-    floor = max(float(curvatures.max()) * rtol, 0.0)
-    keep = curvatures > floor
-    return vectors[:, keep], curvatures[keep]
+    return above_relative_floor(curvatures, rtol)

@@ -173,14 +173,13 @@ def test_relative_threshold_drops_small_eigenvalues():
     assert len(cut.values) == int((full.values > 0.5 * full.values[0]).sum())
 
 
-def test_drop_flat_directions_removes_nonpositive_and_tiny():
-    U = torch.eye(4, dtype=torch.float64)
-    lam = torch.tensor([2.0, 0.0, -1e-17, 1e-12], dtype=torch.float64)
-    kept_U, kept = eigen.drop_flat_directions(U, lam, rtol=1e-10)
-    torch.testing.assert_close(kept, torch.tensor([2.0], dtype=torch.float64))
-    torch.testing.assert_close(kept_U, U[:, :1])
-    U0, lam0 = eigen.drop_flat_directions(U, torch.zeros(4, dtype=torch.float64), rtol=0.0)
-    assert U0.shape == (4, 0) and lam0.shape == (0,)
+def test_curved_directions_removes_nonpositive_and_tiny():
+    lam = torch.tensor([2.0, 0.0, -1e-17, 1e-12, 1e-9], dtype=torch.float64)
+    assert eigen.curved_directions(lam, rtol=1e-10).tolist() == [True, False, False, False, True]
+    assert eigen.curved_directions(lam, rtol=0.0).tolist() == [True, False, False, True, True]
+    assert not eigen.curved_directions(torch.zeros(4, dtype=torch.float64), rtol=0.0).any()
+    assert not eigen.curved_directions(-torch.ones(3, dtype=torch.float64), rtol=0.5).any()
+    assert eigen.curved_directions(torch.zeros(0), rtol=0.1).shape == (0,)
 
 
 def test_choose_method_cost_rules():

@@ -1,0 +1,267 @@
+"""Debiased eigen-structured Laplace: ``debiased_lowrank`` and ``debiased_full``.
+
+The eigenvectors ``U`` of the GGN (or empirical Fisher) of the direction batch B are kept; the
+eigenvalues are re-measured on the independent magnitude batch B̃ as ``λ̃_i = u_iᵀ G_B̃ u_i``
+(Tatzel et al., ICLR 2025). Both curvatures are scaled like laplace-torch scales a fit over a
+loader of ``N`` samples: ``N / |S|`` times the summed-loss curvature of batch set ``S``. With
+``magnitude_loader=train_loader`` (B̃ = B) both classes reduce to their single-batch versions
+(top-k eigenpairs of ``G_B``, resp. ``G_B`` itself).
+
+- ``DebiasedLowRankLaplace`` (``("all", "debiased_lowrank")``) and
+  ``DebiasedLowRankLLLaplace`` (``("last_layer", "debiased_lowrank")``): ``H = (U, λ̃)`` with
+  laplace-torch's ``LowRankLaplace`` posterior ``P = U diag(λ̃/σ²/T) Uᵀ + diag(p₀)`` (Woodbury
+  functional variance, samples, log-determinant). Directions whose re-measured curvature is
+  ``≤ remeasured_rtol · max λ̃`` (including ``λ̃ ≤ 0``) are removed: their contribution
+  ``λ̃ u uᵀ`` to the precision is (close to) zero and ``diag(1/λ̃)`` in the Woodbury inverse stays
+  finite. ``la.H[0].shape[1]`` is the rank finally used.
+- ``DebiasedFullLaplace`` (``("all", "debiased_full")``) and ``DebiasedFullLLLaplace``
+  (``("last_layer", "debiased_full")``): full eigendecomposition of the dense ``G_B``,
+  ``H = U diag(diag(Uᵀ G_B̃ U)) Uᵀ`` (round-off negatives clamped to 0), then laplace-torch's
+  ``FullLaplace`` posterior. For the last layer the dense curvature comes from features ⊗
+  output curvature (no per-parameter autograd).
+
+Fit semantics (B/B̃ selection, rescaled loss, bad-input errors, grid-search fix) are those of
+:class:`laplace_debiased._two_batch.TwoBatchLaplaceMixin`. Backends: the default
+``CurvlinopsGGN`` (exact GGN) or any empirical-Fisher backend (``CurvlinopsEF``, ``AsdlEF``,
+...); curvature is computed by :mod:`laplace_debiased.eigen` from the backend's *type*.
+``subset_of_weights="all"`` needs tensor inputs; the last-layer classes also take dict batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from laplace.baselaplace import FullLaplace, LowRankLaplace
+from laplace.curvature.curvature import EFInterface, GGNInterface
+from laplace.lllaplace import FullLLLaplace, LLLaplace
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from laplace_debiased import eigen
+from laplace_debiased._two_batch import TwoBatchLaplaceMixin
+from laplace_debiased.batches import Batch, batch_inputs_targets
+from laplace_debiased.linalg import remeasure_eigenvalues
+
+__all__ = [
+    "DebiasedLowRankLaplace",
+    "DebiasedLowRankLLLaplace",
+    "DebiasedFullLaplace",
+    "DebiasedFullLLLaplace",
+]
+
+
+class _EigenCurvatureMixin:
+    """Turns the Laplace object's model and batches into inputs of :mod:`laplace_debiased.eigen`."""
+
+    def _curvature_type(self) -> eigen.Curvature:
+        backend = self.backend
+        if isinstance(backend, EFInterface):
+            return "ef"
+        if isinstance(backend, GGNInterface) and not getattr(backend, "stochastic", False):
+            return "ggn"
+        raise ValueError(
+            f"backend {type(backend).__name__} is not an exact GGN or empirical-Fisher backend; "
+            "debiased eigen structures need positive semi-definite curvature. Use the default "
+            "CurvlinopsGGN or CurvlinopsEF."
+        )
+
+    def _curvature_module(self) -> nn.Module:
+        return self.model.last_layer if isinstance(self, LLLaplace) else self.model
+
+    @torch.no_grad()
+    def _module_batches(self, batches: list[Batch]) -> list[tuple[Tensor, Tensor]]:
+        """``(input of the curvature module, y)`` per batch: features for a last layer."""
+        out = []
+        for b in batches:
+            X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
+            if isinstance(self, LLLaplace):
+                _, X = self.model.forward_with_features(X)
+                if X.ndim != 2:
+                    raise ValueError(
+                        f"last-layer features have shape {tuple(X.shape)}; pass "
+                        "feature_reduction= so that they are (batch, features)."
+                    )
+            elif isinstance(X, MutableMapping):
+                raise ValueError(
+                    "subset_of_weights='all' with eigen structures needs tensor inputs; "
+                    "use subset_of_weights='last_layer' for dict batches."
+                )
+            out.append((X, y))
+        return out
+
+
+class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRankLaplace):
+    """Two-batch debiased low-rank Laplace over all weights (``Laplace(...,
+    subset_of_weights="all", hessian_structure="debiased_lowrank")``).
+
+    Parameters (besides those of laplace-torch's ``ParametricLaplace``)
+    ----------
+    rank : int, default=50
+        number ``k`` of top eigenvectors of ``G_B``.
+    method : {"auto", "gram", "lanczos"}, default="auto"
+        route to the eigenpairs (:func:`laplace_debiased.eigen.top_eigenpairs`).
+    eigval_rtol : float, default=1e-6
+        directions with B-eigenvalue ``≤ eigval_rtol · λ_max(G_B)`` are not selected
+        (those B does not see; also guards against round-off null-space vectors).
+    remeasured_rtol : float, default=1e-8
+        directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are removed.
+
+    After ``fit``: ``H = (U (P, r), λ̃ (r,))`` in the model dtype with ``r ≤ rank``;
+    ``direction_eigenvalues`` (``(r,)``) are B's own (biased) eigenvalues of the kept directions,
+    scaled to ``n_data``, for diagnostics; ``eigen_method`` is the route used.
+    """
+
+    _key = ("all", "debiased_lowrank")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        *,
+        rank: int = 50,
+        method: eigen.Method = "auto",
+        eigval_rtol: float = 1e-6,
+        remeasured_rtol: float = 1e-8,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise ValueError(f"rank must be a positive int, got {rank!r}.")
+        if method not in eigen.METHODS:
+            raise ValueError(f"method must be one of {eigen.METHODS}, got {method!r}.")
+        for name, value in (("eigval_rtol", eigval_rtol), ("remeasured_rtol", remeasured_rtol)):
+            if not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
+        self.rank, self.method = rank, method
+        self.eigval_rtol, self.remeasured_rtol = eigval_rtol, remeasured_rtol
+        self.direction_eigenvalues: Tensor | None = None
+        self.eigen_method: str | None = None
+        # Skip LowRankLaplace.__init__: it insists on the old `asdfghjkl` package, which only
+        # its own backend needs; the curvature here comes from laplace_debiased.eigen.
+        super(LowRankLaplace, self).__init__(model, likelihood, **kwargs)
+
+    def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False, **kwargs: Any) -> None:
+        """Two-batch fit (:meth:`TwoBatchLaplaceMixin.fit`); ``override=False`` is refused
+        because an eigen-representation cannot be updated additively."""
+        if not override:
+            raise ValueError(
+                "debiased_lowrank cannot be updated (override=False): the eigenpairs of a "
+                "sum are not the union of eigenpairs. Refit on all data instead."
+            )
+        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+
+    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> None:
+        curvature = self._curvature_type()
+        module = self._curvature_module()
+        direction = self._module_batches(direction_batches)
+        pairs = eigen.top_eigenpairs(
+            module, direction, self.likelihood, self.rank, curvature, self.method, self.eigval_rtol
+        )
+        scale_B = N / eigen.count_samples(direction)
+        if magnitude_batches is direction_batches:  # B̃ = B: plain low-rank Laplace on B
+            remeasured = pairs.values * scale_B
+        else:
+            magnitude = self._module_batches(magnitude_batches)
+            remeasured = eigen.directional_curvatures(
+                module, magnitude, pairs.vectors, self.likelihood, curvature
+            ) * (N / eigen.count_samples(magnitude))
+        keep = eigen.curved_directions(remeasured, self.remeasured_rtol)
+        self.direction_eigenvalues = (pairs.values[keep] * scale_B).to(self._dtype)
+        self.eigen_method = pairs.method
+        self.H = (
+            pairs.vectors[:, keep].to(self._device, self._dtype),
+            remeasured[keep].to(self._device, self._dtype),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["direction_eigenvalues"] = self.direction_eigenvalues
+        state["eigen_method"] = self.eigen_method
+        state["eigen_config"] = self._eigen_config()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("eigen_config") != self._eigen_config():
+            raise ValueError(
+                f"checkpoint was fitted with {state_dict.get('eigen_config')} but this object has "
+                f"{self._eigen_config()}; construct it with the same rank/method/tolerances."
+            )
+        super().load_state_dict(state_dict)
+        self.direction_eigenvalues = state_dict["direction_eigenvalues"]
+        self.eigen_method = state_dict["eigen_method"]
+
+    def _eigen_config(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "method": self.method,
+            "eigval_rtol": self.eigval_rtol,
+            "remeasured_rtol": self.remeasured_rtol,
+        }
+
+
+class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
+    """Last-layer two-batch debiased low-rank Laplace (``Laplace(..., "last_layer",
+    hessian_structure="debiased_lowrank")``): :class:`DebiasedLowRankLaplace` on the last
+    ``nn.Linear``, fed with its input features (laplace-torch's ``FeatureExtractor``)."""
+
+    _key = ("last_layer", "debiased_lowrank")
+
+
+class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplace):
+    """Two-batch debiased full Laplace over all weights (``Laplace(...,
+    subset_of_weights="all", hessian_structure="debiased_full")``), for small models.
+
+    After ``fit``: ``H = U diag(λ̃) Uᵀ`` (dense ``P × P``, model dtype) with ``U`` the
+    eigenvectors of ``G_B`` and ``λ̃ = diag(Uᵀ G_B̃ U)``; ``direction_eigenvalues`` and
+    ``eigenvalues`` hold B's eigenvalues and ``λ̃`` (both descending in B's order, scaled to
+    ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one, as
+    ``FullLaplace`` adds curvature.
+    """
+
+    _key = ("all", "debiased_full")
+
+    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> None:
+        curvature = self._curvature_type()
+        module = self._curvature_module()
+        direction = self._module_batches(direction_batches)
+        G_B = eigen.dense_curvature(module, direction, self.likelihood, curvature)
+        G_B *= N / eigen.count_samples(direction)
+        pairs = eigen.eigh_descending(G_B)
+        if magnitude_batches is direction_batches:
+            G_mag = G_B
+        else:
+            magnitude = self._module_batches(magnitude_batches)
+            G_mag = eigen.dense_curvature(module, magnitude, self.likelihood, curvature)
+            G_mag *= N / eigen.count_samples(magnitude)
+        lam = remeasure_eigenvalues(pairs.vectors, G_mag)
+        H = (pairs.vectors * lam) @ pairs.vectors.T
+        self.H = self.H + (0.5 * (H + H.T)).to(self._device, self._dtype)
+        self.direction_eigenvalues = pairs.values.clamp(min=0).to(self._dtype)
+        self.eigenvalues = lam.to(self._dtype)
+        self._posterior_scale = None
+
+    def _reset_fit_state(self) -> None:
+        super()._reset_fit_state()
+        self.direction_eigenvalues: Tensor | None = None
+        self.eigenvalues: Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["direction_eigenvalues"] = self.direction_eigenvalues
+        state["eigenvalues"] = self.eigenvalues
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.direction_eigenvalues = state_dict["direction_eigenvalues"]
+        self.eigenvalues = state_dict["eigenvalues"]
+        self._posterior_scale = None
+
+
+class DebiasedFullLLLaplace(DebiasedFullLaplace, FullLLLaplace):
+    """Last-layer two-batch debiased full Laplace (``Laplace(..., "last_layer",
+    hessian_structure="debiased_full")``); the dense last-layer curvature is built from
+    features ⊗ output curvature, fast for a last layer of a few thousand weights."""
+
+    _key = ("last_layer", "debiased_full")
