@@ -14,7 +14,8 @@ Non-positive curvature ``d_pᵀAd_p ≤ 0`` (possible for the Hessian, or for a 
 with ``on_nonpositive="stop"`` (default) the loop ends *before* that step and the current
 iterate is returned with ``reason="nonpositive_curvature"`` (Nocedal & Wright Alg. 7.1; with
 zero iterations done that is ``x0``); with ``"raise"`` a :class:`NonPositiveCurvatureError`
-is raised.
+is raised. The products spent on the rejected direction are counted by a
+:class:`~laplace_debiased.operators.CountingOperator` but belong to no completed iteration.
 """
 
 from __future__ import annotations

@@ -54,6 +54,9 @@ class StepInfo:
         quadratic: the quadratic on ``B`` (the direction batch).
         quadratic_tilde: the quadratic on ``B̃`` (debiased only, else ``None``).
         update: the applied update ``lr·x``, flat ``[D]``.
+
+    The quadratics' ``gradient``/``value``/``theta`` are those at the old θ; their curvature
+    operators read the parameters by reference, i.e. act at the *new* θ after the step.
     """
 
     result: CGResult | DebiasedCGResult
