@@ -100,6 +100,7 @@ class TwoBatchLaplaceMixin:
             generator=generator,
             dict_key_x=self.dict_key_x,
             dict_key_y=self.dict_key_y,
+            device=self._device,
         )
         used = batches.direction + ([] if batches.same_batches else batches.magnitude)
         for b in used:
@@ -118,6 +119,8 @@ class TwoBatchLaplaceMixin:
         self.mean = parameters_to_vector(params)
         if not self.enable_backprop:
             self.mean = self.mean.detach()
+        if not torch.isfinite(self.mean).all():
+            raise ValueError("the model parameters (the MAP estimate) contain NaN or Inf.")
 
         self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
 
@@ -154,12 +157,6 @@ class TwoBatchLaplaceMixin:
     def _check_batch_matches_model(self, batch: Batch) -> None:
         X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
         x = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
-        for name, t in (("inputs", x), ("targets", y)):
-            if t.device != self._device:
-                raise ValueError(
-                    f"{name} are on {t.device} but the model is on {self._device}; move "
-                    "the data (or the model) to one device."
-                )
         if x.is_floating_point() and x.dtype != self._dtype:
             raise ValueError(
                 f"inputs have dtype {x.dtype} but the model has {self._dtype}; convert "

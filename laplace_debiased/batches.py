@@ -25,7 +25,7 @@ Selection rules of :func:`split_batches` (the fit semantics of every two-batch L
     decompositions on B.  This is the only way to make B and B̃ share samples.
 
 Checks (``ValueError`` with a hint what to do): too few batches in a loader, a batch with
-fewer than two samples, NaN/Inf in inputs or targets, mismatched batch types, and any
+fewer than two samples, NaN/Inf in inputs or targets, data off the model's ``device``, mismatched batch types, and any
 sample whose input (and target) appears in both B and B̃ — detected by hashing the raw
 bytes of every sample, since batches carry no sample ids.
 """
@@ -102,12 +102,19 @@ def batch_size(batch: Batch, dict_key_x: str = "input_ids", dict_key_y: str = "l
     return int(y.shape[0])
 
 
-def _check_batch(batch: Batch, where: str, dict_key_x: str, dict_key_y: str) -> None:
+def _check_batch(
+    batch: Batch, where: str, dict_key_x: str, dict_key_y: str, device: torch.device | None
+) -> None:
     X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
     x = _input_tensor(X, dict_key_x)
     for name, t in (("inputs", x), ("targets", y)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if device is not None and t.device != torch.device(device):
+            raise ValueError(
+                f"{where}: {name} are on {t.device} but the model is on {device}; move the "
+                "data (or the model) to one device."
+            )
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError(
                 f"{where}: {name} contain NaN or Inf; clean or impute the data first."
@@ -179,6 +186,7 @@ def split_batches(
     generator: torch.Generator | None = None,
     dict_key_x: str = "input_ids",
     dict_key_y: str = "labels",
+    device: torch.device | str | None = None,
 ) -> BatchSplit:
     """Choose the direction batches B and the magnitude batches B̃ (see module docstring).
 
@@ -196,6 +204,8 @@ def split_batches(
         draws the batches at random (reproducibly) instead of taking them in loader order.
     dict_key_x, dict_key_y : str
         keys of dict batches.
+    device : torch.device, optional
+        the model's device; batches elsewhere raise ``ValueError``.
 
     Returns
     -------
@@ -248,7 +258,7 @@ def split_batches(
         for i, b in enumerate(group):
             if isinstance(b, MutableMapping) != isinstance(first, MutableMapping):
                 raise ValueError("all batches must be of the same kind (all dicts or all pairs).")
-            _check_batch(b, f"{where} {i}", dict_key_x, dict_key_y)
+            _check_batch(b, f"{where} {i}", dict_key_x, dict_key_y, device)
     split_ = BatchSplit(direction=direction, magnitude=magnitude, n_data=n_data)
     if not split_.same_batches:
         _check_disjoint(direction, magnitude, dict_key_x, dict_key_y)
