@@ -137,9 +137,9 @@ def train_map(
             loss = loss_fn(model(X), y)
             if config.weight_decay:
                 loss = loss + 0.5 * config.weight_decay * sum(p.square().sum() for p in params)
-            if not torch.isfinite(loss):
+            if not torch.isfinite(loss.detach()):
                 raise FloatingPointError(
-                    f"training diverged at epoch {epoch} (loss {float(loss)}); lower the learning rate"
+                    f"training diverged at epoch {epoch} (loss {loss.item()}); lower the learning rate"
                 )
             loss.backward()
             opt.step()
