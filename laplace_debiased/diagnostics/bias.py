@@ -1,0 +1,303 @@
+"""The bias diagnosis: all measurements of the report in one Python call.
+
+``diagnose_bias(model, loss_func, X, y, batch_size=...)`` partitions the data into equal batches,
+and for a few source batches B
+
+* finds the top-k eigenvectors of H_B + βI (Lanczos) and the first K CG directions of the Newton
+  system on B, and measures slopes/curvatures along them on B, on every other batch and on the
+  full data set (Eq. 5 checked on the way);
+* compares eigenspaces between batches and with the full data (overlaps Ω);
+* repeats the top-k measurement for growing batch sizes (same batch vs an independent batch vs
+  full data), for the chosen curvature and for K-FAC (Fig. 17).
+
+Numbers are in :class:`BiasDiagnosis`; :mod:`laplace_debiased.diagnostics.report` turns them
+into plots, JSON and Markdown.  Costs are counted in curvature-vector products (one product =
+one vector times the curvature of one data set, whatever its size) and reported per data-set
+size.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from laplace_debiased.diagnostics.bounds import Chain
+from laplace_debiased.diagnostics.directions import top_eigenpairs
+from laplace_debiased.diagnostics.measure import (
+    DirectionStudy,
+    _count,
+    cg_directions,
+    equal_partition,
+    measure_study,
+    merge_batches,
+    quadratic_factory,
+    restrict,
+)
+from laplace_debiased.diagnostics.overlap import overlap_matrix, subspace_overlap
+from laplace_debiased.operators import CURVATURES
+
+LANCZOS_PRODUCTS_ESTIMATE = 4
+"""Up-front estimate of Lanczos products per requested eigenpair (ARPACK, tol 1e-8); the
+actual count is measured and reported."""
+
+
+@dataclass(frozen=True)
+class DiagnosisConfig:
+    """What :func:`diagnose_bias` measures (all part of the report).
+
+    ``batch_size``: the user's mini-batch size b.  ``top_k``: eigenvectors per batch.
+    ``cg_steps``: CG directions per batch.  ``n_sources``: direction batches (repeats).
+    ``ladder``: batch sizes for the batch-size study (default b, 2b, 4b, … ≤ N/2).
+    ``kfac``: also run the K-FAC batch-size study.  ``full_eigen``: Lanczos on the full data
+    for overlaps and Eq. 7.  ``tolerance``: acceptable relative bias of the top-k curvatures.
+    """
+
+    batch_size: int
+    curvature: str = "ggn"
+    beta: float = 0.0
+    top_k: int = 10
+    cg_steps: int = 10
+    n_sources: int = 3
+    ladder: tuple[int, ...] | None = None
+    kfac: bool = True
+    full_eigen: bool = True
+    tolerance: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.curvature not in CURVATURES or self.curvature == "kfac":
+            raise ValueError(f"curvature must be one of 'ggn', 'hessian', 'ef', got {self.curvature!r}")
+        for name in ("top_k", "cg_steps", "n_sources", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.beta < 0 or self.tolerance <= 0:
+            raise ValueError(f"beta must be >= 0 and tolerance > 0, got {self.beta}, {self.tolerance}")
+
+
+@dataclass
+class LadderRow:
+    """Top-k curvatures along the eigenvectors of one batch of size ``batch_size``.
+
+    ``same``: eigenvalues on B (K,); ``independent``: curvature on an independent batch B̃ of
+    the same size (K,); ``full``: curvature on the full data (K,); ``full_ggn``: for the K-FAC
+    study, the full-data curvature of the exact curvature along the K-FAC eigenvectors.
+    """
+
+    batch_size: int
+    source: int
+    same: Tensor
+    independent: Tensor
+    full: Tensor
+    full_ggn: Tensor | None = None
+
+
+@dataclass
+class BiasDiagnosis:
+    """Everything :func:`diagnose_bias` measured (see the module docstring)."""
+
+    config: DiagnosisConfig
+    n_params: int
+    n_data: int
+    n_left_out: int
+    eigen: list[DirectionStudy]
+    cg: list[DirectionStudy]
+    full_eigenvalues: Tensor | None
+    overlap_between_batches: Tensor | None
+    overlap_with_full: Tensor | None
+    ladder: list[LadderRow]
+    kfac_ladder: list[LadderRow]
+    products: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def eq5_residual(self) -> float | None:
+        """Largest Eq. 5 deviation over the studies that measured the full data directly."""
+        values = [s.eq5_residual for s in self.eigen + self.cg if s.eq5_residual is not None]
+        return max(values) if values else None
+
+    def eq7_chain(self) -> Chain | None:
+        """mean λ_max(B) ≥ λ_max(D) ≥ mean u_1(B)ᵀ H_D u_1(B) over the source batches.
+
+        Holds in expectation over random batches (exactly on a complete partition), so on a few
+        sources it is a measurement, not a guarantee.
+        """
+        if self.full_eigenvalues is None:
+            return None
+        same = torch.stack([s.batches[s.source].curvatures[0] for s in self.eigen]).mean()
+        cross = torch.stack([s.full.curvatures[0] for s in self.eigen]).mean()
+        return Chain(float(same), float(self.full_eigenvalues[0]), float(cross))
+
+    def total_products(self) -> dict[int, int]:
+        """Curvature-vector products by data-set size, summed over all stages."""
+        total: dict[int, int] = {}
+        for stage in self.products.values():
+            for n, c in stage.items():
+                total[n] = total.get(n, 0) + c
+        return total
+
+
+def default_ladder(batch_size: int, n_data: int) -> tuple[int, ...]:
+    """b, 2b, 4b, … up to N/2 (at least two batches of each size)."""
+    sizes, b = [], batch_size
+    while b <= n_data // 2:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes)
+
+
+def planned_products(config: DiagnosisConfig, n_data: int, n_params: int) -> dict[str, str]:
+    """Up-front cost, as curvature-vector products per stage (Lanczos counts are estimates)."""
+    b, K, S = config.batch_size, config.top_k, config.n_sources
+    M = n_data // b
+    N = M * b
+    lanczos = LANCZOS_PRODUCTS_ESTIMATE * max(2 * K + 1, 20)
+    ladder = config.ladder or default_ladder(b, n_data)
+    plan = {
+        "eigenvectors": f"~{S * lanczos} Lanczos products on batches of {b} + {S * K * M} on batches of {b} "
+        f"+ {S * K} on all {N}",
+        "cg": f"{S * config.cg_steps} CG products on batches of {b} + {S * config.cg_steps * M} on batches of "
+        f"{b} + {S * config.cg_steps} on all {N}",
+        "batch_size_ladder": "; ".join(
+            f"b={s}: ~{min(S, n_data // s - 1) * lanczos} Lanczos + {min(S, n_data // s - 1) * K} on batches of {s}"
+            f" + {min(S, n_data // s - 1) * K} on all" for s in ladder if s != b
+        ) or "none",
+    }
+    if config.full_eigen:
+        plan["full_eigenvectors"] = f"~{lanczos} Lanczos products on all {N}"
+    if config.kfac:
+        plan["kfac_ladder"] = f"per batch size: K-FAC factors + ~{lanczos} cheap K-FAC products, {2 * K} on all"
+    return plan
+
+
+def diagnose_bias(
+    model: nn.Module,
+    loss_func: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    config: DiagnosisConfig,
+    *,
+    dtype: torch.dtype = torch.float64,
+    progress: Callable[[str], None] | None = None,
+) -> BiasDiagnosis:
+    """Run all measurements of the bias report on the data ``(X, y)`` at the model's θ•.
+
+    The model is copied and cast to ``dtype`` (float64 by default, so that Lanczos and Eq. 5 are
+    accurate); ``loss_func`` must use ``reduction="mean"``.  ``progress`` receives a line per
+    finished stage (the CLI passes a progress bar's ``write``/``update``).
+    """
+    say = progress or (lambda _msg: None)
+    model = copy.deepcopy(model).to(dtype).eval()
+    X = X.to(dtype) if X.is_floating_point() else X
+    y = y.to(dtype) if y.is_floating_point() else y
+    gen = torch.Generator().manual_seed(config.seed)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    b, K = config.batch_size, min(config.top_k, n_params)
+    partition = equal_partition(X, y, b, gen)
+    M = len(partition)
+    sources = list(range(min(config.n_sources, M)))
+    factory = quadratic_factory(model, loss_func, config.curvature, config.beta)
+    full = factory(merge_batches(partition))
+    products: dict[str, dict[int, int]] = {"eigenvectors": {}, "cg": {}, "full_eigenvectors": {},
+                                           "batch_size_ladder": {}, "kfac_ladder": {}}
+
+    eigen, cg_studies = [], []
+    for s in sources:
+        q = factory([partition[s]])
+        pairs = top_eigenpairs(q.curvature, n_params, K, dtype=dtype, seed=config.seed + s)
+        _count(products["eigenvectors"], q)
+        study = measure_study("eigen", s, pairs.vectors, partition, factory, full if s == 0 else None)
+        _merge(products["eigenvectors"], study.n_products)
+        eigen.append(study)
+        say(f"eigenvectors of batch {s + 1}/{len(sources)}")
+    for s in sources:
+        q = factory([partition[s]])
+        D = cg_directions(q, config.cg_steps)
+        _count(products["cg"], q)
+        study = measure_study("cg", s, D, partition, factory, full if s == 0 else None)
+        _merge(products["cg"], study.n_products)
+        cg_studies.append(study)
+        say(f"CG directions of batch {s + 1}/{len(sources)}")
+
+    full_values = overlap_full = None
+    overlap_batches = overlap_matrix(eigen[0].directions, eigen[1].directions) if len(eigen) > 1 else None
+    if config.full_eigen:
+        full.curvature.n_products = 0
+        full_pairs = top_eigenpairs(full.curvature, n_params, K, dtype=dtype, seed=config.seed)
+        _count(products["full_eigenvectors"], full)
+        full_values = full_pairs.values
+        overlap_full = overlap_matrix(eigen[0].directions, full_pairs.vectors)
+        say("eigenvectors of the full data set")
+
+    ladder = [LadderRow(b, st.source, st.batches[st.source].curvatures,
+                        st.batches[st.others()[0]].curvatures, st.full.curvatures) for st in eigen]
+    sizes = [s for s in (config.ladder or default_ladder(b, X.shape[0])) if s != b]
+    for size in sizes:
+        ladder += _ladder_rows(model, loss_func, X, y, size, config, config.curvature, K, gen,
+                               products["batch_size_ladder"], exact=None)
+        say(f"batch size {size}")
+    kfac_rows: list[LadderRow] = []
+    if config.kfac:
+        for size in (b, *sizes):
+            kfac_rows += _ladder_rows(model, loss_func, X, y, size, config, "kfac", K, gen,
+                                      products["kfac_ladder"], exact=config.curvature)
+            say(f"K-FAC at batch size {size}")
+
+    return BiasDiagnosis(config, n_params, M * b, X.shape[0] - M * b, eigen, cg_studies, full_values,
+                         overlap_batches, overlap_full, ladder, kfac_rows, products)
+
+
+def _merge(into: dict[int, int], extra: dict[int, int]) -> None:
+    for n, c in extra.items():
+        into[n] = into.get(n, 0) + c
+
+
+def _ladder_rows(model, loss_func, X, y, size, config, curvature, K, gen, products, exact) -> list[LadderRow]:
+    """Top-k eigenvectors of ``curvature`` on a few batches of ``size``: same vs independent vs full.
+
+    For K-FAC (``exact`` names the exact curvature) the full-data curvature of ``exact`` along the
+    K-FAC eigenvectors is measured as well.
+    """
+    partition = equal_partition(X, y, size, gen)
+    factory = quadratic_factory(model, loss_func, curvature, config.beta)
+    merged = merge_batches(partition)
+    full = factory(merged)
+    full_exact = quadratic_factory(model, loss_func, exact, config.beta)(merged) if exact else None
+    rows = []
+    for s in range(min(config.n_sources, len(partition) - 1)):
+        q = factory([partition[s]])
+        pairs = top_eigenpairs(q.curvature, q.gradient.shape[0], K, dtype=q.gradient.dtype, seed=config.seed + s)
+        _count(products, q)
+        other = factory([partition[s + 1]])
+        measured = [restrict(other, pairs.vectors), restrict(full, pairs.vectors)]
+        _count(products, other)
+        _count(products, full)
+        exact_curv = None
+        if full_exact is not None:
+            exact_curv = restrict(full_exact, pairs.vectors).curvatures
+            _count(products, full_exact)
+        rows.append(LadderRow(size, s, pairs.values, measured[0].curvatures, measured[1].curvatures, exact_curv))
+    return rows
+
+
+def batch_size_for_tolerance(sizes: list[int], biases: list[float], tolerance: float) -> tuple[int | None, bool]:
+    """Smallest batch size whose median relative bias is within ``tolerance``.
+
+    Returns ``(size, extrapolated)``: the smallest measured size with ``bias ≤ tolerance``, or,
+    if none is, a power-law extrapolation ``bias ∝ b^(-α)`` fitted through the measured points
+    (``extrapolated=True``); ``None`` when the bias does not decrease with the batch size.
+    """
+    for s, v in sorted(zip(sizes, biases)):
+        if v <= tolerance:
+            return s, False
+    pts = [(math.log(s), math.log(v)) for s, v in zip(sizes, biases) if v > 0]
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
+        return None, True
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sum((p[0] - mx) ** 2 for p in pts)
+    if slope >= 0:
+        return None, True
+    return int(math.ceil(math.exp(mx + (math.log(tolerance) - my) / slope))), True
