@@ -391,6 +391,43 @@ def top_eigenpairs(
     return threshold_eigenpairs(pairs, rtol)
 
 
+def range_eigenpairs(
+    model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature = "ggn"
+) -> EigenPairs:
+    """All eigenpairs of ``G_B`` with eigenvalue above round-off (its numerical range), float64.
+
+    Through ``VᵀV`` when ``G_B`` has fewer columns ``M = n·R`` than parameters (``M × M``
+    eigenproblem instead of ``P × P``), else the dense eigendecomposition. Eigenvalues
+    ``≤ P · eps · λ_max`` count as zero and are left out: their eigenvectors are not determined
+    by ``G_B`` (any basis of its null space is one).
+    """
+    n_params = sum(p.numel() for p in trainable_parameters(model).values())
+    with torch.no_grad():
+        n_out = model(batches[0][0][:1]).shape[-1]
+    n_columns = count_samples(batches) * (n_out if curvature == "ggn" else 1)
+    if n_columns < n_params:
+        pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), n_columns)
+    else:
+        pairs = eigh_descending(dense_curvature(model, batches, likelihood, curvature))
+    return threshold_eigenpairs(pairs, n_params * torch.finfo(torch.float64).eps)
+
+
+def eigenbasis_debiased_curvature(U: Tensor, remeasured: Tensor, G_magnitude: Tensor) -> Tensor:
+    """Dense debiased curvature ``U diag(λ̃) Uᵀ + Π G_B̃ Π`` with ``Π = I − U Uᵀ`` (float64).
+
+    ``U`` ``(P, r)``: orthonormal range of ``G_B``; ``λ̃ = diag(Uᵀ G_B̃ U)``; ``G_magnitude``:
+    ``G_B̃`` ``(P, P)``. On B's range, B's eigenvectors with B̃'s Rayleigh quotients (the
+    debiasing); on B's null space, where B singles out no direction, the compression of ``G_B̃``
+    (basis-free, unbiased for the full-data curvature there since B̃ is independent of B). For
+    ``r = P`` this is ``U diag(diag(Uᵀ G_B̃ U)) Uᵀ``; with ``G_B̃ = G_B`` it is ``G_B``.
+    """
+    U, G = U.double(), G_magnitude.double()
+    GU = G @ U
+    UtGU = U.T @ GU
+    H = (U * remeasured.double()) @ U.T + G - GU @ U.T - U @ GU.T + U @ UtGU @ U.T
+    return 0.5 * (H + H.T)
+
+
 def above_relative_floor(values: Tensor, rtol: float) -> Tensor:
     """Boolean mask of ``values > rtol · max(values)`` and ``> 0`` (all False if none is positive)."""
     if values.numel() == 0:

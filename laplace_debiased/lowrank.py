@@ -15,10 +15,12 @@ loader of ``N`` samples: ``N / |S|`` times the summed-loss curvature of batch se
   ``λ̃ u uᵀ`` to the precision is (close to) zero and ``diag(1/λ̃)`` in the Woodbury inverse stays
   finite. ``la.H[0].shape[1]`` is the rank finally used.
 - ``DebiasedFullLaplace`` (``("all", "debiased_full")``) and ``DebiasedFullLLLaplace``
-  (``("last_layer", "debiased_full")``): full eigendecomposition of the dense ``G_B``,
-  ``H = U diag(diag(Uᵀ G_B̃ U)) Uᵀ`` (round-off negatives clamped to 0), then laplace-torch's
-  ``FullLaplace`` posterior. For the last layer the dense curvature comes from features ⊗
-  output curvature (no per-parameter autograd).
+  (``("last_layer", "debiased_full")``): eigendecomposition of the dense ``G_B``,
+  ``H = U diag(diag(Uᵀ G_B̃ U)) Uᵀ`` (round-off negatives clamped to 0) on the range of ``G_B``
+  plus the compression of ``G_B̃`` onto ``G_B``'s null space (where eigenvectors are not
+  determined by B, so a per-direction diagonal would depend on an arbitrary basis), then
+  laplace-torch's ``FullLaplace`` posterior. For the last layer the dense curvature comes from
+  features ⊗ output curvature (no per-parameter autograd).
 
 Fit semantics (B/B̃ selection, rescaled loss, bad-input errors, grid-search fix) are those of
 :class:`laplace_debiased._two_batch.TwoBatchLaplaceMixin`. Backends: the default
@@ -212,9 +214,14 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
     """Two-batch debiased full Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_full")``), for small models.
 
-    After ``fit``: ``H = U diag(λ̃) Uᵀ`` (dense ``P × P``, model dtype) with ``U`` the
-    eigenvectors of ``G_B`` and ``λ̃ = diag(Uᵀ G_B̃ U)``; ``direction_eigenvalues`` and
-    ``eigenvalues`` hold B's eigenvalues and ``λ̃`` (both descending in B's order, scaled to
+    After ``fit``: ``H = U diag(λ̃) Uᵀ + Π G_B̃ Π`` (dense ``P × P``, model dtype;
+    :func:`laplace_debiased.eigen.eigenbasis_debiased_curvature`) with ``U`` the eigenvectors of
+    ``G_B`` with non-zero eigenvalue, ``λ̃ = diag(Uᵀ G_B̃ U)`` and ``Π`` the projector onto ``G_B``'s
+    null space (empty when ``|B|·C ≥ P`` up to the null space all batches share, where
+    ``G_B̃ = 0`` too; then ``H = U diag(λ̃) Uᵀ`` over a full eigenbasis). The range of ``G_B``
+    comes from ``VᵀV`` when ``|B|·C < P``, so the cost is that of an ``min(P, |B|·C)``
+    eigenproblem plus a few ``P × P`` products. ``direction_eigenvalues`` and ``eigenvalues``
+    hold B's non-zero eigenvalues and their ``λ̃`` (descending in B's order, scaled to
     ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one, as
     ``FullLaplace`` adds curvature.
     """
@@ -225,19 +232,20 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
         curvature = self._curvature_type()
         module = self._curvature_module()
         direction = self._module_batches(direction_batches)
-        G_B = eigen.dense_curvature(module, direction, self.likelihood, curvature)
-        G_B *= N / eigen.count_samples(direction)
-        pairs = eigen.eigh_descending(G_B)
-        if magnitude_batches is direction_batches:
-            G_mag = G_B
+        pairs = eigen.range_eigenpairs(module, direction, self.likelihood, curvature)
+        scale_B = N / eigen.count_samples(direction)
+        U = pairs.vectors
+        if magnitude_batches is direction_batches:  # B̃ = B: H = G_B (FullLaplace on B)
+            lam = pairs.values * scale_B
+            H = (U * lam) @ U.T
         else:
             magnitude = self._module_batches(magnitude_batches)
             G_mag = eigen.dense_curvature(module, magnitude, self.likelihood, curvature)
             G_mag *= N / eigen.count_samples(magnitude)
-        lam = remeasure_eigenvalues(pairs.vectors, G_mag)
-        H = (pairs.vectors * lam) @ pairs.vectors.T
+            lam = remeasure_eigenvalues(U, G_mag)
+            H = eigen.eigenbasis_debiased_curvature(U, lam, G_mag)
         self.H = self.H + (0.5 * (H + H.T)).to(self._device, self._dtype)
-        self.direction_eigenvalues = pairs.values.clamp(min=0).to(self._dtype)
+        self.direction_eigenvalues = (pairs.values * scale_B).to(self._dtype)
         self.eigenvalues = lam.to(self._dtype)
         self._posterior_scale = None
 

@@ -202,3 +202,27 @@ def test_choose_method_cost_rules():
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         eigen.top_eigenpairs(tiny_mlp(), [make_batch(4, "classification", 0)], "classification", **kwargs)
+
+
+@pytest.mark.parametrize("n_samples", [6, 40])  # M = 18 < P (VᵀV) and M = 120 ≥ P (dense)
+def test_range_eigenpairs_reconstruct_curvature(n_samples):
+    model = tiny_mlp()
+    batches = [make_batch(n_samples, "classification", 15)]
+    G = explicit_curvature(model, batches, "classification")
+    pairs = eigen.range_eigenpairs(model, batches, "classification")
+    assert len(pairs.values) == int((torch.linalg.eigvalsh(G) > 1e-10 * torch.linalg.eigvalsh(G).max()).sum())
+    torch.testing.assert_close((pairs.vectors * pairs.values) @ pairs.vectors.T, G, atol=1e-10, rtol=0)
+
+
+def test_eigenbasis_debiased_curvature_reductions():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(6, 3, dtype=torch.float64, generator=g)
+    G_B = A @ A.T  # rank 3
+    B = torch.randn(6, 6, dtype=torch.float64, generator=g)
+    G_Bt = B @ B.T
+    values, vectors = torch.linalg.eigh(G_B)
+    U = vectors[:, 3:]
+    torch.testing.assert_close(eigen.eigenbasis_debiased_curvature(U, values[3:], G_B), G_B, atol=1e-12, rtol=0)
+    Q = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64, generator=g))[0]
+    full = eigen.eigenbasis_debiased_curvature(Q, torch.diag(Q.T @ G_Bt @ Q), G_Bt)
+    torch.testing.assert_close(full, Q @ torch.diag(torch.diag(Q.T @ G_Bt @ Q)) @ Q.T, atol=1e-12, rtol=0)

@@ -105,8 +105,30 @@ def test_debiased_full_equals_dense_formula(subset, curvature, backend):
     values, U = torch.linalg.eigh(G_B)
     expected = U @ torch.diag(torch.diag(U.T @ G_Bt @ U)) @ U.T
     torch.testing.assert_close(la.H, expected, atol=1e-9, rtol=1e-9)
-    torch.testing.assert_close(la.direction_eigenvalues, values.flip(0).clamp(min=0), atol=1e-9, rtol=1e-9)
+    r = len(la.direction_eigenvalues)
+    torch.testing.assert_close(la.direction_eigenvalues, values.flip(0)[:r], atol=1e-9, rtol=1e-9)
+    assert values.flip(0)[r:].abs().max() < 1e-10 * values.max()  # only the shared null space is left out
     assert not torch.allclose(la.H, G_Bt, atol=1e-3)  # directions really come from B
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_debiased_full_with_null_space_uses_compression_there(subset):
+    """|B|·C < P: on G_B's null space (no direction chosen by B) H is the compression of G_B̃."""
+    model = tiny_mlp()
+    loader = data_loader("classification", n=8, batch_size=4)  # rank G_B ≤ 4·2 = 8 < P
+    la = make_la(model, "classification", subset, "debiased_full")
+    la.fit(loader)
+    module, B, Bt, N = reference_parts(model, subset, loader, "classification")
+    G_B = explicit_curvature(module, B, "classification") * 2
+    G_Bt = explicit_curvature(module, Bt, "classification") * 2
+    values, vectors = torch.linalg.eigh(G_B)
+    values, vectors = values.flip(0), vectors.flip(1)  # descending, as la.eigenvalues
+    U = vectors[:, values > 1e-10 * values.max()]
+    assert U.shape[1] == len(la.eigenvalues) < N_PARAMS[subset]
+    Pi = torch.eye(len(G_B), dtype=torch.float64) - U @ U.T
+    expected = U @ torch.diag(torch.diag(U.T @ G_Bt @ U)) @ U.T + Pi @ G_Bt @ Pi
+    torch.testing.assert_close(la.H, expected, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(la.eigenvalues, torch.diag(U.T @ G_Bt @ U), atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
