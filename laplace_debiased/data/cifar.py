@@ -62,6 +62,10 @@ class DataIntegrityError(ValueError):
     """A data file is missing, truncated, altered or not in the expected format."""
 
 
+class RefusedPickleContent(pickle.UnpicklingError):
+    """The pickle asks for something the CIFAR files never contain (a global, a dtype)."""
+
+
 def default_data_root() -> Path:
     """``$LAPLACE_DEBIASED_DATA`` if set, else ``<cache dir>/data``."""
     env = os.environ.get("LAPLACE_DEBIASED_DATA")
@@ -156,14 +160,14 @@ def _uint8_dtype(spec, align=False, copy=False):
     """``numpy.dtype`` for unpickling, admitting only uint8."""
     spec = spec.decode("latin1") if isinstance(spec, bytes) else spec
     if spec not in ("u1", "|u1", "uint8"):
-        raise pickle.UnpicklingError(f"refused numpy dtype {spec!r}: CIFAR pickles hold only uint8.")
+        raise RefusedPickleContent(f"refused numpy dtype {spec!r}: CIFAR pickles hold only uint8.")
     return np.dtype(spec, align=bool(align), copy=bool(copy))
 
 
 def _array_reconstruct(cls, shape, typecode):
     """``_reconstruct`` for unpickling, admitting only plain ``numpy.ndarray``."""
     if cls is not np.ndarray:
-        raise pickle.UnpicklingError(f"refused array subclass {cls!r}.")
+        raise RefusedPickleContent(f"refused array subclass {cls!r}.")
     return _numpy_reconstruct()(np.ndarray, shape, typecode)
 
 
@@ -171,7 +175,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     """Unpickler for the CIFAR python version: dicts, lists, strings, ints and uint8 arrays only.
 
     Any global other than numpy's ndarray reconstruction (``os.system``, ``builtins.eval``,
-    ``subprocess.Popen``, ...) raises :class:`pickle.UnpicklingError` *before* it is looked up,
+    ``subprocess.Popen``, ...) raises :class:`RefusedPickleContent` *before* it is looked up,
     so it can never be called.
     """
 
@@ -186,7 +190,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         try:
             return self._ALLOWED[(module, name)]
         except KeyError:
-            raise pickle.UnpicklingError(
+            raise RefusedPickleContent(
                 f"refused global {module}.{name}: CIFAR pickles contain only numpy uint8 arrays, "
                 "lists, strings and numbers. This file is not an official CIFAR file."
             ) from None
@@ -200,9 +204,9 @@ def read_python_batch(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
             obj = RestrictedUnpickler(f, encoding="latin1").load()
-    except pickle.UnpicklingError as err:
+    except RefusedPickleContent as err:
         raise DataIntegrityError(f"{path}: {err}") from err
-    except (EOFError, ValueError, TypeError, IndexError, KeyError) as err:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as err:
         raise DataIntegrityError(
             f"{path}: not a complete CIFAR python pickle ({type(err).__name__}: {err}); the file "
             "is truncated or altered."

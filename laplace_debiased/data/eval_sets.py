@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..training import default_cache_dir
-from .cifar import cifar_splits, default_data_root, file_digest, load_cifar10, load_cifar100
+from .cifar import Verify, cifar_splits, default_data_root, file_digest, load_cifar10, load_cifar100
 from .cifar_c import CifarC, RowView, mixed_choice, parse_corruptions
 from .corruptions import CORRUPTIONS, corrupt
 from .images import ImageDataset
@@ -59,6 +59,7 @@ def resolve_eval_set(
     *,
     seed: int = 0,
     cache_dir: str | Path | None = None,
+    verify: Verify = "official",
 ) -> ImageDataset:
     """The evaluation set named by ``spec`` (grammar in the module docstring).
 
@@ -68,6 +69,8 @@ def resolve_eval_set(
         root: clean-data directory; ``None`` = ``$LAPLACE_DEBIASED_DATA`` or ``<cache>/data``.
         seed: seed of generated corruptions, of the mixed choice and of the train/val split.
         cache_dir: where generated sets are cached (default :func:`default_cache_dir`).
+        verify: integrity level of the clean CIFAR files (see :func:`~.cifar.read_cifar_arrays`;
+            ``"structure"`` admits sub-sampled copies).
 
     Returns:
         an :class:`ImageDataset`; CIFAR-C sets also carry ``corruption_names`` and
@@ -83,8 +86,8 @@ def resolve_eval_set(
     if kind in ("test", "train", "val") and not parts:
         if kind == "test":
             loader = load_cifar10 if dataset == "cifar10" else load_cifar100
-            return loader(root_path, "test")
-        return cifar_splits(root_path, dataset=dataset, seed=seed)[kind]  # type: ignore[arg-type]
+            return loader(root_path, "test", verify=verify)
+        return cifar_splits(root_path, dataset=dataset, seed=seed, verify=verify)[kind]  # type: ignore[arg-type]
     if kind == "c" and len(parts) in (2, 3):
         directory = Path(parts[0]) if len(parts) == 3 else root_path / _C_DIRS[dataset]
         release = CifarC(directory, dataset=dataset)
@@ -92,15 +95,17 @@ def resolve_eval_set(
     if kind == "c-mixed" and len(parts) == 2:
         return CifarC(Path(parts[0]), dataset=dataset).mixed(_severity(parts[1], spec), seed)
     if kind == "c-mixed" and len(parts) == 1:
-        return generated_mixed(dataset, _severity(parts[0], spec), root_path, seed, cache_dir)
+        severity = _severity(parts[0], spec)
+        return generated_mixed(dataset, severity, root_path, seed, cache_dir, verify)
     if kind == "c-generated" and len(parts) in (1, 2):
         names = parse_corruptions(parts[0] if len(parts) == 2 else "all")
-        return generated_set(dataset, names, _severity(parts[-1], spec), root_path, seed, cache_dir)
+        severity = _severity(parts[-1], spec)
+        return generated_set(dataset, names, severity, root_path, seed, cache_dir, verify)
     raise ValueError(f"Cannot parse eval-set spec {spec!r}. {SPEC_HELP}")
 
 
-def _clean_test(dataset: str, root: Path) -> ImageDataset:
-    return (load_cifar10 if dataset == "cifar10" else load_cifar100)(root, "test")
+def _clean_test(dataset: str, root: Path, verify: Verify) -> ImageDataset:
+    return (load_cifar10 if dataset == "cifar10" else load_cifar100)(root, "test", verify=verify)
 
 
 def _fingerprint(images: np.ndarray, labels: np.ndarray) -> str:
@@ -150,13 +155,14 @@ def generated_set(
     root: Path,
     seed: int = 0,
     cache_dir: str | Path | None = None,
+    verify: Verify = "official",
 ) -> ImageDataset:
     """The clean test set corrupted by each of ``corruptions`` at ``severity``, concatenated.
 
     One cached file per corruption; item ``i`` of corruption ``k`` is test image ``i`` corrupted
     by ``corrupt(test_images, corruptions[k], severity, seed)``.
     """
-    clean = _clean_test(dataset, root)
+    clean = _clean_test(dataset, root, verify)
     fingerprint = _fingerprint(clean.images, clean.labels)
     maps = []
     for name in corruptions:
@@ -188,6 +194,7 @@ def generated_mixed(
     root: Path,
     seed: int = 0,
     cache_dir: str | Path | None = None,
+    verify: Verify = "official",
 ) -> ImageDataset:
     """The paper's mixed set, generated: test image ``i`` corrupted by ``CORRUPTIONS[k_i]``.
 
@@ -195,7 +202,7 @@ def generated_mixed(
     ``dataset.corruption_index``; the images of corruption ``j`` are
     ``corrupt(test_images[k == j], CORRUPTIONS[j], severity, seed)``.
     """
-    clean = _clean_test(dataset, root)
+    clean = _clean_test(dataset, root, verify)
     fingerprint = _fingerprint(clean.images, clean.labels)
     which = mixed_choice(len(clean), seed)
 

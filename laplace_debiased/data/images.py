@@ -94,7 +94,7 @@ class ImageDataset(Dataset):
 
     def _to_tensor(self, pixels: np.ndarray) -> torch.Tensor:
         """uint8 ``(..., H, W, 3)`` -> float32 ``(..., 3, H, W)``, normalised."""
-        x = torch.from_numpy(np.ascontiguousarray(pixels)).movedim(-1, -3).float() / 255.0
+        x = torch.from_numpy(np.array(pixels)).movedim(-1, -3).float() / 255.0
         if self.mean is not None:
             mean = torch.tensor(self.mean).view(3, 1, 1)
             std = torch.tensor(self.std).view(3, 1, 1)
