@@ -206,8 +206,12 @@ def test_cifar100_python(tmp_path):
         b"filenames": [b"a.png", b"b.png", b"c.png"], b"batch_label": b"testing batch 1 of 1",
         b"fine_labels": [5, 99, 0], b"coarse_labels": [1, 19, 4], b"data": planes(x),
     }))  # fmt: skip
+    (path.parent / "meta").write_bytes(py2_pickle({
+        b"fine_label_names": [b"c%d" % i for i in range(100)],
+        b"coarse_label_names": [b"s%d" % i for i in range(20)],
+    }))  # fmt: skip
     ds = C.load_cifar100(tmp_path, "test", verify="structure")
-    assert ds.labels.tolist() == [5, 99, 0]
+    assert ds.labels.tolist() == [5, 99, 0] and ds.classes[99] == "c99"
     assert C.load_cifar100(tmp_path, "test", label="coarse", verify="structure").labels.tolist() == [1, 19, 4]
     np.testing.assert_array_equal(ds.images, x)
 

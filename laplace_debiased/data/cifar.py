@@ -335,12 +335,14 @@ def read_cifar_arrays(
 def _class_names(root: Path, dataset: str, n: int) -> tuple[str, ...]:
     if dataset == "cifar10":
         return CIFAR10_CLASSES
-    meta = root / "cifar-100-binary" / "fine_label_names.txt"
-    if meta.is_file():
-        names = tuple(line.strip() for line in meta.read_text().splitlines() if line.strip())
-        if len(names) == n:
-            return names
-    return tuple(str(i) for i in range(n))
+    names: tuple[str, ...] = ()
+    text_meta = root / "cifar-100-binary" / "fine_label_names.txt"
+    pickle_meta = root / "cifar-100-python" / "meta"
+    if text_meta.is_file():
+        names = tuple(line.strip() for line in text_meta.read_text().splitlines() if line.strip())
+    elif pickle_meta.is_file():
+        names = tuple(str(x) for x in read_python_batch(pickle_meta).get("fine_label_names", ()))
+    return names if len(names) == n else tuple(str(i) for i in range(n))
 
 
 def load_cifar10(

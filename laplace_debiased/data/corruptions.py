@@ -12,7 +12,7 @@ original, which used scikit-image, OpenCV, ImageMagick (wand) and photographs of
 * ``frost`` blends with a **procedural** frost texture (a plasma-fractal haze plus random
   bright needle crystals, bluish white) instead of crops of six frost photographs, which are
   not distributed with this package.  Blend weights are the published ones; the texture's
-  statistics (mean about 0.45, bright thin structures) only approximate the photographs.
+  statistics (mean about 0.5 of full scale, bright thin structures) only approximate the photographs.
 * ``defocus_blur``, ``elastic_transform`` and the Gaussian filters use scipy equivalents of the
   OpenCV / scikit-image calls (same kernels and border modes; OpenCV's fixed-point bilinear
   interpolation in ``warpAffine`` is replaced by exact bilinear interpolation).
