@@ -1,0 +1,514 @@
+"""Fast linearized (GLM) predictive for a whole grid of prior precisions.
+
+For a Laplace approximation with posterior precision ``P(δ) = s·H + δ`` (``s = 1/σ²/T``, the
+``_H_factor`` of laplace-torch, and ``δ`` the prior precision), the linearized network
+``f_lin(x; θ) = f(x; θ*) + J(x)(θ - θ*)`` has the Gaussian logit distribution
+``N(f(x), Σ(δ))`` with ``Σ(δ) = J P(δ)⁻¹ Jᵀ``.  When ``H`` is diagonal in a known orthonormal
+basis (per block ``H_k = Q_k diag(λ_k) Q_kᵀ``; for K-FAC ``Q_k = Q_G ⊗ Q_A``,
+``λ_k = λ_G ⊗ λ_A``), then with the *rotated Jacobian* ``J̃_k = J_k Q_k``
+
+    Σ(δ) = Σ_k J̃_k diag(1 / (s·λ_k + δ_k)) J̃_kᵀ,
+
+so the expensive, prior-independent work (per-example Jacobians, rotation into the eigenbasis) is
+done once per chunk of inputs and reused for every prior precision of a grid.  The full
+``(batch × classes × parameters)`` Jacobian is never built: inputs are processed in chunks, and
+the Jacobian of a ``Linear`` layer (2-D input) stays in its rank-one form ``g_c ⊗ a`` (output
+gradient ⊗ input), rotated as ``(Q_Gᵀ g_c) ⊗ (Q_Aᵀ a)``.
+
+Link approximations on ``N(f, Σ)`` (shapes: ``f`` ``(n, C)``, ``Σ`` ``(n, C, C)``):
+
+* ``"probit"`` -- laplace-torch's diagonal probit ``softmax(f / sqrt(1 + π/8 diag Σ))``.  It is
+  fooled by the softmax-invariant all-ones direction: a large ``c`` in ``Σ + c·11ᵀ`` shrinks all
+  logits although the softmax of every sample is unchanged.
+* ``"probit_projected"`` -- the same probit on the distribution of the logits projected onto the
+  logit-difference subspace (``Π = I - 11ᵀ/C``): ``softmax(Πf / sqrt(1 + π/8 diag(ΠΣΠ)))``.
+  Exactly invariant to ``f + a·1`` and ``Σ + c·11ᵀ``.
+* ``"mc"`` -- Monte-Carlo: ``mean_s softmax(f + Σ^{1/2} ε_s)``; for a GLM this equals sampling
+  ``θ_s ~ N(θ*, P⁻¹)`` and evaluating the linearized network (Eq. 18 of Tatzel et al.).
+
+:func:`sampled_linearized_predictive` does the latter literally (parameter samples + forward-mode
+Jacobian-vector products), for posteriors without a cheap eigenbasis.
+
+Supported posteriors (read from a fitted laplace-torch object, see :func:`posterior_structure`):
+``KronDecomposed`` ``H`` (laplace's K-FAC and the debiased K-FAC of :mod:`laplace_debiased.kron`),
+dense ``H`` (full), and a low-rank eigen pair ``(U, λ)`` (prior ``δ`` on the complement of ``U``).
+Per-example Jacobians are closed-form for ``nn.Linear``/``nn.Conv2d`` parameters (captured input
+activations and output gradients, one batched backward pass per class) and come from
+``torch.func`` (``vmap`` over ``jacrev``) otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+LINKS = ("probit_projected", "probit", "mc")
+
+
+# --------------------------------------------------------------------------------------------
+# Link approximations: (f, Σ) -> class probabilities
+# --------------------------------------------------------------------------------------------
+def probit(f: Tensor, cov: Tensor) -> Tensor:
+    """laplace-torch's probit: ``softmax(f_c / sqrt(1 + π/8 Σ_cc))``; f ``(n, C)``, cov ``(n, C, C)``."""
+    var = cov.diagonal(dim1=-2, dim2=-1)
+    return torch.softmax(f / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
+
+
+def project_logits(f: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and covariance of ``Πf_lin`` with ``Π = I - 11ᵀ/C`` (removes the softmax-invariant
+    all-ones direction).  Returns ``(Πf, ΠΣΠ)`` with the shapes of the inputs."""
+    f_p = f - f.mean(-1, keepdim=True)
+    cov_p = cov - cov.mean(-1, keepdim=True)
+    cov_p = cov_p - cov_p.mean(-2, keepdim=True)
+    return f_p, cov_p
+
+
+def probit_projected(f: Tensor, cov: Tensor) -> Tensor:
+    """Probit on the logit-difference subspace: :func:`probit` of :func:`project_logits`."""
+    return probit(*project_logits(f, cov))
+
+
+def mc_softmax(
+    f: Tensor, cov: Tensor, n_samples: int = 100, generator: torch.Generator | None = None
+) -> Tensor:
+    """Monte-Carlo predictive ``1/S Σ_s softmax(f + L ε_s)``, ``L Lᵀ = Σ`` (symmetric square root,
+    so rank-deficient ``Σ`` is fine).  f ``(n, C)``, cov ``(n, C, C)`` -> ``(n, C)``."""
+    evals, evecs = torch.linalg.eigh(cov)
+    root = evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)
+    eps = torch.randn(n_samples, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
+    logits = f + torch.einsum("nij,snj->sni", root, eps)
+    return torch.softmax(logits, dim=-1).mean(0)
+
+
+def apply_link(
+    link: str,
+    f: Tensor,
+    cov: Tensor,
+    n_samples: int = 100,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Dispatch to :func:`probit_projected`, :func:`probit` or :func:`mc_softmax` by name."""
+    if link == "probit":
+        return probit(f, cov)
+    if link == "probit_projected":
+        return probit_projected(f, cov)
+    if link == "mc":
+        return mc_softmax(f, cov, n_samples, generator)
+    raise ValueError(f"unknown link approximation {link!r}; choose from {LINKS}")
+
+
+# --------------------------------------------------------------------------------------------
+# Per-example Jacobians of the logits, one entry per parameter tensor
+# --------------------------------------------------------------------------------------------
+@dataclass
+class LayerJacobian:
+    """Jacobian of the ``C`` logits w.r.t. one parameter tensor for a chunk of ``n`` inputs.
+
+    Either *factored*, ``J[n, c, :] = vec(g[n, c, :] ⊗ a[n, :])`` (a ``Linear`` weight with 2-D
+    input; ``g`` ``(n, C, out)`` output gradients, ``a`` ``(n, in)`` inputs; row-major like
+    ``weight.flatten()``), or *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order.
+    """
+
+    g: Tensor | None = None
+    a: Tensor | None = None
+    dense: Tensor | None = None
+
+    def full(self) -> Tensor:
+        """The dense ``(n, C, numel)`` Jacobian."""
+        if self.dense is not None:
+            return self.dense
+        return (self.g.unsqueeze(-1) * self.a[:, None, None, :]).flatten(2)
+
+    def gram(self) -> Tensor:
+        """``J Jᵀ`` of shape ``(n, C, C)``."""
+        if self.dense is not None:
+            return self.dense @ self.dense.transpose(1, 2)
+        return (self.g @ self.g.transpose(1, 2)) * self.a.square().sum(-1)[:, None, None]
+
+    def matmul(self, V: Tensor) -> Tensor:
+        """``J V`` for ``V`` of shape ``(numel, k)`` -> ``(n, C, k)``."""
+        if self.dense is not None:
+            return self.dense @ V
+        o, i = self.g.shape[-1], self.a.shape[-1]
+        return torch.einsum("nco,ni,oik->nck", self.g, self.a, V.reshape(o, i, -1))
+
+
+def _owners(model: nn.Module, params: Sequence[Tensor]) -> list[tuple[nn.Module, str] | None]:
+    """For each parameter, its ``(module, 'weight' | 'bias')`` if the module is a supported
+    ``Linear``/``Conv2d`` (closed-form Jacobian), else ``None``."""
+    owner: dict[int, tuple[nn.Module, str]] = {}
+    for mod in model.modules():
+        supported = isinstance(mod, nn.Linear) or (
+            isinstance(mod, nn.Conv2d)
+            and mod.groups == 1
+            and mod.padding_mode == "zeros"
+            and not isinstance(mod.padding, str)
+        )
+        if supported:
+            for name in ("weight", "bias"):
+                p = getattr(mod, name)
+                if p is not None:
+                    owner[id(p)] = (mod, name)
+    return [owner.get(id(p)) for p in params]
+
+
+def _layer_jacobians(
+    model: nn.Module, params: Sequence[Tensor], x: Tensor
+) -> tuple[Tensor, list[LayerJacobian]]:
+    """Closed-form per-example Jacobians from captured activations and output gradients.
+
+    One forward pass with hooks on the owning modules, then one batched backward pass per class
+    (``is_grads_batched``); assumes examples do not interact (no BatchNorm in train mode).
+    """
+    owners = _owners(model, params)
+    modules = list({id(m): m for m, _ in owners}.values())
+    captured: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def hook(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if id(mod) in captured:
+            raise ValueError(
+                f"module {mod} is called twice per forward pass (weight sharing); use "
+                "sampled_linearized_predictive for such models"
+            )
+        captured[id(mod)] = (inputs[0].detach(), output)
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(True) if x.is_floating_point() else x
+            f = model(x_in)
+            if f.ndim != 2:
+                raise ValueError(f"model output must be (batch, classes), got {tuple(f.shape)}")
+            n, C = f.shape
+            outs = [captured[id(m)][1] for m in modules]
+            cot = torch.eye(C, dtype=f.dtype, device=f.device)[:, None, :].expand(C, n, C)
+            grads = torch.autograd.grad(f, outs, grad_outputs=cot, is_grads_batched=True)
+    finally:
+        for h in handles:
+            h.remove()
+    out_grad = {id(m): g.movedim(0, 1).detach() for m, g in zip(modules, grads)}  # (n, C, ...)
+
+    jacs: list[LayerJacobian] = []
+    for mod, name in owners:
+        a, _ = captured[id(mod)]
+        g = out_grad[id(mod)]
+        if isinstance(mod, nn.Conv2d):
+            g = g.flatten(3)  # (n, C, out, T)
+            if name == "bias":
+                jacs.append(LayerJacobian(dense=g.sum(-1)))
+            else:
+                unf = F.unfold(a, mod.kernel_size, mod.dilation, mod.padding, mod.stride)
+                jacs.append(LayerJacobian(dense=torch.einsum("ncot,nkt->ncok", g, unf).flatten(2)))
+        elif a.ndim == 2:  # Linear on (n, in): rank-one per class
+            jacs.append(LayerJacobian(dense=g) if name == "bias" else LayerJacobian(g=g, a=a))
+        else:  # Linear applied to (n, ..., in): sum over the extra positions
+            g = g.flatten(2, -2)  # (n, C, T, out)
+            if name == "bias":
+                jacs.append(LayerJacobian(dense=g.sum(2)))
+            else:
+                jacs.append(
+                    LayerJacobian(dense=torch.einsum("ncto,nti->ncoi", g, a.flatten(1, -2)).flatten(2))
+                )
+    return f.detach(), jacs
+
+
+def _func_jacobians(
+    model: nn.Module, params: Sequence[Tensor], x: Tensor
+) -> tuple[Tensor, list[LayerJacobian]]:
+    """Per-example Jacobians via ``torch.func.vmap(jacrev(...))`` (any differentiable model)."""
+    names = {id(p): k for k, p in model.named_parameters()}
+    if any(id(p) not in names for p in params):
+        raise ValueError("every Laplace parameter must be a parameter of the model")
+    keys = [names[id(p)] for p in params]
+    fixed = {k: v.detach() for k, v in model.named_parameters() if k not in keys}
+    fixed.update(dict(model.named_buffers()))
+
+    def single(theta: dict[str, Tensor], xi: Tensor) -> tuple[Tensor, Tensor]:
+        out = torch.func.functional_call(model, {**fixed, **theta}, (xi.unsqueeze(0),)).squeeze(0)
+        return out, out
+
+    theta = {k: p.detach() for k, p in zip(keys, params)}
+    jac, f = torch.func.vmap(torch.func.jacrev(single, has_aux=True), in_dims=(None, 0))(theta, x)
+    return f, [LayerJacobian(dense=jac[k].flatten(2)) for k in keys]
+
+
+def logit_jacobians(
+    model: nn.Module, params: Sequence[Tensor], x: Tensor
+) -> tuple[Tensor, list[LayerJacobian]]:
+    """Logits ``(n, C)`` and per-parameter Jacobians of ``model`` at ``x`` (closed form for
+    Linear/Conv2d, ``torch.func`` otherwise)."""
+    if all(o is not None for o in _owners(model, params)):
+        return _layer_jacobians(model, params, x)
+    return _func_jacobians(model, params, x)
+
+
+# --------------------------------------------------------------------------------------------
+# Posterior structures: rotate once, covariance for any prior precision
+# --------------------------------------------------------------------------------------------
+def _as_prior(delta: float | Tensor, n_blocks: int, dtype: torch.dtype) -> Tensor:
+    d = torch.as_tensor(delta, dtype=dtype).reshape(-1)
+    if len(d) not in (1, n_blocks):
+        raise ValueError(
+            f"prior precision must be a scalar or one value per parameter tensor ({n_blocks}), "
+            f"got {len(d)} values"
+        )
+    if (d <= 0).any():
+        raise ValueError(f"prior precision must be positive, got {d.tolist()}")
+    return d.expand(n_blocks)
+
+
+class KronStructure:
+    """Posterior ``s·H + δ`` for a ``KronDecomposed`` ``H`` (one block per parameter tensor).
+
+    ``eigenvectors[k]`` is ``[Q_G, Q_A]`` (output-side factor first, as laplace-torch orders
+    ``weight.flatten()``) or ``[Q]`` for a one-factor block (biases).  With ``damping=True`` the
+    block eigenvalues are ``(√s λ_G + √δ) ⊗ (√s λ_A + √δ)`` (laplace-torch's documented damping;
+    note laplace-torch 0.3 itself drops the flag when it scales ``H``).
+    """
+
+    def __init__(self, H, h_factor: float | Tensor, numels: Sequence[int]) -> None:
+        self.Qs = [list(q) for q in H.eigenvectors]
+        self.ls = [list(l) for l in H.eigenvalues]
+        self.damping = bool(getattr(H, "damping", False))
+        self.s = float(h_factor)
+        sizes = [math.prod(len(l) for l in ls) for ls in self.ls]
+        if list(sizes) != list(numels):
+            raise ValueError(
+                f"K-FAC blocks have sizes {sizes} but the Laplace parameters have {list(numels)}; "
+                "the posterior and the model do not match"
+            )
+
+    def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
+        """Prior-independent work: Jacobians in the eigenbasis of each block."""
+        out = []
+        for jac, Qs in zip(jacs, self.Qs):
+            if len(Qs) == 2 and jac.dense is None:
+                out.append(("factored", jac.g @ Qs[0], (jac.a @ Qs[1]).square()))
+            elif len(Qs) == 2:
+                n, C, _ = jac.dense.shape
+                J = jac.dense.reshape(n, C, len(Qs[0]), len(Qs[1]))
+                out.append(("dense", (Qs[0].T @ J @ Qs[1]).flatten(2), None))
+            else:
+                out.append(("dense", jac.full() @ Qs[0], None))
+        return out
+
+    def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
+        ls = self.ls[k]
+        if len(ls) == 1:
+            return 1.0 / (self.s * ls[0] + delta)
+        if self.damping:
+            r, sd = math.sqrt(self.s), delta.sqrt()
+            return 1.0 / torch.outer(r * ls[0] + sd, r * ls[1] + sd)
+        return 1.0 / (self.s * torch.outer(ls[0], ls[1]) + delta)
+
+    def covariance(self, rotated, delta: float | Tensor) -> Tensor:
+        """``Σ(δ) = Σ_k J̃_k diag(1/(s λ_k + δ_k)) J̃_kᵀ``, shape ``(n, C, C)``."""
+        deltas = _as_prior(delta, len(self.ls), rotated[0][1].dtype)
+        cov = 0.0
+        for k, (kind, A, B) in enumerate(rotated):
+            w = self._inverse_eigenvalues(k, deltas[k])
+            if kind == "factored":  # Σ_ab g̃_ca g̃_da ã_b² w_ab
+                cov = cov + torch.einsum("nca,na,nda->ncd", A, B @ w.T, A)
+            else:
+                cov = cov + (A * w.reshape(-1)) @ A.transpose(1, 2)
+        return cov
+
+
+class EigenStructure:
+    """Posterior ``s·U diag(λ) Uᵀ + δ I`` with orthonormal ``U`` ``(P, k)``.
+
+    ``k = P`` is a full (dense) posterior; ``k < P`` a low-rank one whose complement of ``U`` has
+    precision ``δ``: ``Σ(δ) = JU diag(1/(sλ+δ)) (JU)ᵀ + (J Jᵀ - JU (JU)ᵀ)/δ``.  Scalar ``δ`` only.
+    """
+
+    def __init__(self, U: Tensor, eigenvalues: Tensor, h_factor: float | Tensor) -> None:
+        if U.ndim != 2 or U.shape[1] != len(eigenvalues):
+            raise ValueError(f"U must be (P, k) with k = len(eigenvalues); got {tuple(U.shape)}")
+        self.U, self.lam, self.s = U, eigenvalues, float(h_factor)
+        self.low_rank = U.shape[1] < U.shape[0]
+
+    @classmethod
+    def from_dense(cls, H: Tensor, h_factor: float | Tensor) -> EigenStructure:
+        """Eigendecompose a dense symmetric ``H`` (full Laplace)."""
+        lam, U = torch.linalg.eigh(H)
+        return cls(U, lam, h_factor)
+
+    def rotate(self, jacs: Sequence[LayerJacobian]) -> tuple[Tensor, Tensor | None]:
+        """``(JU, J Jᵀ - JU JUᵀ)``; the second is ``None`` for a full posterior."""
+        JU, gram, start = 0.0, 0.0, 0
+        for jac in jacs:
+            p = jac.full().shape[-1] if jac.dense is not None else jac.g.shape[-1] * jac.a.shape[-1]
+            JU = JU + jac.matmul(self.U[start : start + p])
+            if self.low_rank:
+                gram = gram + jac.gram()
+            start += p
+        if start != self.U.shape[0]:
+            raise ValueError(f"U has {self.U.shape[0]} rows but the parameters have {start}")
+        if not self.low_rank:
+            return JU, None
+        return JU, gram - JU @ JU.transpose(1, 2)
+
+    def covariance(self, rotated, delta: float | Tensor) -> Tensor:
+        JU, rest = rotated
+        d = _as_prior(delta, 1, JU.dtype)[0]
+        cov = (JU / (self.s * self.lam + d)) @ JU.transpose(1, 2)
+        return cov if rest is None else cov + rest / d
+
+
+def laplace_params(la) -> list[Tensor]:
+    """The parameters a laplace-torch object's posterior is over (last layer for LL variants)."""
+    last = getattr(getattr(la, "model", None), "last_layer", None)
+    if last is not None and la.n_params == sum(p.numel() for p in last.parameters()):
+        return list(last.parameters())
+    return list(la.params)
+
+
+def posterior_structure(la) -> KronStructure | EigenStructure:
+    """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
+
+    ``KronDecomposed`` -> :class:`KronStructure`; a dense ``(P, P)`` tensor ->
+    :class:`EigenStructure` (full); a pair ``(U, λ)`` -> :class:`EigenStructure` (low rank).
+    """
+    from laplace.utils.matrix import KronDecomposed
+
+    H, s = la.H, la._H_factor
+    if isinstance(H, KronDecomposed):
+        return KronStructure(H, s, [p.numel() for p in laplace_params(la)])
+    if isinstance(H, Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] == la.n_params:
+        return EigenStructure.from_dense(H, s)
+    if isinstance(H, (tuple, list)) and len(H) == 2 and isinstance(H[0], Tensor) and H[0].ndim == 2:
+        return EigenStructure(H[0], H[1], s)
+    raise TypeError(
+        f"no eigenbasis for curvature of type {type(H).__name__} (fit the Laplace object first; "
+        "for other structures use sampled_linearized_predictive)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The grid predictive
+# --------------------------------------------------------------------------------------------
+def _batches(data, chunk_size: int) -> Iterable[Tensor]:
+    """Inputs from a tensor (split into chunks) or an iterable of ``x`` / ``(x, y, ...)``."""
+    if isinstance(data, Tensor):
+        yield from data.split(chunk_size)
+        return
+    for batch in data:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        yield from x.split(chunk_size)
+
+
+class GridPredictive:
+    """Linearized predictive of a fitted laplace-torch Laplace object for many prior precisions.
+
+    >>> pred = GridPredictive(la)
+    >>> out = pred.grid(x_test, [1e-4, 1e-2, 1.0], links=("probit_projected", "mc"))
+    >>> out["mc"].shape        # (grid points, N, C); out["map"] is softmax of the MAP logits
+    """
+
+    def __init__(self, la, chunk_size: int = 64, structure=None) -> None:
+        if getattr(la, "likelihood", "classification") != "classification":
+            raise ValueError("GridPredictive is for classification Laplace objects")
+        self.la = la
+        self.model = la.model
+        self.params = laplace_params(la)
+        self.structure = structure if structure is not None else posterior_structure(la)
+        self.chunk_size = int(chunk_size)
+        if self.chunk_size < 1:
+            raise ValueError("chunk_size must be a positive integer")
+
+    @torch.no_grad()
+    def grid(
+        self,
+        data,
+        prior_precisions: Sequence[float | Tensor],
+        links: Sequence[str] = ("probit_projected",),
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        progress: bool = False,
+    ) -> dict[str, Tensor]:
+        """Predictive probabilities for each prior precision and link.
+
+        ``data``: a tensor of inputs ``(N, ...)`` or an iterable of batches.  Returns a dict
+        ``link -> (G, N, C)`` for ``G = len(prior_precisions)``, plus ``"map"`` ``(N, C)``.
+        """
+        for link in links:
+            if link not in LINKS:
+                raise ValueError(f"unknown link approximation {link!r}; choose from {LINKS}")
+        if len(prior_precisions) == 0:
+            raise ValueError("give at least one prior precision")
+        from tqdm.auto import tqdm
+
+        out: dict[str, list[Tensor]] = {link: [] for link in (*links, "map")}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for x in tqdm(_batches(data, self.chunk_size), disable=not progress, desc="predictive", leave=False):
+                f, jacs = logit_jacobians(self.model, self.params, x)
+                rotated = self.structure.rotate(jacs)
+                del jacs
+                per_link: dict[str, list[Tensor]] = {link: [] for link in links}
+                for delta in prior_precisions:
+                    cov = self.structure.covariance(rotated, delta)
+                    for link in links:
+                        per_link[link].append(apply_link(link, f, cov, n_samples, generator))
+                for link in links:
+                    out[link].append(torch.stack(per_link[link]))
+                out["map"].append(torch.softmax(f, -1))
+        finally:
+            self.model.train(was_training)
+        return {k: torch.cat(v, dim=0 if k == "map" else 1) for k, v in out.items()}
+
+    def __call__(self, x: Tensor, link: str = "probit_projected", prior_precision=None, **kw) -> Tensor:
+        """Probabilities ``(N, C)`` at ``prior_precision`` (default: ``la.prior_precision``)."""
+        delta = self.la.prior_precision if prior_precision is None else prior_precision
+        return self.grid(x, [delta], links=(link,), **kw)[link][0]
+
+
+@torch.no_grad()
+def linearized_logit_samples(
+    la,
+    x: Tensor,
+    n_samples: int = 100,
+    generator: torch.Generator | None = None,
+    chunk_size: int = 256,
+) -> Tensor:
+    """Samples ``f(x) + J(x)(θ_s - θ*)`` of the linearized network, ``θ_s = la.sample(S)``.
+
+    ``J(x)(θ_s - θ*)`` is one forward-mode JVP per sample (``torch.func.jvp``), so no Jacobian is
+    formed; works for any laplace-torch posterior with a ``sample`` method.  Returns ``(S, N, C)``.
+    """
+    model, params = la.model, laplace_params(la)
+    names = {id(p): k for k, p in model.named_parameters()}
+    keys = [names[id(p)] for p in params]
+    fixed = {k: v.detach() for k, v in model.named_parameters() if k not in keys}
+    fixed.update(dict(model.named_buffers()))
+    theta = {k: p.detach() for k, p in zip(keys, params)}
+    steps = la.sample(n_samples, generator=generator) - la.mean
+    tangents = [
+        {k: t.view_as(p).to(p.dtype) for k, t, p in zip(keys, s.split([p.numel() for p in params]), params)}
+        for s in steps
+    ]
+    chunks = []
+    for xc in x.split(chunk_size):
+        def fn(th: dict[str, Tensor]) -> Tensor:
+            return torch.func.functional_call(model, {**fixed, **th}, (xc,))
+
+        chunks.append(torch.stack([sum(torch.func.jvp(fn, (theta,), (t,))) for t in tangents]))
+    return torch.cat(chunks, dim=1)
+
+
+def sampled_linearized_predictive(
+    la,
+    x: Tensor,
+    n_samples: int = 100,
+    generator: torch.Generator | None = None,
+    chunk_size: int = 256,
+) -> Tensor:
+    """Eq. 18 of Tatzel et al.: ``1/S Σ_s softmax(f(x) + J(x)(θ_s - θ*))``, shape ``(N, C)``
+    (see :func:`linearized_logit_samples`)."""
+    return torch.softmax(linearized_logit_samples(la, x, n_samples, generator, chunk_size), -1).mean(0)

@@ -1,0 +1,165 @@
+"""The grid predictive against laplace-torch's own GLM predictive and dense explicit formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from laplace import Laplace
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_debiased.predictive import (
+    EigenStructure,
+    GridPredictive,
+    _func_jacobians,
+    apply_link,
+    laplace_params,
+    logit_jacobians,
+    mc_softmax,
+    probit,
+    probit_projected,
+    linearized_logit_samples,
+    sampled_linearized_predictive,
+)
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(),
+        nn.Linear(2 * 16, 5), nn.Tanh(), nn.Linear(5, 4),
+    ).double()
+    X = torch.randn(30, 1, 4, 4, dtype=torch.float64)
+    y = torch.randint(0, 4, (30,))
+    return model, X, y
+
+
+def _fit(structure: str, subset: str):
+    model, X, y = _tiny()
+    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=10))
+    return la, X
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("structure", ["kron", "full"])
+def test_probit_matches_laplace_torch(structure, subset):
+    la, X = _fit(structure, subset)
+    grid = [1e-3, 0.1, 10.0]
+    ours = GridPredictive(la, chunk_size=7).grid(X, grid, links=("probit",))["probit"]
+    for g, delta in enumerate(grid):
+        la.prior_precision = delta
+        ref = la(X, pred_type="glm", link_approx="probit")
+        torch.testing.assert_close(ours[g], ref, rtol=1e-10, atol=1e-12)
+    # the grid really depends on the prior precision
+    assert (ours[0] - ours[-1]).abs().max() > 1e-3
+
+
+def test_temperature_and_per_layer_prior_match_laplace_torch():
+    la, X = _fit("kron", "all")
+    la.temperature = 0.5
+    delta = torch.linspace(0.01, 1.0, la.n_layers, dtype=torch.float64)
+    la.prior_precision = delta
+    ref = la(X, pred_type="glm", link_approx="probit")
+    ours = GridPredictive(la).grid(X, [delta], links=("probit",))["probit"][0]
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_closed_form_jacobians_equal_torch_func_and_laplace():
+    la, X = _fit("kron", "all")
+    f, jacs = logit_jacobians(la.model, laplace_params(la), X[:6])
+    _, ref = _func_jacobians(la.model, laplace_params(la), X[:6])
+    J = torch.cat([j.full() for j in jacs], -1)
+    torch.testing.assert_close(J, torch.cat([j.full() for j in ref], -1))
+    J_lap, f_lap = la.backend.jacobians(X[:6])
+    torch.testing.assert_close(J, J_lap)
+    torch.testing.assert_close(f, f_lap)
+
+
+def test_low_rank_structure_equals_dense_formula():
+    la, X = _fit("full", "all")
+    H = la.H
+    lam, U = torch.linalg.eigh(H)
+    k = 5
+    struct = EigenStructure(U[:, -k:], lam[-k:], la._H_factor)
+    delta = 0.3
+    precision = U[:, -k:] @ torch.diag(lam[-k:]) @ U[:, -k:].T + delta * torch.eye(la.n_params, dtype=H.dtype)
+    Js, f = la.backend.jacobians(X[:5])
+    cov_ref = torch.einsum("ncp,pq,ndq->ncd", Js, torch.linalg.inv(precision), Js)
+    _, jacs = logit_jacobians(la.model, laplace_params(la), X[:5])
+    cov = struct.covariance(struct.rotate(jacs), delta)
+    torch.testing.assert_close(cov, cov_ref)
+
+
+def test_projected_probit_ignores_all_ones_direction():
+    torch.manual_seed(1)
+    n, C = 6, 5
+    f = torch.randn(n, C, dtype=torch.float64)
+    A = torch.randn(n, C, C, dtype=torch.float64)
+    cov = A @ A.transpose(1, 2)
+    ones = torch.ones(C, C, dtype=torch.float64)
+    base = probit_projected(f, cov)
+    for c, a in [(1.0, 0.0), (1e4, 3.0), (1e8, -2.0)]:
+        torch.testing.assert_close(probit_projected(f + a, cov + c * ones), base)
+    # laplace-torch's diagonal probit is fooled: a huge all-ones variance makes it near-uniform
+    fooled = probit(f, cov + 1e8 * ones)
+    assert (fooled - 1.0 / C).abs().max() < 1e-3
+    assert (base - 1.0 / C).abs().max() > 0.05
+
+
+def test_mc_statistically_invariant_to_all_ones_and_matches_probit_roughly():
+    torch.manual_seed(2)
+    n, C, S = 4, 3, 20000
+    f = torch.randn(n, C, dtype=torch.float64) * 2
+    A = torch.randn(n, C, C, dtype=torch.float64) * 0.5
+    cov = A @ A.transpose(1, 2)
+    p1 = mc_softmax(f, cov, S, torch.Generator().manual_seed(0))
+    p2 = mc_softmax(f, cov + 1e3 * torch.ones(C, C, dtype=torch.float64), S, torch.Generator().manual_seed(1))
+    # standard error of a mean of [0, 1] values is at most 0.5/sqrt(S) = 0.0035
+    assert (p1 - p2).abs().max() < 0.015
+    # zero covariance: exactly the softmax
+    torch.testing.assert_close(mc_softmax(f, 0 * cov, 3), torch.softmax(f, -1))
+
+
+def test_parameter_sampling_logits_have_the_structured_covariance():
+    """Eq. 18 path (θ_s ~ posterior, JVPs) vs the rotated-Jacobian covariance Σ(δ)."""
+    la, X = _fit("kron", "all")
+    delta, S, x = 0.05, 4000, X[:4]
+    la.prior_precision = delta
+    samples = linearized_logit_samples(la, x, n_samples=S, generator=torch.Generator().manual_seed(0))
+    pred = GridPredictive(la)
+    f, jacs = logit_jacobians(la.model, laplace_params(la), x)
+    rotated = pred.structure.rotate(jacs)
+    cov = pred.structure.covariance(rotated, delta)
+    centred = samples - f
+    emp = torch.einsum("sni,snj->nij", centred, centred) / S
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    # Wishart relative error ~ sqrt(2/S) ≈ 0.02; a prior off by 2x is far outside
+    assert rel(emp, cov) < 0.08
+    assert rel(emp, pred.structure.covariance(rotated, 2 * delta)) > 0.2
+    assert (samples.mean(0) - f).abs().max() < 4 * cov.diagonal(dim1=1, dim2=2).sqrt().max() / S**0.5
+
+
+def test_mc_grid_agrees_with_parameter_sampling_eq18():
+    la, X = _fit("kron", "all")
+    delta, S, x = 0.05, 3000, X[:8]
+    la.prior_precision = delta
+    grid_mc = GridPredictive(la).grid(
+        x, [delta], links=("mc",), n_samples=S, generator=torch.Generator().manual_seed(0)
+    )["mc"][0]
+    eq18 = sampled_linearized_predictive(la, x, n_samples=S, generator=torch.Generator().manual_seed(1))
+    assert (grid_mc - eq18).abs().mean() < 0.015
+
+
+def test_bad_inputs_get_clear_errors():
+    la, X = _fit("kron", "last_layer")
+    pred = GridPredictive(la)
+    with pytest.raises(ValueError, match="unknown link"):
+        pred.grid(X, [1.0], links=("bridge",))
+    with pytest.raises(ValueError, match="positive"):
+        pred.grid(X, [-1.0])
+    with pytest.raises(ValueError, match="unknown link"):
+        apply_link("nope", X.new_zeros(1, 2), X.new_zeros(1, 2, 2))
+    assert math.isclose(float(pred(X[:2]).sum()), 2.0)
