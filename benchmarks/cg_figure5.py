@@ -17,6 +17,7 @@ Outputs ``benchmarks/results/cg_figure5{,_quick}.{json,md,png}``.
 
     nice python benchmarks/cg_figure5.py            # full: b=256, K=30, 5 repeats (~12 min)
     nice python benchmarks/cg_figure5.py --quick    # quick model, b=64, K=10, 2 repeats
+    nice python benchmarks/cg_figure5.py --model quick   # full settings on the quick model
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small model/batches, a few minutes")
     p.add_argument("--data", default=None, help="CIFAR-10 root (see _cifar_common.py)")
+    p.add_argument("--model", choices=("full", "quick"), default=None,
+                   help="which cached MAP network of _cifar_common.py: 'full' (45k images, "
+                        "40 epochs) or 'quick' (10k images, 3 epochs); default follows --quick")
     p.add_argument("--b", type=int, default=None, help="half batch size b (default 256; quick 64)")
     p.add_argument("--iters", type=int, default=None, help="CG iterations K (30; quick 10)")
     p.add_argument("--repeats", type=int, default=None, help="independent repeats (5; quick 2)")
@@ -60,7 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.iters = args.iters or (10 if q else 30)
     args.repeats = args.repeats or (2 if q else 5)
     args.n_eval = args.n_eval or (500 if q else 1000)
-    args.out = Path(args.out) if args.out else RESULTS / ("cg_figure5_quick" if q else "cg_figure5")
+    args.model = args.model or ("quick" if q else "full")
+    stem = "cg_figure5" + ("_quick" if q else "")
+    if args.model != ("quick" if q else "full"):
+        stem += f"_{args.model}_model"
+    args.out = Path(args.out) if args.out else RESULTS / stem
     return args
 
 
@@ -106,9 +114,11 @@ def subset(ds, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    data = common.load_data(args.data, n_train=common.QUICK_N_TRAIN if args.quick else None)
-    model, _ = common.trained_model(data, quick=args.quick, log=lambda s: print(s, flush=True))
-    config = common.QUICK_TRAIN if args.quick else common.FULL_TRAIN
+    quick_model = args.model == "quick"
+    data = common.load_data(args.data, n_train=common.QUICK_N_TRAIN if quick_model else None)
+    model, history = common.trained_model(data, quick=quick_model,
+                                          log=lambda s: print(s, flush=True))
+    config = common.QUICK_TRAIN if quick_model else common.FULL_TRAIN
     beta, loss_func = config.weight_decay, nn.CrossEntropyLoss()
     params = trainable_params(model)
     theta0 = flat_params(params)
@@ -159,7 +169,8 @@ def run(args: argparse.Namespace) -> dict:
             "repeats": args.repeats, "curvature": "ggn", "damping": 0.0, "beta": beta,
             "n_eval_train": args.n_eval, "n_eval_test": args.n_eval,
             "n_params": theta0.numel(), "n_train": len(ytr), "threads": args.threads,
-            "model": "cifar_cnn", "train_config": config.__dict__,
+            "model": f"cifar_cnn ({args.model} MAP of _cifar_common.py)",
+            "train_config": config.__dict__, "train_history_last": history[-1] if history else None,
         },
         "repeats": repeats,
         "summary": summarise(repeats),
@@ -196,6 +207,9 @@ def summarise(repeats: list[dict]) -> dict:
         # how far the trajectory ends above (>1) or below (<1) where it started
         s["final_over_start_train_loss_median"] = float(np.median(A[:, -1] / A[:, 0]))
         s["n_final_above_start"] = int(((A[:, -1] > A[:, 0]) | ~np.isfinite(A[:, -1])).sum())
+        tau = np.stack([np.asarray(r["step_sizes"][m]) for r in repeats])  # [R, K]
+        s["sum_abs_step_sizes_median"] = float(np.median(np.abs(tau).sum(1)))
+        s["fraction_negative_step_sizes"] = float((tau < 0).mean())
         s["n_repeats"] = len(repeats)
         summary[m] = {k: (_json_float(v) if not isinstance(v, dict) else
                           {kk: _json_float(vv) for kk, vv in v.items()}) for k, v in s.items()}
@@ -211,7 +225,7 @@ def markdown(out: dict) -> str:
     lines = [
         f"# CG on mini-batch quadratics, CIFAR-10 (paper Fig. 5){' — quick' if c['quick'] else ''}",
         "",
-        f"`cifar_cnn` ({c['n_params']} parameters) at its MAP estimate, GGN, no damping, "
+        f"{c['model']}, {c['n_params']} parameters, trained on {c['n_train']} images; GGN, no damping, "
         f"β = {c['beta']:g}, K = {c['K']} CG iterations, {c['repeats']} repeats. Single-batch: "
         f"one batch of {c['single_batch_size']}; debiased: the same points as two batches of "
         f"{c['b']} (directions / step sizes). Metrics on {c['n_eval_train']} training and "
@@ -232,6 +246,10 @@ def markdown(out: dict) -> str:
     lines += ["", "Final training loss / θ₀'s (median; repeats ending above θ₀): " + ", ".join(
         f"{m} {fmt(out['summary'][m]['final_over_start_train_loss_median'])} "
         f"({out['summary'][m]['n_final_above_start']}/{out['summary'][m]['n_repeats']})"
+        for m in METHODS
+    ) + ". Σ_p |τ_p| along the unit directions (median): " + ", ".join(
+        f"{m} {out['summary'][m]['sum_abs_step_sizes_median']:.2f} "
+        f"({100 * out['summary'][m]['fraction_negative_step_sizes']:.0f}% of τ_p < 0)"
         for m in METHODS
     ) + f". Total time {out['seconds']:.0f} s ({c['threads']} thread(s)).", ""]
     return "\n".join(lines)
@@ -259,7 +277,7 @@ def plot(out: dict, path: Path) -> None:
             ax.set_yscale("log")
     axes[0].legend()
     c = out["config"]
-    fig.suptitle(f"CIFAR-10 cifar_cnn, GGN, no damping: single batch {c['single_batch_size']} "
+    fig.suptitle(f"CIFAR-10 {c['model']}, GGN, no damping: single batch {c['single_batch_size']} "
                  f"vs debiased {c['b']}+{c['b']} ({c['repeats']} repeats)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
