@@ -30,6 +30,7 @@ Details of the last step (the CG result, the batch quadratics' values) are in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -186,6 +187,9 @@ class NewtonCG(torch.optim.Optimizer):
             res = debiased_cg(self._damped(q), -q.gradient, self._damped(qt), -qt.gradient, **kw)
         else:
             res = cg(self._damped(q), -q.gradient, **kw)
+        if res.n_iter == 0 and res.reason == "nonpositive_curvature":
+            warnings.warn("NewtonCG: the first CG direction has non-positive curvature, θ is "
+                          "unchanged; use curvature='ggn' or damping > 0", RuntimeWarning)
         update = group["lr"] * res.x
         offset = 0
         for p in group["params"]:

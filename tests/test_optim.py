@@ -89,3 +89,24 @@ def test_bad_usage_gives_clear_errors():
         NewtonCG(model, nn.MSELoss(), damping=-1.0)
     with pytest.raises(ValueError, match="debiased=False"):
         NewtonCG(model, nn.MSELoss(), debiased=False).step((X, y), (X, y))
+
+
+def test_hessian_with_negative_curvature_leaves_theta_unchanged_and_warns():
+    """q(w) = −w² + ... along the first direction: CG stops before it, nothing moves."""
+    model = nn.Linear(1, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+
+    class NegQuad(nn.Module):  # mean of −(output − y)²: concave in w
+        reduction = "mean"
+
+        def forward(self, out, y):
+            return -((out - y) ** 2).mean()
+
+    X = torch.ones(4, 1, dtype=torch.float64)
+    y = torch.zeros(4, 1, dtype=torch.float64)
+    opt = NewtonCG(model, NegQuad(), debiased=False, curvature="hessian", max_iter=3)
+    with pytest.warns(RuntimeWarning, match="non-positive curvature"):
+        opt.step((X, y))
+    assert model.weight.item() == 0.5
+    assert opt.last_step.result.reason == "nonpositive_curvature"
