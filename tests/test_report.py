@@ -1,0 +1,50 @@
+"""Report rendering from sweep rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from laplace_debiased.report import best_prior_precisions, write_report
+
+
+def _rows():
+    rel = {"edges": [i / 15 for i in range(16)], "confidence": [None] * 15,
+           "accuracy": [0.5] * 15, "count": [1.0] * 15}
+    rows = []
+    for es, kind, sev in [("test", "test", None), ("c1", "corrupted", 1), ("c3", "corrupted", 3)]:
+        base = {"accuracy": 0.9, "nll": 0.4, "ece": 0.05, "brier": 0.2, "reliability": rel}
+        if kind != "test":
+            base["auroc"] = 0.6 + 0.1 * sev
+        rows.append({"method": "map", "repeat": 0, "prior_precision": None, "eval_set": es,
+                     "kind": kind, "severity": sev, "link": "map", "full_batch": False, **base})
+        for method, fb in [("kron", False), ("kron full", True)]:
+            for rep in (0, 1):
+                for d in (0.01, 0.1, 1.0):
+                    for link in ("probit_projected", "probit"):
+                        nll = 0.3 + abs(d - 0.1) + 0.01 * rep + (0.5 if link == "probit" and d < 0.1 else 0)
+                        rows.append({"method": method, "repeat": rep, "prior_precision": d,
+                                     "eval_set": es, "kind": kind, "severity": sev, "link": link,
+                                     "full_batch": fb, **{**base, "nll": nll}})
+    return rows
+
+
+def test_report_renders_files_and_table(tmp_path):
+    md = write_report(_rows(), tmp_path / "rep")
+    files = {p.name for p in (tmp_path / "rep").iterdir()}
+    assert {"report.md", "report.html", "fig6_probit_projected.png", "fig6_probit.png",
+            "links.png", "reliability.png", "auroc_severity.png"} <= files
+    text = md.read_text()
+    assert "| kron | 0.1 |" in text and "AUROC c3" in text
+    assert "<table>" in (tmp_path / "rep" / "report.html").read_text()
+    for name in files:
+        assert (tmp_path / "rep" / name).stat().st_size > 100
+
+
+def test_best_prior_precision_minimises_mean_nll():
+    rows = _rows()
+    assert best_prior_precisions(rows, "test", "probit_projected") == {"kron": 0.1, "kron full": 0.1}
+
+
+def test_report_refuses_empty_results(tmp_path):
+    with pytest.raises(ValueError, match="no sweep results"):
+        write_report([], tmp_path)
