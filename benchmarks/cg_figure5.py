@@ -15,7 +15,7 @@ subsets of the training and test sets (sizes in the output). Repeated with indep
 
 Outputs ``benchmarks/results/cg_figure5{,_quick}.{json,md,png}``.
 
-    nice python benchmarks/cg_figure5.py            # full: b=256, K=30, 5 repeats (~12 min)
+    nice python benchmarks/cg_figure5.py            # full: b=256, K=30, 5 repeats (~7 min)
     nice python benchmarks/cg_figure5.py --quick    # quick model, b=64, K=10, 2 repeats
     nice python benchmarks/cg_figure5.py --model quick   # full settings on the quick model
 """
@@ -49,8 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small model/batches, a few minutes")
     p.add_argument("--data", default=None, help="CIFAR-10 root (see _cifar_common.py)")
     p.add_argument("--model", choices=("full", "quick"), default=None,
-                   help="which cached MAP network of _cifar_common.py: 'full' (45k images, "
-                        "40 epochs) or 'quick' (10k images, 3 epochs); default follows --quick")
+                   help="which cached MAP network of _cifar_common.py: 'full' (FULL_TRAIN on 45k "
+                        "images) or 'quick' (QUICK_TRAIN on 10k); default follows --quick")
     p.add_argument("--b", type=int, default=None, help="half batch size b (default 256; quick 64)")
     p.add_argument("--iters", type=int, default=None, help="CG iterations K (30; quick 10)")
     p.add_argument("--repeats", type=int, default=None, help="independent repeats (5; quick 2)")
