@@ -112,7 +112,9 @@ class CurvatureOperator(CountingOperator):
         return Hv + self.beta * v if self.beta else Hv
 
 
-def trainable_params(model: nn.Module, params: Sequence[nn.Parameter] | None = None):
+def trainable_params(
+    model: nn.Module, params: Sequence[nn.Parameter] | None = None
+) -> list[nn.Parameter]:
     """The parameters θ (``params`` or all of ``model``'s with ``requires_grad``)."""
     params = [p for p in model.parameters() if p.requires_grad] if params is None else params
     params = list(params)
