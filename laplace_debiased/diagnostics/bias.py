@@ -55,6 +55,7 @@ class DiagnosisConfig:
     ``ladder``: batch sizes for the batch-size study (default b, 2b, 4b, … ≤ N/2).
     ``kfac``: also run the K-FAC batch-size study.  ``full_eigen``: Lanczos on the full data
     for overlaps and Eq. 7.  ``tolerance``: acceptable relative bias of the top-k curvatures.
+    ``lanczos_tol``: relative accuracy of the eigenpairs (ARPACK ``tol``).
     """
 
     batch_size: int
@@ -67,6 +68,7 @@ class DiagnosisConfig:
     kfac: bool = True
     full_eigen: bool = True
     tolerance: float = 0.1
+    lanczos_tol: float = 1e-6
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -148,6 +150,13 @@ def default_ladder(batch_size: int, n_data: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def n_stages(config: DiagnosisConfig, n_data: int) -> int:
+    """Number of ``progress`` calls :func:`diagnose_bias` makes (for a progress bar's total)."""
+    n_sources = min(config.n_sources, n_data // config.batch_size)
+    sizes = [s for s in (config.ladder or default_ladder(config.batch_size, n_data)) if s != config.batch_size]
+    return 2 * n_sources + int(config.full_eigen) + len(sizes) + (1 + len(sizes)) * int(config.kfac)
+
+
 def planned_products(config: DiagnosisConfig, n_data: int, n_params: int) -> dict[str, str]:
     """Up-front cost, as curvature-vector products per stage (Lanczos counts are estimates)."""
     b, K, S = config.batch_size, config.top_k, config.n_sources
@@ -206,7 +215,7 @@ def diagnose_bias(
     eigen, cg_studies = [], []
     for s in sources:
         q = factory([partition[s]])
-        pairs = top_eigenpairs(q.curvature, n_params, K, dtype=dtype, seed=config.seed + s)
+        pairs = top_eigenpairs(q.curvature, n_params, K, dtype=dtype, tol=config.lanczos_tol, seed=config.seed + s)
         _count(products["eigenvectors"], q)
         study = measure_study("eigen", s, pairs.vectors, partition, factory, full if s == 0 else None)
         _merge(products["eigenvectors"], study.n_products)
@@ -225,7 +234,7 @@ def diagnose_bias(
     overlap_batches = overlap_matrix(eigen[0].directions, eigen[1].directions) if len(eigen) > 1 else None
     if config.full_eigen:
         full.curvature.n_products = 0
-        full_pairs = top_eigenpairs(full.curvature, n_params, K, dtype=dtype, seed=config.seed)
+        full_pairs = top_eigenpairs(full.curvature, n_params, K, dtype=dtype, tol=config.lanczos_tol, seed=config.seed)
         _count(products["full_eigenvectors"], full)
         full_values = full_pairs.values
         overlap_full = overlap_matrix(eigen[0].directions, full_pairs.vectors)
@@ -234,6 +243,8 @@ def diagnose_bias(
     ladder = [LadderRow(b, st.source, st.batches[st.source].curvatures,
                         st.batches[st.others()[0]].curvatures, st.full.curvatures) for st in eigen]
     sizes = [s for s in (config.ladder or default_ladder(b, X.shape[0])) if s != b]
+    if any(s > X.shape[0] // 2 for s in sizes):
+        raise ValueError(f"ladder batch sizes must be at most N/2 = {X.shape[0] // 2}, got {sizes}")
     for size in sizes:
         ladder += _ladder_rows(model, loss_func, X, y, size, config, config.curvature, K, gen,
                                products["batch_size_ladder"], exact=None)
@@ -268,7 +279,8 @@ def _ladder_rows(model, loss_func, X, y, size, config, curvature, K, gen, produc
     rows = []
     for s in range(min(config.n_sources, len(partition) - 1)):
         q = factory([partition[s]])
-        pairs = top_eigenpairs(q.curvature, q.gradient.shape[0], K, dtype=q.gradient.dtype, seed=config.seed + s)
+        pairs = top_eigenpairs(q.curvature, q.gradient.shape[0], K, dtype=q.gradient.dtype,
+                               tol=config.lanczos_tol, seed=config.seed + s)
         _count(products, q)
         other = factory([partition[s + 1]])
         measured = [restrict(other, pairs.vectors), restrict(full, pairs.vectors)]

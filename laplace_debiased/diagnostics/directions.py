@@ -41,16 +41,15 @@ def top_eigenpairs(
 ) -> EigenDirections:
     """Top-k eigenpairs of a symmetric operator by implicitly restarted Lanczos in float64.
 
-    ``operator`` maps ``(P,)`` to ``(P,)`` in ``dtype`` (the model's dtype; Lanczos itself runs
-    in float64 via ARPACK).  The start vector is drawn from ``seed``, so results are
-    reproducible.  Small problems are solved densely with ``dim`` products.  Eigenvector signs
+    ``operator`` maps ``(P,)`` to ``(P,)`` and ``(P, K)`` to ``(P, K)`` in ``dtype`` (the model's
+    dtype; Lanczos itself runs in float64 via ARPACK).  The start vector is drawn from ``seed``, so results are
+    reproducible.  Small problems are solved densely with ``dim`` products (one ``(P, P)`` block).  Eigenvector signs
     are fixed so that each vector's largest-magnitude entry is positive.
     """
     if not 1 <= k <= dim:
         raise ValueError(f"k must be between 1 and the number of parameters ({dim}), got {k}")
     if dim <= DENSE_LIMIT or k >= dim - 1:
-        eye = torch.eye(dim, dtype=dtype)
-        A = torch.stack([operator(e) for e in eye], dim=1).double()
+        A = operator(torch.eye(dim, dtype=dtype)).double()
         values, vectors = torch.linalg.eigh(0.5 * (A + A.T))
         values, vectors = values.flip(0)[:k], vectors.flip(1)[:, :k]
     else:

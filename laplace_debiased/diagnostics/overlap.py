@@ -21,4 +21,9 @@ def subspace_overlap(U: Tensor, V: Tensor) -> float:
 
     1 means span U ⊆ span V; for random K-dimensional subspaces of R^P it is about L/P.
     """
-    return float(overlap_matrix(U, V).sum() / U.shape[1])
+    return mean_row_mass(overlap_matrix(U, V))
+
+
+def mean_row_mass(omega: Tensor) -> float:
+    """Mean row sum of an overlap matrix ``Ω (K, L)``: ``‖UᵀV‖_F² / K``."""
+    return float(omega.sum() / omega.shape[0])

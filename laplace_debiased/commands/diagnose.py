@@ -1,0 +1,122 @@
+"""``laplace-debiased diagnose``: how biased are mini-batch quadratics for this model and data?
+
+With no model/data arguments it diagnoses the default model (the digits CNN of the main job,
+trained or loaded from the cache).  Otherwise pass ``--model-file`` (a whole ``nn.Module`` saved
+with ``torch.save(model, path)``) and ``--data`` (``torch.save({"X": X, "y": y}, path)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HELP = "measure how biased mini-batch quadratics are (bias report)"
+
+DEFAULT_BATCH_SIZE = 50
+DEFAULT_BETA = 5e-4  # weight decay of the default model's MAP training (prior precision per point)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the ``diagnose`` command."""
+    parser.add_argument("--out", default="diagnose-report", help="output folder (plots, bias.json, README.md)")
+    parser.add_argument("--model-file", type=Path, help="torch.save'd nn.Module (default: the digits CNN)")
+    parser.add_argument("--data", type=Path, help="torch.save'd {'X': inputs, 'y': targets} (default: digits train split)")
+    parser.add_argument("--likelihood", choices=("classification", "regression"), default="classification",
+                        help="cross-entropy or mean squared error (default: classification)")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="your mini-batch size b")
+    parser.add_argument("--curvature", choices=("ggn", "hessian", "ef"), default="ggn")
+    parser.add_argument("--beta", type=float, default=None,
+                        help=f"l2 term beta of the mean-loss quadratic (default {DEFAULT_BETA} for the default model, else 0)")
+    parser.add_argument("--top-k", type=int, default=20, help="eigenvectors per batch")
+    parser.add_argument("--cg-steps", type=int, default=10, help="CG directions per batch")
+    parser.add_argument("--sources", type=int, default=2, help="direction batches (repeats)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="batch-size study (default b, 2b, 4b, ... <= N/2)")
+    parser.add_argument("--no-kfac", action="store_true", help="skip the K-FAC batch-size study")
+    parser.add_argument("--no-full-eigen", action="store_true", help="skip Lanczos on the full data set")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="acceptable relative bias (default 0.1)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="precision of the curvature products (Lanczos itself runs in float64)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _fail(msg: str) -> int:
+    print(f"laplace-debiased diagnose: {msg}", file=sys.stderr)
+    return 2
+
+
+def _load_inputs(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor, float]:
+    if (args.model_file is None) != (args.data is None):
+        raise ValueError("pass both --model-file and --data, or neither (for the default digits model)")
+    if args.model_file is None:
+        from laplace_debiased.data.digits import digits_splits
+        from laplace_debiased.models import digits_cnn
+        from laplace_debiased.training import TrainConfig, train_map
+
+        splits = digits_splits()
+        model, _ = train_map(digits_cnn(), splits["train"], TrainConfig(), val_set=splits["val"], tag="digits_cnn")
+        X, y = splits["train"].tensors
+        return model, X, y, DEFAULT_BETA if args.beta is None else args.beta
+    for path in (args.model_file, args.data):
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist")
+    model = torch.load(args.model_file, map_location="cpu", weights_only=False)  # a pickled module, by design
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{args.model_file} holds a {type(model).__name__}, not an nn.Module; save it with torch.save(model, path)")
+    blob = torch.load(args.data, map_location="cpu", weights_only=True)
+    if not isinstance(blob, dict) or not {"X", "y"} <= set(blob):
+        raise ValueError(f"{args.data} must hold a dict with tensors 'X' and 'y' (torch.save({{'X': X, 'y': y}}, path))")
+    return model, blob["X"], blob["y"], 0.0 if args.beta is None else args.beta
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the diagnosis and write the report; exit status 0 on success, 2 on bad input."""
+    from laplace_debiased.diagnostics.bias import DiagnosisConfig, diagnose_bias, n_stages, planned_products
+    from laplace_debiased.diagnostics.report import write_report
+
+    try:
+        model, X, y, beta = _load_inputs(args)
+        config = DiagnosisConfig(
+            batch_size=args.batch_size, curvature=args.curvature, beta=beta, top_k=args.top_k,
+            cg_steps=args.cg_steps, n_sources=args.sources,
+            ladder=tuple(args.batch_sizes) if args.batch_sizes else None, kfac=not args.no_kfac,
+            full_eigen=not args.no_full_eigen, tolerance=args.tolerance,
+            lanczos_tol=1e-5 if args.dtype == "float32" else 1e-8, seed=args.seed,
+        )
+        if not 1 <= args.batch_size <= X.shape[0] // 2:
+            raise ValueError(f"--batch-size must be between 1 and N/2 = {X.shape[0] // 2} (N = {X.shape[0]} data points)")
+    except ValueError as err:
+        return _fail(str(err))
+    if args.likelihood == "regression" and y.ndim == 1:
+        y = y.unsqueeze(-1)
+    loss = nn.CrossEntropyLoss() if args.likelihood == "classification" else nn.MSELoss()
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    plan = planned_products(config, X.shape[0], n_params)
+    print(f"diagnosing {n_params:,} parameters on {X.shape[0]:,} data points, batch size {config.batch_size}; "
+          "planned curvature-vector products:")
+    for stage, text in plan.items():
+        print(f"  {stage}: {text}")
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=n_stages(config, X.shape[0]), desc="diagnose", disable=args.no_progress, file=sys.stderr)
+
+    def progress(msg: str) -> None:
+        bar.set_postfix_str(msg)
+        bar.update(1)
+
+    start = time.perf_counter()
+    diagnosis = diagnose_bias(model, loss, X, y, config, dtype=getattr(torch, args.dtype), progress=progress)
+    bar.close()
+    summary = write_report(diagnosis, args.out, plan)
+    same = summary["eigen"]["curvature_bias_same_batch"]["median"]
+    other = summary["eigen"]["curvature_bias_other_batches"]["median"]
+    print(f"top-{summary['top_k']} curvature at batch size {config.batch_size}: same batch {100 * same:+.0f} % "
+          f"(median), independent batch {100 * other:+.0f} %; report in {Path(args.out) / 'README.md'} "
+          f"({time.perf_counter() - start:.0f} s)")
+    return 0
