@@ -142,9 +142,9 @@ class BiasDiagnosis:
 
 
 def default_ladder(batch_size: int, n_data: int) -> tuple[int, ...]:
-    """b, 2b, 4b, … up to N/2 (at least two batches of each size)."""
-    sizes, b = [], batch_size
-    while b <= n_data // 2:
+    """b, 2b, 4b, … up to N/4 (at least four batches of each size; b itself always)."""
+    sizes, b = [batch_size], 2 * batch_size
+    while b <= n_data // 4:
         sizes.append(b)
         b *= 2
     return tuple(sizes)
@@ -166,9 +166,9 @@ def planned_products(config: DiagnosisConfig, n_data: int, n_params: int) -> dic
     ladder = config.ladder or default_ladder(b, n_data)
     plan = {
         "eigenvectors": f"~{S * lanczos} Lanczos products on batches of {b} + {S * K * M} on batches of {b} "
-        f"+ {S * K} on all {N}",
+        f"+ {K} on all {N} (Eq. 5 check)",
         "cg": f"{S * config.cg_steps} CG products on batches of {b} + {S * config.cg_steps * M} on batches of "
-        f"{b} + {S * config.cg_steps} on all {N}",
+        f"{b} + {config.cg_steps} on all {N} (Eq. 5 check)",
         "batch_size_ladder": "; ".join(
             f"b={s}: ~{min(S, n_data // s - 1) * lanczos} Lanczos + {min(S, n_data // s - 1) * K} on batches of {s}"
             f" + {min(S, n_data // s - 1) * K} on all" for s in ladder if s != b
@@ -177,7 +177,8 @@ def planned_products(config: DiagnosisConfig, n_data: int, n_params: int) -> dic
     if config.full_eigen:
         plan["full_eigenvectors"] = f"~{lanczos} Lanczos products on all {N}"
     if config.kfac:
-        plan["kfac_ladder"] = f"per batch size: K-FAC factors + ~{lanczos} cheap K-FAC products, {2 * K} on all"
+        plan["kfac_ladder"] = (f"per batch size and direction batch: K-FAC factors, ~{lanczos} cheap K-FAC products, "
+                               f"{K} exact products on all {N}")
     return plan
 
 
