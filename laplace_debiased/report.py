@@ -216,6 +216,7 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
     doc.h("Best prior precision per method")
     for link in links:
         best = best_prior_precisions(rows, test_set, link)
+        grid_of = {m: [r["prior_precision"] for r in lap if r["method"] == m] for m in methods}
         header = ["method", "prior precision", *METRICS] + [f"AUROC {e}" for e in shift_sets]
         table = []
         mr = map_rows.get(test_set)
@@ -228,7 +229,8 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
                 continue
             sel = [r for r in lap if r["method"] == m and r["link"] == link and r["prior_precision"] == best[m]]
             at = lambda e, k: [r[k] for r in sel if r["eval_set"] == e and k in r]
-            table.append([m, f"{best[m]:.3g}", *[_fmt(at(test_set, k)) for k in METRICS]]
+            edge = best[m] in (min(grid_of[m]), max(grid_of[m]))
+            table.append([m, f"{best[m]:.3g}" + (" (grid edge)" if edge else ""), *[_fmt(at(test_set, k)) for k in METRICS]]
                          + [_fmt(at(e, "auroc")) for e in shift_sets])
         doc.p(f"Link: {LINK_LABELS[link]}. Mean over repeats [min, max]; prior precision chosen by "
               "test NLL (oracle, as in Figure 6).")

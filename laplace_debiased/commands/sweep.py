@@ -1,0 +1,27 @@
+"""``laplace-debiased sweep``: fit the approximations and run the (resumable) prior-precision
+sweep, writing ``OUT/results.jsonl``; ``laplace-debiased report`` turns it into a report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from laplace_debiased.pipeline import add_pipeline_arguments, resolve_options, run_pipeline
+
+HELP = "prior-precision sweep of fitted Laplace approximations, resumable"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Pipeline flags (see :mod:`laplace_debiased.pipeline`)."""
+    add_pipeline_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep (no report); exit status 2 on bad options."""
+    try:
+        paths = run_pipeline(resolve_options(args), report=False)
+    except ValueError as err:
+        print(f"laplace-debiased: error: {err}", file=sys.stderr)
+        return 2
+    print(f"results: {paths['results']}")
+    return 0

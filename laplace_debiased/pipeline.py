@@ -1,0 +1,263 @@
+"""The main job: train (or load) a MAP model, fit Laplace approximations, sweep, report.
+
+Shared by ``laplace-debiased main`` / ``sweep`` (and ``python -m laplace_debiased``).  Options are
+command-line flags; ``--config FILE`` (JSON or TOML) supplies any of them under the same names
+(``batch-size`` or ``batch_size``); flags given on the command line win over the file.
+
+Methods (``--methods``), all over the weights chosen by ``--subset``:
+
+* ``kron_single``: K-FAC of one mini-batch of ``--batch-size`` samples (B̃ = B), scaled to N;
+* ``kron_debiased``: debiased K-FAC, two disjoint batches of ``--batch-size/2`` samples
+  (B chooses the eigenvectors, B̃ measures the eigenvalues);
+* ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
+* ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
+  from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.lowrank`).
+
+Each repeat draws fresh batches (seeded).  Digits evaluation sets: the test split, the test split
+with Gaussian pixel noise of severity 1-3 (σ = 0.1, 0.2, 0.4, clipped to [0, 1]) and, as OOD,
+the inverted test images ``1 - x``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from laplace_debiased.sweep import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, EvalSet, Method, run_sweep
+
+METHODS = ("kron_single", "kron_debiased", "kron_full", "lowrank_single", "lowrank_debiased")
+
+DEFAULTS: dict = {
+    "config": None,
+    "out": "laplace-debiased-output",
+    "seed": 0,
+    "quiet": False,
+    "data": "digits",
+    "data_root": None,
+    "eval": [],
+    "eval_size": 2000,
+    "train_size": None,
+    "epochs": 30,
+    "subset": "all",
+    "methods": ["kron_single", "kron_debiased", "kron_full", "lowrank_single", "lowrank_debiased"],
+    "repeats": 3,
+    "batch_size": 64,
+    "rank": 30,
+    # the paper's 14 points (tuned to CIFAR-10's N = 50k) plus 100 and 1000: with N = 1000 digits
+    # the likelihood curvature is ~50x smaller, so the best prior precision lies higher
+    "prior_precisions": [*DEFAULT_PRIOR_PRECISIONS, 100.0, 1000.0],
+    "links": list(DEFAULT_LINKS),
+    "n_samples": 100,
+    "chunk_size": 64,
+}
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``main`` and ``sweep``.  Defaults are applied in :func:`resolve_options` (so that
+    a ``--config`` file can supply them and explicit flags still win)."""
+    S = argparse.SUPPRESS
+    d = DEFAULTS
+    parser.add_argument("--config", default=S, help="JSON or TOML file whose keys mirror these flags")
+    parser.add_argument("--out", default=S, help=f"output folder (default: {d['out']})")
+    parser.add_argument("--seed", type=int, default=S, help=f"random seed (default: {d['seed']})")
+    parser.add_argument("--quiet", action="store_true", default=S, help="no progress bars or log lines")
+    parser.add_argument("--data", choices=("digits", "cifar10"), default=S,
+                        help="digits: scikit-learn 8x8 digits (embedded, default); cifar10: needs --data-root")
+    parser.add_argument("--data-root", default=S, help="CIFAR-10 folder (official binary or python layout)")
+    parser.add_argument("--eval", action="append", default=S, metavar="SPEC",
+                        help="CIFAR evaluation set, repeatable, e.g. cifar10-test, cifar10-c-generated:3 "
+                             "(the first clean one is the in-distribution test set)")
+    parser.add_argument("--eval-size", type=int, default=S,
+                        help=f"at most this many points per CIFAR evaluation set (default: {d['eval_size']})")
+    parser.add_argument("--train-size", type=int, default=S, help="use only this many training points")
+    parser.add_argument("--epochs", type=int, default=S, help=f"MAP training epochs (default: {d['epochs']})")
+    parser.add_argument("--subset", choices=("all", "last_layer"), default=S,
+                        help=f"weights under the Laplace approximation (default: {d['subset']})")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=S,
+                        help=f"approximations to sweep (default: {' '.join(d['methods'])})")
+    parser.add_argument("--repeats", type=int, default=S, help=f"batch draws per method (default: {d['repeats']})")
+    parser.add_argument("--batch-size", type=int, default=S,
+                        help=f"single-batch size; the debiased methods use two halves (default: {d['batch_size']})")
+    parser.add_argument("--rank", type=int, default=S, help=f"rank of the low-rank methods (default: {d['rank']})")
+    parser.add_argument("--prior-precisions", nargs="+", type=float, default=S,
+                        help="prior-precision grid (default: 13 log-spaced values 1e-4..1, plus 10, 100, 1000)")
+    parser.add_argument("--links", nargs="+", choices=("probit_projected", "probit", "mc"), default=S,
+                        help=f"link approximations (default: {' '.join(d['links'])}; the first is the main one)")
+    parser.add_argument("--n-samples", type=int, default=S, help=f"MC samples (default: {d['n_samples']})")
+    parser.add_argument("--chunk-size", type=int, default=S,
+                        help=f"inputs per predictive chunk (memory; default: {d['chunk_size']})")
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a JSON or TOML config; keys may use dashes or underscores; unknown keys are errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        raw = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"cannot parse config {path}: {err}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path} must hold a table/object of options")
+    cfg = {k.replace("-", "_"): v for k, v in raw.items()}
+    unknown = sorted(set(cfg) - set(DEFAULTS) - {"config"})
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} in {path}; valid: {sorted(DEFAULTS)}")
+    return cfg
+
+
+def resolve_options(args: argparse.Namespace) -> dict:
+    """Defaults < config file < explicit command-line flags; validated."""
+    given = vars(args)
+    opts = dict(DEFAULTS)
+    if given.get("config"):
+        opts.update(load_config(given["config"]))
+    opts.update(given)
+    bad = [m for m in opts["methods"] if m not in METHODS]
+    if bad:
+        raise ValueError(f"unknown method(s) {bad}; choose from {METHODS}")
+    for key in ("repeats", "batch_size", "rank", "n_samples", "chunk_size", "epochs", "eval_size"):
+        if int(opts[key]) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {opts[key]}")
+    if opts["batch_size"] < 2:
+        raise ValueError("--batch-size must be at least 2 (the debiased methods split it in halves)")
+    if any(p <= 0 for p in opts["prior_precisions"]):
+        raise ValueError("prior precisions must be positive")
+    if opts["data"] == "cifar10" and not opts["eval"]:
+        opts["eval"] = ["cifar10-test"]
+    return opts
+
+
+def _tensors(ds: Dataset, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(ds) if limit is None else min(limit, len(ds))
+    xs, ys = zip(*(ds[i] for i in range(n)))
+    return torch.stack([torch.as_tensor(x) for x in xs]), torch.as_tensor(ys, dtype=torch.long)
+
+
+def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
+    from laplace_debiased.data.digits import digits_splits
+    from laplace_debiased.models import digits_cnn
+
+    splits = digits_splits(seed=opts["seed"])
+    x, y = splits["test"].tensors
+    gen = torch.Generator().manual_seed(opts["seed"] + 1)
+    sets = [EvalSet("test", x, y, "test")]
+    for sev, sigma in ((1, 0.1), (2, 0.2), (3, 0.4)):
+        noisy = (x + sigma * torch.randn(x.shape, generator=gen)).clamp(0, 1)
+        sets.append(EvalSet(f"noise-{sev}", noisy, y, "corrupted", sev))
+    sets.append(EvalSet("inverted (OOD)", 1 - x, None, "ood"))
+    return splits["train"], sets, digits_cnn, "digits_cnn"
+
+
+def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
+    from laplace_debiased.data import load_cifar10, resolve_eval_set
+    from laplace_debiased.models import cifar_cnn
+
+    if not opts["data_root"]:
+        raise ValueError("--data cifar10 needs --data-root DIR (see /work/shared/data/SOURCES.md)")
+    train = load_cifar10(opts["data_root"], "train")
+    sets, have_test = [], False
+    for spec in opts["eval"]:
+        ds = resolve_eval_set(spec, opts["data_root"], seed=opts["seed"])
+        x, y = _tensors(ds, opts["eval_size"])
+        corrupted = "-c" in spec.split(":")[0]
+        kind = "corrupted" if corrupted else ("ood" if have_test else "test")
+        severity = int(spec.rsplit(":", 1)[1]) if corrupted and spec.rsplit(":", 1)[1].isdigit() else None
+        sets.append(EvalSet(spec, x, y if kind != "ood" else None, kind, severity))
+        have_test = have_test or kind == "test"
+    if not have_test:
+        raise ValueError("give a clean in-distribution --eval set first, e.g. --eval cifar10-test")
+    return train, sets, cifar_cnn, "cifar_cnn"
+
+
+def _method(name: str, model, train: Dataset, opts: dict) -> Method:
+    from laplace_debiased.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+    from laplace_debiased.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
+
+    ll = opts["subset"] == "last_layer"
+    b = opts["batch_size"]
+
+    def loader(batch_size: int, repeat: int) -> DataLoader:
+        gen = torch.Generator().manual_seed(opts["seed"] * 7919 + repeat)
+        return DataLoader(train, batch_size=batch_size, shuffle=True, generator=gen)
+
+    def make(kind: str):
+        if kind == "kron":
+            return (DebiasedKronLLLaplace if ll else DebiasedKronLaplace)(model, "classification")
+        return (DebiasedLowRankLLLaplace if ll else DebiasedLowRankLaplace)(
+            model, "classification", rank=opts["rank"])
+
+    def fit(repeat: int):
+        kind = name.split("_")[0]
+        la = make(kind)
+        if name.endswith("_single"):
+            single = loader(b, repeat)
+            la.fit(single, magnitude_loader=single)
+        elif name.endswith("_debiased"):
+            la.fit(loader(b // 2, repeat))
+        else:  # full batch: every training point, B̃ = B
+            everything = DataLoader(train, batch_size=len(train))
+            la.fit(everything, magnitude_loader=everything)
+        return la
+
+    full = name.endswith("_full")
+    return Method(name, fit, repeats=1 if full else opts["repeats"], full_batch=full)
+
+
+#: options that change the numbers of existing rows; resuming with other values is refused
+_SETUP_KEYS = ("seed", "data", "data_root", "eval", "eval_size", "train_size", "epochs", "subset",
+               "batch_size", "rank", "n_samples")
+
+
+def _check_same_setup(path: Path, opts: dict) -> None:
+    setup = {k: opts[k] for k in _SETUP_KEYS}
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = {k: (old.get(k), v) for k, v in setup.items() if old.get(k) != v}
+        if changed:
+            raise ValueError(
+                f"{path.parent} holds results of a different setup {changed} (old, new); "
+                "choose another --out to keep both"
+            )
+    else:
+        path.write_text(json.dumps(setup, indent=2))
+
+
+def run_pipeline(opts: dict, *, report: bool = True) -> dict[str, Path]:
+    """Train/load, fit, sweep (resumable) and optionally report.  Returns the output paths."""
+    from laplace_debiased.training import TrainConfig, train_map
+
+    out = Path(opts["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    quiet = opts["quiet"]
+    log = None if quiet else (lambda msg: print(msg, flush=True))
+    torch.manual_seed(opts["seed"])
+    train, eval_sets, arch, tag = _cifar(opts) if opts["data"] == "cifar10" else _digits(opts)
+    if opts["train_size"]:
+        train = torch.utils.data.Subset(train, range(min(opts["train_size"], len(train))))
+    start = time.perf_counter()
+    model, _ = train_map(arch(), train, TrainConfig(epochs=opts["epochs"], seed=opts["seed"]),
+                         tag=tag, log=log)
+    model.eval()
+    if log:
+        log(f"MAP model ready ({time.perf_counter() - start:.1f} s); N = {len(train)}")
+    methods = [_method(m, model, train, opts) for m in opts["methods"]]
+    results = out / "results.jsonl"
+    _check_same_setup(out / "options.json", opts)
+    run_sweep(methods, eval_sets, results, prior_precisions=opts["prior_precisions"],
+              links=opts["links"], n_samples=opts["n_samples"], seed=opts["seed"],
+              chunk_size=opts["chunk_size"], progress=not quiet, log=log, map_model=model)
+    paths = {"results": results}
+    if report:
+        from laplace_debiased.report import write_report
+
+        paths["report"] = write_report(results, out / "report", title=f"Calibration report ({tag})")
+    return paths
