@@ -79,7 +79,9 @@ def child(which: str, n_inputs: int, limit_gb: float) -> None:
         out["ok"] = False
         out["error"] = str(err).splitlines()[0][:200]
     out["seconds"] = time.perf_counter() - start
-    out["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # VmHWM (peak RSS of this program); ru_maxrss would include the parent's peak before exec
+    hwm = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM"))
+    out["max_rss_gb"] = int(hwm.split()[1]) / 2**20
     print("RESULT " + json.dumps(out))
 
 
@@ -101,7 +103,7 @@ def main() -> None:
     parser.add_argument("--n-test", type=int, default=2000)
     parser.add_argument("--laplace-points", type=int, default=100,
                         help="inputs on which laplace-torch is timed (then extrapolated)")
-    parser.add_argument("--memory-limit-gb", type=float, default=8.0)
+    parser.add_argument("--memory-limit-gb", type=float, default=3.0)
     parser.add_argument("--big-inputs", type=int, default=200)
     parser.add_argument("--child", choices=("laplace", "ours"))
     parser.add_argument("--child-inputs", type=int, default=50)
