@@ -24,7 +24,8 @@ approximation pass the last layer and batches of its input *features*.
 
 Routes to the top-k eigenpairs (``top_eigenpairs``)
 --------------------------------------------------
-- ``"lanczos"``: ``scipy.sparse.linalg.eigsh`` in float64 on curvlinops' matrix-free
+- ``"lanczos"``: :func:`lanczos_top_k` (``scipy.sparse.linalg.eigsh`` in float64, the one
+  Lanczos routine of the package, also used by the diagnostics) on curvlinops' matrix-free
   ``GGNLinearOperator``/``EFLinearOperator`` (each product is one pass over the batches).
 - ``"gram"``: exact, through the low-rank structure (ViViT, Dangel et al. 2022): build ``V`` from
   per-sample Jacobians and diagonalise the small matrix — ``VᵀV`` (``n·R × n·R``) when that is
@@ -40,13 +41,13 @@ vectorised with ``torch.func.vmap``): ``λ̃_i = Σ_n ‖A_nᵀ J_n u_i‖²``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
-from scipy.sparse.linalg import eigsh
+from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
@@ -296,28 +297,66 @@ def _topk_gram(V: Tensor, k: int) -> EigenPairs:
     return EigenPairs(s, (V @ W) / s.sqrt(), "gram")
 
 
+def lanczos_top_k(
+    operator: Callable[[Tensor], Tensor],
+    dim: int,
+    k: int,
+    *,
+    tol: float = 0.0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+    max_iterations: int | None = None,
+) -> EigenPairs:
+    """Top-k eigenpairs of a symmetric operator by implicitly restarted Lanczos (ARPACK ``eigsh``).
+
+    ``operator`` maps a flat ``(dim,)`` tensor of ``dtype`` on ``device`` to ``(dim,)`` (e.g. a
+    :class:`laplace_debiased.operators.CountingOperator`, or ``linop.__matmul__`` of a
+    curvlinops operator); the Lanczos recurrence itself runs in float64. The start vector is
+    drawn from ``seed``, so results are reproducible. ``tol``: ``eigsh``'s relative accuracy
+    (0 = machine precision). Returns float64 :class:`EigenPairs` (``(k,)`` eigenvalues
+    descending, ``(dim, k)`` orthonormal eigenvectors, method ``"lanczos"``) on ``device``;
+    no sign convention. Needs ``0 < k < dim`` (ARPACK's limit; form small operators densely).
+    """
+    if not 0 < k < dim:
+        raise ValueError(
+            f"Lanczos needs 0 < k < dim={dim}, got k={k}; solve such a small problem densely "
+            "(top_eigenpairs: method='gram')."
+        )
+
+    def matvec(x: np.ndarray) -> np.ndarray:
+        v = torch.from_numpy(np.ascontiguousarray(x.reshape(-1))).to(device=device, dtype=dtype)
+        return operator(v).detach().double().cpu().numpy()
+
+    linop = LinearOperator((dim, dim), matvec=matvec, dtype=np.float64)
+    v0 = np.random.default_rng(seed).standard_normal(dim)
+    try:
+        values, vectors = eigsh(linop, k=k, which="LA", tol=tol, v0=v0, maxiter=max_iterations)
+    except ArpackNoConvergence as err:
+        raise RuntimeError(
+            f"Lanczos did not converge to {k} eigenpairs ({len(err.eigenvalues)} converged); "
+            "ask for fewer eigenpairs or loosen the tolerance"
+        ) from err
+    order = np.argsort(values)[::-1].copy()
+    return EigenPairs(
+        torch.as_tensor(values[order], device=device),
+        torch.as_tensor(vectors[:, order].copy(), device=device),
+        "lanczos",
+    )
+
+
 def _topk_lanczos(
     model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float
 ) -> EigenPairs:
-    """Top-k eigenpairs by ``eigsh`` (float64) on curvlinops' GGN/EF operator of the batches."""
+    """Top-k eigenpairs by :func:`lanczos_top_k` on curvlinops' GGN/EF operator of the batches."""
     from curvlinops import EFLinearOperator, GGNLinearOperator
 
     params = [p for p in model.parameters() if p.requires_grad]
     lossfunc = nn.CrossEntropyLoss(reduction="sum") if likelihood == "classification" else nn.MSELoss(reduction="sum")
     cls = GGNLinearOperator if curvature == "ggn" else EFLinearOperator
     op = cls(model, lossfunc, params, list(batches), check_deterministic=False, num_data=count_samples(batches))
-    n_params = op.shape[0]
-    if not 0 < k < n_params:
-        raise ValueError(f"Lanczos needs 0 < rank < P={n_params}, got rank={k}; use method='gram'.")
-    v0 = np.random.default_rng(0).standard_normal(n_params)
-    values, vectors = eigsh(op.to_scipy(np.float64), k=k, which="LA", tol=tol, v0=v0)
-    order = np.argsort(values)[::-1].copy()
-    device = params[0].device
-    return EigenPairs(
-        loss_factor(likelihood) * torch.as_tensor(values[order], device=device),
-        torch.as_tensor(vectors[:, order], device=device),
-        "lanczos",
-    )
+    pairs = lanczos_top_k(op.__matmul__, op.shape[0], k, tol=tol, dtype=op.dtype, device=op.device)
+    return EigenPairs(loss_factor(likelihood) * pairs.values, pairs.vectors, "lanczos")
 
 
 LANCZOS_MATVEC_OVERHEAD = 5e7
