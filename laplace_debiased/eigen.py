@@ -25,8 +25,9 @@ approximation pass the last layer and batches of its input *features*.
 Routes to the top-k eigenpairs (``top_eigenpairs``)
 --------------------------------------------------
 - ``"lanczos"``: :func:`lanczos_top_k` (``scipy.sparse.linalg.eigsh`` in float64, the one
-  Lanczos routine of the package, also used by the diagnostics) on curvlinops' matrix-free
-  ``GGNLinearOperator``/``EFLinearOperator`` (each product is one pass over the batches).
+  Lanczos routine of the package, also used by the diagnostics) on the matrix-free curvlinops
+  GGN/EF operator of :func:`laplace_debiased.operators.curvature_linop` (mean loss, rescaled to
+  the summed loss; each product is one pass over the batches).
 - ``"gram"``: exact, through the low-rank structure (ViViT, Dangel et al. 2022): build ``V`` from
   per-sample Jacobians and diagonalise the small matrix — ``VᵀV`` (``n·R × n·R``) when that is
   smaller than ``P × P``, else ``V Vᵀ`` (for an ``nn.Linear``, ``V Vᵀ`` is formed from
@@ -346,17 +347,26 @@ def lanczos_top_k(
 
 
 def _topk_lanczos(
-    model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float
+    model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float, n_outputs: int
 ) -> EigenPairs:
-    """Top-k eigenpairs by :func:`lanczos_top_k` on curvlinops' GGN/EF operator of the batches."""
-    from curvlinops import EFLinearOperator, GGNLinearOperator
+    """Top-k eigenpairs by :func:`lanczos_top_k` on curvlinops' GGN/EF operator of the batches.
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    lossfunc = nn.CrossEntropyLoss(reduction="sum") if likelihood == "classification" else nn.MSELoss(reduction="sum")
-    cls = GGNLinearOperator if curvature == "ggn" else EFLinearOperator
-    op = cls(model, lossfunc, params, list(batches), check_deterministic=False, num_data=count_samples(batches))
+    The operator is :func:`laplace_debiased.operators.curvature_linop`, the curvature of the
+    **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` samples; the summed
+    loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
+    ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
+    entries). Eigenvectors are unchanged by the scale.
+    """
+    from laplace_debiased.operators import curvature_linop
+
+    n = count_samples(batches)
+    if likelihood == "classification":
+        lossfunc, scale = nn.CrossEntropyLoss(), float(n)
+    else:
+        lossfunc, scale = nn.MSELoss(), loss_factor(likelihood) * n * n_outputs
+    op = curvature_linop(model, lossfunc, list(batches), curvature, num_data=n)
     pairs = lanczos_top_k(op.__matmul__, op.shape[0], k, tol=tol, dtype=op.dtype, device=op.device)
-    return EigenPairs(loss_factor(likelihood) * pairs.values, pairs.vectors, "lanczos")
+    return EigenPairs(scale * pairs.values, pairs.vectors, "lanczos")
 
 
 LANCZOS_MATVEC_OVERHEAD = 5e7
@@ -421,7 +431,7 @@ def top_eigenpairs(
     if method == "auto":
         method = choose_method(n_params, n_samples, n_columns, rank)
     if method == "lanczos":
-        pairs = _topk_lanczos(model, batches, likelihood, curvature, rank, lanczos_tol)
+        pairs = _topk_lanczos(model, batches, likelihood, curvature, rank, lanczos_tol, n_out)
     elif isinstance(model, nn.Linear) and n_params <= n_columns:
         dense = eigh_descending(dense_curvature(model, batches, likelihood, curvature))
         pairs = EigenPairs(dense.values[:rank], dense.vectors[:, :rank], "gram")

@@ -116,11 +116,12 @@ def test_top_eigenpairs_match_dense_top_k(n_samples, method, likelihood):
 
 
 @pytest.mark.parametrize("curvature", eigen.CURVATURES)
-def test_lanczos_and_gram_routes_agree(curvature):
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)  # regression: MSELoss(mean) → summed-loss scale n·C/2
+def test_lanczos_and_gram_routes_agree(curvature, likelihood):
     model = tiny_mlp(seed=1)
-    batches = [make_batch(6, "classification", 8), make_batch(6, "classification", 9)]
-    gram = eigen.top_eigenpairs(model, batches, "classification", rank=4, curvature=curvature, method="gram")
-    lanczos = eigen.top_eigenpairs(model, batches, "classification", rank=4, curvature=curvature, method="lanczos")
+    batches = [make_batch(6, likelihood, 8), make_batch(5, likelihood, 9)]
+    gram = eigen.top_eigenpairs(model, batches, likelihood, rank=4, curvature=curvature, method="gram")
+    lanczos = eigen.top_eigenpairs(model, batches, likelihood, rank=4, curvature=curvature, method="lanczos")
     torch.testing.assert_close(gram.values, lanczos.values, atol=1e-9 * float(gram.values[0]), rtol=1e-9)
     assert_same_subspace_vectors(gram.vectors, lanczos.vectors)
     torch.testing.assert_close(gram.vectors.T @ gram.vectors, torch.eye(4, dtype=torch.float64), atol=1e-10, rtol=0)
