@@ -277,6 +277,7 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path | None = None
     lowrank_ok = _lowrank_class() is not None
     if not lowrank_ok:
         log("  laplace_debiased.lowrank not available: low-rank fits skipped")
+    low_rng = np.random.default_rng([cfg.seed, 2])  # own stream: K-FAC draws do not depend on it
     for r in range(cfg.repeats):
         for b in cfg.batch_sizes:
             idx = rng.choice(n, size=b, replace=False)
@@ -286,14 +287,17 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path | None = None
             ]
             if (r + cfg.batch_sizes.index(b)) % 2:  # alternate which method goes first
                 pair.reverse()
-            if b in cfg.lowrank_batch_sizes and lowrank_ok:
-                k = cfg.lowrank_rank
-                low = [
-                    (f"lowrank-{b}", "lowrank", lambda idx=idx: fit_lowrank(model, train, idx, k, False)),
-                    (f"debiased_lowrank-{b}", "debiased_lowrank",
-                     lambda idx=idx: fit_lowrank(model, train, idx, k, True)),
-                ]
-                pair += low[::-1] if r % 2 else low
+            for name, method, fn in pair:
+                record(name, method, b, r, fn)
+        for i, b in enumerate(cfg.lowrank_batch_sizes if lowrank_ok else ()):
+            idx = low_rng.choice(n, size=b, replace=False)
+            k = cfg.lowrank_rank
+            pair = [
+                (f"lowrank-{b}", "lowrank", lambda idx=idx: fit_lowrank(model, train, idx, k, False)),
+                (f"debiased_lowrank-{b}", "debiased_lowrank", lambda idx=idx: fit_lowrank(model, train, idx, k, True)),
+            ]
+            if (r + i) % 2:
+                pair.reverse()
             for name, method, fn in pair:
                 record(name, method, b, r, fn)
     record("kron-full", "kron-full", None, None, lambda: fit_full(model, train, cfg.full_batch_size))
@@ -828,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     meta["figures"] = figures(summary, res, out, cfg)
     (out / "results.json").write_text(json.dumps(
-        {"meta": meta, "targets": tgt, "summary": summary, "curves": res}, indent=1, default=float))
+        {"meta": meta, "targets": tgt, "summary": summary, "curves": res}, default=float))
     (out / "results.md").write_text(markdown(summary, res, cfg, meta, tgt))
     log(f"wrote {out / 'results.md'} and results.json ({meta['wall_seconds']:.0f} s)")
     return 0
