@@ -65,9 +65,10 @@ LIKELIHOODS = ("classification", "regression")
 
 @dataclass(frozen=True)
 class EigenPairs:
-    """Eigenpairs of a symmetric PSD curvature, eigenvalues in descending order.
+    """Eigenpairs of a symmetric curvature, eigenvalues in descending order.
 
-    ``values``: ``(k,)`` float64; ``vectors``: ``(P, k)`` float64 with orthonormal columns;
+    ``values``: ``(k,)``; ``vectors``: ``(P, k)`` with orthonormal columns; float64 from this
+    module (``diagnostics.directions.top_eigenpairs`` casts to the model's dtype);
     ``method``: the route that computed them (``"gram"``, ``"lanczos"`` or ``"dense"``).
     """
 

@@ -11,25 +11,15 @@ sign convention.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from laplace_debiased.eigen import eigh_descending, lanczos_top_k
+from laplace_debiased.eigen import EigenPairs, eigh_descending, lanczos_top_k
 
 Operator = Callable[[Tensor], Tensor]
 
 DENSE_LIMIT = 64
 """Operators of at most this dimension (or with k ≥ dim - 1) are formed densely instead."""
-
-
-@dataclass(frozen=True)
-class EigenDirections:
-    """Top-k eigenpairs, largest first: ``values (K,)``, ``vectors (P, K)`` orthonormal."""
-
-    values: Tensor
-    vectors: Tensor
 
 
 def top_eigenpairs(
@@ -41,24 +31,26 @@ def top_eigenpairs(
     tol: float = 1e-8,
     seed: int = 0,
     max_iterations: int | None = None,
-) -> EigenDirections:
-    """Top-k eigenpairs of a symmetric operator, in ``dtype``.
+) -> EigenPairs:
+    """Top-k eigenpairs of a symmetric operator, largest first, in ``dtype``.
 
     ``operator`` maps ``(P,)`` to ``(P,)`` and ``(P, K)`` to ``(P, K)`` in ``dtype`` (the model's
     dtype). Large problems use :func:`laplace_debiased.eigen.lanczos_top_k` (float64 Lanczos, start
     vector drawn from ``seed``, so results are reproducible); small ones (``dim ≤ DENSE_LIMIT`` or
     ``k ≥ dim − 1``) are solved densely with ``dim`` products (one ``(P, P)`` block).
     Eigenvector signs are fixed so that each vector's largest-magnitude entry is positive.
+    Returns :class:`~laplace_debiased.eigen.EigenPairs` (``values (K,)``, ``vectors (P, K)``
+    orthonormal, ``method`` ``"dense"`` or ``"lanczos"``) cast to ``dtype``.
     """
     if not 1 <= k <= dim:
         raise ValueError(f"k must be between 1 and the number of parameters ({dim}), got {k}")
     if dim <= DENSE_LIMIT or k >= dim - 1:
         pairs = eigh_descending(operator(torch.eye(dim, dtype=dtype)))
-        values, vectors = pairs.values[:k], pairs.vectors[:, :k]
+        pairs = EigenPairs(pairs.values[:k], pairs.vectors[:, :k], pairs.method)
     else:
         pairs = lanczos_top_k(operator, dim, k, tol=tol, seed=seed, dtype=dtype, max_iterations=max_iterations)
-        values, vectors = pairs.values, pairs.vectors
+    vectors = pairs.vectors
     idx = vectors.abs().argmax(0)
     signs = torch.sign(vectors[idx, torch.arange(vectors.shape[1])])
     signs[signs == 0] = 1.0
-    return EigenDirections(values.to(dtype), (vectors * signs).to(dtype))
+    return EigenPairs(pairs.values.to(dtype), (vectors * signs).to(dtype), pairs.method)
