@@ -10,6 +10,7 @@ from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from laplace_debiased import predictive
 from laplace_debiased.predictive import (
     EigenStructure,
     GridPredictive,
@@ -22,6 +23,7 @@ from laplace_debiased.predictive import (
     probit_projected,
     linearized_logit_samples,
     sampled_linearized_predictive,
+    weighted_grams,
 )
 
 
@@ -91,6 +93,40 @@ def test_low_rank_structure_equals_dense_formula():
     _, jacs = logit_jacobians(la.model, laplace_params(la), X[:5])
     cov = struct.covariance(struct.rotate(jacs), delta)
     torch.testing.assert_close(cov, cov_ref)
+
+
+@pytest.mark.parametrize("buffer", [predictive.PAIR_BUFFER, 7])
+def test_weighted_grams_equal_explicit_formula(monkeypatch, buffer):
+    """Pair-product path (G >= 3, also in pieces over inputs and columns) and the per-point path
+    (G <= 2) against ``A diag(w_g) Aᵀ`` written out."""
+    monkeypatch.setattr(predictive, "PAIR_BUFFER", buffer)
+    gen = torch.Generator().manual_seed(3)
+    A = torch.randn(5, 4, 9, dtype=torch.float64, generator=gen)
+    W = torch.rand(4, 9, dtype=torch.float64, generator=gen)
+    ref = torch.einsum("ncp,gp,ndp->gncd", A, W, A)
+    torch.testing.assert_close(weighted_grams(A, W), ref, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(weighted_grams(A, W[:2]), ref[:2], rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("case", ["kron", "kron_damped_per_layer", "full", "low_rank"])
+def test_grid_covariances_equal_per_point_covariance(case):
+    """``covariances(grid)`` (one pass over the rotated Jacobians) equals ``covariance`` at each
+    grid point, which takes the per-point path, to round-off."""
+    la, X = _fit("full" if case in ("full", "low_rank") else "kron", "all")
+    struct = GridPredictive(la).structure
+    grid: list = [1e-3, 0.05, 1.0, 30.0]
+    if case == "kron_damped_per_layer":
+        struct.damping = True
+        grid = [torch.linspace(0.01, 1.0, la.n_layers, dtype=torch.float64) * g for g in grid]
+    if case == "low_rank":
+        struct = EigenStructure(struct.U[:, -5:], struct.lam[-5:], la._H_factor)
+    _, jacs = logit_jacobians(la.model, laplace_params(la), X[:6])
+    rotated = struct.rotate(jacs)
+    covs = struct.covariances(rotated, grid)
+    assert covs.shape == (len(grid), 6, 4, 4)
+    ref = torch.stack([struct.covariance(rotated, d) for d in grid])
+    torch.testing.assert_close(covs, ref, rtol=1e-12, atol=1e-14)
+    assert (covs[0] - covs[-1]).abs().max() > 1e-3 * covs[0].abs().max()
 
 
 def test_projected_probit_ignores_all_ones_direction():
