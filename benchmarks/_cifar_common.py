@@ -1,4 +1,4 @@
-"""Shared set-up of the CIFAR-10 benchmarks: data, the 45k/5k split, normalisation, the MAP model.
+"""Shared set-up of the CIFAR-10 benchmarks: data, the 45k/5k split, the MAP model.
 
 Used by ``benchmarks/cifar10_laplace.py`` (engineer G) and ``benchmarks/cg_figure5.py``
 (engineer D), so that both run on the same trained network, cached on disk after the first run.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from laplace_debiased.data.cifar import cifar_splits
-from laplace_debiased.data.images import ImageDataset
 from laplace_debiased.models import cifar_cnn
 from laplace_debiased.training import TrainConfig, train_map
 
@@ -64,19 +62,17 @@ def data_root(arg: str | Path | None = None) -> Path:
 
 @dataclass
 class CifarData:
-    """The benchmark's data as tensors, plus the raw test images for generated corruptions.
+    """The benchmark's data as tensors, and the root it was read from.
 
     ``train``/``val``/``test``: ``TensorDataset`` of normalised float32 ``(N, 3, 32, 32)`` images
-    and int64 labels; ``test_uint8``: uint8 ``(10000, 32, 32, 3)`` (the corruption generator's
-    layout); ``normalise`` maps such uint8 images to model inputs.
+    and int64 labels; ``root`` holds ``cifar-10-batches-bin/`` (for
+    :func:`laplace_debiased.data.resolve_eval_set`, e.g. the generated corrupted test sets).
     """
 
     train: TensorDataset
     val: TensorDataset
     test: TensorDataset
-    test_uint8: np.ndarray
-    test_labels: np.ndarray
-    normalise: Callable[[np.ndarray], torch.Tensor]
+    root: Path
 
 
 def load_data(root: str | Path | None = None, *, n_train: int | None = None) -> CifarData:
@@ -86,22 +82,16 @@ def load_data(root: str | Path | None = None, *, n_train: int | None = None) -> 
     CIFAR-10 per-channel normalisation).  ``n_train`` keeps the first ``n_train`` training images
     (``--quick``).
     """
-    splits = cifar_splits(data_root(root), n_val=N_VAL, seed=SPLIT_SEED)
+    root = data_root(root)
+    splits = cifar_splits(root, n_val=N_VAL, seed=SPLIT_SEED)
     train = splits["train"]
     if n_train is not None:
         train = train.subset(np.arange(min(n_train, len(train))))
-    test = splits["test"]
-
-    def normalise(images_uint8: np.ndarray) -> torch.Tensor:
-        return ImageDataset(images_uint8, np.zeros(len(images_uint8)), mean=test.mean, std=test.std).tensors()[0]
-
     return CifarData(
         train=TensorDataset(*train.tensors()),
         val=TensorDataset(*splits["val"].tensors()),
-        test=TensorDataset(*test.tensors()),
-        test_uint8=test.uint8(slice(None)),
-        test_labels=test.labels.copy(),
-        normalise=normalise,
+        test=TensorDataset(*splits["test"].tensors()),
+        root=root,
     )
 
 

@@ -26,17 +26,17 @@ What runs, in one process, single-threaded (``torch.set_num_threads(1)``):
    Eq. 18 of the paper), for the paper's prior-precision grid (13 log-spaced values in [1e-4, 1]
    plus 10), via :mod:`laplace_debiased.predictive`: per chunk of inputs the per-example
    Jacobians are computed once and shared by all fits; each fit rotates them into its eigenbasis
-   once and reuses that for the whole grid.  The MC noise is common across fits (same seed per
+   once and gets the logit covariances of the whole grid in one pass (``covariances``).  The MC noise is common across fits (same seed per
    chunk and grid point), so differences between methods are not MC noise;
 4. accuracy / NLL / ECE (:mod:`laplace_debiased.metrics`) on a validation subset (prior
-   selection), a test subset, and generated CIFAR-10-C-style sets at severities 1-5 (each image
-   corrupted by one of the 15 standard corruptions drawn uniformly with a seed,
-   :func:`laplace_debiased.data.corruptions.corrupt`); AUROC test vs corrupted (predictive
-   entropy);
+   selection), a test subset, and generated CIFAR-10-C-style sets at severities 1-5 (the mixed
+   sets of :func:`laplace_debiased.data.resolve_eval_set` ``"cifar10-c-mixed:S"``: each test
+   image corrupted by one of the 15 standard corruptions drawn uniformly with a seed); AUROC
+   test vs corrupted (predictive entropy);
 5. ``results.json``, ``results.md`` (tables), ``fig6_*.png`` in ``--out``.
 
-Fits, predictions and generated corrupted images are cached under
-``~/.cache/laplace-debiased/cifar10_laplace/`` (``$LAPLACE_DEBIASED_CACHE``), per fit and per
+Fits and predictions are cached under ``~/.cache/laplace-debiased/cifar10_laplace/``
+(``$LAPLACE_DEBIASED_CACHE``; the corrupted sets under its ``corrupted/``), per fit and per
 (evaluation set, fit), keyed by the model and the configuration, so an interrupted run resumes
 where it stopped (``--fresh`` discards the cached fits and predictions of this configuration).  Fit times in the report always come from the run
 that fitted; ``results.json`` records whether anything was loaded from the cache.
@@ -70,23 +70,18 @@ import _cifar_common as common  # noqa: E402
 from laplace import KronLaplace  # noqa: E402
 
 from laplace_debiased import metrics as M  # noqa: E402
-from laplace_debiased.data.cifar_c import mixed_choice  # noqa: E402
-from laplace_debiased.data.corruptions import CORRUPTIONS, corrupt  # noqa: E402
+from laplace_debiased.data import resolve_eval_set  # noqa: E402
 from laplace_debiased.kron import DebiasedKronLaplace  # noqa: E402
 from laplace_debiased.training import default_cache_dir, evaluate_loss  # noqa: E402
-from laplace_debiased.predictive import (  # noqa: E402
-    KronStructure,
-    apply_link,
-    logit_jacobians,
-    posterior_structure,
-)
+from laplace_debiased.predictive import apply_link, logit_jacobians, posterior_structure  # noqa: E402
 
 #: The paper's prior-precision grid: 13 log-spaced values from 1e-4 to 1, plus 10.
 GRID = [float(v) for v in np.logspace(-4, 0, 13)] + [10.0]
 SEVERITIES = (1, 2, 3, 4, 5)
-#: Bumped whenever the predictive computation changes (invalidates cached predictions).
-PREDICTIVE_VERSION = 2
-#: Fits, predictions and generated corrupted images (never in the repository).
+#: Bumped whenever the predictive computation or the evaluation sets change (invalidates cached
+#: predictions; 3: corrupted sets from ``resolve_eval_set("cifar10-c-mixed:S")``).
+PREDICTIVE_VERSION = 3
+#: Fits and predictions (never in the repository).
 CACHE = default_cache_dir() / "cifar10_laplace"
 
 
@@ -307,24 +302,12 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path | None = None
 # ---------------------------------------------------------------------------------------------
 # Evaluation sets
 # ---------------------------------------------------------------------------------------------
-def mixed_corruption(images: np.ndarray, severity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each image corrupted by one of the 15 standard corruptions drawn uniformly (seeded).
-
-    ``images`` uint8 ``(N, 32, 32, 3)``; returns the corrupted images and the corruption index
-    of each image (into :data:`CORRUPTIONS`).
-    """
-    which = mixed_choice(len(images), seed + severity)
-    out = np.empty_like(images)
-    for c, name in enumerate(CORRUPTIONS):
-        rows = np.flatnonzero(which == c)
-        if len(rows):
-            out[rows] = corrupt(images[rows], name, severity, seed=seed + 1000 * severity + c)
-    return out, which
-
-
 def eval_sets(data: common.CifarData, cfg: Config, log=print) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{"val", "test", "c1".."c5"}`` -> ``(X, y)``; the corrupted sets are the first
-    ``n_corrupt`` images of the test subset, corrupted (cached under the data cache)."""
+    """``{"val", "test", "c1".."c5"}`` -> ``(X, y)``: seeded subsets of the validation and test
+    sets, and the first ``n_corrupt`` images of the test subset taken from the package's
+    generated mixed CIFAR-10-C set of each severity (``resolve_eval_set("cifar10-c-mixed:S")``:
+    every test image corrupted by one of the 15 corruptions, drawn uniformly with ``cfg.seed``;
+    generated for the whole test set once and cached by :mod:`laplace_debiased.data`)."""
     rng = np.random.default_rng([cfg.seed, 1])
     val_idx = rng.choice(len(data.val), size=cfg.n_val, replace=False)
     test_idx = rng.choice(len(data.test), size=cfg.n_test, replace=False)
@@ -332,22 +315,14 @@ def eval_sets(data: common.CifarData, cfg: Config, log=print) -> dict[str, tuple
     Xt, yt = data.test.tensors
     sets = {"val": (Xv[val_idx], yv[val_idx]), "test": (Xt[test_idx], yt[test_idx])}
     c_idx = test_idx[: cfg.n_corrupt]
-    cache = CACHE / "cifar10c-generated"
-    cache.mkdir(parents=True, exist_ok=True)
     for s in SEVERITIES:
-        key = hashlib.sha256(c_idx.tobytes() + f"{s}-{cfg.seed}-mixed_choice".encode()).hexdigest()[:12]
-        path = cache / f"mixed-s{s}-{key}.npz"
-        if path.is_file():
-            images = np.load(path)["images"]
-        else:
-            start = time.perf_counter()
-            images, which = mixed_corruption(data.test_uint8[c_idx], s, cfg.seed)
-            tmp = path.with_name(path.name + f".{os.getpid()}.part")
-            with open(tmp, "wb") as fh:
-                np.savez(fh, images=images, which=which, rows=c_idx)
-            tmp.replace(path)
-            log(f"  generated severity {s}: {len(images)} images in {time.perf_counter() - start:.1f} s")
-        sets[f"c{s}"] = (data.normalise(images), torch.as_tensor(data.test_labels[c_idx]))
+        start = time.perf_counter()
+        Xc, yc = resolve_eval_set(f"cifar10-c-mixed:{s}", data.root, seed=cfg.seed).subset(c_idx).tensors()
+        if not torch.equal(yc, yt[c_idx]):
+            raise RuntimeError(f"the generated corrupted test set under {data.root} is not in the order "
+                               "of the benchmark's test set; delete its cache (<cache>/corrupted) and rerun")
+        sets[f"c{s}"] = (Xc, yc)
+        log(f"  corrupted severity {s}: {len(Xc)} images ({time.perf_counter() - start:.1f} s)")
     return sets
 
 
@@ -356,37 +331,6 @@ def eval_sets(data: common.CifarData, cfg: Config, log=print) -> dict[str, tuple
 # ---------------------------------------------------------------------------------------------
 def fit_key(fit: Fit) -> str:
     return f"{fit.name}#{fit.repeat}"
-
-
-def grid_covariances(structure, rotated, grid: list[float], sub: int = 4) -> torch.Tensor:
-    """``Σ(δ)`` for every ``δ`` of ``grid`` at once, shape ``(G, n, C, C)``.
-
-    Same result as ``[structure.covariance(rotated, δ) for δ in grid]`` (checked in
-    :func:`predict_all`), but for the dense K-FAC blocks the rotated Jacobian is read once for
-    the whole grid: ``Σ_cd(δ_g) = Σ_p (J̃_cp J̃_dp) w_gp`` as one matrix product of the pair
-    products ``J̃_c ∘ J̃_d`` (upper triangle, ``sub`` inputs at a time) with ``W = [w_g]``,
-    ``w_g = 1/(s·λ + δ_g)`` from the structure itself.  Other structures: per grid point.
-    """
-    if not isinstance(structure, KronStructure):
-        return torch.stack([structure.covariance(rotated, d) for d in grid])
-    A0 = rotated[0][1]
-    n, C = A0.shape[:2]
-    iu, ju = torch.triu_indices(C, C)
-    upper = torch.zeros(len(grid), n, len(iu), dtype=A0.dtype)
-    cov = torch.zeros(len(grid), n, C, C, dtype=A0.dtype)
-    for k, (kind, A, B) in enumerate(rotated):
-        W = torch.stack([structure._inverse_eigenvalues(k, torch.tensor(d, dtype=A.dtype)).reshape(-1) for d in grid])
-        if kind == "factored":  # Σ_ab g̃_ca g̃_da ã_b² w_ab
-            BW = B @ W.reshape(len(grid), A.shape[-1], B.shape[-1]).transpose(1, 2)  # (G, n, a)
-            cov += torch.einsum("nca,gna,nda->gncd", A, BW, A)
-        else:
-            for s in range(0, n, sub):
-                As = A[s : s + sub]
-                pairs = (As[:, iu] * As[:, ju]).reshape(-1, As.shape[-1])
-                upper[:, s : s + sub] += (pairs @ W.T).reshape(len(As), len(iu), -1).permute(2, 0, 1)
-    cov[:, :, iu, ju] += upper
-    cov[:, :, ju[iu != ju], iu[iu != ju]] += upper[:, :, iu != ju]
-    return cov
 
 
 @torch.no_grad()
@@ -406,12 +350,12 @@ def predict_all(model, fits: list[Fit], X: torch.Tensor, cfg: Config, set_id: in
         maps.append(torch.softmax(f, -1))
         for fit in fits:
             rotated = fit.structure.rotate(jacs)
-            covs = grid_covariances(fit.structure, rotated, GRID)
-            if ci == 0:  # the batched grid must reproduce the library's covariance
+            covs = fit.structure.covariances(rotated, GRID)
+            if ci == 0:  # float32 on the real model: the batched grid reproduces the one-point path
                 ref = fit.structure.covariance(rotated, GRID[0])
                 err = float((covs[0] - ref).abs().max() / ref.abs().max())
                 if err > 1e-4:
-                    raise AssertionError(f"grid covariance deviates from predictive.covariance by {err:.2e}")
+                    raise AssertionError(f"grid covariance deviates from the one-point covariance by {err:.2e}")
             per_grid = []
             for g in range(len(GRID)):
                 gen.manual_seed((cfg.seed * 31 + set_id) * 100003 + ci)
