@@ -24,6 +24,7 @@ import argparse
 import json
 import time
 import tomllib
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +45,7 @@ DEFAULTS: dict = {
     "eval": [],
     "eval_size": 2000,
     "train_size": None,
-    "epochs": 30,
+    "epochs": None,  # None: the default training of the chosen model
     "subset": "all",
     "methods": ["kron_single", "kron_debiased", "kron_full", "lowrank_single", "lowrank_debiased"],
     "repeats": 3,
@@ -77,7 +78,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-size", type=int, default=S,
                         help=f"at most this many points per CIFAR evaluation set (default: {d['eval_size']})")
     parser.add_argument("--train-size", type=int, default=S, help="use only this many training points")
-    parser.add_argument("--epochs", type=int, default=S, help=f"MAP training epochs (default: {d['epochs']})")
+    parser.add_argument("--epochs", type=int, default=S, help="MAP training epochs (default: 60 for digits, 30 for CIFAR-10)")
     parser.add_argument("--subset", choices=("all", "last_layer"), default=S,
                         help=f"weights under the Laplace approximation (default: {d['subset']})")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=S,
@@ -125,7 +126,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
     if bad:
         raise ValueError(f"unknown method(s) {bad}; choose from {METHODS}")
     for key in ("repeats", "batch_size", "rank", "n_samples", "chunk_size", "epochs", "eval_size"):
-        if int(opts[key]) < 1:
+        if opts[key] is not None and int(opts[key]) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {opts[key]}")
     if opts["batch_size"] < 2:
         raise ValueError("--batch-size must be at least 2 (the debiased methods split it in halves)")
@@ -233,7 +234,7 @@ def _check_same_setup(path: Path, opts: dict) -> None:
 
 def run_pipeline(opts: dict, *, report: bool = True) -> dict[str, Path]:
     """Train/load, fit, sweep (resumable) and optionally report.  Returns the output paths."""
-    from laplace_debiased.training import TrainConfig, train_map
+    from laplace_debiased.training import DIGITS_CONFIG, TrainConfig, train_map
 
     out = Path(opts["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -244,8 +245,9 @@ def run_pipeline(opts: dict, *, report: bool = True) -> dict[str, Path]:
     if opts["train_size"]:
         train = torch.utils.data.Subset(train, range(min(opts["train_size"], len(train))))
     start = time.perf_counter()
-    model, _ = train_map(arch(), train, TrainConfig(epochs=opts["epochs"], seed=opts["seed"]),
-                         tag=tag, log=log)
+    base = DIGITS_CONFIG if opts["data"] == "digits" else TrainConfig()
+    config = replace(base, seed=opts["seed"], epochs=opts["epochs"] or base.epochs)
+    model, _ = train_map(arch(), train, config, tag=tag, log=log)
     model.eval()
     if log:
         log(f"MAP model ready ({time.perf_counter() - start:.1f} s); N = {len(train)}")

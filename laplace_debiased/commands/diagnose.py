@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from laplace_debiased.training import DIGITS_CONFIG, default_digits_model
+
 HELP = "measure how biased mini-batch quadratics are (bias report)"
 
 DEFAULT_BATCH_SIZE = 50
-DEFAULT_BETA = 5e-4  # weight decay of the default model's MAP training (prior precision per point)
+DEFAULT_BETA = DIGITS_CONFIG.weight_decay  # the default model's MAP ℓ² term (prior precision per point)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,12 +56,7 @@ def _load_inputs(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, tor
     if (args.model_file is None) != (args.data is None):
         raise ValueError("pass both --model-file and --data, or neither (for the default digits model)")
     if args.model_file is None:
-        from laplace_debiased.data.digits import digits_splits
-        from laplace_debiased.models import digits_cnn
-        from laplace_debiased.training import TrainConfig, train_map
-
-        splits = digits_splits()
-        model, _ = train_map(digits_cnn(), splits["train"], TrainConfig(), val_set=splits["val"], tag="digits_cnn")
+        model, splits = default_digits_model(seed=args.seed)
         X, y = splits["train"].tensors
         return model, X, y, DEFAULT_BETA if args.beta is None else args.beta
     for path in (args.model_file, args.data):
