@@ -26,8 +26,16 @@ from laplace_debiased.diagnostics.measure import (
 )
 from laplace_debiased.diagnostics.overlap import overlap_matrix, subspace_overlap
 
-torch.set_default_dtype(torch.float64)
 BETA = 0.1
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Closed-form comparisons in float64; restored afterwards so other test modules are unaffected."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def least_squares(N: int = 60, P: int = 5, seed: int = 0):
