@@ -18,3 +18,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q tests
+
+# Benchmarks (not tests): real CIFAR-10 from ../shared/data, built once into the cache.
+DATA ?= $(HOME)/.cache/laplace-debiased/data
+bench: $(STAMP)
+	$(PYTHON) ../shared/data/build_cifar10.py $(DATA)
+	LAPLACE_DEBIASED_DATA=$(DATA) $(PYTHON) benchmarks/sweep_speed.py
+	LAPLACE_DEBIASED_DATA=$(DATA) $(PYTHON) benchmarks/cg_figure5.py
+	LAPLACE_DEBIASED_DATA=$(DATA) $(PYTHON) benchmarks/cifar10_laplace.py
