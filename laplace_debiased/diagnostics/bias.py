@@ -242,7 +242,8 @@ def diagnose_bias(
         say("eigenvectors of the full data set")
 
     ladder = [LadderRow(b, st.source, st.batches[st.source].curvatures,
-                        st.batches[st.others()[0]].curvatures, st.full.curvatures) for st in eigen]
+                        st.batches[_independent(st.source, len(eigen), M)].curvatures, st.full.curvatures)
+              for st in eigen]
     sizes = [s for s in (config.ladder or default_ladder(b, X.shape[0])) if s != b]
     if any(s > X.shape[0] // 2 for s in sizes):
         raise ValueError(f"ladder batch sizes must be at most N/2 = {X.shape[0] // 2}, got {sizes}")
@@ -266,6 +267,15 @@ def _merge(into: dict[int, int], extra: dict[int, int]) -> None:
         into[n] = into.get(n, 0) + c
 
 
+def _independent(source: int, n_sources: int, n_batches: int) -> int:
+    """Index of the independent batch paired with direction batch ``source``.
+
+    Taken from outside the direction batches where the partition allows, so that two direction
+    batches are never each other's only independent measurement.
+    """
+    return n_sources + source if n_sources + source < n_batches else (source + 1) % n_batches
+
+
 def _ladder_rows(model, loss_func, X, y, size, config, curvature, K, gen, products, exact) -> list[LadderRow]:
     """Top-k eigenvectors of ``curvature`` on a few batches of ``size``: same vs independent vs full.
 
@@ -278,12 +288,13 @@ def _ladder_rows(model, loss_func, X, y, size, config, curvature, K, gen, produc
     full = factory(merged)
     full_exact = quadratic_factory(model, loss_func, exact, config.beta)(merged) if exact else None
     rows = []
-    for s in range(min(config.n_sources, len(partition) - 1)):
+    n_sources = min(config.n_sources, len(partition) - 1)
+    for s in range(n_sources):
         q = factory([partition[s]])
         pairs = top_eigenpairs(q.curvature, q.gradient.shape[0], K, dtype=q.gradient.dtype,
                                tol=config.lanczos_tol, seed=config.seed + s)
         _count(products, q)
-        other = factory([partition[s + 1]])
+        other = factory([partition[_independent(s, n_sources, len(partition))]])
         measured = [restrict(other, pairs.vectors), restrict(full, pairs.vectors)]
         _count(products, other)
         _count(products, full)

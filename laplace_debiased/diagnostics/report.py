@@ -213,7 +213,7 @@ def markdown_summary(s: dict[str, Any], plan: dict[str, str] | None = None) -> s
         lines.append(f"* Eq. 5 check (average over the partition = full data): max relative deviation "
                      f"{s['eq5_max_relative_residual']:.1e}.")
     lines += ["", "## Bias vs batch size", "",
-              "Relative bias of the top-k curvatures of a batch of each size (one independent batch per direction batch).",
+              "Relative bias of the top-k curvatures of a batch of each size (one independent batch per direction batch, so this column is noisy with few direction batches, see `--sources`; the verdict above uses all other batches).",
               "", "| batch size | same batch (median) | quartiles | independent batch (median) |",
               "|---:|---:|---:|---:|"]
     for r in s["batch_size_ladder"]:
