@@ -57,3 +57,11 @@ def test_tiny_end_to_end_run_and_resume(tmp_path, monkeypatch):
 def test_python_dash_m_help():
     res = subprocess.run([sys.executable, "-m", "laplace_debiased", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "sweep" in res.stdout
+
+
+def test_missing_cifar_data_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    code = cli.main(["main", "--data", "cifar10", "--data-root", str(tmp_path / "nowhere"),
+                     "--out", str(tmp_path / "out"), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cifar-10-batches-bin" in err and "Traceback" not in err

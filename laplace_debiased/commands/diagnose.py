@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if not 1 <= args.batch_size <= X.shape[0] // 2:
             raise ValueError(f"--batch-size must be between 1 and N/2 = {X.shape[0] // 2} (N = {X.shape[0]} data points)")
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         return _fail(str(err))
     if args.likelihood == "regression" and y.ndim == 1:
         y = y.unsqueeze(-1)

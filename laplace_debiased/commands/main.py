@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = resolve_options(args)
         paths = run_pipeline(opts, report=True)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         print(f"laplace-debiased: error: {err}", file=sys.stderr)
         return 2
     print(f"results: {paths['results']}")

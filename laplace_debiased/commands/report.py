@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else path.parent / "report"
     try:
         md = write_report(path, out, title=args.title)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         print(f"laplace-debiased: error: {err}", file=sys.stderr)
         return 2
     print(f"report: {md} (and {md.with_suffix('.html')})")

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the sweep (no report); exit status 2 on bad options."""
     try:
         paths = run_pipeline(resolve_options(args), report=False)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         print(f"laplace-debiased: error: {err}", file=sys.stderr)
         return 2
     print(f"results: {paths['results']}")
