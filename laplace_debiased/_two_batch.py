@@ -3,12 +3,14 @@
 A class using :class:`TwoBatchLaplaceMixin` lists it *before* its laplace-torch base
 (``class X(TwoBatchLaplaceMixin, KronLaplace)``) and implements the hook
 
-``_fit_two_batch(direction_batches, magnitude_batches, N) -> None``
+``_fit_two_batch(direction_batches, magnitude_batches, N) -> Tensor``
 
 which computes the curvature of the direction batches B and the magnitude batches B̃,
 each scaled to ``N`` data points exactly like a laplace-torch fit over a loader of ``N``
 samples (summed loss; see :mod:`laplace_debiased.batches` for how B and B̃ are chosen),
-and sets ``self.H``.  When the hook runs, ``self.n_data`` still holds the number of data
+sets ``self.H`` and returns the summed loss over the distinct batches of B ∪ B̃
+(:meth:`_distinct`), unscaled: backends that evaluate it with the curvature return theirs,
+the others call :meth:`_summed_loss`, so no batch is forwarded twice for the loss.  When the hook runs, ``self.n_data`` still holds the number of data
 points of earlier fits (0 unless ``override=False``), so online fits can combine them.
 Subclasses that keep extra state per fit extend :meth:`_reset_fit_state`.
 
@@ -102,7 +104,7 @@ class TwoBatchLaplaceMixin:
             dict_key_y=self.dict_key_y,
             device=self._device,
         )
-        used = batches.direction + ([] if batches.same_batches else batches.magnitude)
+        used = self._distinct(batches.direction, batches.magnitude)
         for b in used:
             self._check_batch_matches_model(b)
         self.model.eval()
@@ -122,16 +124,25 @@ class TwoBatchLaplaceMixin:
         if not torch.isfinite(self.mean).all():
             raise ValueError("the model parameters (the MAP estimate) contain NaN or Inf.")
 
-        self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
+        loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
+        if not torch.isfinite(loss):
+            raise ValueError("the training loss on the fit batches is NaN or Inf.")
 
         n_used = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in used)
-        self.loss = self.loss + batches.n_data / n_used * self._summed_loss(used)
+        self.loss = self.loss + batches.n_data / n_used * loss
         self.n_data += batches.n_data
 
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
-    ) -> None:
+    ) -> torch.Tensor:
         raise NotImplementedError
+
+    @staticmethod
+    def _distinct(direction_batches: list[Batch], magnitude_batches: list[Batch]) -> list[Batch]:
+        """The batches of B ∪ B̃, each once (B̃ = B is the same list object)."""
+        if magnitude_batches is direction_batches:
+            return list(direction_batches)
+        return [*direction_batches, *magnitude_batches]
 
     def _reset_fit_state(self) -> None:
         """Forget earlier fits (``override=True``)."""
@@ -197,8 +208,6 @@ class TwoBatchLaplaceMixin:
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             f = self.model(X)
             total = total + self.backend.factor * self.backend.lossfunc(f, y)
-        if not torch.isfinite(total):
-            raise ValueError("the training loss on the fit batches is NaN or Inf.")
         return total
 
     def _gridsearch(

@@ -91,18 +91,21 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
 
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
-    ) -> None:
+    ) -> torch.Tensor:
         self._check_supported()
-        direction = self._kfac(direction_batches, N)
-        magnitude = (
-            direction if magnitude_batches is direction_batches else self._kfac(magnitude_batches, N)
-        )
+        loss, direction = self._kfac(direction_batches, N)
+        if magnitude_batches is direction_batches:
+            magnitude = direction
+        else:
+            magnitude_loss, magnitude = self._kfac(magnitude_batches, N)
+            loss = loss + magnitude_loss
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             n_old = self.n_data
             direction = _combine(self.H_facs, direction, n_old, N)
             magnitude = _combine(self.H_facs_magnitude, magnitude, n_old, N)
         self.H_facs, self.H_facs_magnitude = direction, magnitude
         self._decompose()
+        return loss
 
     def _decompose(self) -> None:
         eigenvectors, eigenvalues = debiased_kron(
@@ -110,20 +113,23 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
         )
         self.H = DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping)
 
-    def _kfac(self, batches: list[Batch], N: int) -> Kron:
-        """K-FAC of the batch set, scaled to ``N`` points (module docstring convention)."""
+    def _kfac(self, batches: list[Batch], N: int) -> tuple[torch.Tensor, Kron]:
+        """K-FAC of the batch set, scaled to ``N`` points (module docstring convention), and
+        the summed loss over the batches that the backend evaluates with it (unscaled)."""
         m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
+        loss = torch.zeros((), device=self._device, dtype=self._dtype)
         total: Kron | None = None
         for b in batches:
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             self.model.zero_grad()
             # with N=m every backend returns [sum_b g gᵀ, (1/m) sum_b a aᵀ]; factor-wise
             # addition over the batches then gives [sum_S g gᵀ, mean_S a aᵀ].
-            _, kron = self.backend.kron(X, y, N=m, **self._asdl_fisher_kwargs)
+            batch_loss, kron = self.backend.kron(X, y, N=m, **self._asdl_fisher_kwargs)
+            loss = loss + batch_loss
             total = kron if total is None else total + kron
         kfacs = [[F[0] * (N / m), *F[1:]] for F in total.kfacs]
         self._check_blocks(kfacs)
-        return Kron(kfacs)
+        return loss, Kron(kfacs)
 
     def _layers(self) -> nn.Module:
         return self.backend._model

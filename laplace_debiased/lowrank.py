@@ -153,7 +153,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
             )
         super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
 
-    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> None:
+    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         curvature = self._curvature_type()
         module = self._curvature_module()
         direction = self._module_batches(direction_batches)
@@ -175,6 +175,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
             pairs.vectors[:, keep].to(self._device, self._dtype),
             remeasured[keep].to(self._device, self._dtype),
         )
+        return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -228,7 +229,7 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
 
     _key = ("all", "debiased_full")
 
-    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> None:
+    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         curvature = self._curvature_type()
         module = self._curvature_module()
         direction = self._module_batches(direction_batches)
@@ -248,6 +249,7 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
         self.direction_eigenvalues = (pairs.values * scale_B).to(self._dtype)
         self.eigenvalues = lam.to(self._dtype)
         self._posterior_scale = None
+        return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()
