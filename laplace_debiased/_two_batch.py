@@ -192,8 +192,9 @@ class TwoBatchLaplaceMixin:
 
     @torch.no_grad()
     def _infer_n_outputs(self, batch: Batch) -> int:
+        """Output width from one sample (the whole batch for dict inputs)."""
         X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
-        out = self.model(X)
+        out = self.model(X[:1] if isinstance(X, torch.Tensor) else X)
         if self.likelihood == "regression" and y.ndim != out.ndim:
             raise ValueError(
                 f"The model's output has {out.ndim} dims but the target has {y.ndim} dims."
