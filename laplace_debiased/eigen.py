@@ -116,13 +116,6 @@ def _model_fn(model: nn.Module):
     return fn
 
 
-def _per_sample_loss(f: Tensor, y: Tensor, likelihood: str) -> Tensor:
-    """Per-sample torch loss (unscaled by ``factor``): CE, or squared error summed over outputs."""
-    if likelihood == "classification":
-        return nn.functional.cross_entropy(f, y, reduction="none")
-    return (f - y).square().flatten(1).sum(1)
-
-
 def output_curvature_factor(f: Tensor, y: Tensor, likelihood: str, curvature: Curvature = "ggn") -> Tensor:
     """Per-sample factor ``A_n`` of the output-space curvature, ``Λ_n = A_n A_nᵀ``.
 
