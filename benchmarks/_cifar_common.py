@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from laplace_debiased.data.cifar import cifar_splits
-from laplace_debiased.models import cifar_cnn
-from laplace_debiased.training import TrainConfig, train_map
+from laplace_debiased.evaluation.models import cifar_cnn
+from laplace_debiased.evaluation.training import TrainConfig, train_map
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_BUILDER = REPO.parent / "shared" / "data" / "build_cifar10.py"
@@ -113,7 +113,7 @@ if __name__ == "__main__":  # train (or load) the benchmark model: python benchm
     torch.set_num_threads(args.threads)
     d = load_data(args.data, n_train=QUICK_N_TRAIN if args.quick else None)
     model, _ = trained_model(d, quick=args.quick, log=lambda s: print(s, flush=True))
-    from laplace_debiased.training import evaluate_loss
+    from laplace_debiased.evaluation.training import evaluate_loss
     from torch.utils.data import DataLoader
 
     print("test", evaluate_loss(model, DataLoader(d.test, batch_size=1000)), flush=True)

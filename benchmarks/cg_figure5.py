@@ -1,13 +1,13 @@
 """Figure 5 of Tatzel et al. (ICLR 2025) on real CIFAR-10: single-batch vs debiased CG.
 
-From the trained benchmark CNN (``laplace_debiased.models.cifar_cnn``, the MAP network of
+From the trained benchmark CNN (``laplace_debiased.evaluation.models.cifar_cnn``, the MAP network of
 ``benchmarks/_cifar_common.py``, shared cache with the headline benchmark) we run ``K`` CG
 iterations on the undamped quadratic ``q(θ; B) = mean CE on B + β/2‖θ‖²`` (GGN curvature,
 β = the training weight decay):
 
 - **single-batch**: CG on one batch of ``2b`` training points; iterates θ₀ + x_p;
 - **debiased**: the same ``2b`` points split into B (``b``, gives the directions) and B̃ (``b``,
-  re-measures the step sizes), :func:`laplace_debiased.cg.debiased_cg`; iterates θ₀ + x̃_p.
+  re-measures the step sizes), :func:`laplace_debiased.optim.cg.debiased_cg`; iterates θ₀ + x̃_p.
 
 Both use the same data and the same number of curvature-vector products per iteration on
 ``2b`` points. Along each trajectory we evaluate the mean cross-entropy and accuracy on fixed
@@ -36,8 +36,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _cifar_common as common  # noqa: E402
 
-from laplace_debiased.cg import cg, debiased_cg  # noqa: E402
-from laplace_debiased.operators import flat_params, mini_batch_quadratic, trainable_params  # noqa: E402
+from laplace_debiased.optim.cg import cg, debiased_cg  # noqa: E402
+from laplace_debiased.curvature.operators import flat_params, mini_batch_quadratic, trainable_params  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("single-batch", "debiased")

@@ -4,7 +4,7 @@
 
 What runs, in one process, single-threaded (``torch.set_num_threads(1)``):
 
-1. the MAP network (``laplace_debiased.models.cifar_cnn``, trained on the seeded 45k/5k split of
+1. the MAP network (``laplace_debiased.evaluation.models.cifar_cnn``, trained on the seeded 45k/5k split of
    the real CIFAR-10, cached on disk by :mod:`_cifar_common`);
 2. the fits, all over every weight of the network (``subset_of_weights="all"``), GGN curvature
    through laplace-torch's default Curvlinops backend:
@@ -13,7 +13,7 @@ What runs, in one process, single-threaded (``torch.set_num_threads(1)``):
    * ``debiased_kron-b`` debiased K-FAC LA on the *same* b samples split 2 x b/2 (directions
      from the first half, magnitudes from the second),
    * ``lowrank-b`` / ``debiased_lowrank-b`` the rank-k eigen LA on one batch of b and its
-     debiased version at 2 x b/2 (``laplace_debiased.lowrank``),
+     debiased version at 2 x b/2 (``laplace_debiased.structures.lowrank``),
    * ``kron-full``       K-FAC LA over all 45,000 training images (laplace-torch ``KronLaplace``),
 
    with ``repeats`` independent batch draws of the mini-batch methods.  Single-batch and debiased
@@ -24,11 +24,11 @@ What runs, in one process, single-threaded (``torch.set_num_threads(1)``):
    ``ru_maxrss`` is monotone over the process, so neither measures one fit);
 3. the linearized (GLM) predictive with Monte-Carlo link (``S`` samples of the Gaussian logits,
    Eq. 18 of the paper), for the paper's prior-precision grid (13 log-spaced values in [1e-4, 1]
-   plus 10), via :mod:`laplace_debiased.predictive`: per chunk of inputs the per-example
+   plus 10), via :mod:`laplace_debiased.evaluation.predictive`: per chunk of inputs the per-example
    Jacobians are computed once and shared by all fits; each fit rotates them into its eigenbasis
    once and gets the logit covariances of the whole grid in one pass (``covariances``).  The MC noise is common across fits (same seed per
    chunk and grid point), so differences between methods are not MC noise;
-4. accuracy / NLL / ECE (:mod:`laplace_debiased.metrics`) on a validation subset (prior
+4. accuracy / NLL / ECE (:mod:`laplace_debiased.evaluation.metrics`) on a validation subset (prior
    selection), a test subset, and generated CIFAR-10-C-style sets at severities 1-5 (the mixed
    sets of :func:`laplace_debiased.data.resolve_eval_set` ``"cifar10-c-mixed:S"``: each test
    image corrupted by one of the 15 standard corruptions drawn uniformly with a seed); AUROC
@@ -69,11 +69,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _cifar_common as common  # noqa: E402
 from laplace import KronLaplace  # noqa: E402
 
-from laplace_debiased import metrics as M  # noqa: E402
+from laplace_debiased.evaluation import metrics as M  # noqa: E402
 from laplace_debiased.data import resolve_eval_set  # noqa: E402
-from laplace_debiased.kron import DebiasedKronLaplace  # noqa: E402
-from laplace_debiased.training import default_cache_dir, evaluate_loss  # noqa: E402
-from laplace_debiased.predictive import apply_link, logit_jacobians, posterior_structure  # noqa: E402
+from laplace_debiased.structures.kron import DebiasedKronLaplace  # noqa: E402
+from laplace_debiased.evaluation.training import default_cache_dir, evaluate_loss  # noqa: E402
+from laplace_debiased.evaluation.predictive import apply_link, logit_jacobians, posterior_structure  # noqa: E402
 
 #: The paper's prior-precision grid: 13 log-spaced values from 1e-4 to 1, plus 10.
 GRID = [float(v) for v in np.logspace(-4, 0, 13)] + [10.0]
@@ -215,7 +215,7 @@ def fit_debiased_kron(model, train, idx) -> DebiasedKronLaplace:
 
 def _lowrank_class():
     try:
-        from laplace_debiased.lowrank import DebiasedLowRankLaplace
+        from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace
     except ImportError:
         return None
     return DebiasedLowRankLaplace
@@ -271,7 +271,7 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path | None = None
 
     lowrank_ok = _lowrank_class() is not None
     if not lowrank_ok:
-        log("  laplace_debiased.lowrank not available: low-rank fits skipped")
+        log("  laplace_debiased.structures.lowrank not available: low-rank fits skipped")
     low_rng = np.random.default_rng([cfg.seed, 2])  # own stream: K-FAC draws do not depend on it
     for r in range(cfg.repeats):
         for b in cfg.batch_sizes:

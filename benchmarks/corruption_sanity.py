@@ -3,7 +3,7 @@
     python benchmarks/corruption_sanity.py [--data DIR] [--out DIR] [--n-train 20000]
                                            [--epochs 4] [--n-eval 2000] [--seed 0]
 
-Trains ``cifar_cnn`` (cached by :func:`laplace_debiased.training.train_map`) on the seeded
+Trains ``cifar_cnn`` (cached by :func:`laplace_debiased.evaluation.training.train_map`) on the seeded
 CIFAR-10 training split, then measures its accuracy on the first ``n_eval`` test images
 corrupted by each of the 15 generated corruptions at severities 1-5
 (:func:`laplace_debiased.data.corrupt`).  Checks, per corruption, that accuracy is
@@ -28,8 +28,8 @@ import torch
 
 from laplace_debiased.data import CORRUPTIONS, cifar_splits, corrupt
 from laplace_debiased.data.images import ImageDataset
-from laplace_debiased.models import cifar_cnn
-from laplace_debiased.training import TrainConfig, default_cache_dir, train_map
+from laplace_debiased.evaluation.models import cifar_cnn
+from laplace_debiased.evaluation.training import TrainConfig, default_cache_dir, train_map
 
 
 @torch.no_grad()

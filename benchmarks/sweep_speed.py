@@ -1,4 +1,4 @@
-"""Speed and memory of the grid predictive (laplace_debiased.predictive) vs laplace-torch.
+"""Speed and memory of the grid predictive (laplace_debiased.evaluation.predictive) vs laplace-torch.
 
 Measured in one run (``nice python benchmarks/sweep_speed.py``, ~10 min on 2 shared cores),
 writing ``benchmarks/results/sweep_speed.{json,md}``:
@@ -59,7 +59,7 @@ def _big_model() -> nn.Module:
 def child(which: str, n_inputs: int, limit_gb: float) -> None:
     """Run one predictive on the 1M-parameter model under an address-space limit; print JSON."""
     resource.setrlimit(resource.RLIMIT_AS, (int(limit_gb * 2**30), int(limit_gb * 2**30)))
-    from laplace_debiased.predictive import GridPredictive
+    from laplace_debiased.evaluation.predictive import GridPredictive
 
     model = _big_model()
     la = _kfac(model, 100)
@@ -112,8 +112,8 @@ def main() -> None:
         child(args.child, args.child_inputs, args.memory_limit_gb)
         return
 
-    from laplace_debiased.models import cifar_cnn
-    from laplace_debiased.predictive import GridPredictive
+    from laplace_debiased.evaluation.models import cifar_cnn
+    from laplace_debiased.evaluation.predictive import GridPredictive
 
     torch.manual_seed(0)
     model = cifar_cnn().eval()

@@ -1,6 +1,6 @@
 """Debiased eigen-structured Laplace on sklearn digits, next to the single-batch versions.
 
-Compares, on the embedded 8x8 digits (MLP MAP model from ``laplace_debiased.training``):
+Compares, on the embedded 8x8 digits (MLP MAP model from ``laplace_debiased.evaluation.training``):
 
 - ``lowrank 2b``: top-k low-rank Laplace over all weights from one batch set of ``2b`` samples
   (``debiased_lowrank`` with ``magnitude_loader=train_loader``, i.e. B̃ = B: the plain method);
@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader
 
 import laplace_debiased  # noqa: F401  registers the debiased structures
 from laplace_debiased.data.digits import digits_splits
-from laplace_debiased.metrics import accuracy, ece, nll
-from laplace_debiased.models import digits_mlp
-from laplace_debiased.training import TrainConfig, train_map
+from laplace_debiased.evaluation.metrics import accuracy, ece, nll
+from laplace_debiased.evaluation.models import digits_mlp
+from laplace_debiased.evaluation.training import TrainConfig, train_map
 
 
 def predict(la, loader: DataLoader, n_samples: int) -> torch.Tensor:

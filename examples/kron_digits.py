@@ -15,7 +15,7 @@ tunes each (scalar) prior precision by the Laplace marginal likelihood (meaningf
 debiased fit: its ``loss`` is rescaled to the full data set) or, with ``--select val``, by
 validation NLL over the paper's grid, and prints test NLL and ECE (15 bins, l1) of the
 linearized predictive with the probit on the logit-difference subspace
-(:class:`laplace_debiased.predictive.GridPredictive`).  The last column is laplace-torch's own
+(:class:`laplace_debiased.evaluation.predictive.GridPredictive`).  The last column is laplace-torch's own
 diagonal GLM probit for comparison: it is fooled by the softmax-invariant logit direction.
 Run: ``python examples/kron_digits.py`` (about 20 s of CPU once the MAP model is cached).
 """
@@ -29,11 +29,11 @@ import torch
 from torch.utils.data import DataLoader
 
 import laplace_debiased  # noqa: F401  registers 'debiased_kron'
-from laplace_debiased.kron import DebiasedKronLaplace
-from laplace_debiased.metrics import ece, nll
-from laplace_debiased.predictive import GridPredictive
-from laplace_debiased.sweep import DEFAULT_PRIOR_PRECISIONS
-from laplace_debiased.training import default_digits_model
+from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.evaluation.metrics import ece, nll
+from laplace_debiased.evaluation.predictive import GridPredictive
+from laplace_debiased.evaluation.sweep import DEFAULT_PRIOR_PRECISIONS
+from laplace_debiased.evaluation.training import default_digits_model
 
 
 @torch.no_grad()

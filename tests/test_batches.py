@@ -6,8 +6,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
-from laplace_debiased.batches import split_batches
-from laplace_debiased.kron import DebiasedKronLaplace
+from laplace_debiased.structures.batches import split_batches
+from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 
 def _ids(batches):

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_debiased.cg import NonPositiveCurvatureError, cg, debiased_cg
-from laplace_debiased.operators import CountingOperator, mini_batch_quadratic
+from laplace_debiased.optim.cg import NonPositiveCurvatureError, cg, debiased_cg
+from laplace_debiased.curvature.operators import CountingOperator, mini_batch_quadratic
 
 D = 12
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from laplace_debiased import cli
-from laplace_debiased.pipeline import load_config
+from laplace_debiased.evaluation.pipeline import load_config
 
 
 @pytest.mark.parametrize("cmd", ["main", "sweep", "report"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_debiased.cg import cg, debiased_cg
+from laplace_debiased.optim.cg import cg, debiased_cg
 from laplace_debiased.diagnostics.bounds import Chain, bottom_chain, gradient_chain, top_k_chain
 from laplace_debiased.diagnostics.directional import (
     cg_step_sizes,

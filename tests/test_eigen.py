@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from laplace_debiased import eigen
+from laplace_debiased.curvature import eigen
 
 LIKELIHOODS = ("classification", "regression")
 

@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from _models import loader, tiny_mlp, toy_data
-from laplace_debiased.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
-from laplace_debiased.linalg import debiased_kron
+from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+from laplace_debiased.curvature.linalg import debiased_kron
 
 CLASSES = [DebiasedKronLaplace, DebiasedKronLLLaplace]
 

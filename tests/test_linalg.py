@@ -1,9 +1,9 @@
-"""Identities of the pure debiasing maths in ``laplace_debiased.linalg`` (float64)."""
+"""Identities of the pure debiasing maths in ``laplace_debiased.curvature.linalg`` (float64)."""
 
 import pytest
 import torch
 
-from laplace_debiased.linalg import (
+from laplace_debiased.curvature.linalg import (
     clamp_roundoff_negatives,
     debiased_factor,
     debiased_kron,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from laplace_debiased import metrics
+from laplace_debiased.evaluation import metrics
 
 P = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.5, 0.4], [0.3, 0.3, 0.4], [0.9, 0.05, 0.05]])
 Y = torch.tensor([0, 2, 2, 1])

@@ -6,7 +6,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.operators import (
+from laplace_debiased.curvature.operators import (
     CountingOperator,
     curvature_operator,
     loss_and_gradient,

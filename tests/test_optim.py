@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.optim import NewtonCG
+from laplace_debiased.optim.newton_cg import NewtonCG
 
 N, DIM = 64, 5
 

@@ -10,8 +10,8 @@ from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased import predictive
-from laplace_debiased.predictive import (
+from laplace_debiased.evaluation import predictive
+from laplace_debiased.evaluation.predictive import (
     EigenStructure,
     GridPredictive,
     _func_jacobians,

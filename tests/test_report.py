@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from laplace_debiased.report import best_prior_precisions, write_report
+from laplace_debiased.evaluation.report import best_prior_precisions, write_report
 
 
 def _rows():

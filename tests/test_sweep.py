@@ -10,8 +10,8 @@ from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased import sweep
-from laplace_debiased.sweep import EvalSet, Method, load_rows, row_key, run_sweep
+from laplace_debiased.evaluation import sweep
+from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, row_key, run_sweep
 
 
 def _setup():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.models import digits_mlp
-from laplace_debiased.training import TrainConfig, cache_key, evaluate_loss, train_map
+from laplace_debiased.evaluation.models import digits_mlp
+from laplace_debiased.evaluation.training import TrainConfig, cache_key, evaluate_loss, train_map
 
 
 def _data(seed: int = 0, n: int = 64) -> TensorDataset:

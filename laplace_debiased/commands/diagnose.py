@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from laplace_debiased.training import DIGITS_CONFIG, default_digits_model
+from laplace_debiased.evaluation.training import DIGITS_CONFIG, default_digits_model
 
 HELP = "measure how biased mini-batch quadratics are (bias report)"
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from laplace_debiased.pipeline import add_pipeline_arguments, resolve_options, run_pipeline
+from laplace_debiased.evaluation.pipeline import add_pipeline_arguments, resolve_options, run_pipeline
 
 HELP = "run the whole pipeline (train or load a model, fit, sweep, report)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Pipeline flags (see :mod:`laplace_debiased.pipeline`)."""
+    """Pipeline flags (see :mod:`laplace_debiased.evaluation.pipeline`)."""
     add_pipeline_arguments(parser)
 
 

@@ -35,7 +35,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..training import default_cache_dir
+from ..evaluation.training import default_cache_dir
 from .images import CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, ImageDataset
 
 Verify = Literal["official", "structure"]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..training import default_cache_dir
+from ..evaluation.training import default_cache_dir
 from .cifar import Verify, cifar_splits, default_data_root, file_digest, load_cifar10, load_cifar100
 from .cifar_c import CifarC, RowView, mixed_choice, parse_corruptions
 from .corruptions import CORRUPTIONS, corrupt

@@ -39,7 +39,7 @@ from laplace_debiased.diagnostics.measure import (
     restrict,
 )
 from laplace_debiased.diagnostics.overlap import overlap_matrix, subspace_overlap
-from laplace_debiased.operators import CURVATURES
+from laplace_debiased.curvature.operators import CURVATURES
 
 LANCZOS_PRODUCTS_ESTIMATE = 4
 """Up-front estimate of Lanczos products per requested eigenpair (ARPACK, tol 1e-8); the

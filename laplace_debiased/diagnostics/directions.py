@@ -1,10 +1,10 @@
 """Direction sets chosen on a batch B: top-k eigenvectors of an operator.
 
 Takes a symmetric operator ``v ↦ (H_B + βI) v`` on flat vectors (e.g. a
-:class:`laplace_debiased.operators.CurvatureOperator`, which also counts products) and returns
+:class:`laplace_debiased.curvature.operators.CurvatureOperator`, which also counts products) and returns
 unit-norm directions as the columns of a ``(P, K)`` matrix. The eigensolvers are
-:mod:`laplace_debiased.eigen`'s (:func:`~laplace_debiased.eigen.lanczos_top_k`,
-:func:`~laplace_debiased.eigen.eigh_descending`); this module adds the choice between them and a
+:mod:`laplace_debiased.curvature.eigen`'s (:func:`~laplace_debiased.curvature.eigen.lanczos_top_k`,
+:func:`~laplace_debiased.curvature.eigen.eigh_descending`); this module adds the choice between them and a
 sign convention.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from laplace_debiased.eigen import EigenPairs, eigh_descending, lanczos_top_k
+from laplace_debiased.curvature.eigen import EigenPairs, eigh_descending, lanczos_top_k
 
 Operator = Callable[[Tensor], Tensor]
 
@@ -35,11 +35,11 @@ def top_eigenpairs(
     """Top-k eigenpairs of a symmetric operator, largest first, in ``dtype``.
 
     ``operator`` maps ``(P,)`` to ``(P,)`` and ``(P, K)`` to ``(P, K)`` in ``dtype`` (the model's
-    dtype). Large problems use :func:`laplace_debiased.eigen.lanczos_top_k` (float64 Lanczos, start
+    dtype). Large problems use :func:`laplace_debiased.curvature.eigen.lanczos_top_k` (float64 Lanczos, start
     vector drawn from ``seed``, so results are reproducible); small ones (``dim ≤ DENSE_LIMIT`` or
     ``k ≥ dim − 1``) are solved densely with ``dim`` products (one ``(P, P)`` block).
     Eigenvector signs are fixed so that each vector's largest-magnitude entry is positive.
-    Returns :class:`~laplace_debiased.eigen.EigenPairs` (``values (K,)``, ``vectors (P, K)``
+    Returns :class:`~laplace_debiased.curvature.eigen.EigenPairs` (``values (K,)``, ``vectors (P, K)``
     orthonormal, ``method`` ``"dense"`` or ``"lanczos"``) cast to ``dtype``.
     """
     if not 1 <= k <= dim:

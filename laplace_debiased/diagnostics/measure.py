@@ -1,7 +1,7 @@
 """Measure mini-batch quadratics along direction sets chosen on one batch of a partition.
 
 A *study* picks K unit directions on a source batch B (top-k eigenvectors or CG directions) and
-restricts the quadratic q(·; S) (mean loss + β/2‖θ‖², see :mod:`laplace_debiased.operators`) to
+restricts the quadratic q(·; S) (mean loss + β/2‖θ‖², see :mod:`laplace_debiased.curvature.operators`) to
 their span on every batch S of an equal-size partition of the data and on the full data set:
 value q(θ•; S), slopes Dᵀg_S and the Gram matrix Dᵀ(H_S + βI)D.  Everything the report shows
 (curvatures, relative biases, CG step sizes, 2D slices, Eq. 5) is computed from these numbers.
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from laplace_debiased.cg import cg
+from laplace_debiased.optim.cg import cg
 from laplace_debiased.diagnostics.directional import cg_step_sizes, partition_average, relative_bias
 from laplace_debiased.diagnostics.directions import top_eigenpairs
-from laplace_debiased.operators import MiniBatchQuadratic, mini_batch_quadratic
+from laplace_debiased.curvature.operators import MiniBatchQuadratic, mini_batch_quadratic
 
 Batch = tuple[Tensor, Tensor]
 
@@ -214,7 +214,7 @@ def eigen_directions(quadratic: MiniBatchQuadratic, k: int, seed: int = 0) -> Te
 def cg_directions(quadratic: MiniBatchQuadratic, steps: int) -> Tensor:
     """The first ``steps`` normalised CG directions ``(P, K)`` of the Newton system on B.
 
-    CG solves ``(H_B + βI) x = -g_B`` from x = 0 (:func:`laplace_debiased.cg.cg`); it may stop
+    CG solves ``(H_B + βI) x = -g_B`` from x = 0 (:func:`laplace_debiased.optim.cg.cg`); it may stop
     earlier (converged, or non-positive curvature), giving fewer columns.
     """
     result = cg(quadratic.curvature, -quadratic.gradient, max_iter=steps, store_iterates=False)

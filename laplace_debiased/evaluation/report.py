@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from laplace_debiased.sweep import load_rows
+from laplace_debiased.evaluation.sweep import load_rows
 
 LINK_PREFERENCE = ("probit_projected", "mc", "probit")
 LINK_LABELS = {

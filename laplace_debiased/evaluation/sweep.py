@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from laplace_debiased import metrics
-from laplace_debiased.predictive import LINKS, GridPredictive
+from laplace_debiased.evaluation import metrics
+from laplace_debiased.evaluation.predictive import LINKS, GridPredictive
 
 #: The paper's 13 log-spaced prior precisions 1e-4 ... 1, plus 10 (14 points).
 DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(

@@ -2,7 +2,7 @@
 
 Per parameter block, the K-FAC factors ``[G, A]`` of the direction batch B give the
 eigenvectors, and the factors ``[D, C]`` of the independent magnitude batch B̃ give the
-eigenvalues ``diag(U_Gᵀ D U_G)``, ``diag(U_Aᵀ C U_A)`` (:func:`laplace_debiased.linalg.debiased_kron`).
+eigenvalues ``diag(U_Gᵀ D U_G)``, ``diag(U_Aᵀ C U_A)`` (:func:`laplace_debiased.curvature.linalg.debiased_kron`).
 
 Scale convention (identical to a laplace-torch ``KronLaplace`` fit over all ``N`` data):
 the factors of a batch set S with ``m`` samples are ``G_S = N/m * sum_{n in S} g_n g_nᵀ``
@@ -24,9 +24,9 @@ from laplace.utils.matrix import Kron, KronDecomposed
 from laplace.utils.utils import _is_valid_scalar
 from torch import nn
 
-from laplace_debiased._two_batch import TwoBatchLaplaceMixin
-from laplace_debiased.batches import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.linalg import debiased_kron
+from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
+from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.curvature.linalg import debiased_kron
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
 

@@ -2,8 +2,8 @@
 
 Both solvers minimise a quadratic ``q(x) = ½ xᵀAx − bᵀx`` (equivalently solve ``Ax = b``)
 with a matrix-free symmetric operator ``A`` (any callable ``[D] → [D]``, e.g. a
-:class:`laplace_debiased.operators.CountingOperator`). For a Newton step on a
-:class:`~laplace_debiased.operators.MiniBatchQuadratic` ``m`` take ``A = m.curvature`` and
+:class:`laplace_debiased.curvature.operators.CountingOperator`). For a Newton step on a
+:class:`~laplace_debiased.curvature.operators.MiniBatchQuadratic` ``m`` take ``A = m.curvature`` and
 ``b = −m.gradient``; the iterates ``x_p`` are then steps ``d`` from θ₀ and the residual
 ``r_p = A x_p − b = ∇q(θ₀ + x_p; B)`` is the gradient of the quadratic model.
 
@@ -15,7 +15,7 @@ with ``on_nonpositive="stop"`` (default) the loop ends *before* that step and th
 iterate is returned with ``reason="nonpositive_curvature"`` (Nocedal & Wright Alg. 7.1; with
 zero iterations done that is ``x0``); with ``"raise"`` a :class:`NonPositiveCurvatureError`
 is raised. The products spent on the rejected direction are counted by a
-:class:`~laplace_debiased.operators.CountingOperator` but belong to no completed iteration.
+:class:`~laplace_debiased.curvature.operators.CountingOperator` but belong to no completed iteration.
 """
 
 from __future__ import annotations

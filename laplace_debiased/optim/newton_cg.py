@@ -1,12 +1,12 @@
 """Hessian-free (Newton-CG) optimizer on mini-batch quadratics, single-batch or debiased.
 
 Each :meth:`NewtonCG.step` builds the quadratic model of ``q(θ; B) = mean loss on B +
-β/2‖θ‖²`` around the current θ (see :mod:`laplace_debiased.operators`), runs
+β/2‖θ‖²`` around the current θ (see :mod:`laplace_debiased.curvature.operators`), runs
 ``max_iter`` CG iterations on ``(H_B + βI + λI) x = −∇q(θ; B)`` and moves θ ← θ + lr·x:
 
 - ``debiased=False`` (single-batch, the usual Hessian-free step): ``x`` is the CG iterate.
 - ``debiased=True``: the directions come from CG on ``B`` and the step sizes are re-measured
-  on an independent batch ``B̃`` (:func:`laplace_debiased.cg.debiased_cg`); ``x`` is the
+  on an independent batch ``B̃`` (:func:`laplace_debiased.optim.cg.debiased_cg`); ``x`` is the
   debiased iterate. Costs one extra curvature-vector product (on ``B̃``) per CG iteration.
 
 Step protocol (the usual ``torch.optim`` loop, no ``loss.backward()`` needed)::
@@ -25,7 +25,7 @@ and its value returned, e.g. to log a loss; otherwise ``step`` returns ``q(θ_ol
 Details of the last step (the CG result, the batch quadratics' values) are in
 :attr:`NewtonCG.last_step`. Curvature: ``"ggn"`` (default, positive semi-definite) or
 ``"hessian"`` (indefinite: CG stops before a direction of non-positive curvature, see
-:mod:`laplace_debiased.cg`). Damping λ defaults to 0, as in the paper.
+:mod:`laplace_debiased.optim.cg`). Damping λ defaults to 0, as in the paper.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from laplace_debiased.cg import CGResult, DebiasedCGResult, cg, debiased_cg
-from laplace_debiased.operators import (
+from laplace_debiased.optim.cg import CGResult, DebiasedCGResult, cg, debiased_cg
+from laplace_debiased.curvature.operators import (
     Batch,
     CountingOperator,
     MiniBatchQuadratic,

@@ -1,6 +1,6 @@
 """Mini-batch quadratics: curvature-vector products and gradients of the regularised loss.
 
-Convention (used by :mod:`laplace_debiased.cg`, :mod:`laplace_debiased.optim` and the
+Convention (used by :mod:`laplace_debiased.optim.cg`, :mod:`laplace_debiased.optim.newton_cg` and the
 diagnostics): for a batch (or list of batches / loader) ``B`` with ``|B|`` data points in all,
 
     q(θ; B) = (1/|B|) Σ_{n∈B} ℓ(f_θ(x_n), y_n) + β/2 ‖θ‖²          (paper, Sec. 2)

@@ -26,7 +26,7 @@ Routes to the top-k eigenpairs (``top_eigenpairs``)
 --------------------------------------------------
 - ``"lanczos"``: :func:`lanczos_top_k` (``scipy.sparse.linalg.eigsh`` in float64, the one
   Lanczos routine of the package, also used by the diagnostics) on the matrix-free curvlinops
-  GGN/EF operator of :func:`laplace_debiased.operators.curvature_linop` (mean loss, rescaled to
+  GGN/EF operator of :func:`laplace_debiased.curvature.operators.curvature_linop` (mean loss, rescaled to
   the summed loss; each product is one pass over the batches).
 - ``"gram"``: exact, through the low-rank structure (ViViT, Dangel et al. 2022): build ``V`` from
   per-sample Jacobians and diagonalise the small matrix — ``VᵀV`` (``n·R × n·R``) when that is
@@ -52,7 +52,7 @@ from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
-from laplace_debiased.linalg import eigh_float64
+from laplace_debiased.curvature.linalg import eigh_float64
 
 Batch = tuple[Tensor, Tensor]
 Curvature = Literal["ggn", "ef"]
@@ -306,7 +306,7 @@ def lanczos_top_k(
     """Top-k eigenpairs of a symmetric operator by implicitly restarted Lanczos (ARPACK ``eigsh``).
 
     ``operator`` maps a flat ``(dim,)`` tensor of ``dtype`` on ``device`` to ``(dim,)`` (e.g. a
-    :class:`laplace_debiased.operators.CountingOperator`, or ``linop.__matmul__`` of a
+    :class:`laplace_debiased.curvature.operators.CountingOperator`, or ``linop.__matmul__`` of a
     curvlinops operator); the Lanczos recurrence itself runs in float64. The start vector is
     drawn from ``seed``, so results are reproducible. ``tol``: ``eigsh``'s relative accuracy
     (0 = machine precision). Returns float64 :class:`EigenPairs` (``(k,)`` eigenvalues
@@ -345,13 +345,13 @@ def _topk_lanczos(
 ) -> EigenPairs:
     """Top-k eigenpairs by :func:`lanczos_top_k` on curvlinops' GGN/EF operator of the batches.
 
-    The operator is :func:`laplace_debiased.operators.curvature_linop`, the curvature of the
+    The operator is :func:`laplace_debiased.curvature.operators.curvature_linop`, the curvature of the
     **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` samples; the summed
     loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
     ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
     entries). Eigenvectors are unchanged by the scale.
     """
-    from laplace_debiased.operators import curvature_linop
+    from laplace_debiased.curvature.operators import curvature_linop
 
     n = count_samples(batches)
     if likelihood == "classification":

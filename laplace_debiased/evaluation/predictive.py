@@ -32,7 +32,7 @@ Link approximations on ``N(f, Σ)`` (shapes: ``f`` ``(n, C)``, ``Σ`` ``(n, C, C
 Jacobian-vector products), for posteriors without a cheap eigenbasis.
 
 Supported posteriors (read from a fitted laplace-torch object, see :func:`posterior_structure`):
-``KronDecomposed`` ``H`` (laplace's K-FAC and the debiased K-FAC of :mod:`laplace_debiased.kron`),
+``KronDecomposed`` ``H`` (laplace's K-FAC and the debiased K-FAC of :mod:`laplace_debiased.structures.kron`),
 dense ``H`` (full), and a low-rank eigen pair ``(U, λ)`` (prior ``δ`` on the complement of ``U``).
 Per-example Jacobians are closed-form for ``nn.Linear``/``nn.Conv2d`` parameters (captured input
 activations and output gradients, one batched backward pass per class) and come from

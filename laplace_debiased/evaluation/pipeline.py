@@ -11,7 +11,7 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
   (B chooses the eigenvectors, B̃ measures the eigenvalues);
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
 * ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
-  from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.lowrank`).
+  from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.structures.lowrank`).
 
 Each repeat draws fresh batches (seeded).  Digits evaluation sets: the test split, the test split
 with Gaussian pixel noise of severity 1-3 (σ = 0.1, 0.2, 0.4, clipped to [0, 1]) and, as OOD,
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from laplace_debiased.sweep import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, EvalSet, Method, run_sweep
+from laplace_debiased.evaluation.sweep import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, EvalSet, Method, run_sweep
 
 METHODS = ("kron_single", "kron_debiased", "kron_full", "lowrank_single", "lowrank_debiased")
 
@@ -145,7 +145,7 @@ def _tensors(ds: Dataset, limit: int | None = None) -> tuple[torch.Tensor, torch
 
 def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
     from laplace_debiased.data.digits import digits_splits
-    from laplace_debiased.models import digits_cnn
+    from laplace_debiased.evaluation.models import digits_cnn
 
     splits = digits_splits(seed=opts["seed"])
     x, y = splits["test"].tensors
@@ -160,7 +160,7 @@ def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.M
 
 def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
     from laplace_debiased.data import load_cifar10, resolve_eval_set
-    from laplace_debiased.models import cifar_cnn
+    from laplace_debiased.evaluation.models import cifar_cnn
 
     if not opts["data_root"]:
         raise ValueError("--data cifar10 needs --data-root DIR (see /work/shared/data/SOURCES.md)")
@@ -180,8 +180,8 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
 
 
 def _method(name: str, model, train: Dataset, opts: dict) -> Method:
-    from laplace_debiased.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
-    from laplace_debiased.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
+    from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+    from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
 
     ll = opts["subset"] == "last_layer"
     b = opts["batch_size"]
@@ -234,7 +234,7 @@ def _check_same_setup(path: Path, opts: dict) -> None:
 
 def run_pipeline(opts: dict, *, report: bool = True) -> dict[str, Path]:
     """Train/load, fit, sweep (resumable) and optionally report.  Returns the output paths."""
-    from laplace_debiased.training import DIGITS_CONFIG, TrainConfig, train_map
+    from laplace_debiased.evaluation.training import DIGITS_CONFIG, TrainConfig, train_map
 
     out = Path(opts["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -259,7 +259,7 @@ def run_pipeline(opts: dict, *, report: bool = True) -> dict[str, Path]:
               chunk_size=opts["chunk_size"], progress=not quiet, log=log, map_model=model)
     paths = {"results": results}
     if report:
-        from laplace_debiased.report import write_report
+        from laplace_debiased.evaluation.report import write_report
 
         paths["report"] = write_report(results, out / "report", title=f"Calibration report ({tag})")
     return paths

@@ -180,7 +180,7 @@ def default_digits_model(
     from dataclasses import replace
 
     from laplace_debiased.data.digits import digits_splits
-    from laplace_debiased.models import digits_cnn
+    from laplace_debiased.evaluation.models import digits_cnn
 
     splits = digits_splits(seed=seed)
     config = replace(DIGITS_CONFIG, seed=seed, epochs=DIGITS_CONFIG.epochs if epochs is None else epochs)

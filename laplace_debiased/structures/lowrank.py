@@ -23,9 +23,9 @@ loader of ``N`` samples: ``N / |S|`` times the summed-loss curvature of batch se
   features ⊗ output curvature (no per-parameter autograd).
 
 Fit semantics (B/B̃ selection, rescaled loss, bad-input errors, grid-search fix) are those of
-:class:`laplace_debiased._two_batch.TwoBatchLaplaceMixin`. Backends: the default
+:class:`laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`. Backends: the default
 ``CurvlinopsGGN`` (exact GGN) or any empirical-Fisher backend (``CurvlinopsEF``, ``AsdlEF``,
-...); curvature is computed by :mod:`laplace_debiased.eigen` from the backend's *type*.
+...); curvature is computed by :mod:`laplace_debiased.curvature.eigen` from the backend's *type*.
 ``subset_of_weights="all"`` needs tensor inputs; the last-layer classes also take dict batches.
 """
 
@@ -41,10 +41,10 @@ from laplace.lllaplace import FullLLLaplace, LLLaplace
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace_debiased import eigen
-from laplace_debiased._two_batch import TwoBatchLaplaceMixin
-from laplace_debiased.batches import Batch, batch_inputs_targets
-from laplace_debiased.linalg import remeasure_eigenvalues
+from laplace_debiased.curvature import eigen
+from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
+from laplace_debiased.structures.batches import Batch, batch_inputs_targets
+from laplace_debiased.curvature.linalg import remeasure_eigenvalues
 
 __all__ = [
     "DebiasedLowRankLaplace",
@@ -55,7 +55,7 @@ __all__ = [
 
 
 class _EigenCurvatureMixin:
-    """Turns the Laplace object's model and batches into inputs of :mod:`laplace_debiased.eigen`."""
+    """Turns the Laplace object's model and batches into inputs of :mod:`laplace_debiased.curvature.eigen`."""
 
     def _curvature_type(self) -> eigen.Curvature:
         backend = self.backend
@@ -103,7 +103,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
     rank : int, default=50
         number ``k`` of top eigenvectors of ``G_B``.
     method : {"auto", "gram", "lanczos"}, default="auto"
-        route to the eigenpairs (:func:`laplace_debiased.eigen.top_eigenpairs`).
+        route to the eigenpairs (:func:`laplace_debiased.curvature.eigen.top_eigenpairs`).
     eigval_rtol : float, default=1e-6
         directions with B-eigenvalue ``≤ eigval_rtol · λ_max(G_B)`` are not selected
         (those B does not see; also guards against round-off null-space vectors).
@@ -140,7 +140,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
         self.direction_eigenvalues: Tensor | None = None
         self.eigen_method: str | None = None
         # Skip LowRankLaplace.__init__: it insists on the old `asdfghjkl` package, which only
-        # its own backend needs; the curvature here comes from laplace_debiased.eigen.
+        # its own backend needs; the curvature here comes from laplace_debiased.curvature.eigen.
         super(LowRankLaplace, self).__init__(model, likelihood, **kwargs)
 
     def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False, **kwargs: Any) -> None:
@@ -216,7 +216,7 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
     subset_of_weights="all", hessian_structure="debiased_full")``), for small models.
 
     After ``fit``: ``H = U diag(λ̃) Uᵀ + Π G_B̃ Π`` (dense ``P × P``, model dtype;
-    :func:`laplace_debiased.eigen.eigenbasis_debiased_curvature`) with ``U`` the eigenvectors of
+    :func:`laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`) with ``U`` the eigenvectors of
     ``G_B`` with non-zero eigenvalue, ``λ̃ = diag(Uᵀ G_B̃ U)`` and ``Π`` the projector onto ``G_B``'s
     null space (empty when ``|B|·C ≥ P`` up to the null space all batches share, where
     ``G_B̃ = 0`` too; then ``H = U diag(λ̃) Uᵀ`` over a full eigenbasis). The range of ``G_B``

@@ -7,7 +7,7 @@ A class using :class:`TwoBatchLaplaceMixin` lists it *before* its laplace-torch 
 
 which computes the curvature of the direction batches B and the magnitude batches B̃,
 each scaled to ``N`` data points exactly like a laplace-torch fit over a loader of ``N``
-samples (summed loss; see :mod:`laplace_debiased.batches` for how B and B̃ are chosen),
+samples (summed loss; see :mod:`laplace_debiased.structures.batches` for how B and B̃ are chosen),
 sets ``self.H`` and returns the summed loss over the distinct batches of B ∪ B̃
 (:meth:`_distinct`), unscaled: backends that evaluate it with the curvature return theirs,
 the others call :meth:`_summed_loss`, so no batch is forwarded twice for the loss.  When the hook runs, ``self.n_data`` still holds the number of data
@@ -37,7 +37,7 @@ from torch.linalg import LinAlgError
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
-from laplace_debiased.batches import (
+from laplace_debiased.structures.batches import (
     Batch,
     batch_inputs_targets,
     batch_size,

@@ -1,0 +1,7 @@
+"""The Laplace classes, registered with laplace-torch's ``Laplace(...)`` factory.
+
+* :mod:`.batches` -- the choice and validation of the direction batch B and the magnitude batch B̃;
+* :mod:`.two_batch` -- the two-batch ``fit`` shared by every debiased class;
+* :mod:`.kron` -- ``DebiasedKron(LL)Laplace`` (``hessian_structure="debiased_kron"``);
+* :mod:`.lowrank` -- ``DebiasedLowRank(LL)Laplace`` and ``DebiasedFull(LL)Laplace``.
+"""
