@@ -80,7 +80,11 @@ class _EigenCurvatureMixin:
         return "classification" if self.likelihood == "reward_modeling" else self.likelihood
 
     def _curvature_module(self) -> nn.Module:
-        return self.model.last_layer if isinstance(self, LLLaplace) else self.model
+        if not isinstance(self, LLLaplace):
+            return self.model
+        if self.likelihood == "reward_modeling":
+            return _PairHead(self.model.last_layer)
+        return self.model.last_layer
 
     @torch.no_grad()
     def _module_batches(self, batches: list[Batch]) -> list[tuple[Tensor, Tensor]]:
@@ -90,13 +94,28 @@ class _EigenCurvatureMixin:
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             if isinstance(self, LLLaplace):
                 _, X = self.model.forward_with_features(X)
-                if X.ndim != 2:
+                pairs = self.likelihood == "reward_modeling" and X.ndim == 3 and X.shape[1] == 2
+                if X.ndim != 2 and not pairs:
                     raise ValueError(
                         f"last-layer features have shape {tuple(X.shape)}; pass "
                         "feature_reduction= so that they are (batch, features)."
                     )
             out.append((X, y))
         return out
+
+
+class _PairHead(nn.Module):
+    """A reward model's last layer on preference-pair features ``(n, 2, D)``: its outputs
+    ``(n, 2, 1)`` flattened to the pair logits ``(n, 2)`` that the Bradley-Terry (classification)
+    curvature needs; 2-D features pass through unchanged. Same parameters as ``layer``."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.layer(x)
+        return out.flatten(1) if x.ndim == 3 else out
 
 
 class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRankLaplace):
