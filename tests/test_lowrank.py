@@ -452,3 +452,23 @@ def test_reward_modeling_matches_stock(subset, structure):
     mu2, var2 = two_batch(x)
     assert mu2.shape == (5, 1) and var2.shape == (5, 1, 1) and torch.isfinite(var2).all() and (var2 > 0).all()
 
+
+
+@pytest.mark.parametrize("structure", ["debiased_full", "debiased_lowrank"])
+def test_multihead_attention_model_fits_and_matches_dense_formula(structure):
+    """Its eval fast path has no forward-mode AD (used to raise NotImplementedError)."""
+    from tests.test_eigen import AttentionClassifier
+
+    model = AttentionClassifier().eval()
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(16, 12, dtype=torch.float64, generator=g), torch.randint(0, 3, (16,), generator=g)
+    loader = DataLoader(TensorDataset(X, y), batch_size=8)
+    la = make_la(model, "classification", "all", structure)
+    la.fit(loader)
+    G_Bt = explicit_curvature(model, [(X[8:], y[8:])], "classification") * 2
+    if structure == "debiased_lowrank":
+        U, lam = la.H
+        torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, G_Bt, U), atol=1e-9, rtol=1e-7)
+    else:  # U diag(λ̃) Uᵀ + Π G_B̃ Π with U Uᵀ + Π = I keeps the trace of G_B̃
+        torch.testing.assert_close(torch.trace(la.H), torch.trace(G_Bt), atol=1e-8, rtol=1e-8)
+    assert torch.isfinite(la(X[:3])).all()

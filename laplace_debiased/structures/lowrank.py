@@ -87,7 +87,7 @@ class _EigenCurvatureMixin:
         return self.model.last_layer
 
     @torch.no_grad()
-    def _module_batches(self, batches: list[Batch]) -> list[tuple[Tensor, Tensor]]:
+    def _module_batches(self, batches: list[Batch]) -> list[eigen.Batch]:
         """``(input of the curvature module, y)`` per batch: features for a last layer."""
         out = []
         for b in batches:
