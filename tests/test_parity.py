@@ -316,16 +316,17 @@ def test_gpt2_sequence_classifier_workflow(stock, debiased, setup):
         torch.testing.assert_close(results[debiased]["predict_probit"].sum(-1), torch.ones(5), atol=1e-5, rtol=0)
 
 
-def test_gpt2_every_debiased_structure_on_batch_encodings():
-    """Each debiased structure, all trainable weights of a LoRA model and the last layer, fits
-    on BatchEncoding batches and gives normalised probabilities."""
+@pytest.mark.parametrize("structure", ["debiased_full", "debiased_kron", "debiased_lowrank"])
+@pytest.mark.parametrize("setup", ["lora", "last_layer"])
+def test_gpt2_every_debiased_structure_on_batch_encodings(setup, structure):
+    """Each debiased structure fits the default (sdpa attention) GPT-2 on BatchEncoding batches,
+    LoRA adapters and the last layer, and gives normalised probabilities."""
+    subset, prepare, kwargs = HF_SETUPS[setup]
     train, x_test = hf_loaders()
-    for subset, prepare, kwargs in (HF_SETUPS["lora"], HF_SETUPS["last_layer"]):
-        for structure in ("debiased_full", "debiased_kron", "debiased_lowrank"):
-            model = prepare(SequenceClassifier(tiny_gpt2("sdpa"))).eval()
-            la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure, **kwargs)
-            la.fit(train)
-            probs = la(x_test)
-            assert probs.shape == (5, N_LABELS) and torch.isfinite(probs).all()
-            torch.testing.assert_close(probs.sum(-1), torch.ones(5), atol=1e-5, rtol=0)
-            assert math.isfinite(float(la.log_marginal_likelihood()))
+    model = prepare(SequenceClassifier(tiny_gpt2("sdpa"))).eval()
+    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure, **kwargs)
+    la.fit(train)
+    probs = la(x_test)
+    assert probs.shape == (5, N_LABELS) and torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5), atol=1e-5, rtol=0)
+    assert math.isfinite(float(la.log_marginal_likelihood()))
