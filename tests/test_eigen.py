@@ -227,3 +227,134 @@ def test_eigenbasis_debiased_curvature_reductions():
     Q = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64, generator=g))[0]
     full = eigen.eigenbasis_debiased_curvature(Q, torch.diag(Q.T @ G_Bt @ Q), G_Bt)
     torch.testing.assert_close(full, Q @ torch.diag(torch.diag(Q.T @ G_Bt @ Q)) @ Q.T, atol=1e-12, rtol=0)
+
+
+class DictMLP(nn.Module):
+    """``tiny_mlp`` that reads its input from a mapping (laplace-torch's ``dict_key_x``)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.net = tiny_mlp(seed)
+
+    def forward(self, batch):
+        return self.net(batch["input_ids"])
+
+
+def as_mapping(batches, kind=dict):
+    return [(kind({"input_ids": X, "attention_mask": torch.ones(len(X), 2)}), y) for X, y in batches]
+
+
+class BatchLike(dict):
+    """A dict subclass standing in for Hugging Face's ``BatchEncoding`` (a ``UserDict``)."""
+
+
+@pytest.mark.parametrize("kind", [dict, BatchLike])
+@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+def test_mapping_inputs_give_the_tensor_curvature(kind, curvature):
+    """Gram, Lanczos, dense and forward-mode routes on mapping inputs equal the tensor routes."""
+    batches = [make_batch(5, "classification", 21), make_batch(4, "classification", 22)]
+    mapped = as_mapping(batches, kind)
+    model, dict_model = tiny_mlp(), DictMLP()
+    G = explicit_curvature(model, batches, "classification", curvature)
+    torch.testing.assert_close(eigen.dense_curvature(dict_model, mapped, "classification", curvature), G, atol=1e-10, rtol=0)
+    for method in ("gram", "lanczos"):
+        ref = eigen.top_eigenpairs(model, batches, "classification", 4, curvature, method=method)
+        got = eigen.top_eigenpairs(dict_model, mapped, "classification", 4, curvature, method=method)
+        assert got.method == method
+        torch.testing.assert_close(got.values, ref.values, atol=1e-9 * float(ref.values[0]), rtol=1e-9)
+        assert_same_subspace_vectors(got.vectors, ref.vectors)
+    U = torch.randn(51, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    lam = eigen.directional_curvatures(dict_model, mapped, U, "classification", curvature)
+    torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, G, U), atol=1e-10, rtol=1e-10)
+    assert torch.equal(mapped[0][0]["input_ids"], batches[0][0])  # inputs untouched
+
+
+def test_reverse_mode_columns_equal_functorch_factor():
+    model = tiny_mlp()
+    X, y = make_batch(6, "regression", 23)
+    V = eigen.curvature_factor(model, [(X, y)], "regression")
+    blocks = list(eigen.per_sample_factor_columns(model, X, y, "regression"))
+    torch.testing.assert_close(torch.cat(blocks, dim=1), V, atol=1e-12, rtol=0)
+
+
+def test_only_trainable_parameters_are_weights():
+    """Frozen parameters are constants (LoRA-style): the curvature is the trainable block."""
+    model = tiny_mlp()
+    batches = [make_batch(6, "classification", 24)]
+    full = explicit_curvature(model, batches, "classification")
+    model[0].weight.requires_grad_(False)
+    idx = torch.arange(24, 51)  # first weight (6×4) frozen
+    sub = eigen.dense_curvature(model, batches, "classification")
+    torch.testing.assert_close(sub, full[idx][:, idx], atol=1e-10, rtol=0)
+    mapped_model = DictMLP()
+    mapped_model.net[0].weight.requires_grad_(False)
+    U = torch.randn(27, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    lam = eigen.directional_curvatures(mapped_model, as_mapping(batches), U, "classification")
+    torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, sub, U), atol=1e-10, rtol=1e-10)
+
+
+class AttentionClassifier(nn.Module):
+    """MultiheadAttention over 3 tokens of width 4, mean-pooled, then a linear head (float64)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True).double()
+        self.head = nn.Linear(4, 3).double()
+
+    def forward(self, x):
+        x = x.reshape(len(x), 3, 4)
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_multihead_attention_model_works_on_every_route():
+    """Its eval fast path has no forward-mode AD: re-measurement and Lanczos fall back to
+    reverse mode / the Gram route and still give the explicit curvature."""
+    model = AttentionClassifier().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(5, 12, dtype=torch.float64, generator=g), torch.randint(0, 3, (5,), generator=g))]
+    G = explicit_curvature(model, batches, "classification")
+    P = G.shape[0]
+    U = torch.linalg.qr(torch.randn(P, 4, dtype=torch.float64, generator=g))[0]
+    lam = eigen.directional_curvatures(model, batches, U, "classification")
+    torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, G, U), atol=1e-10, rtol=1e-8)
+    pairs = eigen.top_eigenpairs(model, batches, "classification", rank=3, method="auto")
+    torch.testing.assert_close(pairs.values, torch.linalg.eigvalsh(G).flip(0)[:3], atol=1e-9, rtol=1e-8)
+
+
+def test_backward_hooks_are_detached_and_restored():
+    """BackPACK's extend installs full backward hooks that torch.func cannot trace."""
+    from backpack import extend
+
+    model = extend(tiny_mlp())
+    batches = [make_batch(5, "classification", 25)]
+    hooks_before = [dict(m._backward_hooks) for m in model.modules()]
+    assert any(hooks_before)
+    G = explicit_curvature(tiny_mlp(), batches, "classification")
+    V = eigen.curvature_factor(model, batches, "classification")
+    torch.testing.assert_close(V @ V.T, G, atol=1e-10, rtol=0)
+    U = torch.eye(51, dtype=torch.float64)[:, :4]
+    torch.testing.assert_close(
+        eigen.directional_curvatures(model, batches, U, "classification"), torch.diag(G)[:4], atol=1e-10, rtol=1e-10
+    )
+    assert [dict(m._backward_hooks) for m in model.modules()] == hooks_before
+
+
+def test_nan_outputs_raise_clear_error():
+    model = tiny_mlp()
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    batches = [make_batch(5, "classification", 26)]
+    with pytest.raises(ValueError, match="NaN"):
+        eigen.top_eigenpairs(model, batches, "classification", rank=3, method="gram")
+    features = torch.full((5, 4), float("nan"), dtype=torch.float64)
+    with pytest.raises(ValueError, match="NaN"):
+        eigen.top_eigenpairs(nn.Linear(4, 3).double(), [(features, batches[0][1])], "classification", rank=2, method="gram")
+
+
+def test_huge_rank_is_capped_or_refused_clearly():
+    batches = [make_batch(4, "classification", 27)]
+    pairs = eigen.top_eigenpairs(tiny_mlp(), batches, "classification", rank=10**9)
+    assert pairs.vectors.shape[0] == 51 and len(pairs.values) <= 4 * 3  # capped at rank G_B
+    with pytest.raises(ValueError, match="Lanczos"):
+        eigen.top_eigenpairs(tiny_mlp(), batches, "classification", rank=10**9, method="lanczos")

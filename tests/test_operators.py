@@ -154,3 +154,24 @@ def test_bad_input_gives_clear_errors():
     op = CountingOperator.from_matrix(torch.eye(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="flat vector"):
         op(torch.ones(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("curvature", ["ggn", "ef", "hessian"])
+def test_mapping_inputs_with_batch_size_fn_equal_tensor_inputs(curvature):
+    """Dict inputs that the model consumes whole (laplace-torch's dict_key_x convention)."""
+    from laplace_debiased.curvature.operators import curvature_linop
+
+    class DictModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_mlp()
+
+        def forward(self, batch):
+            return self.net(batch["x"])
+
+    data = batches()
+    mapped = [({"x": X, "mask": torch.ones(len(X))}, y) for X, y in data]
+    ref = curvature_linop(tiny_mlp(), nn.CrossEntropyLoss(), data, curvature)
+    op = curvature_linop(DictModel(), nn.CrossEntropyLoss(), mapped, curvature, batch_size_fn=lambda X: len(X["x"]))
+    eye = torch.eye(ref.shape[0], dtype=torch.float64)
+    torch.testing.assert_close(op @ eye, ref @ eye, atol=1e-12, rtol=0)

@@ -37,14 +37,31 @@ Routes to the top-k eigenpairs (``top_eigenpairs``)
 Re-measuring curvature along given directions (``directional_curvatures``) costs one pass over the
 batches for all ``k`` directions together (forward-mode ``J u`` for a chunk of directions at once,
 vectorised with ``torch.func.vmap``): ``λ̃_i = Σ_n ‖A_nᵀ J_n u_i‖²``.
+
+Inputs and models
+-----------------
+A batch's input ``X`` is a tensor or a mapping (a dict or a Hugging Face ``BatchEncoding``) that
+the model consumes whole, ``model(X)`` (laplace-torch's ``dict_key_x``/``dict_key_y``
+convention; the targets come separately). Tensor inputs take the ``torch.func`` routes above.
+Mapping inputs, and models with an operation that has no forward-mode derivative (a
+``nn.MultiheadAttention`` fast path, CPU flash attention), take the reverse-mode route: one
+forward per sample (the mapping's tensors sliced to that row) and ``R`` backward passes, giving
+the same columns ``J_nᵀ A_n`` (``per_sample_factor_columns``). Module backward hooks (BackPACK's
+``extend`` installs them; ``torch.func`` cannot trace them) are detached while the curvature is
+computed and restored afterwards (``backward_hooks_detached``); outside a ``backpack(...)``
+context they do nothing, so nothing changes.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -54,13 +71,16 @@ from torch.func import functional_call, jacrev, jvp, vmap
 
 from laplace_debiased.curvature.linalg import eigh_float64
 
-Batch = tuple[Tensor, Tensor]
+Inputs = Tensor | Mapping[str, Any]
+Batch = tuple[Inputs, Tensor]
 Curvature = Literal["ggn", "ef"]
 Method = Literal["auto", "gram", "lanczos"]
 
 CURVATURES = ("ggn", "ef")
 METHODS = ("auto", "gram", "lanczos")
 LIKELIHOODS = ("classification", "regression")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,6 +126,94 @@ def count_samples(batches: Sequence[Batch]) -> int:
     return sum(len(y) for _, y in batches)
 
 
+def is_mapping(X: Inputs) -> bool:
+    """True for mapping inputs (dict, ``BatchEncoding``), which the model consumes whole."""
+    return isinstance(X, Mapping)
+
+
+def mapping_rows(X: Mapping[str, Any]) -> int:
+    """Number of samples of a mapping input: the leading size of its first tensor."""
+    for value in X.values():
+        if isinstance(value, Tensor) and value.ndim > 0:
+            return value.shape[0]
+    raise ValueError(f"mapping input with keys {sorted(X)} holds no tensor with a batch dimension.")
+
+
+def take_rows(X: Inputs, rows: slice) -> Inputs:
+    """Rows ``rows`` of a tensor input, or of every batch-sized tensor of a mapping input
+    (other entries are kept; the mapping keeps its type, e.g. ``BatchEncoding``)."""
+    if not is_mapping(X):
+        return X[rows]
+    n = mapping_rows(X)
+    out = copy.copy(X)
+    for key, value in X.items():
+        if isinstance(value, Tensor) and value.ndim > 0 and value.shape[0] == n:
+            out[key] = value[rows]
+    return out
+
+
+def _check_finite(t: Tensor, what: str) -> None:
+    if not torch.isfinite(t).all():
+        raise ValueError(
+            f"{what} contain NaN or Inf, so the curvature is undefined; check the data and the "
+            "model (for a last layer: its input features) for overflow or NaN weights."
+        )
+
+
+@contextmanager
+def backward_hooks_detached(model: nn.Module) -> Iterator[None]:
+    """Detach every module backward hook of ``model`` for the duration of the block.
+
+    BackPACK's ``extend`` installs full backward hooks; ``torch.func`` transforms cannot trace
+    them (``autograd.Function`` without ``setup_context``). Outside a ``backpack(...)`` context
+    those hooks compute nothing, so the curvature is unchanged. Restored on exit.
+    """
+    saved = [(m, m._backward_hooks, m._backward_pre_hooks) for m in model.modules()]
+    try:
+        for m, _, _ in saved:
+            m._backward_hooks, m._backward_pre_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, hooks, pre_hooks in saved:
+            m._backward_hooks, m._backward_pre_hooks = hooks, pre_hooks
+
+
+def _functorch_unsupported(err: Exception) -> bool:
+    """Whether ``err`` says a ``torch.func`` transform cannot handle an operation of the model."""
+    text = str(err)
+    return isinstance(err, NotImplementedError) or any(
+        s in text for s in ("forward AD", "vmap", "functorch", "setup_context")
+    )
+
+
+def per_sample_factor_columns(
+    model: nn.Module, X: Inputs, y: Tensor, likelihood: str, curvature: Curvature = "ggn"
+) -> Iterator[Tensor]:
+    """Reverse-mode route: for each sample ``n`` of the batch, the ``(P, R)`` block ``J_nᵀ A_n``
+    of the factor ``V`` (columns of :func:`curvature_factor`, model dtype).
+
+    One forward of the sample alone (``take_rows``) and ``R`` backward passes of
+    ``A_nᵀ f_n``; only plain autograd, so it works for mapping inputs and for operations
+    without forward-mode or ``vmap`` support. Parameters without ``requires_grad`` are constants.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The model has no parameters with requires_grad=True.")
+    with torch.enable_grad():
+        for i in range(len(y)):
+            f = model(take_rows(X, slice(i, i + 1)))
+            _check_finite(f.detach(), "the model's outputs")
+            A = output_curvature_factor(f.detach(), y[i : i + 1], likelihood, curvature)[0]  # (C, R)
+            out = f[0] @ A  # (R,)
+            columns = []
+            for r in range(out.shape[0]):
+                grads = torch.autograd.grad(out[r], params, retain_graph=r < out.shape[0] - 1, allow_unused=True)
+                columns.append(
+                    torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
+                )
+            yield torch.stack(columns, dim=1)
+
+
 def _model_fn(model: nn.Module):
     """``(params, X) -> logits`` as a pure function of the trainable parameters."""
     buffers = dict(model.named_buffers())
@@ -149,8 +257,37 @@ def curvature_factor(
     """The factor ``V`` (``P × n·R``, model dtype) with ``G_B = V Vᵀ`` (see module docstring).
 
     Columns are ordered sample-major (``n`` outer, ``R`` inner). Per-sample Jacobians are built with
-    ``vmap(jacrev)`` in chunks of at most ``max_chunk_elements`` Jacobian entries.
+    ``vmap(jacrev)`` in chunks of at most ``max_chunk_elements`` Jacobian entries; mapping inputs
+    and models ``torch.func`` cannot transform take :func:`per_sample_factor_columns`.
     """
+    columns = []
+    with backward_hooks_detached(model):
+        for X, y in batches:
+            columns.extend(_batch_factor(model, X, y, likelihood, curvature, max_chunk_elements))
+    V = torch.cat(columns, dim=1)
+    _check_finite(V, "the Jacobians of the model's outputs")
+    return V
+
+
+def _batch_factor(
+    model: nn.Module, X: Inputs, y: Tensor, likelihood: str, curvature: Curvature, max_chunk_elements: int
+) -> list[Tensor]:
+    """Column blocks of ``V`` for one batch (see :func:`curvature_factor`)."""
+    if not is_mapping(X):
+        if X.is_floating_point():
+            _check_finite(X, "the inputs")
+        try:
+            return _batch_factor_functorch(model, X, y, likelihood, curvature, max_chunk_elements)
+        except (NotImplementedError, RuntimeError) as err:
+            if not _functorch_unsupported(err):
+                raise
+            logger.info("torch.func cannot transform the model (%s); using reverse-mode autograd per sample.", err)
+    return [torch.cat(list(per_sample_factor_columns(model, X, y, likelihood, curvature)), dim=1)]
+
+
+def _batch_factor_functorch(
+    model: nn.Module, X: Tensor, y: Tensor, likelihood: str, curvature: Curvature, max_chunk_elements: int
+) -> list[Tensor]:
     fn = _model_fn(model)
     params = trainable_parameters(model)
     n_params = sum(p.numel() for p in params.values())
@@ -160,16 +297,16 @@ def curvature_factor(
 
     jac = vmap(jacrev(single), in_dims=(None, 0))
     columns = []
-    for X, y in batches:
-        with torch.no_grad():
-            f = fn(params, X)
-        A = output_curvature_factor(f, y, likelihood, curvature)
-        chunk = max(1, max_chunk_elements // (f.shape[-1] * n_params))
-        for start in range(0, len(y), chunk):
-            J = jac(params, X[start : start + chunk])
-            J = torch.cat([j.flatten(2) for j in J.values()], dim=2)  # (m, C, P)
-            columns.append(torch.einsum("mcr,mcp->pmr", A[start : start + chunk], J).flatten(1))
-    return torch.cat(columns, dim=1)
+    with torch.no_grad():
+        f = fn(params, X)
+    _check_finite(f, "the model's outputs")
+    A = output_curvature_factor(f, y, likelihood, curvature)
+    chunk = max(1, max_chunk_elements // (f.shape[-1] * n_params))
+    for start in range(0, len(y), chunk):
+        J = jac(params, X[start : start + chunk])
+        J = torch.cat([j.flatten(2) for j in J.values()], dim=2)  # (m, C, P)
+        columns.append(torch.einsum("mcr,mcp->pmr", A[start : start + chunk], J).flatten(1))
+    return columns
 
 
 def _linear_dense_curvature(layer: nn.Linear, batches: Sequence[Batch], likelihood: str, curvature: Curvature) -> Tensor:
@@ -185,8 +322,10 @@ def _linear_dense_curvature(layer: nn.Linear, batches: Sequence[Batch], likeliho
     Dt = D + int(has_bias)
     G = torch.zeros(C, C, Dt, Dt, dtype=torch.float64, device=layer.weight.device)
     for X, y in batches:
+        _check_finite(X, "the inputs")
         with torch.no_grad():
             f = layer(X)
+        _check_finite(f, "the model's outputs")
         A = output_curvature_factor(f, y, likelihood, curvature).double()
         Lam = A @ A.transpose(1, 2)  # (n, C, C)
         phi = X.detach().double().reshape(len(y), D)
@@ -213,7 +352,7 @@ def dense_curvature(
     """
     _check_likelihood(likelihood)
     _check_curvature(curvature)
-    if isinstance(model, nn.Linear):
+    if isinstance(model, nn.Linear) and not any(is_mapping(X) for X, _ in batches):
         return _linear_dense_curvature(model, batches, likelihood, curvature)
     n_params = sum(p.numel() for p in trainable_parameters(model).values())
     G = torch.zeros(n_params, n_params, dtype=torch.float64)
@@ -235,39 +374,67 @@ def directional_curvatures(
 
     One pass over ``batches``: per batch, forward-mode products ``J u`` for ``chunk_size``
     directions at once (``vmap`` over ``jvp``), then ``λ̃_i += Σ_n ‖A_nᵀ J_n u_i‖²``.
-    Same scaling as ``dense_curvature`` (summed loss over the batches, no ``N / n``).
+    Same scaling as ``dense_curvature`` (summed loss over the batches, no ``N / n``). Mapping
+    inputs, and models without forward-mode support, take the reverse-mode route instead:
+    ``λ̃_i += ‖(J_nᵀ A_n)ᵀ u_i‖²`` sample by sample (:func:`per_sample_factor_columns`).
     """
     _check_likelihood(likelihood)
     _check_curvature(curvature)
-    fn = _model_fn(model)
     params = trainable_parameters(model)
     n_params = sum(p.numel() for p in params.values())
     if directions.ndim != 2 or directions.shape[0] != n_params:
         raise ValueError(f"directions must have shape (P={n_params}, k), got {tuple(directions.shape)}.")
-    k = directions.shape[1]
-    dtype = next(iter(params.values())).dtype
-    U = directions.to(dtype)
+    U = directions.to(next(iter(params.values())).dtype)
+    result = torch.zeros(directions.shape[1], dtype=torch.float64, device=U.device)
+    with backward_hooks_detached(model):
+        for X, y in batches:
+            if not is_mapping(X):
+                try:
+                    result += _directional_functorch(model, params, X, y, U, likelihood, curvature, chunk_size)
+                    continue
+                except (NotImplementedError, RuntimeError) as err:
+                    if not _functorch_unsupported(err):
+                        raise
+                    logger.info("no forward-mode AD for the model (%s); re-measuring with reverse mode.", err)
+            for block in per_sample_factor_columns(model, X, y, likelihood, curvature):
+                result += (U.T.double() @ block.double()).square().sum(dim=1)
+    return result
+
+
+def _directional_functorch(
+    model: nn.Module,
+    params: dict[str, Tensor],
+    X: Tensor,
+    y: Tensor,
+    U: Tensor,
+    likelihood: str,
+    curvature: Curvature,
+    chunk_size: int,
+) -> Tensor:
+    """One batch of :func:`directional_curvatures` by ``vmap`` over forward-mode ``jvp``."""
+    fn = _model_fn(model)
+    k = U.shape[1]
     names = list(params)
     sizes = [params[n].numel() for n in names]
     result = torch.zeros(k, dtype=torch.float64, device=U.device)
-    for X, y in batches:
+    with torch.no_grad():
+        f = fn(params, X)
+    _check_finite(f, "the model's outputs")
+    A = output_curvature_factor(f, y, likelihood, curvature)
+    for start in range(0, k, chunk_size):
+        block = U[:, start : start + chunk_size]
+        tangents = {
+            name: piece.T.reshape(block.shape[1], *params[name].shape)
+            for name, piece in zip(names, torch.split(block, sizes, dim=0))
+        }
+
+        def push(t: dict[str, Tensor]) -> Tensor:
+            return jvp(lambda p: fn(p, X), (params,), (t,))[1]
+
         with torch.no_grad():
-            f = fn(params, X)
-        A = output_curvature_factor(f, y, likelihood, curvature)
-        for start in range(0, k, chunk_size):
-            block = U[:, start : start + chunk_size]
-            tangents = {
-                name: piece.T.reshape(block.shape[1], *params[name].shape)
-                for name, piece in zip(names, torch.split(block, sizes, dim=0))
-            }
-
-            def push(t: dict[str, Tensor]) -> Tensor:
-                return jvp(lambda p: fn(p, X), (params,), (t,))[1]
-
-            with torch.no_grad():
-                Ju = vmap(push)(tangents)  # (kc, n, C)
-            proj = torch.einsum("knc,ncr->knr", Ju.double(), A.double())
-            result[start : start + block.shape[1]] += proj.square().sum(dim=(1, 2))
+            Ju = vmap(push)(tangents)  # (kc, n, C)
+        proj = torch.einsum("knc,ncr->knr", Ju.double(), A.double())
+        result[start : start + block.shape[1]] += proj.square().sum(dim=(1, 2))
     return result
 
 
@@ -358,9 +525,17 @@ def _topk_lanczos(
         lossfunc, scale = nn.CrossEntropyLoss(), float(n)
     else:
         lossfunc, scale = nn.MSELoss(), loss_factor(likelihood) * n * n_outputs
-    op = curvature_linop(model, lossfunc, list(batches), curvature, num_data=n)
-    pairs = lanczos_top_k(op.__matmul__, op.shape[0], k, tol=tol, dtype=op.dtype, device=op.device)
+    batch_size_fn = mapping_rows if any(is_mapping(X) for X, _ in batches) else None
+    with backward_hooks_detached(model):
+        op = curvature_linop(model, lossfunc, list(batches), curvature, num_data=n, batch_size_fn=batch_size_fn)
+        pairs = lanczos_top_k(op.__matmul__, op.shape[0], k, tol=tol, dtype=op.dtype, device=op.device)
     return EigenPairs(scale * pairs.values, pairs.vectors, "lanczos")
+
+
+@torch.no_grad()
+def _n_outputs(model: nn.Module, batches: Sequence[Batch]) -> int:
+    """Output width ``C`` of ``model`` from the first sample of the first batch."""
+    return model(take_rows(batches[0][0], slice(0, 1))).shape[-1]
 
 
 LANCZOS_MATVEC_OVERHEAD = 5e7
@@ -387,6 +562,32 @@ def choose_method(n_params: int, n_samples: int, n_columns: int, rank: int, max_
     gram = 2 * n_columns * n_params + n_params * n_columns * m + 10 * m**3
     lanczos = 4 * max(2 * rank + 1, 20) * (6 * n_samples * n_params + LANCZOS_MATVEC_OVERHEAD)
     return "gram" if gram <= lanczos else "lanczos"
+
+
+def _lanczos_unless_unsupported(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    likelihood: str,
+    curvature: Curvature,
+    rank: int,
+    tol: float,
+    n_out: int,
+    fallback: bool,
+) -> EigenPairs | None:
+    """:func:`_topk_lanczos`, or ``None`` (``fallback``: use the Gram route) when the model has an
+    operation without forward-mode AD, which curvlinops' products need; else a ``ValueError``."""
+    try:
+        return _topk_lanczos(model, batches, likelihood, curvature, rank, tol, n_out)
+    except (NotImplementedError, RuntimeError) as err:
+        if not _functorch_unsupported(err):
+            raise
+        if not fallback:
+            raise ValueError(
+                "method='lanczos' needs forward-mode AD of the model (curvlinops' GGN products), "
+                f"which an operation of this model lacks ({err}); use method='gram'."
+            ) from err
+        logger.info("Lanczos needs forward-mode AD, which the model lacks; using the Gram route.")
+        return None
 
 
 def top_eigenpairs(
@@ -417,19 +618,19 @@ def top_eigenpairs(
         raise ValueError("top_eigenpairs needs at least one batch.")
     n_params = sum(p.numel() for p in trainable_parameters(model).values())
     n_samples = count_samples(batches)
-    with torch.no_grad():
-        X0, y0 = batches[0]
-        n_out = model(X0[:1]).shape[-1]
+    n_out = _n_outputs(model, batches)
     n_columns = n_samples * (n_out if curvature == "ggn" else 1)
     rank = min(rank, n_params)
-    if method == "auto":
-        method = choose_method(n_params, n_samples, n_columns, rank)
-    if method == "lanczos":
-        pairs = _topk_lanczos(model, batches, likelihood, curvature, rank, lanczos_tol, n_out)
-    elif isinstance(model, nn.Linear) and n_params <= n_columns:
+    chosen = choose_method(n_params, n_samples, n_columns, rank) if method == "auto" else method
+    pairs = None
+    if chosen == "lanczos":
+        pairs = _lanczos_unless_unsupported(
+            model, batches, likelihood, curvature, rank, lanczos_tol, n_out, fallback=method == "auto"
+        )
+    if pairs is None and isinstance(model, nn.Linear) and n_params <= n_columns and not is_mapping(batches[0][0]):
         dense = eigh_descending(dense_curvature(model, batches, likelihood, curvature))
         pairs = EigenPairs(dense.values[:rank], dense.vectors[:, :rank], "gram")
-    else:
+    elif pairs is None:
         pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), rank)
     return threshold_eigenpairs(pairs, rtol)
 
@@ -445,8 +646,7 @@ def range_eigenpairs(
     by ``G_B`` (any basis of its null space is one).
     """
     n_params = sum(p.numel() for p in trainable_parameters(model).values())
-    with torch.no_grad():
-        n_out = model(batches[0][0][:1]).shape[-1]
+    n_out = _n_outputs(model, batches)
     n_columns = count_samples(batches) * (n_out if curvature == "ggn" else 1)
     if n_columns < n_params:
         pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), n_columns)

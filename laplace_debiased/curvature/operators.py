@@ -24,7 +24,7 @@ dtype (float64 works when model and data are float64).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,7 @@ from curvlinops import (
 from curvlinops._torch_base import PyTorchLinearOperator
 from torch import Tensor, nn
 
-Batch = tuple[Tensor, Tensor]
+Batch = tuple[Tensor | Mapping, Tensor]
 Data = Iterable[Batch]
 
 CURVATURES: tuple[str, ...] = ("ggn", "hessian", "ef", "kfac")
@@ -142,7 +142,7 @@ def _check_loss(loss_func: nn.Module) -> None:
 
 def _num_data(data: Data) -> int | None:
     if isinstance(data, Sequence):
-        return sum(X.shape[0] for X, _ in data)
+        return sum(y.shape[0] for _, y in data)
     return None  # curvlinops counts with one pass over the loader
 
 
@@ -153,6 +153,7 @@ def curvature_linop(
     curvature: str = "ggn",
     params: Sequence[nn.Parameter] | None = None,
     num_data: int | None = None,
+    batch_size_fn: Callable[[Mapping], int] | None = None,
 ) -> PyTorchLinearOperator:
     """curvlinops operator of the curvature ``H_B`` of the mean loss on ``data``.
 
@@ -163,12 +164,14 @@ def curvature_linop(
     K-FAC, whose factors are computed on first use (build a new one after changing θ).
     ``data`` is a list of ``(X, y)`` batches or a loader that yields the same data on each
     pass (no ``drop_last`` with shuffling, no augmentation); ``num_data`` (its number of
-    data points) saves curvlinops a counting pass over a loader.
+    data points) saves curvlinops a counting pass over a loader. Mapping inputs (a dict or a
+    Hugging Face ``BatchEncoding`` that ``model`` consumes whole) need ``batch_size_fn``, the
+    number of samples of one such input.
     """
     _check_loss(loss_func)
     data = _check_data(data)
     params = trainable_params(model, params)
-    kwargs = dict(check_deterministic=False, num_data=num_data or _num_data(data))
+    kwargs = dict(check_deterministic=False, num_data=num_data or _num_data(data), batch_size_fn=batch_size_fn)
     if curvature == "ggn":
         return GGNLinearOperator(model, loss_func, params, data, **kwargs)
     if curvature == "hessian":

@@ -23,15 +23,20 @@ loader of ``N`` samples: ``N / |S|`` times the summed-loss curvature of batch se
   features ⊗ output curvature (no per-parameter autograd).
 
 Fit semantics (B/B̃ selection, rescaled loss, bad-input errors, grid-search fix) are those of
-:class:`laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`. Backends: the default
-``CurvlinopsGGN`` (exact GGN) or any empirical-Fisher backend (``CurvlinopsEF``, ``AsdlEF``,
-...); curvature is computed by :mod:`laplace_debiased.curvature.eigen` from the backend's *type*.
-``subset_of_weights="all"`` needs tensor inputs; the last-layer classes also take dict batches.
+:class:`laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`. Backends: any exact GGN
+backend (``CurvlinopsGGN``, the default, ``AsdlGGN``, ``BackPackGGN``) or empirical-Fisher
+backend (``CurvlinopsEF``, ``AsdlEF``, ``BackPackEF``); the curvature is computed by
+:mod:`laplace_debiased.curvature.eigen` from the backend's *type* only, so every such backend
+gives the same result (the backend's loss function scales the training loss). Inputs may be
+tensors or mappings (a dict or a Hugging Face ``BatchEncoding`` that the model consumes whole,
+with laplace-torch's ``dict_key_x``/``dict_key_y``), for all weights and for the last layer;
+the weights are the parameters with ``requires_grad`` (e.g. LoRA adapters on a frozen
+backbone). ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
+preference pairs) and predicts as regression, as laplace-torch does.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -69,29 +74,48 @@ class _EigenCurvatureMixin:
             "CurvlinopsGGN or CurvlinopsEF."
         )
 
+    @property
+    def _fit_likelihood(self) -> str:
+        """Likelihood of the fit curvature: reward modelling fits as classification."""
+        return "classification" if self.likelihood == "reward_modeling" else self.likelihood
+
     def _curvature_module(self) -> nn.Module:
-        return self.model.last_layer if isinstance(self, LLLaplace) else self.model
+        if not isinstance(self, LLLaplace):
+            return self.model
+        if self.likelihood == "reward_modeling":
+            return _PairHead(self.model.last_layer)
+        return self.model.last_layer
 
     @torch.no_grad()
-    def _module_batches(self, batches: list[Batch]) -> list[tuple[Tensor, Tensor]]:
+    def _module_batches(self, batches: list[Batch]) -> list[eigen.Batch]:
         """``(input of the curvature module, y)`` per batch: features for a last layer."""
         out = []
         for b in batches:
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             if isinstance(self, LLLaplace):
                 _, X = self.model.forward_with_features(X)
-                if X.ndim != 2:
+                pairs = self.likelihood == "reward_modeling" and X.ndim == 3 and X.shape[1] == 2
+                if X.ndim != 2 and not pairs:
                     raise ValueError(
                         f"last-layer features have shape {tuple(X.shape)}; pass "
                         "feature_reduction= so that they are (batch, features)."
                     )
-            elif isinstance(X, MutableMapping):
-                raise ValueError(
-                    "subset_of_weights='all' with eigen structures needs tensor inputs; "
-                    "use subset_of_weights='last_layer' for dict batches."
-                )
             out.append((X, y))
         return out
+
+
+class _PairHead(nn.Module):
+    """A reward model's last layer on preference-pair features ``(n, 2, D)``: its outputs
+    ``(n, 2, 1)`` flattened to the pair logits ``(n, 2)`` that the Bradley-Terry (classification)
+    curvature needs; 2-D features pass through unchanged. Same parameters as ``layer``."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.layer(x)
+        return out.flatten(1) if x.ndim == 3 else out
 
 
 class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRankLaplace):
@@ -158,7 +182,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
         module = self._curvature_module()
         direction = self._module_batches(direction_batches)
         pairs = eigen.top_eigenpairs(
-            module, direction, self.likelihood, self.rank, curvature, self.method, self.eigval_rtol
+            module, direction, self._fit_likelihood, self.rank, curvature, self.method, self.eigval_rtol
         )
         scale_B = N / eigen.count_samples(direction)
         if magnitude_batches is direction_batches:  # B̃ = B: plain low-rank Laplace on B
@@ -166,7 +190,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
         else:
             magnitude = self._module_batches(magnitude_batches)
             remeasured = eigen.directional_curvatures(
-                module, magnitude, pairs.vectors, self.likelihood, curvature
+                module, magnitude, pairs.vectors, self._fit_likelihood, curvature
             ) * (N / eigen.count_samples(magnitude))
         keep = eigen.curved_directions(remeasured, self.remeasured_rtol)
         self.direction_eigenvalues = (pairs.values[keep] * scale_B).to(self._dtype)
@@ -178,28 +202,32 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
 
     def state_dict(self) -> dict[str, Any]:
+        """laplace-torch's state plus the eigen settings as flat entries: tensors, numbers and
+        strings only, so ``torch.load(..., weights_only=True)`` reads it."""
         state = super().state_dict()
         state["direction_eigenvalues"] = self.direction_eigenvalues
         state["eigen_method"] = self.eigen_method
-        state["eigen_config"] = self._eigen_config()
+        state.update(self._eigen_config())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("eigen_config") != self._eigen_config():
+        saved = {key: state_dict.get(key) for key in self._eigen_config()}
+        if saved != self._eigen_config():
             raise ValueError(
-                f"checkpoint was fitted with {state_dict.get('eigen_config')} but this object has "
-                f"{self._eigen_config()}; construct it with the same rank/method/tolerances."
+                f"checkpoint was fitted with {saved} but this object has {self._eigen_config()}; "
+                "construct it with the same rank/method/tolerances."
             )
         super().load_state_dict(state_dict)
         self.direction_eigenvalues = state_dict["direction_eigenvalues"]
         self.eigen_method = state_dict["eigen_method"]
 
-    def _eigen_config(self) -> dict[str, Any]:
+    def _eigen_config(self) -> dict[str, int | float | str]:
+        """The construction settings that shape ``H``, under their ``state_dict`` keys."""
         return {
-            "rank": self.rank,
-            "method": self.method,
-            "eigval_rtol": self.eigval_rtol,
-            "remeasured_rtol": self.remeasured_rtol,
+            "eigen_rank": self.rank,
+            "eigen_requested_method": self.method,
+            "eigen_eigval_rtol": self.eigval_rtol,
+            "eigen_remeasured_rtol": self.remeasured_rtol,
         }
 
 
@@ -233,7 +261,7 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
         curvature = self._curvature_type()
         module = self._curvature_module()
         direction = self._module_batches(direction_batches)
-        pairs = eigen.range_eigenpairs(module, direction, self.likelihood, curvature)
+        pairs = eigen.range_eigenpairs(module, direction, self._fit_likelihood, curvature)
         scale_B = N / eigen.count_samples(direction)
         U = pairs.vectors
         if magnitude_batches is direction_batches:  # B̃ = B: H = G_B (FullLaplace on B)
@@ -241,7 +269,7 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
             H = (U * lam) @ U.T
         else:
             magnitude = self._module_batches(magnitude_batches)
-            G_mag = eigen.dense_curvature(module, magnitude, self.likelihood, curvature)
+            G_mag = eigen.dense_curvature(module, magnitude, self._fit_likelihood, curvature)
             G_mag *= N / eigen.count_samples(magnitude)
             lam = remeasure_eigenvalues(U, G_mag)
             H = eigen.eigenbasis_debiased_curvature(U, lam, G_mag)
