@@ -66,7 +66,8 @@ def kron_eigenbasis(kfacs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
 def _module_bases(
     mapping: dict[str, dict[str, int]], eigenvectors: Sequence[Sequence[Tensor]]
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Per-module ``(Q_G, Q_A)`` from per-parameter blocks (curvlinops' ``_mapping``)."""
+    """Per-module ``(Q_G, Q_A)`` from per-parameter blocks (curvlinops' ``_mapping``); a layer's
+    output side is its weight block's ``Q_G`` (its bias block's when it has no weight)."""
     out_side, in_side = {}, {}
     for name, pos in mapping.items():
         if "weight" in pos:
@@ -76,14 +77,8 @@ def _module_bases(
                     f"layer '{name}': the weight block needs two eigenvector factors [Q_G, Q_A]."
                 )
             out_side[name], in_side[name] = Qs
-        if "bias" in pos:
-            Q_bias = eigenvectors[pos["bias"]][0]
-            if name in out_side and not torch.equal(Q_bias, out_side[name]):
-                raise ValueError(
-                    f"layer '{name}': weight and bias blocks must share the output-side "
-                    "eigenbasis Q_G (EKFAC measures both with the same output gradients)."
-                )
-            out_side.setdefault(name, Q_bias)
+        else:
+            out_side[name] = eigenvectors[pos["bias"]][0]
     return out_side, in_side
 
 
@@ -96,7 +91,7 @@ def measure_ekfac_eigenvalues(
     fisher_type: str = FisherType.TYPE2,
     mc_samples: int = 1,
     batch_size_fn: Callable[[MutableMapping], int] | None = None,
-) -> list[Tensor]:
+) -> tuple[list[list[Tensor]], list[Tensor]]:
     """EKFAC eigenvalues of the batches along given Kronecker eigenbases (summed loss).
 
     Parameters
@@ -114,9 +109,12 @@ def measure_ekfac_eigenvalues(
 
     Returns
     -------
-    list of Tensor
-        per block ``Λ`` ``(d_out, d_in)`` (weights) or ``(d_out,)`` (biases):
-        ``Σ_{n∈batches} Σ_c ((Q_Gᵀ G_nc Q_A)_ij)²`` (module docstring), in the model's dtype.
+    (eigenvectors, eigenvalues)
+        the basis used, in the model's dtype: ``eigenvectors`` with every bias block's ``Q_G``
+        replaced by its layer's weight ``Q_G`` (both come from the same factor ``G``, up to
+        scale, but ``eigh`` may pick different bases of a degenerate eigenspace; EKFAC needs
+        one ``Q_G`` per layer); and per block ``Λ`` ``(d_out, d_in)`` (weights) or ``(d_out,)``
+        (biases), ``Σ_{n∈batches} Σ_c ((Q_Gᵀ G_nc Q_A)_ij)²`` (module docstring).
     """
     if getattr(loss_func, "reduction", None) != "sum":
         raise ValueError("the loss must use reduction='sum' (laplace-torch's convention).")
@@ -147,6 +145,8 @@ def measure_ekfac_eigenvalues(
     op.compute_eigenvalue_correction()
     values: list[Tensor | None] = [None] * len(params)
     for name, pos in op._mapping.items():
+        if "bias" in pos:
+            cast[pos["bias"]] = [out_side[name]]
         for p_name, i in pos.items():
             lam = op._corrected_eigenvalues[name][i]
             if not torch.isfinite(lam).all():
@@ -155,7 +155,7 @@ def measure_ekfac_eigenvalues(
                     "of the magnitude batches is not finite."
                 )
             values[i] = lam
-    return values
+    return cast, values
 
 
 def ekfac_block_dense(Qs: Sequence[Tensor], lam: Tensor, delta: float | Tensor = 0.0, exponent: float = 1.0) -> Tensor:

@@ -381,7 +381,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
         basis = kron_eigenbasis(kron.kfacs)
         dict_inputs = not isinstance(data[0][0], Tensor)
-        lams = measure_ekfac_eigenvalues(
+        basis, lams = measure_ekfac_eigenvalues(
             self.backend.model,
             self.backend.lossfunc,
             self.backend.params,
