@@ -322,3 +322,12 @@ def test_ekfac_to_dense_matches_block_formula():
     lam = torch.rand(3, 2, generator=g, dtype=torch.float64)
     Q = torch.kron(Q1, Q2)
     torch.testing.assert_close(ekfac_to_dense([[Q1, Q2]], [lam]), Q @ torch.diag(lam.flatten()) @ Q.T)
+
+
+@pytest.mark.parametrize("cross_fit", [False, True])
+def test_marglik_prior_optimisation_increases_evidence(cross_fit):
+    la = DebiasedEKFACLaplace(tiny_mlp(), "classification")
+    la.fit(loader(toy_data(32, (4,), 3, "classification"), 8), cross_fit=cross_fit)
+    before = la.log_marginal_likelihood(torch.tensor([1.0], dtype=torch.float64)).item()
+    la.optimize_prior_precision(method="marglik", n_steps=50)
+    assert la.log_marginal_likelihood().item() > before

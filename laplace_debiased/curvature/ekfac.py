@@ -82,6 +82,26 @@ def _module_bases(
     return out_side, in_side
 
 
+#: ``EKFACLinearOperator`` attributes this module relies on (curvlinops-for-pytorch 3.0.x; the
+#: version is pinned in requirements-cpu.lock, and tests/test_ekfac.py checks the result densely).
+_CURVLINOPS_INTERNALS = (
+    "_mapping",
+    "_gradient_covariances_eigenvectors",
+    "_input_covariances_eigenvectors",
+    "_corrected_eigenvalues",
+)
+
+
+def _check_internals(op: EKFACLinearOperator) -> None:
+    missing = [a for a in _CURVLINOPS_INTERNALS if not hasattr(op, a)]
+    if missing:
+        raise RuntimeError(
+            f"this curvlinops version's EKFACLinearOperator lacks {missing}, which the debiased "
+            "EKFAC uses to install B's eigenbasis; install curvlinops-for-pytorch==3.0.1 "
+            "(requirements-cpu.lock)."
+        )
+
+
 def measure_ekfac_eigenvalues(
     model: nn.Module,
     loss_func: nn.Module,
@@ -136,6 +156,7 @@ def measure_ekfac_eigenvalues(
         num_per_example_loss_terms=1,
         batch_size_fn=batch_size_fn,
     )
+    _check_internals(op)
     dtype = params[0].dtype
     cast = [[Q.to(dtype) for Q in Qs] for Qs in eigenvectors]
     out_side, in_side = _module_bases(op._mapping, cast)
