@@ -125,6 +125,7 @@ def run(draws: int, batch: int) -> dict:
             "touched": r["draws"][0]["touched"],
             "seconds_median": float(np.median([dr["seconds"] for dr in r["draws"]])),
             "gap_own_mean": float(np.mean(own)), "gap_own_worst": float(np.max(own)),
+            "gap_own_se": float(np.std(own, ddof=1) / np.sqrt(len(own))) if len(own) > 1 else float("nan"),
             "gap_other_mean": float(np.mean(other)),
         })
     return {
@@ -137,6 +138,22 @@ def run(draws: int, batch: int) -> dict:
     }
 
 
+def _paired(res: dict) -> list[tuple[int, tuple[float, float], tuple[float, float]]]:
+    """Per k: mean ± s.e. (points) of EKFAC − K-FAC and cross-fit − EKFAC tracking errors, paired
+    over the draws (each draw has the same B and B̃ for all methods)."""
+
+    def gaps(kind: str, k: int) -> np.ndarray:
+        for r in res["rows"].values():
+            if r["k"] == k and r["family"] == ("kfac" if kind == "kfac" else "ekfac") and bool(r["kw"].get("cross_fit")) == (kind == "cross"):
+                return 100 * np.array([d["gap"][r["family"]] for d in r["draws"]])
+        raise KeyError((kind, k))
+
+    def stat(d: np.ndarray) -> tuple[float, float]:
+        return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+
+    return [(k, stat(gaps("ekfac", k) - gaps("kfac", k)), stat(gaps("cross", k) - gaps("ekfac", k))) for k in KS]
+
+
 def markdown(res: dict) -> str:
     s = res["setting"]
     L = [
@@ -145,16 +162,21 @@ def markdown(res: dict) -> str:
         f"{s['draws']} draws per method; tracking error = max over the {len(s['grid'])}-point prior grid of the "
         "relative test-NLL gap of the probit-linearized predictive to the full-batch reference of the same family "
         "(K-FAC or EKFAC); fit time = median wall-clock seconds of `fit`, one thread, on a shared loaded CPU.", "",
-        "| method | images touched | fit time (s) | tracking error, mean (worst) | vs the other family's reference |",
+        "| method | images touched | fit time (s) | tracking error, mean ± s.e. (worst) | vs the other family's reference |",
         "|---|---|---|---|---|",
     ]
     front = {r["name"] for r in _pareto(res["summary"])}
     for r in res["summary"]:
         name = f"**{r['name']}**" if r["name"] in front else r["name"]
         L.append(
-            f"| {name} | {r['touched']} | {r['seconds_median']:.3f} | {100 * r['gap_own_mean']:.2f} % "
-            f"({100 * r['gap_own_worst']:.2f} %) | {100 * r['gap_other_mean']:.2f} % |"
+            f"| {name} | {r['touched']} | {r['seconds_median']:.3f} | {100 * r['gap_own_mean']:.2f} ± "
+            f"{100 * r['gap_own_se']:.2f} % ({100 * r['gap_own_worst']:.2f} %) | {100 * r['gap_other_mean']:.2f} % |"
         )
+    L += ["", "Paired differences over the same draws (percentage points of tracking error, mean ± s.e.; "
+          "negative = the first method tracks its reference better):", "",
+          "| B̃ | debiased EKFAC − debiased K-FAC | EKFAC cross-fit − debiased EKFAC |", "|---|---|---|"]
+    for k, a, b in _paired(res):
+        L.append(f"| {k} × {s['batch']} | {a[0]:+.2f} ± {a[1]:.2f} | {b[0]:+.2f} ± {b[1]:.2f} |")
     refs = res["references"]
     L += ["", "Bold: on the Pareto front (no other method has both a lower median fit time and a lower mean "
           "tracking error).", "", f"References: full-batch K-FAC fit {refs['kfac']['seconds']:.2f} s, full-batch EKFAC fit "
