@@ -14,3 +14,4 @@ from laplace_debiased import _moved  # noqa: E402
 _moved.install()
 from laplace_debiased.structures import kron as _kron  # noqa: E402,F401  registers "debiased_kron"
 from laplace_debiased.structures import lowrank as _lowrank  # noqa: E402,F401  registers "debiased_lowrank", "debiased_full"
+from laplace_debiased.structures import ekfac as _ekfac  # noqa: E402,F401  registers "debiased_ekfac"

@@ -425,6 +425,9 @@ def posterior_structure(la) -> KronStructure | EigenStructure:
     from laplace.utils.matrix import KronDecomposed
 
     H, s = la.H, la._H_factor
+    grid_structure = getattr(H, "grid_structure", None)
+    if callable(grid_structure):  # a curvature that knows its basis (debiased EKFAC)
+        return grid_structure(s, [p.numel() for p in laplace_params(la)])
     if isinstance(H, KronDecomposed):
         return KronStructure(H, s, [p.numel() for p in laplace_params(la)])
     if isinstance(H, Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] == la.n_params:

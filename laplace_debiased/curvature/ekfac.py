@@ -1,0 +1,199 @@
+"""Debiased EKFAC: K-FAC eigenbasis of batch B, exact curvature along it measured on B̃.
+
+EKFAC (George et al., NeurIPS 2018) keeps K-FAC's per-layer eigenbasis ``Q = Q_G ⊗ Q_A`` but
+replaces the Kronecker-factored eigenvalues ``λ_G ⊗ λ_A`` by the exact curvature along every
+basis direction, ``diag(Qᵀ C Q)``.  Debiased, the basis comes from the direction batch B and the
+diagonal from the independent magnitude batch B̃ (Tatzel et al., ICLR 2025, Sec. 4.2 applied to
+EKFAC's eigenvectors).
+
+Conventions (those of :mod:`laplace_debiased.curvature.linalg`)
+---------------------------------------------------------------
+* Blocks follow laplace-torch's ``Kron`` layout, one per trainable parameter tensor: a weight
+  block has eigenvectors ``[Q_G, Q_A]`` (output side ``(d_out, d_out)`` first, input side
+  ``(d_in, d_in)``; the block acts on the row-major flattened weight ``(d_out, d_in)``, a conv
+  kernel flattened to ``(d_out, c_in·k_h·k_w)``) and eigenvalues ``Λ`` of shape
+  ``(d_out, d_in)``, i.e. the block is ``(Q_G ⊗ Q_A) diag(vec Λ) (Q_G ⊗ Q_A)ᵀ``; a bias block
+  has eigenvectors ``[Q_G]`` and eigenvalues ``(d_out,)``.
+* For a summed loss over samples ``n`` of B̃ with per-sample output-side vectors ``g_nc``
+  (``c`` over the columns of the loss-Hessian square root for the GGN, the single loss gradient
+  for the empirical Fisher) and layer inputs ``a_n``, the EKFAC eigenvalue of direction
+  ``(i, j)`` is ``Λ_ij = Σ_n Σ_c ((Q_Gᵀ G_nc Q_A)_ij)²`` with the per-sample weight gradient
+  ``G_nc = Σ_t g_nct a_ntᵀ``: weight-shared positions ``t`` (conv patches) are summed *before*
+  squaring, so ``Λ = diag(Qᵀ C_B̃ Q)`` exactly, ``C_B̃`` the GGN/EF block of B̃.
+* Scaling to ``N`` data points is left to the caller (every eigenvalue is a sum over B̃'s samples).
+
+The per-sample rotation and squaring is curvlinops' EKFAC eigenvalue correction
+(:class:`curvlinops.EKFACLinearOperator`); :func:`measure_ekfac_eigenvalues` runs it on B̃ with
+B's eigenvectors installed instead of the ones curvlinops would compute from B̃.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence, MutableMapping
+from typing import Any
+
+import torch
+from curvlinops import EKFACLinearOperator, FisherType
+from torch import Tensor, nn
+
+from laplace_debiased.curvature.linalg import eigh_float64
+
+__all__ = [
+    "kron_eigenbasis",
+    "measure_ekfac_eigenvalues",
+    "ekfac_block_dense",
+    "ekfac_to_dense",
+]
+
+
+def kron_eigenbasis(kfacs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
+    """Eigenvectors (float64 ``eigh``, cast back) of every factor of every K-FAC block.
+
+    ``kfacs``: laplace-torch ``Kron.kfacs`` (``[[G, A], [G_bias], ...]``) of batch B.
+    Returns ``[[Q_G, Q_A], [Q_G_bias], ...]`` in the same layout.
+    """
+    basis = []
+    for i, block in enumerate(kfacs):
+        if len(block) not in (1, 2):
+            raise ValueError(f"K-FAC block {i} has {len(block)} factors; expected 1 or 2.")
+        try:
+            basis.append([eigh_float64(F)[1] for F in block])
+        except ValueError as err:
+            raise ValueError(f"K-FAC block {i}: {err}") from err
+    return basis
+
+
+def _module_bases(
+    mapping: dict[str, dict[str, int]], eigenvectors: Sequence[Sequence[Tensor]]
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Per-module ``(Q_G, Q_A)`` from per-parameter blocks (curvlinops' ``_mapping``); a layer's
+    output side is its weight block's ``Q_G`` (its bias block's when it has no weight)."""
+    out_side, in_side = {}, {}
+    for name, pos in mapping.items():
+        if "weight" in pos:
+            Qs = eigenvectors[pos["weight"]]
+            if len(Qs) != 2:
+                raise ValueError(
+                    f"layer '{name}': the weight block needs two eigenvector factors [Q_G, Q_A]."
+                )
+            out_side[name], in_side[name] = Qs
+        else:
+            out_side[name] = eigenvectors[pos["bias"]][0]
+    return out_side, in_side
+
+
+#: ``EKFACLinearOperator`` attributes this module relies on (curvlinops-for-pytorch 3.0.x; the
+#: version is pinned in requirements-cpu.lock, and tests/test_ekfac.py checks the result densely).
+_CURVLINOPS_INTERNALS = (
+    "_mapping",
+    "_gradient_covariances_eigenvectors",
+    "_input_covariances_eigenvectors",
+    "_corrected_eigenvalues",
+)
+
+
+def _check_internals(op: EKFACLinearOperator) -> None:
+    missing = [a for a in _CURVLINOPS_INTERNALS if not hasattr(op, a)]
+    if missing:
+        raise RuntimeError(
+            f"this curvlinops version's EKFACLinearOperator lacks {missing}, which the debiased "
+            "EKFAC uses to install B's eigenbasis; install curvlinops-for-pytorch==3.0.1 "
+            "(requirements-cpu.lock)."
+        )
+
+
+def measure_ekfac_eigenvalues(
+    model: nn.Module,
+    loss_func: nn.Module,
+    params: Sequence[Tensor],
+    batches: Sequence[tuple[Any, Tensor]],
+    eigenvectors: Sequence[Sequence[Tensor]],
+    fisher_type: str = FisherType.TYPE2,
+    mc_samples: int = 1,
+    batch_size_fn: Callable[[MutableMapping], int] | None = None,
+) -> tuple[list[list[Tensor]], list[Tensor]]:
+    """EKFAC eigenvalues of the batches along given Kronecker eigenbases (summed loss).
+
+    Parameters
+    ----------
+    model, loss_func, params
+        the network (Linear/Conv2d layers own ``params``), its loss with
+        ``reduction="sum"`` (e.g. laplace-torch's ``backend.lossfunc``; multiply the result by
+        ``backend.factor``), and the parameters, one K-FAC block each, in block order.
+    batches : sequence of (X, y)
+        the magnitude batches B̃ (``X`` a tensor or a mapping the model consumes).
+    eigenvectors : list of blocks
+        ``[[Q_G, Q_A], [Q_G], ...]`` per parameter (see :func:`kron_eigenbasis`), e.g. from B.
+    fisher_type : curvlinops.FisherType
+        ``TYPE2`` (exact GGN), ``MC`` (sampled Fisher) or ``EMPIRICAL`` (empirical Fisher).
+
+    Returns
+    -------
+    (eigenvectors, eigenvalues)
+        the basis used, in the model's dtype: ``eigenvectors`` with every bias block's ``Q_G``
+        replaced by its layer's weight ``Q_G`` (both come from the same factor ``G``, up to
+        scale, but ``eigh`` may pick different bases of a degenerate eigenspace; EKFAC needs
+        one ``Q_G`` per layer); and per block ``Λ`` ``(d_out, d_in)`` (weights) or ``(d_out,)``
+        (biases), ``Σ_{n∈batches} Σ_c ((Q_Gᵀ G_nc Q_A)_ij)²`` (module docstring).
+    """
+    if getattr(loss_func, "reduction", None) != "sum":
+        raise ValueError("the loss must use reduction='sum' (laplace-torch's convention).")
+    if len(eigenvectors) != len(params):
+        raise ValueError(
+            f"got {len(eigenvectors)} eigenvector blocks for {len(params)} parameter tensors."
+        )
+    n_data = sum(len(y) for _, y in batches)
+    op = EKFACLinearOperator(
+        model,
+        loss_func,
+        list(params),
+        list(batches),
+        check_deterministic=False,
+        fisher_type=fisher_type,
+        mc_samples=mc_samples,
+        separate_weight_and_bias=True,
+        num_data=n_data,
+        num_per_example_loss_terms=1,
+        batch_size_fn=batch_size_fn,
+    )
+    _check_internals(op)
+    dtype = params[0].dtype
+    cast = [[Q.to(dtype) for Q in Qs] for Qs in eigenvectors]
+    out_side, in_side = _module_bases(op._mapping, cast)
+    # install B's basis: curvlinops only computes eigenvectors when none are present
+    op._gradient_covariances_eigenvectors = out_side
+    op._input_covariances_eigenvectors = in_side
+    op.compute_eigenvalue_correction()
+    values: list[Tensor | None] = [None] * len(params)
+    for name, pos in op._mapping.items():
+        if "bias" in pos:
+            cast[pos["bias"]] = [out_side[name]]
+        for p_name, i in pos.items():
+            lam = op._corrected_eigenvalues[name][i]
+            if not torch.isfinite(lam).all():
+                raise ValueError(
+                    f"EKFAC eigenvalues of '{name}.{p_name}' contain NaN or Inf; the curvature "
+                    "of the magnitude batches is not finite."
+                )
+            values[i] = lam
+    return cast, values
+
+
+def ekfac_block_dense(Qs: Sequence[Tensor], lam: Tensor, delta: float | Tensor = 0.0, exponent: float = 1.0) -> Tensor:
+    """Dense block ``Q diag((vec Λ + δ)^exponent) Qᵀ`` with ``Q = Q_G ⊗ Q_A`` (or ``Q_G``)."""
+    Q = torch.kron(Qs[0], Qs[1]) if len(Qs) == 2 else Qs[0]
+    return (Q * torch.pow(lam.reshape(-1) + delta, exponent)) @ Q.T
+
+
+def ekfac_to_dense(
+    eigenvectors: Sequence[Sequence[Tensor]],
+    eigenvalues: Sequence[Tensor],
+    deltas: Tensor | None = None,
+    exponent: float = 1.0,
+) -> Tensor:
+    """Block-diagonal dense matrix of EKFAC blocks (for tests and tiny models only)."""
+    if deltas is None:
+        deltas = torch.zeros(len(eigenvalues), dtype=eigenvalues[0].dtype)
+    return torch.block_diag(
+        *[ekfac_block_dense(Qs, lam, d, exponent) for Qs, lam, d in zip(eigenvectors, eigenvalues, deltas)]
+    )

@@ -1,0 +1,427 @@
+"""Debiased EKFAC Laplace: K-FAC eigenbasis of B, exact curvature along it measured on B̃.
+
+Per parameter block the posterior precision is ``s · Q diag(vec Λ) Qᵀ + δ`` with
+``Q = Q_G ⊗ Q_A`` the eigenvectors of B's K-FAC factors and ``Λ = diag(Qᵀ C_B̃ Q)`` the exact
+GGN / empirical-Fisher curvature of the independent batch B̃ along them, scaled to ``N`` data
+points like every debiased structure (``N/|B̃|`` times the sum over B̃; maths in
+:mod:`laplace_debiased.curvature.ekfac`).  With B̃ = B this is plain EKFAC on B.
+
+Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
+B̃, curvature measured on B) and uses the **equal-weight mixture** of the two Gaussians
+``N(θ*, P₁⁻¹)`` and ``N(θ*, P₂⁻¹)`` as the posterior.  The mixture is symmetric in B and B̃ and
+reduces to the plain structure when B̃ = B.  Averaging the two *precisions* instead would be a
+single Gaussian, but ``P₁ + P₂`` is diagonal in no Kronecker basis (``Q₁ ≠ Q₂``), so nothing
+about it is cheap; the mixture keeps every operation structured:
+
+* GLM predictive: the mixture's exact function-space mean and covariance,
+  ``f(x)`` and ``½ J (P₁⁻¹ + P₂⁻¹) Jᵀ`` (laplace-torch's ``functional_variance``, and
+  :class:`~laplace_debiased.evaluation.predictive.GridPredictive`);
+* ``sample``: exact mixture samples (each sample from a component drawn with probability ½);
+* marginal likelihood: the average of the two components' Laplace log evidences
+  (``log_det_posterior_precision`` and ``square_norm`` are component averages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from curvlinops import FisherType
+from laplace.curvature.curvature import EFInterface
+from laplace.lllaplace import KronLLLaplace
+from laplace.utils.matrix import Kron
+from laplace.utils.utils import _is_valid_scalar
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from laplace_debiased.curvature.ekfac import (
+    ekfac_to_dense,
+    kron_eigenbasis,
+    measure_ekfac_eigenvalues,
+)
+from laplace_debiased.evaluation.predictive import KronStructure, LayerJacobian
+from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.structures.kron import DebiasedKronLaplace
+
+__all__ = [
+    "EKFACDecomposed",
+    "CrossFitDecomposed",
+    "EKFACStructure",
+    "CrossFitStructure",
+    "DebiasedEKFACLaplace",
+    "DebiasedEKFACLLLaplace",
+]
+
+
+class EKFACDecomposed:
+    """Block-diagonal ``Q diag(vec Λ + δ) Qᵀ`` per parameter block (``Q = Q_G ⊗ Q_A`` or ``Q_G``).
+
+    Same interface as laplace-torch's ``KronDecomposed`` (``+`` adds prior precisions, scalar or
+    one per block; ``*`` scales the curvature; ``logdet``, ``bmm``, ``inv_square_form``, ``diag``,
+    ``to_matrix``), but the eigenvalues ``Λ`` of a weight block are a full ``(d_out, d_in)``
+    array instead of an outer product.  Powers are evaluated in float64 and cast back.
+    """
+
+    def __init__(
+        self,
+        eigenvectors: Sequence[Sequence[Tensor]],
+        eigenvalues: Sequence[Tensor],
+        deltas: Tensor | None = None,
+    ) -> None:
+        if len(eigenvectors) != len(eigenvalues):
+            raise ValueError(
+                f"{len(eigenvectors)} eigenvector blocks but {len(eigenvalues)} eigenvalue blocks."
+            )
+        for i, (Qs, lam) in enumerate(zip(eigenvectors, eigenvalues)):
+            shape = tuple(len(Q) for Q in Qs)
+            if tuple(lam.shape) != shape:
+                raise ValueError(
+                    f"block {i}: eigenvalues of shape {tuple(lam.shape)} do not match the "
+                    f"eigenbasis {shape}."
+                )
+        self.eigenvectors = [list(Qs) for Qs in eigenvectors]
+        self.eigenvalues = list(eigenvalues)
+        ref = self.eigenvectors[0][0]
+        if deltas is None:
+            deltas = torch.zeros(len(self), device=ref.device, dtype=ref.dtype)
+        self._check_deltas(deltas)
+        self.deltas = deltas * torch.ones(len(self), device=ref.device, dtype=ref.dtype)
+
+    def __len__(self) -> int:
+        return len(self.eigenvalues)
+
+    def _check_deltas(self, deltas: Tensor) -> None:
+        if not isinstance(deltas, Tensor):
+            raise ValueError("Can only add a torch.Tensor (prior precision) to EKFACDecomposed.")
+        if not (deltas.ndim == 0 or (deltas.ndim == 1 and len(deltas) in (1, len(self)))):
+            raise ValueError(
+                f"prior precision of shape {tuple(deltas.shape)}: give a scalar or one value "
+                f"per parameter block ({len(self)})."
+            )
+
+    def detach(self) -> EKFACDecomposed:
+        self.deltas = self.deltas.detach()
+        return self
+
+    def __add__(self, deltas: Tensor) -> EKFACDecomposed:
+        self._check_deltas(deltas)
+        return EKFACDecomposed(self.eigenvectors, self.eigenvalues, self.deltas + deltas)
+
+    def __mul__(self, scalar: Tensor | float) -> EKFACDecomposed:
+        if not _is_valid_scalar(scalar):
+            raise ValueError("Invalid argument, can only multiply EKFACDecomposed with a scalar.")
+        return EKFACDecomposed(
+            self.eigenvectors, [scalar * lam for lam in self.eigenvalues], self.deltas
+        )
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def _powered(self, k: int, exponent: float) -> Tensor:
+        """``(Λ_k + δ_k)^exponent`` in the shape of ``Λ_k`` (float64 inside)."""
+        lam = self.eigenvalues[k]
+        return torch.pow(lam.double() + self.deltas[k].double(), exponent).to(lam.dtype)
+
+    def logdet(self) -> Tensor:
+        """``log det`` of the whole block-diagonal matrix (with the added ``deltas``)."""
+        total = sum(
+            torch.log(lam.double() + d.double()).sum() for lam, d in zip(self.eigenvalues, self.deltas)
+        )
+        return total.to(self.eigenvalues[0].dtype)
+
+    def _bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        """``self^exponent @ W`` for ``W`` of shape ``(batch, classes, params)``."""
+        B, K, P = W.shape
+        W = W.reshape(B * K, P)
+        out, start = [], 0
+        for k, Qs in enumerate(self.eigenvectors):
+            power = self._powered(k, exponent)
+            p = power.numel()
+            Wk = W[:, start : start + p]
+            if len(Qs) == 2:
+                Q_G, Q_A = Qs
+                Wk = Wk.reshape(B * K, *power.shape)
+                Wk = Q_G @ ((Q_G.T @ Wk @ Q_A) * power) @ Q_A.T
+            else:
+                Q = Qs[0]
+                Wk = ((Wk @ Q) * power) @ Q.T
+            out.append(Wk.reshape(B * K, p))
+            start += p
+        if start != P:
+            raise ValueError(f"W has {P} parameters but the blocks have {start}.")
+        return torch.cat(out, dim=1).reshape(B, K, P)
+
+    def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        """``self^exponent @ W`` for ``W`` of shape ``(params,)``, ``(batch, params)`` or
+        ``(batch, classes, params)`` (laplace-torch's ``KronDecomposed.bmm`` convention)."""
+        if W.ndim == 1:
+            return self._bmm(W[None, None], exponent).squeeze()
+        if W.ndim == 2:
+            return self._bmm(W.unsqueeze(1), exponent).squeeze()
+        if W.ndim == 3:
+            return self._bmm(W, exponent)
+        raise ValueError(f"Invalid shape for W: {tuple(W.shape)}")
+
+    def inv_square_form(self, W: Tensor) -> Tensor:
+        """``W self⁻¹ Wᵀ`` for ``W`` ``(batch, classes, params)`` -> ``(batch, classes, classes)``."""
+        return torch.bmm(W, self._bmm(W, exponent=-1).transpose(1, 2))
+
+    def diag(self, exponent: float = 1) -> Tensor:
+        """Diagonal of ``self^exponent`` ``(params,)``."""
+        diags = []
+        for k, Qs in enumerate(self.eigenvectors):
+            power = self._powered(k, exponent)
+            if len(Qs) == 2:
+                Q_G, Q_A = Qs
+                diags.append(torch.einsum("ap,bq,pq->ab", Q_G.square(), Q_A.square(), power).flatten())
+            else:
+                diags.append(Qs[0].square() @ power)
+        return torch.cat(diags)
+
+    def to_matrix(self, exponent: float = 1) -> Tensor:
+        """Dense ``self^exponent`` (tests and tiny models only)."""
+        return ekfac_to_dense(
+            self.eigenvectors,
+            [self._powered(k, 1.0) for k in range(len(self))],
+            exponent=exponent,
+        )
+
+    def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> EKFACStructure:
+        """The :class:`~laplace_debiased.evaluation.predictive.GridPredictive` structure."""
+        return EKFACStructure(self, h_factor, numels)
+
+
+class CrossFitDecomposed:
+    """Equal-weight mixture of two Gaussians with precisions ``P₁``, ``P₂`` (both
+    :class:`EKFACDecomposed`, same blocks; see the module docstring).
+
+    ``+`` / ``*`` act on both components.  ``bmm(W, e)``, ``diag(e)``, ``to_matrix(e)`` and
+    ``logdet`` are component averages: for ``e = -1`` these are the mixture's covariance
+    ``½(P₁⁻¹ + P₂⁻¹)`` (products, diagonal: marginal variances); for ``e = 1`` the averaged
+    precision used in the averaged log evidence.  Other exponents have no mixture meaning and
+    raise (draw samples with the Laplace object's ``sample``).
+    """
+
+    def __init__(self, first: EKFACDecomposed, second: EKFACDecomposed) -> None:
+        shapes = [[tuple(l.shape) for l in c.eigenvalues] for c in (first, second)]
+        if shapes[0] != shapes[1]:
+            raise ValueError(f"mixture components have different blocks: {shapes}")
+        self.components = (first, second)
+
+    def __len__(self) -> int:
+        return len(self.components[0])
+
+    @property
+    def deltas(self) -> Tensor:
+        return self.components[0].deltas
+
+    def detach(self) -> CrossFitDecomposed:
+        for c in self.components:
+            c.detach()
+        return self
+
+    def __add__(self, deltas: Tensor) -> CrossFitDecomposed:
+        return CrossFitDecomposed(*(c + deltas for c in self.components))
+
+    def __mul__(self, scalar: Tensor | float) -> CrossFitDecomposed:
+        return CrossFitDecomposed(*(c * scalar for c in self.components))
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    @staticmethod
+    def _check_exponent(exponent: float) -> None:
+        if exponent not in (1, -1):
+            raise ValueError(
+                f"exponent {exponent}: a Gaussian mixture has no matrix power other than the "
+                "averaged precision (1) and its covariance (-1); use sample() for draws."
+            )
+
+    def logdet(self) -> Tensor:
+        """Average of the components' log determinants (averaged log evidence)."""
+        return 0.5 * (self.components[0].logdet() + self.components[1].logdet())
+
+    def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        self._check_exponent(exponent)
+        return 0.5 * (self.components[0].bmm(W, exponent) + self.components[1].bmm(W, exponent))
+
+    def inv_square_form(self, W: Tensor) -> Tensor:
+        """``½ W (P₁⁻¹ + P₂⁻¹) Wᵀ``: the mixture's function-space covariance."""
+        return 0.5 * (self.components[0].inv_square_form(W) + self.components[1].inv_square_form(W))
+
+    def diag(self, exponent: float = 1) -> Tensor:
+        self._check_exponent(exponent)
+        return 0.5 * (self.components[0].diag(exponent) + self.components[1].diag(exponent))
+
+    def to_matrix(self, exponent: float = 1) -> Tensor:
+        self._check_exponent(exponent)
+        return 0.5 * (self.components[0].to_matrix(exponent) + self.components[1].to_matrix(exponent))
+
+    def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> CrossFitStructure:
+        return CrossFitStructure(self, h_factor, numels)
+
+
+class EKFACStructure(KronStructure):
+    """:class:`~laplace_debiased.evaluation.predictive.GridPredictive` structure of an
+    :class:`EKFACDecomposed` curvature: same eigenbasis rotation as K-FAC, eigenvalues per
+    basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``."""
+
+    def __init__(self, H: EKFACDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
+        self.Qs = [list(q) for q in H.eigenvectors]
+        self.ls = list(H.eigenvalues)
+        self.damping = False
+        self.s = float(h_factor)
+        sizes = [lam.numel() for lam in self.ls]
+        if sizes != list(numels):
+            raise ValueError(
+                f"EKFAC blocks have sizes {sizes} but the Laplace parameters have "
+                f"{list(numels)}; the posterior and the model do not match"
+            )
+
+    def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
+        lam = self.ls[k]
+        return (1.0 / (self.s * lam.double() + delta.double())).to(lam.dtype)
+
+
+class CrossFitStructure:
+    """Grid structure of a :class:`CrossFitDecomposed` mixture: ``Σ(δ)`` is the average of the
+    two components' function-space covariances."""
+
+    def __init__(self, H: CrossFitDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
+        self.parts = [EKFACStructure(c, h_factor, numels) for c in H.components]
+
+    def rotate(self, jacs: Sequence[LayerJacobian]) -> list:
+        return [part.rotate(jacs) for part in self.parts]
+
+    def covariances(self, rotated, prior_precisions) -> Tensor:
+        return 0.5 * sum(p.covariances(r, prior_precisions) for p, r in zip(self.parts, rotated))
+
+    def covariance(self, rotated, delta) -> Tensor:
+        return self.covariances(rotated, [delta])[0]
+
+
+class DebiasedEKFACLaplace(DebiasedKronLaplace):
+    """Two-batch debiased EKFAC Laplace over all weights (``Laplace(...,
+    subset_of_weights="all", hessian_structure="debiased_ekfac")``).
+
+    Same interface as ``KronLaplace``; ``fit`` takes the two-batch arguments of
+    :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit` plus
+    ``cross_fit``.  After fitting, ``H_facs`` is B's K-FAC (``Kron``, scaled to ``n_data``), and
+    ``H`` an :class:`EKFACDecomposed` (or, cross-fitted, a :class:`CrossFitDecomposed`).
+    Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
+    conv weight gradient is summed over positions before it is rotated and squared).
+    Backends as ``debiased_kron``: the GGN backends give the exact GGN diagonal (``stochastic``
+    ones an MC Fisher), EF backends the empirical Fisher.  ``damping`` is not supported (the
+    eigenvalues are not Kronecker-factored), nor are online fits (``override=False``).
+    """
+
+    _key = ("all", "debiased_ekfac")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.damping:
+            raise ValueError(
+                "damping=True needs Kronecker-factored eigenvalues; EKFAC has one eigenvalue "
+                "per basis direction. Use hessian_structure='debiased_kron' for damping."
+            )
+        self._cross_fit = False
+
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        *,
+        cross_fit: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """Fit as :meth:`TwoBatchLaplaceMixin.fit`; ``cross_fit=True`` also fits the swapped
+        roles (basis from B̃, curvature from B) and uses the mixture of the two (module
+        docstring).  ``override=False`` raises: EKFAC eigenvalues are measured in one basis
+        and cannot be re-measured in a combined basis without the earlier data."""
+        if not override:
+            raise ValueError(
+                "debiased EKFAC does not support override=False: refit on all the data with "
+                "override=True."
+            )
+        if not isinstance(cross_fit, bool):
+            raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
+        self._cross_fit = cross_fit
+        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+
+    def _fit_two_batch(
+        self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
+    ) -> Tensor:
+        self._check_supported()
+        loss, direction = self._kfac(direction_batches, N)
+        same = magnitude_batches is direction_batches
+        magnitude = None
+        if same:
+            pass
+        elif self._cross_fit:
+            magnitude_loss, magnitude = self._kfac(magnitude_batches, N)
+            loss = loss + magnitude_loss
+        else:
+            loss = loss + self._summed_loss(magnitude_batches)
+        H = self._ekfac(direction, magnitude_batches, N)
+        if magnitude is not None:
+            H = CrossFitDecomposed(H, self._ekfac(magnitude, direction_batches, N))
+        self.H_facs, self.H_facs_magnitude, self.H = direction, magnitude, H
+        return loss
+
+    def _fisher_type(self) -> str:
+        if isinstance(self.backend, EFInterface):
+            return FisherType.EMPIRICAL
+        return FisherType.MC if getattr(self.backend, "stochastic", False) else FisherType.TYPE2
+
+    def _ekfac(self, kron: Kron, batches: list[Batch], N: int) -> EKFACDecomposed:
+        """EKFAC with the eigenbasis of ``kron`` and the curvature of ``batches``, scaled to N."""
+        data = [batch_inputs_targets(b, self.dict_key_x, self.dict_key_y) for b in batches]
+        m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
+        basis = kron_eigenbasis(kron.kfacs)
+        dict_inputs = not isinstance(data[0][0], Tensor)
+        basis, lams = measure_ekfac_eigenvalues(
+            self.backend.model,
+            self.backend.lossfunc,
+            self.backend.params,
+            data,
+            basis,
+            fisher_type=self._fisher_type(),
+            batch_size_fn=(lambda x: x[self.dict_key_x].shape[0]) if dict_inputs else None,
+        )
+        scale = N / m * self.backend.factor
+        return EKFACDecomposed(basis, [scale * lam for lam in lams])
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
+        if not isinstance(self.H, CrossFitDecomposed):
+            return super().sample(n_samples, generator)
+        P = self.posterior_precision
+        z = torch.randn(n_samples, self.n_params, device=self._device, dtype=self._dtype, generator=generator)
+        pick = torch.rand(n_samples, generator=generator, device=z.device) < 0.5
+        steps = torch.where(
+            pick[:, None],
+            P.components[0].bmm(z, exponent=-0.5).reshape(n_samples, -1),
+            P.components[1].bmm(z, exponent=-0.5).reshape(n_samples, -1),
+        )
+        return self.mean.reshape(1, self.n_params) + steps
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super(DebiasedKronLaplace, self).state_dict()  # KronLaplace: "H" = B's K-FAC
+        comps = self.H.components if isinstance(self.H, CrossFitDecomposed) else (self.H,)
+        state["H_ekfac"] = [[c.eigenvectors, c.eigenvalues] for c in comps]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super(DebiasedKronLaplace, self).load_state_dict(state_dict)
+        comps = [EKFACDecomposed(vecs, vals) for vecs, vals in state_dict["H_ekfac"]]
+        self.H_facs_magnitude = None
+        self.H = comps[0] if len(comps) == 1 else CrossFitDecomposed(*comps)
+
+
+class DebiasedEKFACLLLaplace(DebiasedEKFACLaplace, KronLLLaplace):
+    """Last-layer two-batch debiased EKFAC Laplace (``Laplace(..., "last_layer",
+    hessian_structure="debiased_ekfac")``)."""
+
+    _key = ("last_layer", "debiased_ekfac")
