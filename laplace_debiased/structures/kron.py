@@ -127,9 +127,29 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
             batch_loss, kron = self.backend.kron(X, y, N=m, **self._asdl_fisher_kwargs)
             loss = loss + batch_loss
             total = kron if total is None else total + kron
-        kfacs = [[F[0] * (N / m), *F[1:]] for F in total.kfacs]
+        kfacs = [[F[0] * (N / m), *F[1:]] for F in self._trainable_blocks(total.kfacs)]
         self._check_blocks(kfacs)
         return loss, Kron(kfacs)
+
+    def _trainable_blocks(self, kfacs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Drop the blocks of frozen parameters (``requires_grad=False``).
+
+        laplace-torch's Curvlinops and ASDL backends return, for every K-FAC layer with a
+        trainable parameter, a weight block and a bias block whenever the layer has a bias,
+        frozen or not (stock ``KronLaplace`` then misaligns its blocks). Blocks in any other
+        layout are returned unchanged for :meth:`_check_blocks` to verify.
+        """
+        owners = [
+            p
+            for module in self._layers().modules()
+            if isinstance(module, _KFAC_LAYERS)
+            and any(p.requires_grad for p in module.parameters(recurse=False))
+            for p in (module.weight, module.bias)
+            if p is not None
+        ]
+        if len(owners) != len(kfacs):
+            return kfacs
+        return [block for block, p in zip(kfacs, owners) if p.requires_grad]
 
     def _layers(self) -> nn.Module:
         return self.backend._model
