@@ -67,3 +67,55 @@ def test_frozen_last_bias_equals_stock_kron():
     torch.testing.assert_close(
         la.log_marginal_likelihood(), ref.log_marginal_likelihood(), atol=1e-9, rtol=1e-10
     )
+
+
+def _rank_deficient_fit(**fit_kw):
+    """B and B̃ of 2 samples each: every K-FAC factor of the 5-wide layers is rank-deficient."""
+    dl = loader(toy_data(4, (4,), 3, "classification", seed=1), 2)
+    la = DebiasedKronLaplace(_mlp5(), "classification", prior_precision=1e-3)
+    la.fit(dl, **fit_kw)
+    return la, dl
+
+
+def _rel(a, b):
+    return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
+
+
+def test_tiny_factor_perturbation_keeps_posterior_precision():
+    """A 1e-15 perturbation of any one of B's factors (most are rank-deficient here, with null
+    spaces of dimension up to 3) leaves the posterior precision unchanged to 1e-8."""
+    la, _ = _rank_deficient_fit()
+    before = la.posterior_precision.to_matrix()
+    facs = _blocks(la.H_facs.kfacs)
+    assert sum(int(torch.linalg.matrix_rank(F)) < F.shape[0] for b in facs for F in b) >= 6
+    g = torch.Generator().manual_seed(0)
+    for i, block in enumerate(facs):
+        for j, F in enumerate(block):
+            E = torch.randn(F.shape, generator=g, dtype=F.dtype)
+            la.H_facs.kfacs[i][j] = F + 1e-15 * float(torch.linalg.matrix_norm(F)) * (E + E.T)
+            la._decompose()
+            assert _rel(la.posterior_precision.to_matrix(), before) < 1e-8, (i, j)
+            la.H_facs.kfacs[i][j] = F
+
+
+def test_online_fit_on_same_loader_triples_precision():
+    la, dl = _rank_deficient_fit()
+    H1 = la.H.to_matrix()
+    loss1 = la.loss
+    la.fit(dl, override=False)
+    la.fit(dl, override=False)
+    assert la.n_data == 3 * len(dl.dataset)
+    torch.testing.assert_close(la.H.to_matrix(), 3 * H1, atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(la.loss, 3 * loss1)
+
+
+def test_same_batch_rank_deficient_equals_plain_kron():
+    dl = loader(toy_data(2, (4,), 3, "classification", seed=1), 2)
+    la = DebiasedKronLaplace(_mlp5(), "classification", prior_precision=0.3)
+    la.fit(dl, magnitude_loader=dl)
+    ref = KronLaplace(_mlp5(), "classification", prior_precision=0.3)
+    ref.fit(dl)
+    torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(
+        la.posterior_precision.to_matrix(), ref.posterior_precision.to_matrix(), atol=1e-12, rtol=1e-10
+    )
