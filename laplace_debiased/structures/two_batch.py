@@ -152,18 +152,23 @@ class TwoBatchLaplaceMixin:
 
     # ------------------------------------------------------------------ checks
     def _check_model_mode(self) -> None:
-        if self.model.training:
-            stochastic = [
-                f"'{name}' ({type(m).__name__})"
-                for name, m in self.model.named_modules()
-                if isinstance(m, _STOCHASTIC_LAYERS)
-            ]
-            if stochastic:
-                raise ValueError(
-                    "the model is in train mode and has layers that behave differently "
-                    f"in train mode: {', '.join(stochastic)}. Call model.eval() before "
-                    "fitting the Laplace approximation."
-                )
+        """Refuse Dropout/BatchNorm layers left in train mode.
+
+        The layers' own ``training`` flags decide, not the wrapper's: laplace-torch's
+        last-layer ``FeatureExtractor`` is created in train mode around a model the user put
+        in eval mode, and that model must fit (as ``LLLaplace`` does).
+        """
+        stochastic = [
+            f"'{name}' ({type(m).__name__})"
+            for name, m in self.model.named_modules()
+            if isinstance(m, _STOCHASTIC_LAYERS) and m.training
+        ]
+        if stochastic:
+            raise ValueError(
+                "the model is in train mode and has layers that behave differently "
+                f"in train mode: {', '.join(stochastic)}. Call model.eval() before "
+                "fitting the Laplace approximation."
+            )
 
     def _check_batch_matches_model(self, batch: Batch) -> None:
         X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)

@@ -1,0 +1,64 @@
+"""Trust items of the shared two-batch fit (every debiased class): model mode, input
+validation, which batches are used, one-batch loaders."""
+
+import logging
+
+import pytest
+import torch
+from laplace import KronLLLaplace, Laplace
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from _models import loader, tiny_mlp, toy_data
+import laplace_debiased  # noqa: F401  registers the debiased structures
+
+STRUCTURES = ["debiased_kron", "debiased_lowrank", "debiased_full"]
+
+
+def _net_with(layer: nn.Module, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 5), layer, nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def _bn_trained(model: nn.Module) -> nn.Module:
+    """Give BatchNorm non-trivial running statistics, then switch to eval mode."""
+    model.train()
+    with torch.no_grad():
+        for s in range(3):
+            model(3 * toy_data(16, (4,), 3, "classification", seed=50 + s).tensors[0] + 1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("layer", ["batchnorm", "dropout"])
+def test_last_layer_fits_eval_mode_model_with_batchnorm_or_dropout(structure, layer):
+    make = (lambda: nn.BatchNorm1d(5)) if layer == "batchnorm" else (lambda: nn.Dropout(0.5))
+    model = _bn_trained(_net_with(make()))
+    dl = loader(toy_data(16, (4,), 3, "classification"), 8)
+    la = Laplace(model, "classification", hessian_structure=structure)
+    la.fit(dl)
+    assert not any(m.training for m in model.modules())
+    X = toy_data(3, (4,), 3, "classification", seed=9).tensors[0]
+    p1, p2 = la(X), la(X)
+    torch.testing.assert_close(p1.sum(-1), torch.ones(3, dtype=p1.dtype))
+    assert torch.equal(p1, p2)  # deterministic: eval-mode layers stay in eval mode
+
+
+@pytest.mark.parametrize("layer", ["batchnorm", "dropout"])
+def test_eval_mode_last_layer_kron_same_batch_equals_stock(layer):
+    make = (lambda: nn.BatchNorm1d(5)) if layer == "batchnorm" else (lambda: nn.Dropout(0.5))
+    model = _bn_trained(_net_with(make()))
+    dl = loader(toy_data(8, (4,), 3, "classification"), 8)
+    la = Laplace(model, "classification", hessian_structure="debiased_kron")
+    la.fit(dl, magnitude_loader=dl)
+    ref = KronLLLaplace(model, "classification")
+    ref.fit(dl)
+    torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_train_mode_model_with_dropout_is_refused(structure):
+    model = _net_with(nn.Dropout(0.5)).train()
+    la = Laplace(model, "classification", hessian_structure=structure)
+    with pytest.raises(ValueError, match=r"model.eval\(\)"):
+        la.fit(loader(toy_data(16, (4,), 3, "classification"), 8))
