@@ -62,3 +62,62 @@ def test_train_mode_model_with_dropout_is_refused(structure):
     la = Laplace(model, "classification", hessian_structure=structure)
     with pytest.raises(ValueError, match=r"model.eval\(\)"):
         la.fit(loader(toy_data(16, (4,), 3, "classification"), 8))
+
+
+SUBSETS = ["all", "last_layer"]
+
+
+def _la(structure, subset, model=None, likelihood="classification"):
+    return Laplace(model if model is not None else tiny_mlp(), likelihood, subset, structure)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_regression_output_target_shape_mismatch_refused(structure, subset):
+    X = torch.randn(16, 4, dtype=torch.float64)
+    y = torch.randn(16, 1, dtype=torch.float64)
+    la = _la(structure, subset, tiny_mlp(n_out=2), "regression")
+    with pytest.raises(ValueError, match=r"\(2,\).*\(1,\)"):
+        la.fit(loader(TensorDataset(X, y), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+@pytest.mark.parametrize("label", [-100, 3])
+def test_label_outside_classes_refused(structure, subset, label):
+    """-100 is CrossEntropyLoss's ignore_index: laplace-torch leaves such samples out of the
+    loss but keeps them in the curvature and in N; refused here instead of silently mixed."""
+    X, y = toy_data(16, (4,), 3, "classification").tensors
+    y = y.clone()
+    y[3] = label
+    with pytest.raises(ValueError, match="ignore_index" if label == -100 else "range"):
+        _la(structure, subset).fit(loader(TensorDataset(X, y), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_inputs_whose_squares_overflow_refused(structure, subset):
+    X, y = toy_data(16, (4,), 3, "classification").tensors
+    la = _la(structure, subset, tiny_mlp().float())
+    with pytest.raises(ValueError, match="overflow"):
+        la.fit(loader(TensorDataset(X.float() * 1e38, y), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_infinite_loss_refused(structure, subset):
+    X, y = toy_data(16, (4,), 3, "regression").tensors
+    la = _la(structure, subset, tiny_mlp().float(), "regression")
+    with pytest.raises(ValueError, match="loss"):
+        la.fit(loader(TensorDataset(X.float(), y.float() * 1e30), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_all_parameters_frozen_refused(structure, subset):
+    model = tiny_mlp()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    la = _la(structure, subset, model)
+    with pytest.raises(ValueError, match="requires_grad"):
+        la.fit(loader(toy_data(16, (4,), 3, "classification"), 8))

@@ -25,7 +25,8 @@ Selection rules of :func:`split_batches` (the fit semantics of every two-batch L
     decompositions on B.  This is the only way to make B and B̃ share samples.
 
 Checks (``ValueError`` with a hint what to do): too few batches in a loader, a batch with
-fewer than two samples, NaN/Inf in inputs or targets, data off the model's ``device``, mismatched batch types, and any
+fewer than two samples, NaN/Inf in inputs or targets, inputs whose squared norm overflows
+their dtype, data off the model's ``device``, mismatched batch types, and any
 sample whose input (and target) appears in both B and B̃ — detected by hashing the raw
 bytes of every sample, since batches carry no sample ids.
 """
@@ -39,7 +40,16 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["Batch", "BatchSplit", "split_batches", "batch_inputs_targets", "batch_size"]
+__all__ = [
+    "Batch",
+    "BatchSplit",
+    "split_batches",
+    "batch_inputs_targets",
+    "batch_size",
+    "check_targets",
+]
+
+IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss's default ignore_index
 
 Batch = Any  # (X, y) tuple/list of tensors, or a MutableMapping (dict batches)
 
@@ -119,11 +129,56 @@ def _check_batch(
             raise ValueError(
                 f"{where}: {name} contain NaN or Inf; clean or impute the data first."
             )
+    if x.is_floating_point() and x.numel():
+        squared_norms = x.detach().double().reshape(x.shape[0], -1).pow(2).sum(dim=1)
+        if not (squared_norms <= torch.finfo(x.dtype).max).all():
+            raise ValueError(
+                f"{where}: the squared norm of an input sample overflows {x.dtype} "
+                f"(largest |x| = {float(x.abs().max()):.3e}), so the curvature (which holds "
+                "products of inputs) would be infinite; standardise or rescale the inputs."
+            )
     if y.shape[0] < 2 or x.shape[0] != y.shape[0]:
         raise ValueError(
             f"{where}: a batch needs at least two samples and as many inputs as targets "
             f"(got {x.shape[0]} inputs, {y.shape[0]} targets); use a larger batch_size or "
             "drop_last=True."
+        )
+
+
+def check_targets(
+    y: torch.Tensor, output_shape: tuple[int, ...], likelihood: str, where: str
+) -> None:
+    """Refuse targets that do not fit the model's per-sample output shape ``output_shape``.
+
+    Regression: ``y.shape[1:]`` must equal ``output_shape`` (MSE would otherwise broadcast
+    silently). Classification / reward modelling with integer labels: every label must be in
+    ``[0, C)``, ``C = output_shape[-1]``. The label ``-100`` (``CrossEntropyLoss``'s
+    ``ignore_index``) is refused: laplace-torch's loss skips such samples, but its curvature
+    (the cross-entropy GGN does not depend on the label) and ``N = len(dataset)`` still count
+    them, so loss and curvature would describe different data sets.
+    """
+    if likelihood == "regression":
+        if tuple(y.shape[1:]) != tuple(output_shape):
+            raise ValueError(
+                f"{where}: the model outputs per-sample shape {tuple(output_shape)} but the "
+                f"regression targets have {tuple(y.shape[1:])}; reshape the targets (or the "
+                "model's output layer) so that they match."
+            )
+        return
+    if y.is_floating_point():
+        return  # class probabilities; their shape is the loss function's business
+    n_classes = output_shape[-1]
+    if (y == IGNORE_INDEX).any():
+        raise ValueError(
+            f"{where}: {int((y == IGNORE_INDEX).sum())} label(s) are -100, "
+            "CrossEntropyLoss's ignore_index. laplace-torch leaves such samples out of the "
+            "loss but counts them in the curvature and in N = len(dataset); remove them from "
+            "the dataset before fitting."
+        )
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n_classes):
+        raise ValueError(
+            f"{where}: class labels must be in the range [0, {n_classes}) of the model's "
+            f"{n_classes} outputs, got labels from {int(y.min())} to {int(y.max())}."
         )
 
 

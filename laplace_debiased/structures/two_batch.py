@@ -41,6 +41,7 @@ from laplace_debiased.structures.batches import (
     Batch,
     batch_inputs_targets,
     batch_size,
+    check_targets,
     split_batches,
 )
 
@@ -110,10 +111,15 @@ class TwoBatchLaplaceMixin:
         self.model.eval()
         if isinstance(self, LLLaplace) and self.model.last_layer is None:
             self._setup_last_layer(batches.direction[0])
+        self._check_trainable()
         if override:
             self._reset_fit_state()
 
-        self.n_outputs = self._infer_n_outputs(batches.direction[0])
+        output_shape = self._output_shape(batches.direction[0])
+        for i, b in enumerate(used):
+            _, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
+            check_targets(y, output_shape, self.likelihood, f"fit batch {i}")
+        self.n_outputs = output_shape[-1]
         setattr(self.model, "output_size", self.n_outputs)
         params = (
             self.model.last_layer.parameters() if isinstance(self, LLLaplace) else self.params
@@ -170,6 +176,21 @@ class TwoBatchLaplaceMixin:
                 "fitting the Laplace approximation."
             )
 
+    def _check_trainable(self) -> None:
+        """Refuse a fit with nothing to approximate (every parameter frozen)."""
+        if isinstance(self, LLLaplace):
+            if not any(p.requires_grad for p in self.model.last_layer.parameters()):
+                raise ValueError(
+                    "the last layer's parameters all have requires_grad=False; a last-layer "
+                    "Laplace approximation is over them, so unfreeze them "
+                    "(p.requires_grad_(True))."
+                )
+        elif not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(
+                "every parameter of the model has requires_grad=False, so there is nothing "
+                "to approximate; unfreeze the parameters the posterior should cover."
+            )
+
     def _check_batch_matches_model(self, batch: Batch) -> None:
         X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
         x = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
@@ -196,15 +217,11 @@ class TwoBatchLaplaceMixin:
         self._init_H()
 
     @torch.no_grad()
-    def _infer_n_outputs(self, batch: Batch) -> int:
-        """Output width from one sample (the whole batch for dict inputs)."""
-        X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
+    def _output_shape(self, batch: Batch) -> tuple[int, ...]:
+        """Per-sample output shape, from one sample (the whole batch for dict inputs)."""
+        X, _ = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
         out = self.model(X[:1] if isinstance(X, torch.Tensor) else X)
-        if self.likelihood == "regression" and y.ndim != out.ndim:
-            raise ValueError(
-                f"The model's output has {out.ndim} dims but the target has {y.ndim} dims."
-            )
-        return out.shape[-1]
+        return tuple(out.shape[1:])
 
     @torch.no_grad()
     def _summed_loss(self, batches: list[Batch]) -> torch.Tensor:
