@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 from laplace import KronLLLaplace, Laplace
+from laplace.curvature import CurvlinopsGGN
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -67,6 +68,14 @@ def test_train_mode_model_with_dropout_is_refused(structure):
 SUBSETS = ["all", "last_layer"]
 
 
+def _curvature(la) -> torch.Tensor:
+    """The fitted curvature as one tensor (low-rank: the re-measured eigenvalues)."""
+    H = la.H
+    if isinstance(H, tuple):
+        return H[1]
+    return H if isinstance(H, torch.Tensor) else H.to_matrix()
+
+
 def _la(structure, subset, model=None, likelihood="classification"):
     return Laplace(model if model is not None else tiny_mlp(), likelihood, subset, structure)
 
@@ -121,3 +130,60 @@ def test_all_parameters_frozen_refused(structure, subset):
     la = _la(structure, subset, model)
     with pytest.raises(ValueError, match="requires_grad"):
         la.fit(loader(toy_data(16, (4,), 3, "classification"), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_fit_logs_and_records_which_batches(structure, caplog):
+    ds = toy_data(24, (4,), 3, "classification")
+    la = _la(structure, "all")
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la.fit(loader(ds, 8))
+    (choice,) = la.fit_batches
+    assert (choice.direction, choice.magnitude, choice.how) == ((0,), (1,), "loader order")
+    assert (choice.direction_size, choice.magnitude_size, choice.n_data) == (8, 8, 24)
+    assert any(choice.describe() in r.getMessage() for r in caplog.records)
+    la.fit(loader(ds, 8), generator=torch.Generator().manual_seed(0))
+    assert la.fit_batches[0].how == "random draw" and len(la.fit_batches) == 1
+
+
+def test_online_fits_record_every_fit():
+    ds = toy_data(24, (4,), 3, "classification")
+    la = _la("debiased_kron", "all")
+    la.fit(loader(ds, 8))
+    la.fit(loader(ds, 8), override=False)
+    assert len(la.fit_batches) == 2
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_one_batch_loader_fits_on_disjoint_halves(structure, subset, caplog):
+    ds = toy_data(20, (4,), 3, "classification")
+    la = _la(structure, subset)
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la.fit(loader(ds, 20))
+    (choice,) = la.fit_batches
+    assert choice.how == "one-batch split" and la.n_data == 20
+    assert any("one-batch split" in r.getMessage() for r in caplog.records)
+    idx_B, idx_Bt = choice.sample_split
+    same = _la(structure, subset)
+    X, y = ds.tensors
+    order = list(idx_B) + list(idx_Bt)
+    same.fit(loader(TensorDataset(X[order], y[order]), 10))  # B, B̃ as two explicit batches
+    torch.testing.assert_close(_curvature(la), _curvature(same))
+    torch.testing.assert_close(la.loss, same.loss)
+
+
+def test_marglik_training_with_one_batch_loader():
+    from laplace.marglik_training import marglik_training
+
+    torch.manual_seed(0)
+    X = torch.linspace(-2, 2, 30, dtype=torch.float64).unsqueeze(-1)
+    y = torch.sin(2 * X) + 0.1 * torch.randn_like(X)
+    model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    la, model, margliks, _ = marglik_training(
+        model, DataLoader(TensorDataset(X, y), batch_size=30), "regression",
+        hessian_structure="debiased_kron", backend=CurvlinopsGGN, n_epochs=6,
+        n_epochs_burnin=2, n_hypersteps=3,
+    )
+    assert la.fit_batches[0].how == "one-batch split"
+    assert all(torch.isfinite(torch.as_tensor(m)) for m in margliks) and len(margliks) > 0

@@ -14,7 +14,8 @@ the others call :meth:`_summed_loss`, so no batch is forwarded twice for the los
 points of earlier fits (0 unless ``override=False``), so online fits can combine them.
 Subclasses that keep extra state per fit extend :meth:`_reset_fit_state`.
 
-After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.n_data += N`` and
+After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.fit_batches``
+(which batches formed B and B̃, and how they were chosen), ``self.n_data += N`` and
 ``self.loss += N / n_used * (summed loss over the n_used distinct samples of B ∪ B̃)``, an
 unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
@@ -22,6 +23,7 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import MutableMapping
 from typing import Callable
 
@@ -39,6 +41,7 @@ from torch.utils.data import DataLoader
 
 from laplace_debiased.structures.batches import (
     Batch,
+    BatchChoice,
     batch_inputs_targets,
     batch_size,
     check_targets,
@@ -46,6 +49,8 @@ from laplace_debiased.structures.batches import (
 )
 
 __all__ = ["TwoBatchLaplaceMixin"]
+
+logger = logging.getLogger(__name__)
 
 _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 
@@ -72,7 +77,13 @@ class TwoBatchLaplaceMixin:
         ----------
         train_loader : DataLoader
             training data; ``N = len(train_loader.dataset)``. B = its first
-            ``n_direction_batches`` batches, B̃ = the next ``n_magnitude_batches``.
+            ``n_direction_batches`` batches, B̃ = the next ``n_magnitude_batches``: with a
+            shuffling loader a random draw, otherwise the first batches in dataset order. A
+            loader that yields one batch has its samples split into two disjoint halves by
+            a seeded permutation (B and B̃). The choice is logged (``logging``, level INFO,
+            logger ``laplace_debiased``) and recorded in ``self.fit_batches``, one
+            :class:`~laplace_debiased.structures.batches.BatchChoice` per fit since the last
+            ``override=True``.
         override : bool, default=True
             ``False`` accumulates onto a previous fit (online learning; the curvature of
             both batch sets is combined and debiased again).
@@ -105,6 +116,7 @@ class TwoBatchLaplaceMixin:
             dict_key_y=self.dict_key_y,
             device=self._device,
         )
+        logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
         used = self._distinct(batches.direction, batches.magnitude)
         for b in used:
             self._check_batch_matches_model(b)
@@ -137,6 +149,7 @@ class TwoBatchLaplaceMixin:
         n_used = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in used)
         self.loss = self.loss + batches.n_data / n_used * loss
         self.n_data += batches.n_data
+        self.fit_batches = (*getattr(self, "fit_batches", ()), batches.choice)
 
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
@@ -155,6 +168,7 @@ class TwoBatchLaplaceMixin:
         self._init_H()
         self.loss = 0.0
         self.n_data = 0
+        self.fit_batches: tuple[BatchChoice, ...] = ()
 
     # ------------------------------------------------------------------ checks
     def _check_model_mode(self) -> None:
