@@ -157,13 +157,15 @@ def batch_inputs_targets(
     """Split a loader batch into ``(X, y)`` the way laplace-torch does.
 
     For a ``MutableMapping`` batch, ``X`` is the whole mapping (the model consumes it) and
-    ``y = batch[dict_key_y]``; otherwise the batch must be a pair ``(X, y)``.
+    ``y = batch[dict_key_y]``; otherwise the batch must be a pair ``(X, y)``. A mapping
+    without ``dict_key_x`` or ``dict_key_y`` raises ``KeyError`` (as laplace-torch does).
     """
     if isinstance(batch, MutableMapping):
-        if dict_key_x not in batch or dict_key_y not in batch:
-            raise ValueError(
-                f"dict batch needs keys {dict_key_x!r} and {dict_key_y!r} "
-                f"(got {sorted(batch)}); set dict_key_x / dict_key_y on the Laplace object."
+        missing = [key for key in (dict_key_x, dict_key_y) if key not in batch]
+        if missing:
+            raise KeyError(
+                f"dict batch has no key {missing[0]!r} (its keys: {sorted(batch)}); set "
+                "dict_key_x / dict_key_y on the Laplace object to the input and target keys."
             )
         return batch, batch[dict_key_y]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:

@@ -13,6 +13,7 @@ the factors of a batch set S with ``m`` samples are ``G_S = N/m * sum_{n in S} g
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
     ) -> torch.Tensor:
-        self._check_supported()
+        self._check_supported(direction_batches)
         loss, direction = self._kfac(direction_batches, N)
         if magnitude_batches is direction_batches:
             magnitude = direction
@@ -154,7 +155,13 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
     def _layers(self) -> nn.Module:
         return self.backend._model
 
-    def _check_supported(self) -> None:
+    def _check_supported(self, batches: list[Batch]) -> None:
+        if isinstance(self.backend, BackPackInterface) and isinstance(batches[0], MutableMapping):
+            raise ValueError(
+                "BackPACK backends cannot take dict (mapping) inputs: BackPACK extends the "
+                "modules of a model that is called with one tensor. Use the default "
+                "CurvlinopsGGN backend (or AsdlGGN) for dict batches."
+            )
         for name, module in self._layers().named_modules():
             owns = [p for p in module.parameters(recurse=False) if p.requires_grad]
             if owns and not isinstance(module, _KFAC_LAYERS):
