@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader
 from laplace_debiased.structures.batches import (
     Batch,
     BatchChoice,
+    BatchSplit,
     batch_inputs_targets,
     batch_size,
     check_targets,
@@ -100,10 +101,7 @@ class TwoBatchLaplaceMixin:
             draw the batches at random (reproducibly) instead of in loader order.
         """
         del progress_bar
-        if isinstance(self, LLLaplace) and not override:
-            raise ValueError(
-                "Last-layer Laplace approximations do not support `override=False`."
-            )
+        self._check_override(override)
         self._check_model_mode()
         batches = split_batches(
             train_loader,
@@ -118,34 +116,51 @@ class TwoBatchLaplaceMixin:
         )
         logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
         used = self._distinct(batches.direction, batches.magnitude)
+        self._prepare_fit(batches.direction[0], used, override)
+        self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
+        setattr(self.model, "output_size", self.n_outputs)
+        self.mean = self._map_estimate()
+        loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
+        self._accumulate(loss, used, batches)
+
+    # ------------------------------------------------------------------ fit steps
+    def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
+        """Check the batches against the model, switch to eval mode, find the last layer
+        (last-layer classes, first fit), check there is something to fit, and forget
+        earlier fits when ``override``."""
         for b in used:
             self._check_batch_matches_model(b)
         self.model.eval()
         if isinstance(self, LLLaplace) and self.model.last_layer is None:
-            self._setup_last_layer(batches.direction[0])
+            self._setup_last_layer(first)
         self._check_trainable()
         if override:
             self._reset_fit_state()
 
-        output_shape = self._output_shape(batches.direction[0])
+    def _checked_n_outputs(self, first: Batch, used: list[Batch]) -> int:
+        """Output width, after checking every used batch's targets against the output shape."""
+        output_shape = self._output_shape(first)
         for i, b in enumerate(used):
             _, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             check_targets(y, output_shape, self.likelihood, f"fit batch {i}")
-        self.n_outputs = output_shape[-1]
-        setattr(self.model, "output_size", self.n_outputs)
+        return output_shape[-1]
+
+    def _map_estimate(self) -> torch.Tensor:
+        """The parameters being approximated as one vector (the posterior mean)."""
         params = (
             self.model.last_layer.parameters() if isinstance(self, LLLaplace) else self.params
         )
-        self.mean = parameters_to_vector(params)
+        mean = parameters_to_vector(params)
         if not self.enable_backprop:
-            self.mean = self.mean.detach()
-        if not torch.isfinite(self.mean).all():
+            mean = mean.detach()
+        if not torch.isfinite(mean).all():
             raise ValueError("the model parameters (the MAP estimate) contain NaN or Inf.")
+        return mean
 
-        loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
+    def _accumulate(self, loss: torch.Tensor, used: list[Batch], batches: BatchSplit) -> None:
+        """Add this fit's loss (rescaled to ``N``), ``N`` and its batch choice to the totals."""
         if not torch.isfinite(loss):
             raise ValueError("the training loss on the fit batches is NaN or Inf.")
-
         n_used = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in used)
         self.loss = self.loss + batches.n_data / n_used * loss
         self.n_data += batches.n_data
@@ -171,6 +186,12 @@ class TwoBatchLaplaceMixin:
         self.fit_batches: tuple[BatchChoice, ...] = ()
 
     # ------------------------------------------------------------------ checks
+    def _check_override(self, override: bool) -> None:
+        if isinstance(self, LLLaplace) and not override:
+            raise ValueError(
+                "Last-layer Laplace approximations do not support `override=False`."
+            )
+
     def _check_model_mode(self) -> None:
         """Refuse Dropout/BatchNorm layers left in train mode.
 
