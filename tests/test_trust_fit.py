@@ -187,3 +187,21 @@ def test_marglik_training_with_one_batch_loader():
     )
     assert la.fit_batches[0].how == "one-batch split"
     assert all(torch.isfinite(torch.as_tensor(m)) for m in margliks) and len(margliks) > 0
+
+
+class _Squeezed(nn.Module):
+    """Regression model with one scalar output per sample, shape (n,)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_mlp(n_out=1)
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def test_scalar_regression_output_against_column_targets_refused():
+    X = torch.randn(16, 4, dtype=torch.float64)
+    la = _la("debiased_kron", "all", _Squeezed(), "regression")
+    with pytest.raises(ValueError, match=r"\(\).*\(1,\)"):
+        la.fit(loader(TensorDataset(X, torch.randn(16, 1, dtype=torch.float64)), 8))

@@ -239,8 +239,8 @@ def check_targets(
                 "model's output layer) so that they match."
             )
         return
-    if y.is_floating_point():
-        return  # class probabilities; their shape is the loss function's business
+    if y.is_floating_point() or not output_shape:
+        return  # class probabilities or scalar outputs: the loss function's business
     n_classes = output_shape[-1]
     if (y == IGNORE_INDEX).any():
         raise ValueError(

@@ -143,7 +143,7 @@ class TwoBatchLaplaceMixin:
         for i, b in enumerate(used):
             _, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             check_targets(y, output_shape, self.likelihood, f"fit batch {i}")
-        return output_shape[-1]
+        return output_shape[-1] if output_shape else 1
 
     def _map_estimate(self) -> torch.Tensor:
         """The parameters being approximated as one vector (the posterior mean)."""
