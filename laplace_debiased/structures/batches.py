@@ -393,15 +393,7 @@ def split_batches(
             raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
         if magnitude_loader is not None:
             raise ValueError("split='halves' splits train_loader; do not pass magnitude_loader.")
-        batches = _collect(train_loader, None)
-        if len(batches) == 1:
-            return _finish_one_batch(batches[0], generator, n_data, keys, device)
-        if not batches:
-            raise ValueError("train_loader yields no batch.")
-        pos = _positions(batches, len(batches), generator, "train_loader")
-        half = (len(batches) + 1) // 2
-        how = "halves" if generator is None else "random halves"
-        return _finish(batches, pos[:half], batches, pos[half:], how, "train_loader", n_data, keys, device)
+        return _choose_halves(train_loader, generator, n_data, keys, device)
     if split != "batches":
         raise ValueError(f"split must be 'batches' or 'halves', got {split!r}.")
     n_dir = 1 if n_direction_batches is None else n_direction_batches
@@ -429,6 +421,26 @@ def split_batches(
     others = _collect(magnitude_loader, n_mag if generator is None else None)
     pos_mag = _positions(others, n_mag, generator, "magnitude_loader")
     return _finish(batches, pos, others, pos_mag, how, "magnitude_loader", n_data, keys, device)
+
+
+def _choose_halves(
+    train_loader: Iterable,
+    generator: torch.Generator | None,
+    n_data: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+) -> BatchSplit:
+    """``split="halves"``: the first ``ceil(K/2)`` of all ``K`` batches form B, the rest B̃
+    (assigned at random with ``generator``); one batch is split into halves of samples."""
+    batches = _collect(train_loader, None)
+    if len(batches) == 1:
+        return _finish_one_batch(batches[0], generator, n_data, keys, device)
+    if not batches:
+        raise ValueError("train_loader yields no batch.")
+    pos = _positions(batches, len(batches), generator, "train_loader")
+    half = (len(batches) + 1) // 2
+    how = "halves" if generator is None else "random halves"
+    return _finish(batches, pos[:half], batches, pos[half:], how, "train_loader", n_data, keys, device)
 
 
 def _finish_one_batch(
