@@ -1,6 +1,8 @@
 """Identities of the pure debiasing maths in ``laplace_debiased.curvature.linalg`` (float64)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from laplace_debiased.curvature.linalg import (
@@ -155,3 +157,28 @@ def test_tiny_perturbation_does_not_change_debiased_factor(dtype):
 def test_same_matrix_rank_deficient_is_exact():
     G = _psd(6, 2, 19)
     torch.testing.assert_close(_factor_matrix(*debiased_factor(G, G)), G, atol=1e-12, rtol=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(2, 7),
+    rank_fraction=st.floats(0.0, 1.0),
+    repeated=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_debiased_factor_is_orthogonally_equivariant(n, rank_fraction, repeated, seed):
+    """factor(Q G Qᵀ, Q D Qᵀ) = Q factor(G, D) Qᵀ for every orthogonal Q: the result depends on
+    the two matrices only, never on the basis eigh picks (null spaces, repeated eigenvalues)."""
+    g = torch.Generator().manual_seed(seed)
+    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    rank = int(round(rank_fraction * n))
+    values = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    if repeated:
+        values[: max(n // 2, 1)] = 1.0
+    values[rank:] = 0.0
+    G = (V * values) @ V.T
+    D = _psd(n, n + 2, seed % 1000 + 1)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    a = _factor_matrix(*debiased_factor(G, D))
+    b = _factor_matrix(*debiased_factor(Q @ G @ Q.T, Q @ D @ Q.T))
+    torch.testing.assert_close(b, Q @ a @ Q.T, atol=1e-10 * float(D.norm()), rtol=1e-8)
