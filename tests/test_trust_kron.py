@@ -4,7 +4,6 @@ import pytest
 import torch
 from laplace import KronLaplace
 from laplace.curvature import AsdlGGN, CurvlinopsGGN
-from torch.utils.data import TensorDataset
 
 from _models import loader, tiny_mlp, toy_data
 from laplace_debiased.structures.kron import DebiasedKronLaplace
