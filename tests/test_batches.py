@@ -74,11 +74,9 @@ def test_overlap_and_equal_batches_raise(ds):
 
 def test_loader_and_batch_errors(ds):
     with pytest.raises(ValueError, match="yields 1 batch"):
-        split_batches(loader(ds, 40))
+        split_batches(loader(ds, 40), n_direction_batches=2)
     with pytest.raises(ValueError, match="yields 5 batch"):
         split_batches(loader(ds, 8), n_direction_batches=3, n_magnitude_batches=3)
-    with pytest.raises(ValueError, match="at least 2 loader batches"):
-        split_batches(loader(ds, 40), split="halves")
     with pytest.raises(ValueError, match="do not pass n_"):
         split_batches(loader(ds, 8), split="halves", n_direction_batches=1)
     with pytest.raises(ValueError, match="at least two samples"):
@@ -130,3 +128,64 @@ def test_backpack_conv_refused_but_linear_matches_curvlinops():
     cl = DebiasedKronLaplace(tiny_mlp(), "classification")
     cl.fit(dl)
     torch.testing.assert_close(bp.H.to_matrix(), cl.H.to_matrix(), atol=1e-10, rtol=1e-8)
+
+
+def test_choice_records_which_batches(ds):
+    s = split_batches(loader(ds, 8), n_direction_batches=2)
+    c = s.choice
+    assert (c.direction, c.magnitude, c.how) == ((0, 1), (2,), "loader order")
+    assert (c.direction_size, c.magnitude_size, c.n_data) == (16, 8, 40)
+    assert c.magnitude_source == "train_loader" and c.sample_split is None
+    assert "loader batches [0, 1]" in c.describe() and "shuffl" in c.describe()
+    g = split_batches(loader(ds, 4), generator=torch.Generator().manual_seed(3)).choice
+    assert g.how == "random draw" and len(set(g.direction + g.magnitude)) == 2
+    assert split_batches(loader(ds, 8), split="halves").choice.magnitude == (3, 4)
+    dl = loader(ds, 8)
+    assert split_batches(dl, magnitude_loader=dl).choice.how == "same batches (B̃ = B)"
+    other = loader(TensorDataset(*[t[20:] for t in ds.tensors]), 5)
+    c = split_batches(loader(ds, 5), magnitude_loader=other).choice
+    assert c.magnitude_source == "magnitude_loader" and c.magnitude == (0,)
+
+
+@pytest.mark.parametrize("split", ["batches", "halves"])
+def test_one_batch_loader_is_split_into_seeded_halves(ds, split):
+    s = split_batches(loader(ds, 40), split=split)
+    (B,), (Bt,) = s.direction, s.magnitude
+    assert len(B[0]) == len(Bt[0]) == 20 and s.n_data == 40
+    assert sorted(_ids(s.direction) + _ids(s.magnitude)) == sorted(ds.tensors[0][:, 0].tolist())
+    again = split_batches(loader(ds, 40), split=split)
+    assert _ids(again.direction) == _ids(s.direction)  # seeded: reproducible
+    assert _ids(s.direction) != ds.tensors[0][:20, 0].tolist()  # a permutation, not a cut
+    other = split_batches(loader(ds, 40), split=split, generator=torch.Generator().manual_seed(5))
+    assert _ids(other.direction) != _ids(s.direction)
+    c = s.choice
+    assert c.how == "one-batch split" and (c.direction, c.magnitude) == ((0,), (0,))
+    idx_B, idx_Bt = c.sample_split
+    assert sorted(idx_B + idx_Bt) == list(range(40))
+    assert _ids(s.direction) == ds.tensors[0][list(idx_B), 0].tolist()
+
+
+def test_one_batch_split_refused_when_a_half_is_too_small():
+    with pytest.raises(ValueError, match="one batch of 3 sample"):
+        split_batches(loader(toy_data(3, (4,), 3, "classification"), 3))
+    s = split_batches(loader(toy_data(5, (4,), 3, "classification"), 5))
+    assert (len(s.direction[0][0]), len(s.magnitude[0][0])) == (3, 2)
+
+
+class _OneDictBatch:
+    """A loader-like iterable yielding one dict batch (with a non-tensor entry)."""
+
+    def __init__(self, X, y):
+        self.dataset, self.batch = X, {"input_ids": X, "labels": y, "note": "kept"}
+
+    def __iter__(self):
+        return iter([self.batch])
+
+
+def test_one_batch_split_of_dict_batches():
+    X, y = toy_data(10, (4,), 3, "classification").tensors
+    s = split_batches(_OneDictBatch(X, y))
+    (B,), (Bt,) = s.direction, s.magnitude
+    assert B["note"] == "kept" and len(B["labels"]) + len(Bt["labels"]) == 10
+    idx_B, _ = s.choice.sample_split
+    assert torch.equal(B["input_ids"], X[list(idx_B)]) and torch.equal(B["labels"], y[list(idx_B)])

@@ -1,12 +1,15 @@
 """Identities of the pure debiasing maths in ``laplace_debiased.curvature.linalg`` (float64)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from laplace_debiased.curvature.linalg import (
     clamp_roundoff_negatives,
     debiased_factor,
     debiased_kron,
+    degenerate_groups,
     eigh_float64,
     remeasure_eigenvalues,
     roundoff_tolerance,
@@ -89,3 +92,93 @@ def test_bad_blocks_raise_instead_of_dropping_layers():
         debiased_kron([[G]], [[G * float("nan")]])
     with pytest.raises(ValueError, match="square"):
         eigh_float64(torch.ones(3))
+
+
+def _factor_matrix(U: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    return (U * lam) @ U.T
+
+
+def _rotation_inside(V: torch.Tensor, cols: slice, seed: int) -> torch.Tensor:
+    """An orthogonal Q with Q V[:, cols] = V[:, cols] W (random W), identity elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    k = V[:, cols].shape[1]
+    W, _ = torch.linalg.qr(torch.randn(k, k, generator=g, dtype=torch.float64))
+    Vc = V[:, cols]
+    return torch.eye(V.shape[0], dtype=torch.float64) + Vc @ (W - torch.eye(k, dtype=torch.float64)) @ Vc.T
+
+
+def test_degenerate_groups_chain_close_eigenvalues():
+    values = torch.tensor([0.0, 1e-17, 2e-17, 0.5, 1.0, 1.0 + 1e-16, 3.0], dtype=torch.float64)
+    assert degenerate_groups(values, 1e-15) == [slice(0, 3), slice(3, 4), slice(4, 6), slice(6, 7)]
+    assert degenerate_groups(values[:0], 1e-15) == []
+
+
+def test_rank_deficient_factor_is_basis_invariant():
+    """B's factor has a 3-dim null space; the debiased factor does not depend on which basis of it
+    eigh returns (nor on a rotation inside it): it is the compression of B̃'s factor there."""
+    G, D = _psd(6, 3, 10), _psd(6, 9, 11)
+    U, lam = debiased_factor(G, D)
+    _, V = torch.linalg.eigh(G)
+    Q = _rotation_inside(V, slice(0, 3), 12)  # null space of G comes first (ascending)
+    G_rot = Q @ G @ Q.T  # = G up to round-off, but eigh sees another null basis
+    U2, lam2 = debiased_factor(G_rot, D)
+    torch.testing.assert_close(_factor_matrix(U2, lam2), _factor_matrix(U, lam), atol=1e-12, rtol=1e-10)
+    # on the null space: the compression P D P of B̃'s factor
+    P = V[:, :3] @ V[:, :3].T
+    R = V[:, 3:] @ V[:, 3:].T
+    torch.testing.assert_close(P @ _factor_matrix(U, lam) @ P, P @ D @ P, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(R @ _factor_matrix(U, lam) @ P, torch.zeros(6, 6, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_repeated_eigenvalue_is_basis_invariant():
+    g = torch.Generator().manual_seed(13)
+    V, _ = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))
+    G = (V * torch.tensor([1.0, 2.0, 2.0, 2.0, 5.0], dtype=torch.float64)) @ V.T
+    D = _psd(5, 7, 14)
+    Q = _rotation_inside(V, slice(1, 4), 15)
+    a = _factor_matrix(*debiased_factor(G, D))
+    b = _factor_matrix(*debiased_factor(Q @ G @ Q.T, D))
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    P = V[:, 1:4] @ V[:, 1:4].T
+    torch.testing.assert_close(P @ a @ P, P @ D @ P, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_tiny_perturbation_does_not_change_debiased_factor(dtype):
+    G, D = _psd(8, 3, 16, dtype), _psd(8, 12, 17, dtype)
+    eps = torch.finfo(dtype).eps
+    E = _psd(8, 8, 18)
+    E = (E / torch.linalg.matrix_norm(E) * float(torch.linalg.matrix_norm(G.double())) * 5 * eps).to(dtype)
+    a = _factor_matrix(*debiased_factor(G, D)).double()
+    b = _factor_matrix(*debiased_factor(G + E, D)).double()
+    assert float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(a)) < 100 * eps
+
+
+def test_same_matrix_rank_deficient_is_exact():
+    G = _psd(6, 2, 19)
+    torch.testing.assert_close(_factor_matrix(*debiased_factor(G, G)), G, atol=1e-12, rtol=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(2, 7),
+    rank_fraction=st.floats(0.0, 1.0),
+    repeated=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_debiased_factor_is_orthogonally_equivariant(n, rank_fraction, repeated, seed):
+    """factor(Q G Qᵀ, Q D Qᵀ) = Q factor(G, D) Qᵀ for every orthogonal Q: the result depends on
+    the two matrices only, never on the basis eigh picks (null spaces, repeated eigenvalues)."""
+    g = torch.Generator().manual_seed(seed)
+    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    rank = int(round(rank_fraction * n))
+    values = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    if repeated:
+        values[: max(n // 2, 1)] = 1.0
+    values[rank:] = 0.0
+    G = (V * values) @ V.T
+    D = _psd(n, n + 2, seed % 1000 + 1)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    a = _factor_matrix(*debiased_factor(G, D))
+    b = _factor_matrix(*debiased_factor(Q @ G @ Q.T, Q @ D @ Q.T))
+    torch.testing.assert_close(b, Q @ a @ Q.T, atol=1e-10 * float(D.norm()), rtol=1e-8)

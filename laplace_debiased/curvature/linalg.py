@@ -15,6 +15,13 @@ Conventions
   (summed loss, rescaled to ``N`` data points) is left to the caller: every function here
   is linear in the magnitude matrix and invariant to the scale of the direction matrix.
 
+* Degenerate eigenspaces: eigenvalues of a factor ``F`` closer than
+  :func:`roundoff_tolerance` ``(F)`` (``10 · n · eps(F.dtype) · ‖F‖_F``) are indistinguishable
+  at the precision ``F`` was computed in, so ``eigh`` may return any basis of their span (the
+  null space of a rank-deficient factor, exactly repeated eigenvalues). Inside each such space
+  the basis is fixed by the magnitude factor (:func:`aligned_eigenbasis`), which makes every
+  debiased factor a function of the two matrices, not of ``eigh``'s choice.
+
 All computations run in float64; results are cast back to the dtype of the inputs.
 """
 
@@ -29,6 +36,8 @@ __all__ = [
     "clamp_roundoff_negatives",
     "roundoff_tolerance",
     "eigh_float64",
+    "degenerate_groups",
+    "aligned_eigenbasis",
     "debiased_factor",
     "debiased_kron",
 ]
@@ -133,6 +142,48 @@ def eigh_float64(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return L.to(M.dtype), V.to(M.dtype)
 
 
+def degenerate_groups(eigenvalues: torch.Tensor, tolerance: float) -> list[slice]:
+    """Runs of ascending ``eigenvalues`` ``(n,)`` whose neighbours differ by at most ``tolerance``.
+
+    Returns slices covering ``0..n`` in order; a run of length > 1 is a (numerically)
+    degenerate eigenspace. Neighbours are chained, so a run's spread may exceed ``tolerance``.
+    """
+    groups: list[slice] = []
+    start = 0
+    gaps = (eigenvalues[1:] - eigenvalues[:-1]).tolist()
+    for i, gap in enumerate(gaps):
+        if gap > tolerance:
+            groups.append(slice(start, i + 1))
+            start = i + 1
+    if eigenvalues.numel():
+        groups.append(slice(start, eigenvalues.numel()))
+    return groups
+
+
+def aligned_eigenbasis(direction: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors ``(n, n)`` (float64) of ``direction``, unique up to signs and ties in B̃.
+
+    Eigenvectors of ``direction`` (B's factor, ascending eigenvalues); inside each degenerate
+    eigenspace (:func:`degenerate_groups` with :func:`roundoff_tolerance` of ``direction``) they
+    are rotated to the eigenvectors of ``magnitude`` (B̃'s factor) compressed onto that space,
+    so ``U diag(diag(Uᵀ magnitude U)) Uᵀ`` equals ``P magnitude P`` on each such space ``P``
+    (basis-free, as ``debiased_full`` treats B's null space). With ``magnitude == direction``
+    the rotation is a no-op up to round-off.
+    """
+    _check_square(direction, "direction curvature")
+    _check_square(magnitude, "magnitude curvature")
+    D64, M64 = direction.double(), magnitude.double()
+    L, V = torch.linalg.eigh(0.5 * (D64 + D64.T))
+    M64 = 0.5 * (M64 + M64.T)
+    for group in degenerate_groups(L, roundoff_tolerance(direction)):
+        if group.stop - group.start > 1:
+            Vg = V[:, group]
+            compressed = Vg.T @ M64 @ Vg
+            _, W = torch.linalg.eigh(0.5 * (compressed + compressed.T))
+            V[:, group] = Vg @ W
+    return V
+
+
 def debiased_factor(
     direction: torch.Tensor, magnitude: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +200,8 @@ def debiased_factor(
     Returns
     -------
     (U, lam) : tuple[torch.Tensor, torch.Tensor]
-        ``U (n, n)`` eigenvectors of ``direction``; ``lam (n,)`` = ``diag(Uᵀ magnitude U)``,
+        ``U (n, n)`` eigenvectors of ``direction`` (:func:`aligned_eigenbasis`, in
+        ``direction.dtype``); ``lam (n,)`` = ``diag(Uᵀ magnitude U)``,
         so that ``U diag(lam) Uᵀ`` is the debiased factor. With
         ``magnitude == direction`` this is the ordinary eigendecomposition.
     """
@@ -158,8 +210,8 @@ def debiased_factor(
             f"direction factor {tuple(direction.shape)} and magnitude factor "
             f"{tuple(magnitude.shape)} differ in shape."
         )
-    _, U = eigh_float64(direction)
-    return U, remeasure_eigenvalues(U, magnitude)
+    U = aligned_eigenbasis(direction, magnitude)
+    return U.to(direction.dtype), remeasure_eigenvalues(U, magnitude)
 
 
 def debiased_kron(

@@ -9,13 +9,24 @@ Selection rules of :func:`split_batches` (the fit semantics of every two-batch L
 ``split="batches"`` (default)
     B = the first ``n_direction_batches`` loader batches, B̃ = the next
     ``n_magnitude_batches`` loader batches (disjoint as long as the loader does not repeat
-    samples within one pass).  With ``generator`` the batches are instead drawn at random
+    samples within one pass).  With a shuffling loader (``shuffle=True``) these are a random
+    draw from the training set; in loader order they are whatever the dataset puts first.
+    With ``generator`` the batches are instead drawn at random
     (without replacement) from one pass over the loader, reproducibly for a fixed seed (a
     shuffling loader must also be seeded for the whole selection to be reproducible).
+one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``)
+    a loader that yields a single batch (full-batch training, a small fine-tuning set) has
+    its samples split into two disjoint halves by a random permutation seeded with
+    ``generator`` or, without one, with ``ONE_BATCH_SEED``: B gets ``ceil(n/2)`` samples, B̃
+    ``floor(n/2)`` (the paper's debiased full-batch setting). Refused below
+    ``2 * MIN_HALF_SIZE`` samples.
 ``split="halves"``
     all batches of one pass over the loader: the first ``ceil(K/2)`` go to B, the remaining
     ``floor(K/2)`` to B̃ (the paper's "debiased full-batch"); with ``generator`` the batches
     are randomly assigned to the halves. ``n_*_batches`` must not be given.
+
+Every split records its :class:`BatchChoice` (positions and sizes of B and B̃, and how they
+were chosen); the fit logs it and keeps it as ``la.fit_batches``.
 ``magnitude_loader=other_loader``
     B from ``train_loader`` as above, B̃ = the first (or, with ``generator``, randomly drawn)
     ``n_magnitude_batches`` batches of ``other_loader``.
@@ -25,13 +36,15 @@ Selection rules of :func:`split_batches` (the fit semantics of every two-batch L
     decompositions on B.  This is the only way to make B and B̃ share samples.
 
 Checks (``ValueError`` with a hint what to do): too few batches in a loader, a batch with
-fewer than two samples, NaN/Inf in inputs or targets, data off the model's ``device``, mismatched batch types, and any
+fewer than two samples, NaN/Inf in inputs or targets, inputs whose squared norm overflows
+their dtype, data off the model's ``device``, mismatched batch types, and any
 sample whose input (and target) appears in both B and B̃ — detected by hashing the raw
 bytes of every sample, since batches carry no sample ids.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -39,9 +52,75 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["Batch", "BatchSplit", "split_batches", "batch_inputs_targets", "batch_size"]
+__all__ = [
+    "Batch",
+    "BatchChoice",
+    "BatchSplit",
+    "split_batches",
+    "batch_inputs_targets",
+    "batch_size",
+    "check_targets",
+]
+
+IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss's default ignore_index
 
 Batch = Any  # (X, y) tuple/list of tensors, or a MutableMapping (dict batches)
+
+
+ONE_BATCH_SEED = 0  # seed of the one-batch split when no generator is given
+MIN_HALF_SIZE = 2  # fewest samples in each half of a one-batch split
+SAME_BATCHES = "same batches (B̃ = B)"
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """Which batches a fit used and how they were chosen (recorded as ``la.fit_batches``).
+
+    Attributes
+    ----------
+    how : str
+        ``"loader order"`` (the first batches of one pass), ``"random draw"`` (drawn with
+        ``generator``), ``"halves"`` / ``"random halves"`` (``split="halves"``),
+        ``"one-batch split"`` (the loader's only batch split into two halves of samples) or
+        ``"same batches (B̃ = B)"``.
+    direction, magnitude : tuple of int
+        positions, in one pass over the loader, of the batches forming B and B̃ (B̃'s are
+        positions in ``magnitude_loader`` when ``magnitude_source == "magnitude_loader"``).
+    magnitude_source : str
+        ``"train_loader"`` or ``"magnitude_loader"``.
+    direction_size, magnitude_size : int
+        samples in B and B̃.
+    n_data : int
+        ``N = len(train_loader.dataset)``.
+    sample_split : pair of tuples of int, optional
+        for a one-batch split, the sample indices (within the batch) forming B and B̃.
+    """
+
+    how: str
+    direction: tuple[int, ...]
+    magnitude: tuple[int, ...]
+    magnitude_source: str
+    direction_size: int
+    magnitude_size: int
+    n_data: int
+    sample_split: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def describe(self) -> str:
+        """One line for logs: which batches, how many samples, how chosen."""
+        if self.sample_split is not None:
+            return (
+                f"one-batch split: the only batch of train_loader split by a seeded random "
+                f"permutation into B = {self.direction_size} and B̃ = {self.magnitude_size} "
+                f"disjoint samples (N = {self.n_data})"
+            )
+        text = (
+            f"B = train_loader batches {list(self.direction)} ({self.direction_size} samples), "
+            f"B̃ = {self.magnitude_source} batches {list(self.magnitude)} "
+            f"({self.magnitude_size} samples), {self.how} (N = {self.n_data})"
+        )
+        if self.how == "loader order":
+            text += "; with a shuffling loader these are a random draw"
+        return text
 
 
 @dataclass(frozen=True)
@@ -57,11 +136,14 @@ class BatchSplit:
         ``direction`` when B̃ = B was requested explicitly.
     n_data : int
         ``N = len(train_loader.dataset)``: curvatures are scaled to N data points.
+    choice : BatchChoice
+        which batches were chosen and how.
     """
 
     direction: list[Batch]
     magnitude: list[Batch]
     n_data: int
+    choice: BatchChoice
 
     @property
     def same_batches(self) -> bool:
@@ -75,13 +157,15 @@ def batch_inputs_targets(
     """Split a loader batch into ``(X, y)`` the way laplace-torch does.
 
     For a ``MutableMapping`` batch, ``X`` is the whole mapping (the model consumes it) and
-    ``y = batch[dict_key_y]``; otherwise the batch must be a pair ``(X, y)``.
+    ``y = batch[dict_key_y]``; otherwise the batch must be a pair ``(X, y)``. A mapping
+    without ``dict_key_x`` or ``dict_key_y`` raises ``KeyError`` (as laplace-torch does).
     """
     if isinstance(batch, MutableMapping):
-        if dict_key_x not in batch or dict_key_y not in batch:
-            raise ValueError(
-                f"dict batch needs keys {dict_key_x!r} and {dict_key_y!r} "
-                f"(got {sorted(batch)}); set dict_key_x / dict_key_y on the Laplace object."
+        missing = [key for key in (dict_key_x, dict_key_y) if key not in batch]
+        if missing:
+            raise KeyError(
+                f"dict batch has no key {missing[0]!r} (its keys: {sorted(batch)}); set "
+                "dict_key_x / dict_key_y on the Laplace object to the input and target keys."
             )
         return batch, batch[dict_key_y]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
@@ -119,11 +203,56 @@ def _check_batch(
             raise ValueError(
                 f"{where}: {name} contain NaN or Inf; clean or impute the data first."
             )
+    if x.is_floating_point() and x.numel():
+        squared_norms = x.detach().double().reshape(x.shape[0], -1).pow(2).sum(dim=1)
+        if not (squared_norms <= torch.finfo(x.dtype).max).all():
+            raise ValueError(
+                f"{where}: the squared norm of an input sample overflows {x.dtype} "
+                f"(largest |x| = {float(x.abs().max()):.3e}), so the curvature (which holds "
+                "products of inputs) would be infinite; standardise or rescale the inputs."
+            )
     if y.shape[0] < 2 or x.shape[0] != y.shape[0]:
         raise ValueError(
             f"{where}: a batch needs at least two samples and as many inputs as targets "
             f"(got {x.shape[0]} inputs, {y.shape[0]} targets); use a larger batch_size or "
             "drop_last=True."
+        )
+
+
+def check_targets(
+    y: torch.Tensor, output_shape: tuple[int, ...], likelihood: str, where: str
+) -> None:
+    """Refuse targets that do not fit the model's per-sample output shape ``output_shape``.
+
+    Regression: ``y.shape[1:]`` must equal ``output_shape`` (MSE would otherwise broadcast
+    silently). Classification / reward modelling with integer labels: every label must be in
+    ``[0, C)``, ``C = output_shape[-1]``. The label ``-100`` (``CrossEntropyLoss``'s
+    ``ignore_index``) is refused: laplace-torch's loss skips such samples, but its curvature
+    (the cross-entropy GGN does not depend on the label) and ``N = len(dataset)`` still count
+    them, so loss and curvature would describe different data sets.
+    """
+    if likelihood == "regression":
+        if tuple(y.shape[1:]) != tuple(output_shape):
+            raise ValueError(
+                f"{where}: the model outputs per-sample shape {tuple(output_shape)} but the "
+                f"regression targets have {tuple(y.shape[1:])}; reshape the targets (or the "
+                "model's output layer) so that they match."
+            )
+        return
+    if y.is_floating_point() or not output_shape:
+        return  # class probabilities or scalar outputs: the loss function's business
+    n_classes = output_shape[-1]
+    if (y == IGNORE_INDEX).any():
+        raise ValueError(
+            f"{where}: {int((y == IGNORE_INDEX).sum())} label(s) are -100, "
+            "CrossEntropyLoss's ignore_index. laplace-torch leaves such samples out of the "
+            "loss but counts them in the curvature and in N = len(dataset); remove them from "
+            "the dataset before fitting."
+        )
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n_classes):
+        raise ValueError(
+            f"{where}: class labels must be in the range [0, {n_classes}) of the model's "
+            f"{n_classes} outputs, got labels from {int(y.min())} to {int(y.max())}."
         )
 
 
@@ -150,23 +279,67 @@ def _check_disjoint(
         )
 
 
-def _take(loader: Iterable, n: int, generator: torch.Generator | None, name: str) -> list[Batch]:
-    """The first ``n`` batches of one pass over ``loader``, or ``n`` drawn at random from
-    the whole pass (without replacement) when a ``generator`` is given."""
+def _collect(loader: Iterable, n: int | None) -> list[Batch]:
+    """The first ``n`` batches of one pass over ``loader`` (the whole pass for ``None``)."""
     batches: list[Batch] = []
     for b in loader:
         batches.append(b)
-        if generator is None and len(batches) == n:
+        if n is not None and len(batches) == n:
             break
+    return batches
+
+
+def _positions(
+    batches: list[Batch], n: int, generator: torch.Generator | None, name: str
+) -> list[int]:
+    """``n`` batch positions: the first ``n``, or ``n`` drawn without replacement."""
     if len(batches) < n:
         raise ValueError(
             f"{name} yields {len(batches)} batch(es) but {n} are needed; use a smaller "
             "batch_size, fewer batches, or a larger data set."
         )
     if generator is None:
-        return batches
-    order = torch.randperm(len(batches), generator=generator).tolist()
-    return [batches[i] for i in order[:n]]
+        return list(range(n))
+    return torch.randperm(len(batches), generator=generator).tolist()[:n]
+
+
+def _subset(batch: Batch, idx: torch.Tensor, n: int) -> Batch:
+    """The samples ``idx`` of a batch of ``n`` samples (every tensor with leading dim ``n``)."""
+    if isinstance(batch, MutableMapping):
+        part = copy.copy(batch)
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == n:
+                part[key] = value[idx.to(value.device)]
+        return part
+    X, y = batch
+    return (X[idx.to(X.device)], y[idx.to(y.device)])
+
+
+def _split_samples(
+    batch: Batch, generator: torch.Generator | None, dict_key_x: str, dict_key_y: str
+) -> tuple[Batch, Batch, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split one batch into two disjoint halves B, B̃ by a seeded random permutation.
+
+    B gets ``ceil(n/2)`` samples, B̃ ``floor(n/2)``; each half keeps the batch's sample order.
+    The permutation comes from ``generator``, else from a generator seeded with
+    ``ONE_BATCH_SEED``, so the split is reproducible.
+    """
+    n = batch_size(batch, dict_key_x, dict_key_y)
+    if n < 2 * MIN_HALF_SIZE:
+        raise ValueError(
+            f"train_loader yields one batch of {n} sample(s); a one-batch fit splits it into "
+            f"two disjoint halves B and B̃ of at least {MIN_HALF_SIZE} samples each, so it "
+            f"needs at least {2 * MIN_HALF_SIZE} samples. Use more data."
+        )
+    g = generator if generator is not None else torch.Generator().manual_seed(ONE_BATCH_SEED)
+    perm = torch.randperm(n, generator=g)
+    half = (n + 1) // 2
+    idx_B, idx_Bt = perm[:half].sort().values, perm[half:].sort().values
+    return (
+        _subset(batch, idx_B, n),
+        _subset(batch, idx_Bt, n),
+        (tuple(idx_B.tolist()), tuple(idx_Bt.tolist())),
+    )
 
 
 def _dataset_size(loader: DataLoader) -> int:
@@ -210,56 +383,135 @@ def split_batches(
     Returns
     -------
     BatchSplit
+        with ``choice`` recording which batches (or, for a one-batch loader, which samples)
+        form B and B̃.
     """
     n_data = _dataset_size(train_loader)
+    keys = (dict_key_x, dict_key_y)
     if split == "halves":
         if n_direction_batches is not None or n_magnitude_batches is not None:
             raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
         if magnitude_loader is not None:
             raise ValueError("split='halves' splits train_loader; do not pass magnitude_loader.")
-        batches = list(train_loader)
-        if len(batches) < 2:
-            raise ValueError(
-                f"split='halves' needs at least 2 loader batches, train_loader yields "
-                f"{len(batches)}; use a smaller batch_size."
-            )
-        order = (
-            torch.randperm(len(batches), generator=generator).tolist()
-            if generator is not None
-            else list(range(len(batches)))
-        )
-        half = (len(batches) + 1) // 2
-        direction = [batches[i] for i in order[:half]]
-        magnitude = [batches[i] for i in order[half:]]
-    elif split == "batches":
-        n_dir = 1 if n_direction_batches is None else n_direction_batches
-        n_mag = 1 if n_magnitude_batches is None else n_magnitude_batches
-        if n_dir < 1 or n_mag < 1:
-            raise ValueError("n_direction_batches and n_magnitude_batches must be >= 1.")
-        if magnitude_loader is train_loader:
-            if n_mag != n_dir:
-                raise ValueError(
-                    "magnitude_loader=train_loader requests B̃ = B; n_magnitude_batches "
-                    "must then equal n_direction_batches."
-                )
-            direction = _take(train_loader, n_dir, generator, "train_loader")
-            magnitude = direction
-        elif magnitude_loader is None:
-            chosen = _take(train_loader, n_dir + n_mag, generator, "train_loader")
-            direction, magnitude = chosen[:n_dir], chosen[n_dir:]
-        else:
-            direction = _take(train_loader, n_dir, generator, "train_loader")
-            magnitude = _take(magnitude_loader, n_mag, generator, "magnitude_loader")
-    else:
+        return _choose_halves(train_loader, generator, n_data, keys, device)
+    if split != "batches":
         raise ValueError(f"split must be 'batches' or 'halves', got {split!r}.")
+    n_dir = 1 if n_direction_batches is None else n_direction_batches
+    n_mag = 1 if n_magnitude_batches is None else n_magnitude_batches
+    if n_dir < 1 or n_mag < 1:
+        raise ValueError("n_direction_batches and n_magnitude_batches must be >= 1.")
+    how = "loader order" if generator is None else "random draw"
+    if magnitude_loader is train_loader:
+        if n_mag != n_dir:
+            raise ValueError(
+                "magnitude_loader=train_loader requests B̃ = B; n_magnitude_batches "
+                "must then equal n_direction_batches."
+            )
+        batches = _collect(train_loader, n_dir if generator is None else None)
+        pos = _positions(batches, n_dir, generator, "train_loader")
+        return _finish(batches, pos, None, pos, SAME_BATCHES, "train_loader", n_data, keys, device)
+    if magnitude_loader is None:
+        batches = _collect(train_loader, n_dir + n_mag if generator is None else None)
+        if len(batches) == 1 and n_dir == n_mag == 1:
+            return _finish_one_batch(batches[0], generator, n_data, keys, device)
+        pos = _positions(batches, n_dir + n_mag, generator, "train_loader")
+        return _finish(batches, pos[:n_dir], batches, pos[n_dir:], how, "train_loader", n_data, keys, device)
+    batches = _collect(train_loader, n_dir if generator is None else None)
+    pos = _positions(batches, n_dir, generator, "train_loader")
+    others = _collect(magnitude_loader, n_mag if generator is None else None)
+    pos_mag = _positions(others, n_mag, generator, "magnitude_loader")
+    return _finish(batches, pos, others, pos_mag, how, "magnitude_loader", n_data, keys, device)
 
+
+def _choose_halves(
+    train_loader: Iterable,
+    generator: torch.Generator | None,
+    n_data: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+) -> BatchSplit:
+    """``split="halves"``: the first ``ceil(K/2)`` of all ``K`` batches form B, the rest B̃
+    (assigned at random with ``generator``); one batch is split into halves of samples."""
+    batches = _collect(train_loader, None)
+    if len(batches) == 1:
+        return _finish_one_batch(batches[0], generator, n_data, keys, device)
+    if not batches:
+        raise ValueError("train_loader yields no batch.")
+    pos = _positions(batches, len(batches), generator, "train_loader")
+    half = (len(batches) + 1) // 2
+    how = "halves" if generator is None else "random halves"
+    return _finish(batches, pos[:half], batches, pos[half:], how, "train_loader", n_data, keys, device)
+
+
+def _finish_one_batch(
+    batch: Batch,
+    generator: torch.Generator | None,
+    n_data: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+) -> BatchSplit:
+    """The one-batch split (:func:`_split_samples`) as a checked :class:`BatchSplit`."""
+    B, Bt, sample_split = _split_samples(batch, generator, *keys)
+    return _checked(
+        [B], [Bt], n_data, keys, device,
+        how="one-batch split", direction_pos=[0], magnitude_pos=[0],
+        source="train_loader", sample_split=sample_split,
+    )
+
+
+def _finish(
+    batches: list[Batch],
+    direction_pos: list[int],
+    magnitude_batches: list[Batch] | None,
+    magnitude_pos: list[int],
+    how: str,
+    source: str,
+    n_data: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+) -> BatchSplit:
+    """B and B̃ from batch positions (``magnitude_batches=None``: B̃ = B, the same list)."""
+    direction = [batches[i] for i in direction_pos]
+    magnitude = (
+        direction if magnitude_batches is None else [magnitude_batches[i] for i in magnitude_pos]
+    )
+    return _checked(
+        direction, magnitude, n_data, keys, device,
+        how=how, direction_pos=direction_pos, magnitude_pos=magnitude_pos, source=source,
+    )
+
+
+def _checked(
+    direction: list[Batch],
+    magnitude: list[Batch],
+    n_data: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+    *,
+    how: str,
+    direction_pos: list[int],
+    magnitude_pos: list[int],
+    source: str,
+    sample_split: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> BatchSplit:
+    """Run the batch checks and record the choice."""
+    dict_key_x, dict_key_y = keys
     first = direction[0]
     for where, group in (("direction batch", direction), ("magnitude batch", magnitude)):
         for i, b in enumerate(group):
             if isinstance(b, MutableMapping) != isinstance(first, MutableMapping):
                 raise ValueError("all batches must be of the same kind (all dicts or all pairs).")
             _check_batch(b, f"{where} {i}", dict_key_x, dict_key_y, device)
-    split_ = BatchSplit(direction=direction, magnitude=magnitude, n_data=n_data)
-    if not split_.same_batches:
+    if magnitude is not direction:
         _check_disjoint(direction, magnitude, dict_key_x, dict_key_y)
-    return split_
+    choice = BatchChoice(
+        how=how,
+        direction=tuple(direction_pos),
+        magnitude=tuple(magnitude_pos),
+        magnitude_source=source,
+        direction_size=sum(batch_size(b, *keys) for b in direction),
+        magnitude_size=sum(batch_size(b, *keys) for b in magnitude),
+        n_data=n_data,
+        sample_split=sample_split,
+    )
+    return BatchSplit(direction=direction, magnitude=magnitude, n_data=n_data, choice=choice)

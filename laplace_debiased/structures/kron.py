@@ -13,6 +13,7 @@ the factors of a batch set S with ``m`` samples are ``G_S = N/m * sum_{n in S} g
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
     ) -> torch.Tensor:
-        self._check_supported()
+        self._check_supported(direction_batches)
         loss, direction = self._kfac(direction_batches, N)
         if magnitude_batches is direction_batches:
             magnitude = direction
@@ -127,14 +128,40 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
             batch_loss, kron = self.backend.kron(X, y, N=m, **self._asdl_fisher_kwargs)
             loss = loss + batch_loss
             total = kron if total is None else total + kron
-        kfacs = [[F[0] * (N / m), *F[1:]] for F in total.kfacs]
+        kfacs = [[F[0] * (N / m), *F[1:]] for F in self._trainable_blocks(total.kfacs)]
         self._check_blocks(kfacs)
         return loss, Kron(kfacs)
+
+    def _trainable_blocks(self, kfacs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Drop the blocks of frozen parameters (``requires_grad=False``).
+
+        laplace-torch's Curvlinops and ASDL backends return, for every K-FAC layer with a
+        trainable parameter, a weight block and a bias block whenever the layer has a bias,
+        frozen or not (stock ``KronLaplace`` then misaligns its blocks). Blocks in any other
+        layout are returned unchanged for :meth:`_check_blocks` to verify.
+        """
+        owners = [
+            p
+            for module in self._layers().modules()
+            if isinstance(module, _KFAC_LAYERS)
+            and any(p.requires_grad for p in module.parameters(recurse=False))
+            for p in (module.weight, module.bias)
+            if p is not None
+        ]
+        if len(owners) != len(kfacs):
+            return kfacs
+        return [block for block, p in zip(kfacs, owners) if p.requires_grad]
 
     def _layers(self) -> nn.Module:
         return self.backend._model
 
-    def _check_supported(self) -> None:
+    def _check_supported(self, batches: list[Batch]) -> None:
+        if isinstance(self.backend, BackPackInterface) and isinstance(batches[0], MutableMapping):
+            raise ValueError(
+                "BackPACK backends cannot take dict (mapping) inputs: BackPACK extends the "
+                "modules of a model that is called with one tensor. Use the default "
+                "CurvlinopsGGN backend (or AsdlGGN) for dict batches."
+            )
         for name, module in self._layers().named_modules():
             owns = [p for p in module.parameters(recurse=False) if p.requires_grad]
             if owns and not isinstance(module, _KFAC_LAYERS):

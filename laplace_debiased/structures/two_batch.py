@@ -14,7 +14,8 @@ the others call :meth:`_summed_loss`, so no batch is forwarded twice for the los
 points of earlier fits (0 unless ``override=False``), so online fits can combine them.
 Subclasses that keep extra state per fit extend :meth:`_reset_fit_state`.
 
-After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.n_data += N`` and
+After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.fit_batches``
+(which batches formed B and B̃, and how they were chosen), ``self.n_data += N`` and
 ``self.loss += N / n_used * (summed loss over the n_used distinct samples of B ∪ B̃)``, an
 unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
@@ -22,6 +23,7 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import MutableMapping
 from typing import Callable
 
@@ -39,12 +41,17 @@ from torch.utils.data import DataLoader
 
 from laplace_debiased.structures.batches import (
     Batch,
+    BatchChoice,
+    BatchSplit,
     batch_inputs_targets,
     batch_size,
+    check_targets,
     split_batches,
 )
 
 __all__ = ["TwoBatchLaplaceMixin"]
+
+logger = logging.getLogger(__name__)
 
 _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 
@@ -71,7 +78,13 @@ class TwoBatchLaplaceMixin:
         ----------
         train_loader : DataLoader
             training data; ``N = len(train_loader.dataset)``. B = its first
-            ``n_direction_batches`` batches, B̃ = the next ``n_magnitude_batches``.
+            ``n_direction_batches`` batches, B̃ = the next ``n_magnitude_batches``: with a
+            shuffling loader a random draw, otherwise the first batches in dataset order. A
+            loader that yields one batch has its samples split into two disjoint halves by
+            a seeded permutation (B and B̃). The choice is logged (``logging``, level INFO,
+            logger ``laplace_debiased``) and recorded in ``self.fit_batches``, one
+            :class:`~laplace_debiased.structures.batches.BatchChoice` per fit since the last
+            ``override=True``.
         override : bool, default=True
             ``False`` accumulates onto a previous fit (online learning; the curvature of
             both batch sets is combined and debiased again).
@@ -88,10 +101,7 @@ class TwoBatchLaplaceMixin:
             draw the batches at random (reproducibly) instead of in loader order.
         """
         del progress_bar
-        if isinstance(self, LLLaplace) and not override:
-            raise ValueError(
-                "Last-layer Laplace approximations do not support `override=False`."
-            )
+        self._check_override(override)
         self._check_model_mode()
         batches = split_batches(
             train_loader,
@@ -104,33 +114,57 @@ class TwoBatchLaplaceMixin:
             dict_key_y=self.dict_key_y,
             device=self._device,
         )
+        logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
         used = self._distinct(batches.direction, batches.magnitude)
+        self._prepare_fit(batches.direction[0], used, override)
+        self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
+        setattr(self.model, "output_size", self.n_outputs)
+        self.mean = self._map_estimate()
+        loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
+        self._accumulate(loss, used, batches)
+
+    # ------------------------------------------------------------------ fit steps
+    def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
+        """Check the batches against the model, switch to eval mode, find the last layer
+        (last-layer classes, first fit), check there is something to fit, and forget
+        earlier fits when ``override``."""
         for b in used:
             self._check_batch_matches_model(b)
         self.model.eval()
         if isinstance(self, LLLaplace) and self.model.last_layer is None:
-            self._setup_last_layer(batches.direction[0])
+            self._setup_last_layer(first)
+        self._check_trainable()
         if override:
             self._reset_fit_state()
 
-        self.n_outputs = self._infer_n_outputs(batches.direction[0])
-        setattr(self.model, "output_size", self.n_outputs)
+    def _checked_n_outputs(self, first: Batch, used: list[Batch]) -> int:
+        """Output width, after checking every used batch's targets against the output shape."""
+        output_shape = self._output_shape(first)
+        for i, b in enumerate(used):
+            _, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
+            check_targets(y, output_shape, self.likelihood, f"fit batch {i}")
+        return output_shape[-1] if output_shape else 1
+
+    def _map_estimate(self) -> torch.Tensor:
+        """The parameters being approximated as one vector (the posterior mean)."""
         params = (
             self.model.last_layer.parameters() if isinstance(self, LLLaplace) else self.params
         )
-        self.mean = parameters_to_vector(params)
+        mean = parameters_to_vector(params)
         if not self.enable_backprop:
-            self.mean = self.mean.detach()
-        if not torch.isfinite(self.mean).all():
+            mean = mean.detach()
+        if not torch.isfinite(mean).all():
             raise ValueError("the model parameters (the MAP estimate) contain NaN or Inf.")
+        return mean
 
-        loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
+    def _accumulate(self, loss: torch.Tensor, used: list[Batch], batches: BatchSplit) -> None:
+        """Add this fit's loss (rescaled to ``N``), ``N`` and its batch choice to the totals."""
         if not torch.isfinite(loss):
             raise ValueError("the training loss on the fit batches is NaN or Inf.")
-
         n_used = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in used)
         self.loss = self.loss + batches.n_data / n_used * loss
         self.n_data += batches.n_data
+        self.fit_batches = (*getattr(self, "fit_batches", ()), batches.choice)
 
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
@@ -149,21 +183,48 @@ class TwoBatchLaplaceMixin:
         self._init_H()
         self.loss = 0.0
         self.n_data = 0
+        self.fit_batches: tuple[BatchChoice, ...] = ()
 
     # ------------------------------------------------------------------ checks
+    def _check_override(self, override: bool) -> None:
+        if isinstance(self, LLLaplace) and not override:
+            raise ValueError(
+                "Last-layer Laplace approximations do not support `override=False`."
+            )
+
     def _check_model_mode(self) -> None:
-        if self.model.training:
-            stochastic = [
-                f"'{name}' ({type(m).__name__})"
-                for name, m in self.model.named_modules()
-                if isinstance(m, _STOCHASTIC_LAYERS)
-            ]
-            if stochastic:
+        """Refuse Dropout/BatchNorm layers left in train mode.
+
+        The layers' own ``training`` flags decide, not the wrapper's: laplace-torch's
+        last-layer ``FeatureExtractor`` is created in train mode around a model the user put
+        in eval mode, and that model must fit (as ``LLLaplace`` does).
+        """
+        stochastic = [
+            f"'{name}' ({type(m).__name__})"
+            for name, m in self.model.named_modules()
+            if isinstance(m, _STOCHASTIC_LAYERS) and m.training
+        ]
+        if stochastic:
+            raise ValueError(
+                "the model is in train mode and has layers that behave differently "
+                f"in train mode: {', '.join(stochastic)}. Call model.eval() before "
+                "fitting the Laplace approximation."
+            )
+
+    def _check_trainable(self) -> None:
+        """Refuse a fit with nothing to approximate (every parameter frozen)."""
+        if isinstance(self, LLLaplace):
+            if not any(p.requires_grad for p in self.model.last_layer.parameters()):
                 raise ValueError(
-                    "the model is in train mode and has layers that behave differently "
-                    f"in train mode: {', '.join(stochastic)}. Call model.eval() before "
-                    "fitting the Laplace approximation."
+                    "the last layer's parameters all have requires_grad=False; a last-layer "
+                    "Laplace approximation is over them, so unfreeze them "
+                    "(p.requires_grad_(True))."
                 )
+        elif not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(
+                "every parameter of the model has requires_grad=False, so there is nothing "
+                "to approximate; unfreeze the parameters the posterior should cover."
+            )
 
     def _check_batch_matches_model(self, batch: Batch) -> None:
         X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
@@ -191,15 +252,11 @@ class TwoBatchLaplaceMixin:
         self._init_H()
 
     @torch.no_grad()
-    def _infer_n_outputs(self, batch: Batch) -> int:
-        """Output width from one sample (the whole batch for dict inputs)."""
-        X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
+    def _output_shape(self, batch: Batch) -> tuple[int, ...]:
+        """Per-sample output shape, from one sample (the whole batch for dict inputs)."""
+        X, _ = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
         out = self.model(X[:1] if isinstance(X, torch.Tensor) else X)
-        if self.likelihood == "regression" and y.ndim != out.ndim:
-            raise ValueError(
-                f"The model's output has {out.ndim} dims but the target has {y.ndim} dims."
-            )
-        return out.shape[-1]
+        return tuple(out.shape[1:])
 
     @torch.no_grad()
     def _summed_loss(self, batches: list[Batch]) -> torch.Tensor:
