@@ -35,22 +35,6 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import laplace_debiased  # noqa: F401  registers the debiased structures
 from _models import loader, tiny_mlp, toy_data
 
-# --------------------------------------------------------------------------------------------
-# Combinations that fail ONLY because of items another developer is fixing in parallel for the
-# low-rank/full classes. Keys: (check, structure, subset, backend); "*" matches anything.
-# Delete this set once those fixes are merged: every combination must then pass.
-PENDING: dict[tuple[str, str, str, str], str] = {
-    ("*", "debiased_lowrank", "all", "BackPackGGN"): "BackPACK backends (issue 12 item 2)",
-    ("*", "debiased_lowrank", "all", "BackPackEF"): "BackPACK backends (issue 12 item 2)",
-    ("*", "debiased_lowrank", "last_layer", "BackPackEF"): "BackPACK backends (issue 12 item 2)",
-    ("*", "debiased_full", "all", "BackPackGGN"): "BackPACK backends (issue 12 item 2)",
-    ("*", "debiased_full", "all", "BackPackEF"): "BackPACK backends (issue 12 item 2)",
-    ("*", "debiased_full", "last_layer", "BackPackEF"): "BackPACK backends (issue 12 item 2)",
-    ("dict", "debiased_lowrank", "all", "*"): "mapping inputs (issue 18 item 4)",
-    ("dict", "debiased_full", "all", "*"): "mapping inputs (issue 18 item 4)",
-    ("state_dict", "debiased_lowrank", "*", "*"): "state_dict without a Python dict (issue 12 item 5)",
-}
-# --------------------------------------------------------------------------------------------
 
 STRUCTURES = ("debiased_kron", "debiased_lowrank", "debiased_full")
 SUBSETS = ("all", "last_layer")
@@ -76,11 +60,6 @@ BASES = {"debiased_kron": KronLaplace, "debiased_lowrank": LowRankLaplace, "debi
 N_DATA, BATCH = 24, 8
 X_TEST = toy_data(5, (4,), 3, "classification", seed=7).tensors[0]
 
-
-def _skip_if_pending(check: str, structure: str, subset: str, backend: str = "CurvlinopsGGN") -> None:
-    for key, reason in PENDING.items():
-        if all(k in ("*", v) for k, v in zip(key, (check, structure, subset, backend))):
-            pytest.skip(f"pending: {reason}")
 
 
 def _classes():
@@ -125,7 +104,6 @@ def _data(likelihood="classification", n=N_DATA, seed=0, n_out=None):
 
 
 def _fitted(structure, subset, backend="CurvlinopsGGN", likelihood="classification", **kw):
-    _skip_if_pending("fit", structure, subset, backend)
     la = _la(structure, subset, backend, likelihood, **kw)
     la.fit(_data(likelihood))
     return la
@@ -151,7 +129,6 @@ def _likelihood_curvature(la) -> torch.Tensor:
 # ---------------------------------------------------------------- construction, fit, online fit
 @pytest.mark.parametrize("structure, subset, backend", _with_backends())
 def test_construction_fit_and_online_fit(structure, subset, backend):
-    _skip_if_pending("fit", structure, subset, backend)
     la = _la(structure, subset, backend)
     assert isinstance(la, ParametricLaplace) and la._key == (subset, structure)
     assert isinstance(la, BASES[structure]) and isinstance(la, LLLaplace) == (subset == "last_layer")
@@ -210,7 +187,6 @@ def test_samples(structure, subset):
 # ---------------------------------------------------------------- dtypes and dict inputs
 @pytest.mark.parametrize("structure, subset", _classes())
 def test_float32_model_gives_float32_close_to_float64(structure, subset):
-    _skip_if_pending("float32", structure, subset)
     ds = toy_data(N_DATA, (4,), 3, "classification")
     la32 = _la(structure, subset, model=tiny_mlp().float())
     la32.fit(loader(TensorDataset(ds.tensors[0].float(), ds.tensors[1]), BATCH))
@@ -242,7 +218,6 @@ class _DictModel(nn.Module):
 
 @pytest.mark.parametrize("structure, subset", _classes())
 def test_dict_inputs_match_tensor_inputs(structure, subset):
-    _skip_if_pending("dict", structure, subset)
     X, y = toy_data(N_DATA, (4,), 3, "classification").tensors
     la_d = _la(structure, subset, model=_DictModel())
     la_d.fit(DataLoader(_DictData(X, y), batch_size=BATCH))
@@ -256,7 +231,6 @@ def test_dict_inputs_match_tensor_inputs(structure, subset):
 @pytest.mark.parametrize("structure", STRUCTURES)
 @pytest.mark.parametrize("frozen", [("0.bias",), ("0.weight", "0.bias")], ids=["bias", "layer"])
 def test_frozen_parameters_are_left_out(structure, frozen):
-    _skip_if_pending("frozen", structure, "all")
     model = tiny_mlp()
     for name, p in model.named_parameters():
         p.requires_grad_(name not in frozen)
@@ -281,7 +255,6 @@ def _no_mapping(value) -> bool:
 
 @pytest.mark.parametrize("structure, subset", _classes())
 def test_state_dict_round_trip_without_pickle(structure, subset):
-    _skip_if_pending("state_dict", structure, subset)
     la = _fitted(structure, subset, prior_precision=0.5)
     state = la.state_dict()
     assert all(_no_mapping(v) for v in state.values()), {k: type(v) for k, v in state.items()}
@@ -327,7 +300,6 @@ def test_gridsearch_picks_a_grid_value(structure, subset):
 # ---------------------------------------------------------------- B̃ = B is the stock class
 @pytest.mark.parametrize("structure, subset, backend", _with_backends())
 def test_same_batches_equal_stock_counterpart(structure, subset, backend):
-    _skip_if_pending("same", structure, subset, backend)
     dl = loader(toy_data(BATCH, (4,), 3, "classification"), BATCH)  # one batch: N = |B|
     model = _model(backend)
     la = _la(structure, subset, backend, model=model, prior_precision=0.7)

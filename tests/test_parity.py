@@ -31,7 +31,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the structures
-from laplace_debiased.structures.batches import split_batches
 
 PAIRS = [("full", "debiased_full"), ("kron", "debiased_kron"), ("full", "debiased_lowrank")]
 SAME_ORDER = 10.0  # debiased and stock numbers must agree within this factor
@@ -79,15 +78,6 @@ def assert_parity(stock: dict[str, Any], debiased: dict[str, Any], structure: st
                 ratio = scale_a / scale_b
                 assert 1 / SAME_ORDER < ratio < SAME_ORDER, f"{structure}: step {name!r} is {ratio:.3g}× the stock value"
 
-
-def one_batch_split_available() -> bool:
-    """Whether a loader that yields one batch is split into halves (issue 18 item 1)."""
-    loader = DataLoader(TensorDataset(torch.randn(8, 1), torch.randn(8, 1)), batch_size=8)
-    try:
-        split_batches(loader)
-    except ValueError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------- regression
@@ -147,8 +137,6 @@ def test_full_batch_regression_workflow(stock, debiased, loader_kind):
     X, y = sine_regression()
     model = trained_regressor(X, y)
     batch_size = len(X) if loader_kind == "one_batch" else 50
-    if loader_kind == "one_batch" and not one_batch_split_available():
-        pytest.skip("pending: one-batch split")
     loader = DataLoader(TensorDataset(X, y), batch_size=batch_size)
     x_test = torch.linspace(-2, 10, 40).unsqueeze(-1)
     steps = regression_steps(loader, x_test)
@@ -164,8 +152,6 @@ def test_full_batch_regression_workflow(stock, debiased, loader_kind):
 @pytest.mark.parametrize("loader_kind", ["one_batch", "mini_batches"])
 def test_marglik_training_workflow(stock, debiased, loader_kind):
     X, y = sine_regression(n=60)
-    if loader_kind == "one_batch" and not one_batch_split_available():
-        pytest.skip("pending: one-batch split")
     loader = DataLoader(TensorDataset(X, y), batch_size=len(X) if loader_kind == "one_batch" else 20)
     results = {}
     for structure in (stock, debiased):
