@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from laplace_debiased.evaluation.report import best_prior_precisions, write_report
+from laplace_debiased.evaluation.report import chosen_prior_precisions, write_report
 
 
 def _rows():
@@ -42,7 +42,7 @@ def test_report_renders_files_and_table(tmp_path):
 
 def test_best_prior_precision_minimises_mean_nll():
     rows = _rows()
-    assert best_prior_precisions(rows, "test", "probit_projected") == {"kron": 0.1, "kron full": 0.1}
+    assert chosen_prior_precisions(rows, "test", "probit_projected") == {"kron": 0.1, "kron full": 0.1}
 
 
 def test_report_refuses_empty_results(tmp_path):

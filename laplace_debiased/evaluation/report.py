@@ -107,13 +107,20 @@ def _fmt(values: list[float]) -> str:
     return f"{m:.4g} [{min(values):.3g}, {max(values):.3g}]"
 
 
-def best_prior_precisions(rows: list[dict], test_set: str, link: str) -> dict[str, float]:
-    """Per method: the prior precision with the lowest mean test NLL (over repeats) for ``link``."""
-    nll = _mean_by([r for r in rows if r["eval_set"] == test_set and r["link"] == link],
-                   ("method", "prior_precision"), "nll")
+def chosen_prior_precisions(rows: list[dict], eval_set: str, link: str, criterion: str = "nll") -> dict[str, float]:
+    """Per Laplace method: the prior precision chosen on ``eval_set`` with ``link``.
+
+    ``criterion="nll"``: lowest NLL (mean over repeats); ``"log_marglik"``: highest log marginal
+    likelihood (mean over repeats; methods without one are left out).
+    """
+    if criterion not in ("nll", "log_marglik"):
+        raise ValueError(f"criterion must be 'nll' or 'log_marglik', got {criterion!r}")
+    sign = 1.0 if criterion == "nll" else -1.0
+    vals = _mean_by([r for r in rows if r["eval_set"] == eval_set and r["link"] == link and r["method"] != "map"],
+                    ("method", "prior_precision"), criterion)
     best: dict[str, tuple[float, float]] = {}
-    for (method, delta), vals in nll.items():
-        m = float(np.mean(vals))
+    for (method, delta), v in sorted(vals.items(), key=lambda kv: kv[0][1]):
+        m = sign * float(np.mean(v))
         if math.isfinite(m) and (method not in best or m < best[method][1]):
             best[method] = (delta, m)
     return {k: v[0] for k, v in best.items()}
@@ -215,7 +222,7 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
     shift_sets = [e for e in eval_sets if any(r["eval_set"] == e and "auroc" in r for r in rows)]
     doc.h("Best prior precision per method")
     for link in links:
-        best = best_prior_precisions(rows, test_set, link)
+        best = chosen_prior_precisions(rows, test_set, link)
         grid_of = {m: [r["prior_precision"] for r in lap if r["method"] == m] for m in methods}
         header = ["method", "prior precision", *METRICS] + [f"AUROC {e}" for e in shift_sets]
         table = []
@@ -237,7 +244,7 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
         doc.table(header, table)
 
     # ---- reliability diagrams -------------------------------------------------------------
-    best = best_prior_precisions(rows, test_set, main_link)
+    best = chosen_prior_precisions(rows, test_set, main_link)
     panels = [("MAP", map_rows.get(test_set))] + [
         (f"{m} (δ={best[m]:.3g})", next((r for r in lap if r["method"] == m and r["link"] == main_link
                                          and r["prior_precision"] == best[m] and r["eval_set"] == test_set
