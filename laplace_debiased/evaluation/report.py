@@ -20,6 +20,7 @@ import html
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -126,171 +127,220 @@ def chosen_prior_precisions(rows: list[dict], eval_set: str, link: str, criterio
     return {k: v[0] for k, v in best.items()}
 
 
-def write_report(results: str | Path | list[dict], out_dir: str | Path, title: str = "Calibration report") -> Path:
-    """Write ``report.md``, ``report.html`` and figures into ``out_dir``; returns the Markdown path."""
-    import matplotlib
+@dataclass
+class _Context:
+    """What every report step reads: the rows and their derived groupings."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    rows: list[dict]
+    out_dir: Path
+    test_set: str
+    links: list[str]
+    lap: list[dict]  # rows of the Laplace methods (not MAP)
+    methods: list[str]
+    full_batch: set[str]
+    map_rows: dict[str, dict]  # eval set -> MAP row
+    colors: dict[str, str]
 
+    @property
+    def main_link(self) -> str:
+        return self.links[0]
+
+
+def _context(results: str | Path | list[dict], out_dir: str | Path) -> _Context:
+    """Load and group the rows; refuse results with nothing to report."""
     rows = load_rows(results) if isinstance(results, (str, Path)) else list(results)
     if not rows:
         raise ValueError("no sweep results to report; run `laplace-debiased sweep` first")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     tests = [r["eval_set"] for r in rows if r.get("kind") == "test"]
     if not tests:
         raise ValueError("the results contain no in-distribution ('test') evaluation set")
-    test_set = tests[0]
     links = [l for l in LINK_PREFERENCE if any(r["link"] == l for r in rows)]
     if not links:
         raise ValueError("the results contain only MAP rows; sweep at least one Laplace method")
-    main_link = links[0]
     lap = [r for r in rows if r["method"] != "map"]
     methods = list(dict.fromkeys(r["method"] for r in lap))
-    full_batch = {r["method"] for r in lap if r.get("full_batch")}
-    map_rows = {r["eval_set"]: r for r in rows if r["method"] == "map"}
-    colors = {m: f"C{i}" for i, m in enumerate(methods)}
-    doc = _Doc()
-    doc.h(title, 1)
-    n_rep = {m: len({r["repeat"] for r in lap if r["method"] == m}) for m in methods}
-    doc.p(f"Test set: {test_set}. Methods (repeats): "
-          + ", ".join(f"{m} ({n_rep[m]})" for m in methods)
-          + f". Main link approximation: {LINK_LABELS[main_link]}.")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _Context(
+        rows=rows, out_dir=out_dir, test_set=tests[0], links=links, lap=lap, methods=methods,
+        full_batch={r["method"] for r in lap if r.get("full_batch")},
+        map_rows={r["eval_set"]: r for r in rows if r["method"] == "map"},
+        colors={m: f"C{i}" for i, m in enumerate(methods)},
+    )
 
-    # ---- Figure 6 per link ----------------------------------------------------------------
+
+def _save(fig, ctx: _Context, doc: _Doc, name: str, alt: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(ctx.out_dir / name, dpi=110)
+    plt.close(fig)
+    doc.img(name, alt)
+
+
+def _summary(ctx: _Context, doc: _Doc, title: str) -> None:
+    doc.h(title, 1)
+    n_rep = {m: len({r["repeat"] for r in ctx.lap if r["method"] == m}) for m in ctx.methods}
+    doc.p(f"Test set: {ctx.test_set}. Methods (repeats): "
+          + ", ".join(f"{m} ({n_rep[m]})" for m in ctx.methods)
+          + f". Main link approximation: {LINK_LABELS[ctx.main_link]}.")
+
+
+def _figure6(ctx: _Context, doc: _Doc) -> None:
+    """Accuracy / NLL / ECE on the test set vs prior precision, one figure per link."""
+    import matplotlib.pyplot as plt
+
     doc.h("Metrics vs prior precision")
-    for link in links:
+    for link in ctx.links:
         fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-        sub = [r for r in lap if r["eval_set"] == test_set and r["link"] == link]
+        sub = [r for r in ctx.lap if r["eval_set"] == ctx.test_set and r["link"] == link]
         for ax, metric in zip(axes, ("accuracy", "nll", "ece")):
-            for m in methods:
-                # per prior: values over repeats
+            for m in ctx.methods:
                 vals = _mean_by([r for r in sub if r["method"] == m], ("prior_precision",), metric)
                 if not vals:
                     continue
                 xs = sorted(k[0] for k in vals)
                 mean = [np.mean(vals[(x,)]) for x in xs]
-                if m in full_batch:
-                    ax.plot(xs, mean, "o", color=colors[m], label=m, markersize=5)
+                if m in ctx.full_batch:
+                    ax.plot(xs, mean, "o", color=ctx.colors[m], label=m, markersize=5)
                 else:
-                    ax.plot(xs, mean, "-", color=colors[m], label=m)
+                    ax.plot(xs, mean, "-", color=ctx.colors[m], label=m)
                     ax.fill_between(xs, [min(vals[(x,)]) for x in xs], [max(vals[(x,)]) for x in xs],
-                                    color=colors[m], alpha=0.2)
-            if test_set in map_rows and metric in map_rows[test_set]:
-                ax.axhline(map_rows[test_set][metric], color="k", ls="--", lw=1, label="MAP")
+                                    color=ctx.colors[m], alpha=0.2)
+            mr = ctx.map_rows.get(ctx.test_set)
+            if mr is not None and metric in mr:
+                ax.axhline(mr[metric], color="k", ls="--", lw=1, label="MAP")
             ax.set_xscale("log")
             ax.set_xlabel("prior precision")
             ax.set_title(metric.upper() if metric != "accuracy" else "accuracy")
         axes[0].legend(fontsize=7)
-        fig.suptitle(f"{test_set}: {LINK_LABELS[link]}")
-        fig.tight_layout()
-        name = f"fig6_{link}.png"
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        doc.img(name, f"metrics vs prior precision, {link}")
+        fig.suptitle(f"{ctx.test_set}: {LINK_LABELS[link]}")
+        _save(fig, ctx, doc, f"fig6_{link}.png", f"metrics vs prior precision, {link}")
 
-    # ---- link comparison ------------------------------------------------------------------
-    if len(links) > 1:
-        doc.h("Link approximations compared")
-        doc.p("laplace-torch's diagonal probit is fooled by the softmax-invariant all-ones logit "
-              "direction: with a large function-space variance along it, every logit is shrunk and "
-              "the predictive tends to uniform (NLL → log C at small prior precision). The projected "
-              "probit removes that direction first; MC sampling is unaffected by it.")
-        fig, ax = plt.subplots(figsize=(7, 4))
-        styles = {"probit_projected": "-", "mc": ":", "probit": "--"}
-        for m in methods:
-            for link in links:
-                vals = _mean_by([r for r in lap if r["method"] == m and r["link"] == link
-                                 and r["eval_set"] == test_set], ("prior_precision",), "nll")
-                xs = sorted(k[0] for k in vals)
-                ax.plot(xs, [np.mean(vals[(x,)]) for x in xs], styles[link], color=colors[m],
-                        marker="o" if m in full_batch else None, label=f"{m}, {link}")
-        if test_set in map_rows:
-            ax.axhline(map_rows[test_set]["nll"], color="k", ls="--", lw=1, label="MAP")
-        ax.set_xscale("log")
-        ax.set_xlabel("prior precision")
-        ax.set_ylabel("test NLL")
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(out_dir / "links.png", dpi=110)
-        plt.close(fig)
-        doc.img("links.png", "NLL per link approximation")
 
-    # ---- table of best prior precisions -----------------------------------------------------
-    eval_sets = list(dict.fromkeys(r["eval_set"] for r in rows))
-    shift_sets = [e for e in eval_sets if any(r["eval_set"] == e and "auroc" in r for r in rows)]
+def _link_comparison(ctx: _Context, doc: _Doc) -> None:
+    """Test NLL vs prior precision for every link approximation."""
+    import matplotlib.pyplot as plt
+
+    if len(ctx.links) < 2:
+        return
+    doc.h("Link approximations compared")
+    doc.p("laplace-torch's diagonal probit is fooled by the softmax-invariant all-ones logit "
+          "direction: with a large function-space variance along it, every logit is shrunk and "
+          "the predictive tends to uniform (NLL → log C at small prior precision). The projected "
+          "probit removes that direction first; MC sampling is unaffected by it.")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = {"probit_projected": "-", "mc": ":", "probit": "--"}
+    for m in ctx.methods:
+        for link in ctx.links:
+            vals = _mean_by([r for r in ctx.lap if r["method"] == m and r["link"] == link
+                             and r["eval_set"] == ctx.test_set], ("prior_precision",), "nll")
+            xs = sorted(k[0] for k in vals)
+            ax.plot(xs, [np.mean(vals[(x,)]) for x in xs], styles[link], color=ctx.colors[m],
+                    marker="o" if m in ctx.full_batch else None, label=f"{m}, {link}")
+    if ctx.test_set in ctx.map_rows:
+        ax.axhline(ctx.map_rows[ctx.test_set]["nll"], color="k", ls="--", lw=1, label="MAP")
+    ax.set_xscale("log")
+    ax.set_xlabel("prior precision")
+    ax.set_ylabel("test NLL")
+    ax.legend(fontsize=6)
+    _save(fig, ctx, doc, "links.png", "NLL per link approximation")
+
+
+def _best_table(ctx: _Context, doc: _Doc) -> None:
+    """Per link: each method's best prior precision and its metrics."""
+    eval_sets = list(dict.fromkeys(r["eval_set"] for r in ctx.rows))
+    shift_sets = [e for e in eval_sets if any(r["eval_set"] == e and "auroc" in r for r in ctx.rows)]
     doc.h("Best prior precision per method")
-    for link in links:
-        best = chosen_prior_precisions(rows, test_set, link)
-        grid_of = {m: [r["prior_precision"] for r in lap if r["method"] == m] for m in methods}
+    for link in ctx.links:
+        best = chosen_prior_precisions(ctx.rows, ctx.test_set, link)
+        grid_of = {m: [r["prior_precision"] for r in ctx.lap if r["method"] == m] for m in ctx.methods}
         header = ["method", "prior precision", *METRICS] + [f"AUROC {e}" for e in shift_sets]
         table = []
-        mr = map_rows.get(test_set)
+        mr = ctx.map_rows.get(ctx.test_set)
         if mr is not None:
             table.append(["MAP", "–", *[_fmt([mr[k]]) for k in METRICS]]
-                         + [_fmt([map_rows[e]["auroc"]]) if e in map_rows and "auroc" in map_rows[e] else "–"
-                            for e in shift_sets])
-        for m in methods:
+                         + [_fmt([ctx.map_rows[e]["auroc"]]) if e in ctx.map_rows and "auroc" in ctx.map_rows[e]
+                            else "–" for e in shift_sets])
+        for m in ctx.methods:
             if m not in best:
                 continue
-            sel = [r for r in lap if r["method"] == m and r["link"] == link and r["prior_precision"] == best[m]]
+            sel = [r for r in ctx.lap if r["method"] == m and r["link"] == link and r["prior_precision"] == best[m]]
             at = lambda e, k: [r[k] for r in sel if r["eval_set"] == e and k in r]
             edge = best[m] in (min(grid_of[m]), max(grid_of[m]))
-            table.append([m, f"{best[m]:.3g}" + (" (grid edge)" if edge else ""), *[_fmt(at(test_set, k)) for k in METRICS]]
+            table.append([m, f"{best[m]:.3g}" + (" (grid edge)" if edge else ""),
+                          *[_fmt(at(ctx.test_set, k)) for k in METRICS]]
                          + [_fmt(at(e, "auroc")) for e in shift_sets])
         doc.p(f"Link: {LINK_LABELS[link]}. Mean over repeats [min, max]; prior precision chosen by "
               "test NLL (oracle, as in Figure 6).")
         doc.table(header, table)
 
-    # ---- reliability diagrams -------------------------------------------------------------
-    best = chosen_prior_precisions(rows, test_set, main_link)
-    panels = [("MAP", map_rows.get(test_set))] + [
-        (f"{m} (δ={best[m]:.3g})", next((r for r in lap if r["method"] == m and r["link"] == main_link
-                                         and r["prior_precision"] == best[m] and r["eval_set"] == test_set
-                                         and r["repeat"] == 0), None)) for m in methods if m in best]
+
+def _reliability(ctx: _Context, doc: _Doc) -> None:
+    """Reliability diagrams: MAP and each method at its best prior precision (repeat 0)."""
+    import matplotlib.pyplot as plt
+
+    best = chosen_prior_precisions(ctx.rows, ctx.test_set, ctx.main_link)
+    panels = [("MAP", ctx.map_rows.get(ctx.test_set))] + [
+        (f"{m} (δ={best[m]:.3g})", next((r for r in ctx.lap if r["method"] == m and r["link"] == ctx.main_link
+                                         and r["prior_precision"] == best[m] and r["eval_set"] == ctx.test_set
+                                         and r["repeat"] == 0), None)) for m in ctx.methods if m in best]
     panels = [(t, r) for t, r in panels if r is not None and "reliability" in r]
-    if panels:
-        doc.h("Reliability diagrams")
-        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.3), squeeze=False)
-        for ax, (t, r) in zip(axes[0], panels):
-            rel = r["reliability"]
-            edges = np.array(rel["edges"])
-            acc = np.array([np.nan if a is None else a for a in rel["accuracy"]], dtype=float)
-            ax.bar(edges[:-1], np.nan_to_num(acc), width=np.diff(edges), align="edge",
-                   edgecolor="k", alpha=0.7)
-            ax.plot([0, 1], [0, 1], "k--", lw=1)
-            ax.set_title(f"{t}\nECE {r['ece']:.3f}", fontsize=8)
-            ax.set_xlabel("confidence")
-        axes[0][0].set_ylabel("accuracy")
-        fig.tight_layout()
-        fig.savefig(out_dir / "reliability.png", dpi=110)
-        plt.close(fig)
-        doc.img("reliability.png", "reliability diagrams")
+    if not panels:
+        return
+    doc.h("Reliability diagrams")
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.3), squeeze=False)
+    for ax, (t, r) in zip(axes[0], panels):
+        rel = r["reliability"]
+        edges = np.array(rel["edges"])
+        acc = np.array([np.nan if a is None else a for a in rel["accuracy"]], dtype=float)
+        ax.bar(edges[:-1], np.nan_to_num(acc), width=np.diff(edges), align="edge", edgecolor="k", alpha=0.7)
+        ax.plot([0, 1], [0, 1], "k--", lw=1)
+        ax.set_title(f"{t}\nECE {r['ece']:.3f}", fontsize=8)
+        ax.set_xlabel("confidence")
+    axes[0][0].set_ylabel("accuracy")
+    _save(fig, ctx, doc, "reliability.png", "reliability diagrams")
 
-    # ---- AUROC vs corruption severity ---------------------------------------------------------
-    corrupted = [r for r in rows if r.get("kind") == "corrupted" and "auroc" in r]
-    if corrupted:
-        doc.h("OOD detection vs corruption severity")
-        doc.p("AUROC of telling corrupted from clean test inputs by normalised predictive entropy.")
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for m in ["map", *methods]:
-            sel = [r for r in corrupted if r["method"] == m and (m == "map" or (
-                r["link"] == main_link and r["prior_precision"] == best.get(m)))]
-            vals = _mean_by(sel, ("severity",), "auroc")
-            xs = sorted(k[0] for k in vals if k[0] is not None)
-            if xs:
-                ax.plot(xs, [np.mean(vals[(x,)]) for x in xs], "--" if m == "map" else "-o",
-                        color="k" if m == "map" else colors[m], label="MAP" if m == "map" else m)
-        ax.set_xlabel("severity")
-        ax.set_ylabel("AUROC")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "auroc_severity.png", dpi=110)
-        plt.close(fig)
-        doc.img("auroc_severity.png", "AUROC vs severity")
 
-    md = out_dir / "report.md"
+def _auroc_severity(ctx: _Context, doc: _Doc) -> None:
+    """AUROC of detecting corrupted inputs vs corruption severity."""
+    import matplotlib.pyplot as plt
+
+    corrupted = [r for r in ctx.rows if r.get("kind") == "corrupted" and "auroc" in r]
+    if not corrupted:
+        return
+    best = chosen_prior_precisions(ctx.rows, ctx.test_set, ctx.main_link)
+    doc.h("OOD detection vs corruption severity")
+    doc.p("AUROC of telling corrupted from clean test inputs by normalised predictive entropy.")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in ["map", *ctx.methods]:
+        sel = [r for r in corrupted if r["method"] == m and (m == "map" or (
+            r["link"] == ctx.main_link and r["prior_precision"] == best.get(m)))]
+        vals = _mean_by(sel, ("severity",), "auroc")
+        xs = sorted(k[0] for k in vals if k[0] is not None)
+        if xs:
+            ax.plot(xs, [np.mean(vals[(x,)]) for x in xs], "--" if m == "map" else "-o",
+                    color="k" if m == "map" else ctx.colors[m], label="MAP" if m == "map" else m)
+    ax.set_xlabel("severity")
+    ax.set_ylabel("AUROC")
+    ax.legend(fontsize=7)
+    _save(fig, ctx, doc, "auroc_severity.png", "AUROC vs severity")
+
+
+def write_report(results: str | Path | list[dict], out_dir: str | Path, title: str = "Calibration report") -> Path:
+    """Write ``report.md``, ``report.html`` and figures into ``out_dir``; returns the Markdown path.
+
+    ``results`` (a results file or its rows) is only read.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ctx = _context(results, out_dir)
+    doc = _Doc()
+    _summary(ctx, doc, title)
+    for step in (_figure6, _link_comparison, _best_table, _reliability, _auroc_severity):
+        step(ctx, doc)
+    md = ctx.out_dir / "report.md"
     md.write_text(doc.markdown())
-    (out_dir / "report.html").write_text(doc.html(title))
+    (ctx.out_dir / "report.html").write_text(doc.html(title))
     return md
