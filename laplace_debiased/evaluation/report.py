@@ -140,10 +140,29 @@ class _Context:
     full_batch: set[str]
     map_rows: dict[str, dict]  # eval set -> MAP row
     colors: dict[str, str]
+    val_set: str | None  # the validation set the prior precision is chosen on (None: test, an oracle)
+    ood_set: str | None  # the first out-of-distribution set
 
     @property
     def main_link(self) -> str:
         return self.links[0]
+
+    def chosen(self, link: str, criterion: str = "nll") -> dict[str, float]:
+        """Each method's prior precision chosen on the validation set (on test if there is none)."""
+        return chosen_prior_precisions(self.rows, self.val_set or self.test_set, link, criterion)
+
+    @property
+    def choice_note(self) -> str:
+        return (f"δ chosen per method by the lowest mean NLL on the validation set '{self.val_set}'"
+                if self.val_set else
+                "δ chosen per method by the lowest mean test NLL (an oracle: these results have no "
+                "validation set)")
+
+    def at(self, method: str, delta: float | None, eval_set: str, metric: str, link: str | None = None) -> list[float]:
+        """``metric`` over repeats for ``method`` at ``delta`` (MAP: ``method="map"``)."""
+        link = "map" if method == "map" else (link or self.main_link)
+        return [float(r[metric]) for r in self.rows if r["method"] == method and r["eval_set"] == eval_set
+                and r["link"] == link and r["prior_precision"] == delta and r.get(metric) is not None]
 
 
 def _context(results: str | Path | list[dict], out_dir: str | Path) -> _Context:
@@ -166,13 +185,16 @@ def _context(results: str | Path | list[dict], out_dir: str | Path) -> _Context:
         full_batch={r["method"] for r in lap if r.get("full_batch")},
         map_rows={r["eval_set"]: r for r in rows if r["method"] == "map"},
         colors={m: f"C{i}" for i, m in enumerate(methods)},
+        val_set=next((r["eval_set"] for r in rows if r.get("kind") == "validation"), None),
+        ood_set=next((r["eval_set"] for r in rows if r.get("kind") == "ood"), None),
     )
 
 
-def _save(fig, ctx: _Context, doc: _Doc, name: str, alt: str) -> None:
+def _save(fig, ctx: _Context, doc: _Doc, name: str, alt: str, tight: bool = True) -> None:
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     fig.savefig(ctx.out_dir / name, dpi=110)
     plt.close(fig)
     doc.img(name, alt)
@@ -186,36 +208,49 @@ def _summary(ctx: _Context, doc: _Doc, title: str) -> None:
           + f". Main link approximation: {LINK_LABELS[ctx.main_link]}.")
 
 
+_FIG6_AXES = (("accuracy", 100.0, "test accuracy (%)"), ("nll", 1.0, "test NLL (nats)"),
+              ("ece", 100.0, "test ECE (%)"))
+
+
 def _figure6(ctx: _Context, doc: _Doc) -> None:
-    """Accuracy / NLL / ECE on the test set vs prior precision, one figure per link."""
+    """Figure-6 tracking curves: accuracy / NLL / ECE on the test set vs prior precision, one
+    figure per link; mean over repeats with a min-max band, full-batch methods as markers, the
+    MAP as a dashed line and each method's chosen δ as a dotted vertical line."""
     import matplotlib.pyplot as plt
 
-    doc.h("Metrics vs prior precision")
+    doc.h("Metrics vs prior precision (Figure 6)")
+    doc.p("How closely each mini-batch LA tracks the full-batch LA (markers) over the whole grid; "
+          "bands span the repeats (batch draws). Dotted verticals: each method's chosen δ.")
     for link in ctx.links:
-        fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+        chosen = ctx.chosen(link)
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
         sub = [r for r in ctx.lap if r["eval_set"] == ctx.test_set and r["link"] == link]
-        for ax, metric in zip(axes, ("accuracy", "nll", "ece")):
+        for ax, (metric, scale, label) in zip(axes, _FIG6_AXES):
             for m in ctx.methods:
                 vals = _mean_by([r for r in sub if r["method"] == m], ("prior_precision",), metric)
                 if not vals:
                     continue
                 xs = sorted(k[0] for k in vals)
-                mean = [np.mean(vals[(x,)]) for x in xs]
+                mean = [scale * np.mean(vals[(x,)]) for x in xs]
                 if m in ctx.full_batch:
                     ax.plot(xs, mean, "o", color=ctx.colors[m], label=m, markersize=5)
                 else:
                     ax.plot(xs, mean, "-", color=ctx.colors[m], label=m)
-                    ax.fill_between(xs, [min(vals[(x,)]) for x in xs], [max(vals[(x,)]) for x in xs],
-                                    color=ctx.colors[m], alpha=0.2)
+                    ax.fill_between(xs, [scale * min(vals[(x,)]) for x in xs],
+                                    [scale * max(vals[(x,)]) for x in xs], color=ctx.colors[m], alpha=0.2)
+                if m in chosen:
+                    ax.axvline(chosen[m], color=ctx.colors[m], ls=":", lw=1)
             mr = ctx.map_rows.get(ctx.test_set)
             if mr is not None and metric in mr:
-                ax.axhline(mr[metric], color="k", ls="--", lw=1, label="MAP")
+                ax.axhline(scale * mr[metric], color="k", ls="--", lw=1, label="MAP")
             ax.set_xscale("log")
-            ax.set_xlabel("prior precision")
-            ax.set_title(metric.upper() if metric != "accuracy" else "accuracy")
-        axes[0].legend(fontsize=7)
+            ax.set_xlabel("prior precision δ")
+            ax.set_ylabel(label)
+        handles, labels = axes[1].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=9)
         fig.suptitle(f"{ctx.test_set}: {LINK_LABELS[link]}")
-        _save(fig, ctx, doc, f"fig6_{link}.png", f"metrics vs prior precision, {link}")
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        _save(fig, ctx, doc, f"fig6_{link}.png", f"metrics vs prior precision, {link}", tight=False)
 
 
 def _link_comparison(ctx: _Context, doc: _Doc) -> None:
@@ -247,13 +282,83 @@ def _link_comparison(ctx: _Context, doc: _Doc) -> None:
     _save(fig, ctx, doc, "links.png", "NLL per link approximation")
 
 
+def _pct(values: list[float]) -> float:
+    return 100.0 * float(np.mean(values)) if values else float("nan")
+
+
+def _gain_row(ctx: _Context, label: str, method: str, delta: float | None) -> list[str]:
+    """Table cells: test NLL, ECE and OOD AUROC at ``delta``, each with its change from the MAP."""
+    cells = [label, "–" if delta is None else f"{delta:.3g}"]
+    for metric, scale, unit in (("nll", 1.0, ""), ("ece", 100.0, " pt"), ("auroc", 100.0, " pt")):
+        es = ctx.ood_set if metric == "auroc" else ctx.test_set
+        if es is None:
+            continue
+        vals = ctx.at(method, delta, es, metric)
+        ref = ctx.at("map", None, es, metric)
+        if not vals:
+            cells.append("–")
+            continue
+        v = scale * float(np.mean(vals))
+        text = f"{v:.4f}" if metric == "nll" else f"{v:.2f}"
+        if method != "map" and ref:
+            diff = v - scale * float(np.mean(ref))
+            text += f" ({diff:+.4f})" if metric == "nll" else f" ({diff:+.2f}{unit})"
+        cells.append(text)
+    return cells
+
+
+def _headline(ctx: _Context, doc: _Doc) -> None:
+    """The opening table: MAP vs each LA at its validation-chosen δ (and its marglik δ)."""
+    doc.h("MAP vs LA at the chosen δ")
+    by_nll = ctx.chosen(ctx.main_link)
+    by_ml = (chosen_prior_precisions(ctx.rows, ctx.val_set, ctx.main_link, "log_marglik")
+             if ctx.val_set else {})
+    header = ["method", "δ", f"test NLL (nats; Δ vs MAP)", "test ECE (%; Δ in pt)"]
+    if ctx.ood_set is not None:
+        header.append(f"AUROC {ctx.ood_set} (%; Δ in pt)")
+    table = [_gain_row(ctx, "MAP", "map", None)]
+    for m in ctx.methods:
+        if m in by_nll:
+            table.append(_gain_row(ctx, f"{m}, δ by val. NLL" if ctx.val_set else m, m, by_nll[m]))
+        if m in by_ml:
+            table.append(_gain_row(ctx, f"{m}, δ by marglik", m, by_ml[m]))
+    doc.p(f"{ctx.choice_note}; 'marglik': the highest mean log marginal likelihood of laplace-torch "
+          f"(where the structure has one). Link: {LINK_LABELS[ctx.main_link]}. Mean over repeats. "
+          "Lower NLL and ECE and higher AUROC are better; ECE and AUROC are in percent and their "
+          "changes in percentage points (pt). The AUROC scores telling OOD from clean test inputs "
+          "by the normalised predictive entropy.")
+    doc.table(header, table)
+    grid_of = {m: sorted({r["prior_precision"] for r in ctx.lap if r["method"] == m}) for m in ctx.methods}
+    edge = [m for m, d in by_nll.items() if d in (grid_of[m][0], grid_of[m][-1])]
+    if edge:
+        doc.p(f"Chosen δ on a grid edge (the optimum may lie beyond the grid): {', '.join(edge)}.")
+    doc.p(_verdict(ctx, by_nll))
+
+
+def _verdict(ctx: _Context, chosen: dict[str, float]) -> str:
+    """One sentence per method: on which metrics the LA beats the MAP at the chosen δ."""
+    parts = []
+    for m, d in chosen.items():
+        wins, losses = [], []
+        for metric, es, better in (("NLL", ctx.test_set, -1), ("ECE", ctx.test_set, -1),
+                                   ("OOD AUROC", ctx.ood_set, 1)):
+            if es is None:
+                continue
+            la, ref = ctx.at(m, d, es, metric.split()[-1].lower()), ctx.at("map", None, es, metric.split()[-1].lower())
+            if la and ref:
+                (wins if better * (np.mean(la) - np.mean(ref)) > 0 else losses).append(metric)
+        parts.append(f"{m} beats the MAP on {', '.join(wins) or 'nothing'}"
+                     + (f" and not on {', '.join(losses)}" if losses else ""))
+    return "At the chosen δ: " + "; ".join(parts) + "." if parts else ""
+
+
 def _best_table(ctx: _Context, doc: _Doc) -> None:
-    """Per link: each method's best prior precision and its metrics."""
+    """Per link: each method's chosen prior precision and its test metrics."""
     eval_sets = list(dict.fromkeys(r["eval_set"] for r in ctx.rows))
     shift_sets = [e for e in eval_sets if any(r["eval_set"] == e and "auroc" in r for r in ctx.rows)]
-    doc.h("Best prior precision per method")
+    doc.h("Chosen prior precision per method and link")
     for link in ctx.links:
-        best = chosen_prior_precisions(ctx.rows, ctx.test_set, link)
+        best = ctx.chosen(link)
         grid_of = {m: [r["prior_precision"] for r in ctx.lap if r["method"] == m] for m in ctx.methods}
         header = ["method", "prior precision", *METRICS] + [f"AUROC {e}" for e in shift_sets]
         table = []
@@ -265,65 +370,110 @@ def _best_table(ctx: _Context, doc: _Doc) -> None:
         for m in ctx.methods:
             if m not in best:
                 continue
-            sel = [r for r in ctx.lap if r["method"] == m and r["link"] == link and r["prior_precision"] == best[m]]
-            at = lambda e, k: [r[k] for r in sel if r["eval_set"] == e and k in r]
             edge = best[m] in (min(grid_of[m]), max(grid_of[m]))
             table.append([m, f"{best[m]:.3g}" + (" (grid edge)" if edge else ""),
-                          *[_fmt(at(ctx.test_set, k)) for k in METRICS]]
-                         + [_fmt(at(e, "auroc")) for e in shift_sets])
-        doc.p(f"Link: {LINK_LABELS[link]}. Mean over repeats [min, max]; prior precision chosen by "
-              "test NLL (oracle, as in Figure 6).")
+                          *[_fmt(ctx.at(m, best[m], ctx.test_set, k, link)) for k in METRICS]]
+                         + [_fmt(ctx.at(m, best[m], e, "auroc", link)) for e in shift_sets])
+        doc.p(f"Link: {LINK_LABELS[link]}. Test metrics (accuracy, ECE, AUROC as fractions), mean over "
+              f"repeats [min, max]; {ctx.choice_note}.")
         doc.table(header, table)
 
 
+def _reliability_panel(ax, ax_count, rel: dict, label: str, color: str, map_rel: dict | None) -> None:
+    edges = np.array(rel["edges"])
+    width = np.diff(edges)
+    as_array = lambda key, r: np.array([np.nan if a is None else a for a in r[key]], dtype=float)
+    ax.bar(edges[:-1], np.nan_to_num(as_array("accuracy", rel)), width=width, align="edge",
+           color=color, edgecolor="k", lw=0.5, alpha=0.6, label=label)
+    ax_count.bar(edges[:-1], as_array("count", rel), width=width, align="edge", color=color,
+                 edgecolor="k", lw=0.5, alpha=0.6, label=label)
+    if map_rel is not None:
+        centres = edges[:-1] + width / 2
+        ax.plot(centres, as_array("accuracy", map_rel), "ks--", ms=3, lw=1, label="MAP")
+        ax_count.step(edges, np.append(as_array("count", map_rel), 0), "k--", where="post", lw=1, label="MAP")
+    ax.plot([0, 1], [0, 1], ":", color="grey", lw=1)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax_count.set_yscale("symlog", linthresh=1)
+    ax_count.set_xlim(0, 1)
+    ax_count.set_xlabel("confidence (top-class probability)")
+
+
 def _reliability(ctx: _Context, doc: _Doc) -> None:
-    """Reliability diagrams: MAP and each method at its best prior precision (repeat 0)."""
+    """Reliability diagrams with bin counts: one panel per method at its chosen δ, MAP overlaid."""
     import matplotlib.pyplot as plt
 
-    best = chosen_prior_precisions(ctx.rows, ctx.test_set, ctx.main_link)
-    panels = [("MAP", ctx.map_rows.get(ctx.test_set))] + [
-        (f"{m} (δ={best[m]:.3g})", next((r for r in ctx.lap if r["method"] == m and r["link"] == ctx.main_link
-                                         and r["prior_precision"] == best[m] and r["eval_set"] == ctx.test_set
-                                         and r["repeat"] == 0), None)) for m in ctx.methods if m in best]
-    panels = [(t, r) for t, r in panels if r is not None and "reliability" in r]
+    best = ctx.chosen(ctx.main_link)
+    map_row = ctx.map_rows.get(ctx.test_set)
+    map_rel = map_row.get("reliability") if map_row else None
+    panels = []
+    for m in ctx.methods:
+        row = next((r for r in ctx.lap if m in best and r["method"] == m and r["link"] == ctx.main_link
+                    and r["prior_precision"] == best[m] and r["eval_set"] == ctx.test_set
+                    and r["repeat"] == 0 and "reliability" in r), None)
+        if row is not None:
+            panels.append((m, best[m], row))
     if not panels:
         return
     doc.h("Reliability diagrams")
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.3), squeeze=False)
-    for ax, (t, r) in zip(axes[0], panels):
-        rel = r["reliability"]
-        edges = np.array(rel["edges"])
-        acc = np.array([np.nan if a is None else a for a in rel["accuracy"]], dtype=float)
-        ax.bar(edges[:-1], np.nan_to_num(acc), width=np.diff(edges), align="edge", edgecolor="k", alpha=0.7)
-        ax.plot([0, 1], [0, 1], "k--", lw=1)
-        ax.set_title(f"{t}\nECE {r['ece']:.3f}", fontsize=8)
-        ax.set_xlabel("confidence")
-    axes[0][0].set_ylabel("accuracy")
-    _save(fig, ctx, doc, "reliability.png", "reliability diagrams")
+    doc.p(f"Test set, {LINK_LABELS[ctx.main_link]}, repeat 0, each method at its chosen δ ({ctx.choice_note}). "
+          "Top: accuracy per confidence bin (bars; MAP as black squares; the dotted diagonal is perfect "
+          "calibration). Bottom: how many test points fall in each bin (symmetric log scale; MAP dashed). "
+          "Bins with few points carry little weight in the ECE.")
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.6 * len(panels), 5.2), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.3]}, sharex="col")
+    for j, (m, delta, row) in enumerate(panels):
+        _reliability_panel(axes[0][j], axes[1][j], row["reliability"], f"LA, δ = {delta:.3g}",
+                           ctx.colors[m], map_rel)
+        map_ece = f", MAP {100 * map_row['ece']:.2f} %" if map_row else ""
+        axes[0][j].set_title(f"{m}\nECE {100 * row['ece']:.2f} %{map_ece}", fontsize=9)
+        axes[0][j].legend(fontsize=8, loc="upper left")
+    axes[0][0].set_ylabel("accuracy in bin")
+    axes[1][0].set_ylabel("points in bin")
+    _save(fig, ctx, doc, "reliability.png", "reliability diagrams with bin counts")
 
 
 def _auroc_severity(ctx: _Context, doc: _Doc) -> None:
-    """AUROC of detecting corrupted inputs vs corruption severity."""
+    """AUROC of detecting shifted inputs vs corruption severity, with the OOD set as last point."""
     import matplotlib.pyplot as plt
 
-    corrupted = [r for r in ctx.rows if r.get("kind") == "corrupted" and "auroc" in r]
-    if not corrupted:
+    severities = sorted({int(r["severity"]) for r in ctx.rows if r.get("kind") == "corrupted"
+                         and r.get("severity") is not None and "auroc" in r})
+    if not severities:
         return
-    best = chosen_prior_precisions(ctx.rows, ctx.test_set, ctx.main_link)
-    doc.h("OOD detection vs corruption severity")
-    doc.p("AUROC of telling corrupted from clean test inputs by normalised predictive entropy.")
-    fig, ax = plt.subplots(figsize=(6, 4))
+    best = ctx.chosen(ctx.main_link)
+    positions = {sev: i for i, sev in enumerate(severities)}
+    ticks = [str(sev) for sev in severities]
+    if ctx.ood_set is not None:
+        ticks.append(f"OOD:\n{ctx.ood_set}")
+    doc.h("Shift detection vs corruption severity")
+    doc.p("AUROC (%) of telling shifted from clean test inputs by the normalised predictive entropy, "
+          f"per integer corruption severity and for the OOD set; each method at its chosen δ "
+          f"({ctx.choice_note}; δ in the legend).")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
     for m in ["map", *ctx.methods]:
-        sel = [r for r in corrupted if r["method"] == m and (m == "map" or (
-            r["link"] == ctx.main_link and r["prior_precision"] == best.get(m)))]
-        vals = _mean_by(sel, ("severity",), "auroc")
-        xs = sorted(k[0] for k in vals if k[0] is not None)
+        if m != "map" and m not in best:
+            continue
+        delta = None if m == "map" else best[m]
+        xs, ys = [], []
+        for sev in severities:
+            sets = {r["eval_set"] for r in ctx.rows if r.get("kind") == "corrupted" and r.get("severity") == sev}
+            vals = [v for es in sorted(sets) for v in ctx.at(m, delta, es, "auroc")]
+            if vals:
+                xs.append(positions[sev])
+                ys.append(_pct(vals))
+        if ctx.ood_set is not None and ctx.at(m, delta, ctx.ood_set, "auroc"):
+            xs.append(len(severities))
+            ys.append(_pct(ctx.at(m, delta, ctx.ood_set, "auroc")))
         if xs:
-            ax.plot(xs, [np.mean(vals[(x,)]) for x in xs], "--" if m == "map" else "-o",
-                    color="k" if m == "map" else ctx.colors[m], label="MAP" if m == "map" else m)
-    ax.set_xlabel("severity")
-    ax.set_ylabel("AUROC")
-    ax.legend(fontsize=7)
+            label = "MAP" if m == "map" else f"{m} (δ = {delta:.3g})"
+            ax.plot(xs, ys, "--s" if m == "map" else "-o", color="k" if m == "map" else ctx.colors[m],
+                    label=label, ms=5)
+    ax.set_xticks(range(len(ticks)), ticks)
+    ax.set_xlabel("corruption severity")
+    ax.set_ylabel("AUROC (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
     _save(fig, ctx, doc, "auroc_severity.png", "AUROC vs severity")
 
 
@@ -338,7 +488,7 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
     ctx = _context(results, out_dir)
     doc = _Doc()
     _summary(ctx, doc, title)
-    for step in (_figure6, _link_comparison, _best_table, _reliability, _auroc_severity):
+    for step in (_headline, _figure6, _link_comparison, _best_table, _reliability, _auroc_severity):
         step(ctx, doc)
     md = ctx.out_dir / "report.md"
     md.write_text(doc.markdown())
