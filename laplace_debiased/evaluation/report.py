@@ -442,10 +442,10 @@ def _auroc_severity(ctx: _Context, doc: _Doc) -> None:
     if not severities:
         return
     best = ctx.chosen(ctx.main_link)
-    positions = {sev: i for i, sev in enumerate(severities)}
-    ticks = [str(sev) for sev in severities]
+    ood_x = severities[-1] + 1
+    ticks = {sev: str(sev) for sev in range(severities[0], severities[-1] + 1)}
     if ctx.ood_set is not None:
-        ticks.append(f"OOD:\n{ctx.ood_set}")
+        ticks[ood_x] = f"OOD:\n{ctx.ood_set}"
     doc.h("Shift detection vs corruption severity")
     doc.p("AUROC (%) of telling shifted from clean test inputs by the normalised predictive entropy, "
           f"per integer corruption severity and for the OOD set; each method at its chosen δ "
@@ -460,16 +460,18 @@ def _auroc_severity(ctx: _Context, doc: _Doc) -> None:
             sets = {r["eval_set"] for r in ctx.rows if r.get("kind") == "corrupted" and r.get("severity") == sev}
             vals = [v for es in sorted(sets) for v in ctx.at(m, delta, es, "auroc")]
             if vals:
-                xs.append(positions[sev])
+                xs.append(sev)
                 ys.append(_pct(vals))
-        if ctx.ood_set is not None and ctx.at(m, delta, ctx.ood_set, "auroc"):
-            xs.append(len(severities))
-            ys.append(_pct(ctx.at(m, delta, ctx.ood_set, "auroc")))
+        color = "k" if m == "map" else ctx.colors[m]
+        label = "MAP" if m == "map" else f"{m} (δ = {delta:.3g})"
         if xs:
-            label = "MAP" if m == "map" else f"{m} (δ = {delta:.3g})"
-            ax.plot(xs, ys, "--s" if m == "map" else "-o", color="k" if m == "map" else ctx.colors[m],
-                    label=label, ms=5)
-    ax.set_xticks(range(len(ticks)), ticks)
+            ax.plot(xs, ys, "--s" if m == "map" else "-o", color=color, label=label, ms=5)
+        if ctx.ood_set is not None and ctx.at(m, delta, ctx.ood_set, "auroc"):
+            ax.plot([ood_x], [_pct(ctx.at(m, delta, ctx.ood_set, "auroc"))], "s" if m == "map" else "o",
+                    color=color, ms=6, label=None if xs else label)
+    if ctx.ood_set is not None:
+        ax.axvline(ood_x - 0.5, color="grey", lw=0.8)
+    ax.set_xticks(list(ticks), list(ticks.values()))
     ax.set_xlabel("corruption severity")
     ax.set_ylabel("AUROC (%)")
     ax.grid(alpha=0.3)
