@@ -42,8 +42,10 @@ def test_tiny_end_to_end_run_and_resume(tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert cli.main(["--config", str(cfg), "--out", str(out), "--seed", "1"]) == 0
     rows = (out / "results.jsonl").read_text().splitlines()
-    # MAP 5 sets + 2 methods x 2 priors x 5 sets x 2 links
-    assert len(rows) == 5 + 2 * 2 * 5 * 2
+    # MAP 6 sets (validation included) + 2 methods x G priors x 6 sets x 2 links, where the grid
+    # of 2 grows at an edge holding a validation choice of δ
+    n_grid = len({json.loads(r)["prior_precision"] for r in rows} - {None})
+    assert n_grid >= 2 and len(rows) == 6 + 2 * n_grid * 6 * 2
     assert (out / "report" / "report.md").is_file() and (out / "report" / "report.html").is_file()
     # rerun: nothing new; a different setup in the same folder is refused
     assert cli.main(["sweep", "--config", str(cfg), "--out", str(out), "--seed", "1"]) == 0

@@ -83,13 +83,13 @@ def test_interrupted_sweep_resumes_without_duplicates_or_recomputation(tmp_path,
     monkeypatch.setattr(sweep, "append_row", real_append)
     fits.clear()
     n_grid = {"n": 0}
-    real_grid = sweep.GridPredictive.grid
+    real_grid = sweep.cell_probabilities
 
-    def counting_grid(self, *a, **k):
+    def counting_grid(*a, **k):
         n_grid["n"] += 1
-        return real_grid(self, *a, **k)
+        return real_grid(*a, **k)
 
-    monkeypatch.setattr(sweep.GridPredictive, "grid", counting_grid)
+    monkeypatch.setattr(sweep, "cell_probabilities", counting_grid)
     rows = run_sweep(methods, eval_sets, path, prior_precisions=GRID, progress=False, map_model=model)
     assert fits == [1]  # repeat 0 complete: not refitted
     assert n_grid["n"] == 3  # repeat 1 only, once per eval set
@@ -113,3 +113,111 @@ def test_bad_results_file_and_inputs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="needs labels"):
         EvalSet("t", torch.zeros(2, 4))
     assert len(sweep.DEFAULT_PRIOR_PRECISIONS) == 14
+
+
+def test_repeated_or_nonpositive_prior_precisions_and_links_are_refused(tmp_path):
+    _, eval_sets, methods, _ = _setup()
+    path = tmp_path / "r.jsonl"
+    for grid, match in [((1.0, 1.0), "repeated"), ((1.0, 1.0000000001), "repeated"),
+                        ((0.0, 1.0), "positive"), ((-1.0,), "positive"), ((float("nan"),), "positive"),
+                        ((float("inf"),), "positive"), ((), "at least one")]:
+        with pytest.raises(ValueError, match=match):
+            run_sweep(methods, eval_sets, path, prior_precisions=grid, progress=False)
+    with pytest.raises(ValueError, match="repeated"):
+        run_sweep(methods, eval_sets, path, prior_precisions=GRID, links=("probit", "probit"), progress=False)
+    with pytest.raises(ValueError, match="repeated"):
+        run_sweep([Method("kron", methods[0].fit, links=("mc", "mc"))], eval_sets, path,
+                  prior_precisions=GRID, progress=False)
+    assert not path.exists()
+
+
+def test_rows_are_strict_json(tmp_path):
+    """Empty reliability bins are NaN in memory; the file holds null, not the token NaN."""
+    path = tmp_path / "r.jsonl"
+    sweep.append_row(path, {"method": "m", "nll": float("nan"), "rel": {"acc": [float("inf"), 1.0]}})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard {c}")) == {
+        "method": "m", "nll": None, "rel": {"acc": [None, 1.0]}}
+
+
+def _mc_rows(path, eval_sets, methods, **kw):
+    return {row_key(r): r for r in run_sweep(methods, eval_sets, path, prior_precisions=GRID,
+                                             links=("mc", "probit_projected"), n_samples=20,
+                                             progress=False, **kw)}
+
+
+def test_resumed_sweep_is_bitwise_identical_to_uninterrupted(tmp_path, monkeypatch):
+    """Each cell draws its MC samples from its own key: a resumed run whose missing cells are
+    scattered over several eval sets, priors and links recomputes exactly the same rows."""
+    _, eval_sets, methods, _ = _setup()
+    full = _mc_rows(tmp_path / "full.jsonl", eval_sets, methods)
+    lines = (tmp_path / "full.jsonl").read_text().splitlines()
+    kept = [line for i, line in enumerate(lines) if i % 3 != 1]  # drop every third row
+    (tmp_path / "part.jsonl").write_text("\n".join(kept) + "\n")
+    resumed = _mc_rows(tmp_path / "part.jsonl", eval_sets, methods)
+    assert set(resumed) == set(full)
+    strip = lambda r: {k: v for k, v in r.items() if not k.endswith("_seconds")}
+    assert all(strip(resumed[k]) == strip(full[k]) for k in full)
+    # only the MC link is random; another eval-set order still gives the same cells
+    again = _mc_rows(tmp_path / "rev.jsonl", [eval_sets[0], *eval_sets[:0:-1]], methods)
+    assert all(strip(again[k]) == strip(full[k]) for k in full)
+
+
+def test_cell_seed_depends_on_every_key_field():
+    base = dict(seed=0, method="kron", repeat=0, eval_set="test", prior_precision=1.0, link="mc")
+    seeds = {sweep.cell_seed(**base)}
+    for field, other in [("seed", 1), ("method", "kron2"), ("repeat", 1), ("eval_set", "noisy"),
+                         ("prior_precision", 10.0), ("link", "probit")]:
+        seeds.add(sweep.cell_seed(**{**base, field: other}))
+    assert len(seeds) == 7
+    assert sweep.cell_seed(**base) == sweep.cell_seed(**base)
+
+
+def test_cell_probabilities_match_grid_predictive():
+    """The per-cell loop is GridPredictive.grid with one generator per cell."""
+    _, eval_sets, methods, _ = _setup()
+    pred = sweep.GridPredictive(methods[0].fit(0), chunk_size=5)
+    x = eval_sets[0].x
+    seeds = {(d, link): 7 for d in GRID for link in ("probit_projected", "mc")}
+    ours = sweep.cell_probabilities(pred, x, GRID, ("probit_projected", "mc"), 30, seeds)
+    ref = pred.grid(x, GRID, links=("probit_projected",))
+    torch.testing.assert_close(ours["probit_projected"], ref["probit_projected"], rtol=0, atol=0)
+    # one chunk, one generator: MC equals grid's MC for a one-point grid with the same seed
+    one = sweep.GridPredictive(pred.la, chunk_size=100)
+    mc = sweep.cell_probabilities(one, x, [1.0], ("mc",), 30, {(1.0, "mc"): 7})["mc"]
+    torch.testing.assert_close(mc, one.grid(x, [1.0], links=("mc",), n_samples=30,
+                                            generator=torch.Generator().manual_seed(7))["mc"])
+
+
+def _val_rows(nll_by_delta: dict[float, float], method: str = "kron") -> list[dict]:
+    return [{"method": method, "repeat": 0, "prior_precision": d, "eval_set": "val", "kind": "validation",
+             "link": "probit_projected", "nll": v} for d, v in nll_by_delta.items()]
+
+
+def test_grid_grows_beyond_the_edge_holding_a_validation_choice():
+    from laplace_debiased.evaluation.pipeline import _grid_extension
+
+    assert _grid_extension(_val_rows({1.0: 0.3, 10.0: 0.2, 100.0: 0.1}), "probit_projected") == [1000.0]
+    assert _grid_extension(_val_rows({1e-3: 0.1, 1e-2: 0.2, 1.0: 0.3}), "probit_projected") == [1e-4]
+    assert _grid_extension(_val_rows({1.0: 0.3, 10.0: 0.1, 100.0: 0.2}), "probit_projected") == []
+    both = _val_rows({1.0: 0.1, 10.0: 0.2, 100.0: 0.3}) + _val_rows({1.0: 0.3, 10.0: 0.2, 100.0: 0.1}, "m2")
+    assert _grid_extension(both, "probit_projected") == [0.1, 1000.0]
+    # a test-set optimum on the edge does not count: δ is chosen on validation only
+    test_rows = [{**r, "eval_set": "test", "kind": "test", "nll": -r["nll"]}
+                 for r in _val_rows({1.0: 0.3, 10.0: 0.1, 100.0: 0.2})]
+    assert _grid_extension(_val_rows({1.0: 0.3, 10.0: 0.1, 100.0: 0.2}) + test_rows, "probit_projected") == []
+
+
+def test_pipeline_options_refuse_repeats_and_nonpositive_values():
+    import argparse
+
+    from laplace_debiased.evaluation.pipeline import add_pipeline_arguments, resolve_options
+
+    parser = argparse.ArgumentParser()
+    add_pipeline_arguments(parser)
+    for argv, match in [("--prior-precisions 1 1", "repeated"), ("--links probit probit", "repeated"),
+                        ("--prior-precisions 0 1", "positive"), ("--methods kron_full kron_full", "repeated"),
+                        ("--lock-timeout -1", "lock-timeout")]:
+        with pytest.raises(ValueError, match=match):
+            resolve_options(parser.parse_args(argv.split()))

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from laplace_debiased.evaluation.pipeline import add_pipeline_arguments, resolve_options, run_pipeline
+from laplace_debiased.evaluation.sweep import OutputLockedError
 
 HELP = "run the whole pipeline (train or load a model, fit, sweep, report)"
 
@@ -20,11 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the pipeline; exit status 2 on bad options."""
+    """Run the pipeline; exit status 2 on bad options or an output folder held by another run."""
     try:
         opts = resolve_options(args)
         paths = run_pipeline(opts, report=True)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, OutputLockedError) as err:
         print(f"laplace-debiased: error: {err}", file=sys.stderr)
         return 2
     print(f"results: {paths['results']}")

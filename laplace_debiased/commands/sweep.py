@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from laplace_debiased.evaluation.pipeline import add_pipeline_arguments, resolve_options, run_pipeline
+from laplace_debiased.evaluation.sweep import OutputLockedError
 
 HELP = "prior-precision sweep of fitted Laplace approximations, resumable"
 
@@ -17,10 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the sweep (no report); exit status 2 on bad options."""
+    """Run the sweep (no report); exit status 2 on bad options or an output folder held by another run."""
     try:
         paths = run_pipeline(resolve_options(args), report=False)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, OutputLockedError) as err:
         print(f"laplace-debiased: error: {err}", file=sys.stderr)
         return 2
     print(f"results: {paths['results']}")

@@ -5,21 +5,40 @@ per repeat = batch draw) on every evaluation set, for every prior precision of a
 link approximation, and appends one JSON object per result to a JSON-lines file.  Rows are keyed
 by ``(method, repeat, prior_precision, eval_set, link)``: rerunning the same sweep skips every key
 already in the file, and a (method, repeat) whose rows are all present is neither fitted nor
-evaluated again.  Each row is written with a single ``write`` + ``fsync``; a truncated last line
-(an interrupted write) is dropped on load.
+evaluated again.
 
-Row fields: ``method, repeat, prior_precision`` (``null`` for MAP), ``eval_set, kind`` (``test``,
-``corrupted``, ``ood``), ``severity, link, full_batch`` and the metrics: for labelled sets
-accuracy/nll/ece/brier/confidence and a reliability histogram; for ``corrupted``/``ood`` sets
-also auroc/aupr/fpr95 of detecting them against the reference (clean test) set.
+Reproducibility: every cell draws its Monte-Carlo samples from its own generator, seeded by a
+hash of ``(seed, method, repeat, eval_set, prior_precision, link)`` (:func:`cell_seed`), so any
+subset of cells (a resumed run, another eval-set order) recomputes bitwise-identically for the
+same grid, ``n_samples`` and ``chunk_size``.
+
+Files: the writer holds an exclusive lock on the output folder (:func:`output_lock`, an ``fcntl``
+lock file), so two sweeps into one folder never interleave; the second refuses (or waits up to
+``lock_timeout`` seconds).  Each row is one line written with a single ``write`` + ``fsync``, as
+strict JSON (non-finite numbers become ``null``).  A last line without its newline is an
+interrupted write: readers skip it with a warning and the next sweep cuts it before appending.
+Any other line that is not a row object (``{}``, ``[]``, ``42``, NUL bytes, ...) is an error
+naming the file and line.
+
+Row fields: ``method, repeat, prior_precision`` (``null`` for MAP), ``eval_set, kind``
+(``test``, ``validation``, ``corrupted``, ``ood``), ``severity, link, full_batch`` and the
+metrics: for labelled sets accuracy/nll/ece/brier/confidence and a reliability histogram; for
+``corrupted``/``ood`` sets also auroc/aupr/fpr95 of detecting them against the reference (clean
+test) set; on ``validation`` rows of a Laplace method, ``log_marglik`` (laplace-torch's log
+marginal likelihood at that prior precision, ``null`` where the structure has none).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import math
 import os
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +47,7 @@ import torch
 from torch import Tensor
 
 from laplace_debiased.evaluation import metrics
-from laplace_debiased.evaluation.predictive import LINKS, GridPredictive
+from laplace_debiased.evaluation.predictive import LINKS, GridPredictive, apply_link, logit_jacobians
 
 #: The paper's 13 log-spaced prior precisions 1e-4 ... 1, plus 10 (14 points).
 DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
@@ -37,14 +56,18 @@ DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
 #: Default links: the projected probit (right, deterministic) and laplace-torch's diagonal
 #: probit, recorded for comparison.
 DEFAULT_LINKS: tuple[str, ...] = ("probit_projected", "probit")
+KINDS = ("test", "validation", "corrupted", "ood")
+#: Name of the lock file a writer holds in its output folder.
+LOCK_NAME = ".laplace-debiased.lock"
 
 
 @dataclass
 class EvalSet:
     """Inputs ``x`` ``(N, ...)`` and labels ``y`` ``(N,)`` (``None`` for unlabelled OOD data).
 
-    ``kind``: ``"test"`` (the in-distribution reference), ``"corrupted"`` (labelled, also scored
-    for detection against the reference) or ``"ood"`` (detection only).
+    ``kind``: ``"test"`` (the in-distribution reference), ``"validation"`` (labelled,
+    in-distribution, for choosing the prior precision), ``"corrupted"`` (labelled, also scored for
+    detection against the reference) or ``"ood"`` (detection only).
     """
 
     name: str
@@ -54,8 +77,8 @@ class EvalSet:
     severity: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("test", "corrupted", "ood"):
-            raise ValueError(f"eval set kind must be test, corrupted or ood, got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"eval set kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind != "ood" and self.y is None:
             raise ValueError(f"eval set {self.name!r} of kind {self.kind!r} needs labels")
 
@@ -84,12 +107,39 @@ def row_key(row: dict) -> str:
     )
 
 
+def _row_error(path: Path, lineno: int, what: str) -> ValueError:
+    return ValueError(
+        f"{path}:{lineno}: {what}; not a sweep results file? Repair or remove that line, "
+        "or use another output folder."
+    )
+
+
+def _parse_row(path: Path, lineno: int, line: bytes) -> dict:
+    """One complete line -> row dict, or a ValueError naming ``path:lineno``."""
+    if b"\0" in line:
+        raise _row_error(path, lineno, "holds NUL bytes")
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _row_error(path, lineno, f"is not a JSON line ({err})") from err
+    if not isinstance(row, dict):
+        raise _row_error(path, lineno, f"is a JSON {type(row).__name__}, not a row object")
+    missing = [k for k in ("method", "repeat", "prior_precision", "eval_set", "link") if k not in row]
+    if missing:
+        raise _row_error(path, lineno, f"is a row without {missing}")
+    delta = row["prior_precision"]
+    if not (isinstance(row["method"], str) and isinstance(row["eval_set"], str) and isinstance(row["link"], str)
+            and isinstance(row["repeat"], int) and (delta is None or isinstance(delta, (int, float)))):
+        raise _row_error(path, lineno, "has a key field of the wrong type")
+    return row
+
+
 def load_rows(path: str | Path) -> list[dict]:
-    """Rows of a JSON-lines results file (missing file -> ``[]``).
+    """Rows of a JSON-lines results file (missing file -> ``[]``); never writes the file.
 
     Every row is written as one line ending in a newline, so bytes after the last newline are an
-    interrupted write: they are dropped and cut from the file, and appending continues on a clean
-    line.  A complete line that does not parse is an error (the file is not a results file).
+    interrupted write: they are skipped with a warning (a sweep into the folder cuts them).  A
+    complete line that is not a row object is a ``ValueError`` naming the file and line.
     """
     path = Path(path)
     if not path.exists():
@@ -97,31 +147,123 @@ def load_rows(path: str | Path) -> list[dict]:
     raw = path.read_bytes()
     complete = raw[: raw.rfind(b"\n") + 1]
     if len(complete) != len(raw):
+        warnings.warn(f"{path}: ignoring an incomplete last line ({len(raw) - len(complete)} bytes, "
+                      "an interrupted write); the next sweep into this folder removes it")
+    return [_parse_row(path, i + 1, line) for i, line in enumerate(complete.split(b"\n")[:-1]) if line.strip()]
+
+
+def _cut_partial_line(path: Path) -> None:
+    """Remove bytes after the last newline (an interrupted write); the caller holds the lock."""
+    if not path.exists():
+        return
+    raw = path.read_bytes()
+    keep = raw.rfind(b"\n") + 1
+    if keep != len(raw):
         with open(path, "r+b") as fh:
-            fh.truncate(len(complete))
-    rows = []
-    for i, line in enumerate(complete.splitlines()):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"{path}:{i + 1} is not a JSON line ({err}); not a sweep results file? "
-                "Use another output folder or remove the file."
-            ) from err
-    return rows
+            fh.truncate(keep)
+            os.fsync(fh.fileno())
+
+
+def strict_json(obj):
+    """``obj`` with every non-finite float replaced by ``None`` (JSON ``null``), recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
 
 
 def append_row(path: str | Path, row: dict) -> None:
-    """Append one row as a single line (one ``write`` + ``fsync``)."""
-    data = (json.dumps(row, allow_nan=True) + "\n").encode()
+    """Append one row as a single strict-JSON line (one ``write`` + ``fsync``)."""
+    data = (json.dumps(strict_json(row), allow_nan=False) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class OutputLockedError(RuntimeError):
+    """Another process holds the output folder's lock."""
+
+
+_held_locks: dict[Path, list[int]] = {}  # folder -> [fd, depth]: the lock is re-entrant per process
+
+
+@contextmanager
+def output_lock(folder: str | Path, timeout: float = 0.0) -> Iterator[Path]:
+    """Hold an exclusive ``fcntl`` lock on ``folder`` (created if missing) while writing into it.
+
+    Re-entrant within a process.  If another process holds it, wait up to ``timeout`` seconds,
+    then raise :class:`OutputLockedError`.  The lock file (:data:`LOCK_NAME`) records the holder's
+    pid; the operating system releases the lock when the holder exits, even if it crashes.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    key = folder.resolve()
+    if key in _held_locks:
+        _held_locks[key][1] += 1
+        try:
+            yield folder
+        finally:
+            _held_locks[key][1] -= 1
+        return
+    fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise OutputLockedError(
+                    f"another run (pid {holder}) holds the lock on {folder} ({LOCK_NAME}); wait for it to "
+                    "finish, pass --lock-timeout SECONDS to wait, or choose another --out"
+                ) from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held_locks[key] = [fd, 1]
+    try:
+        yield folder
+    finally:
+        del _held_locks[key]
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def cell_seed(*, seed: int, method: str, repeat: int, eval_set: str, prior_precision: float | None,
+              link: str) -> int:
+    """Seed of one cell's generator: a stable hash (SHA-256, 63 bits) of the cell's key."""
+    key = json.dumps([int(seed), method, int(repeat), eval_set, _fmt_prior(prior_precision), link])
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+
+def check_grid(prior_precisions: Sequence[float], links: Sequence[str]) -> list[float]:
+    """Validated grid (each value rounded to 6 significant digits, as rows store it).
+
+    Refuses an empty grid, values that are not finite and positive, and repeated prior precisions
+    or links (they would give duplicated or misaligned rows).
+    """
+    for link in links:
+        if link not in LINKS:
+            raise ValueError(f"unknown link {link!r}; choose from {LINKS}")
+    if len(set(links)) != len(links):
+        raise ValueError(f"repeated link approximation in {list(links)}; give each once")
+    grid = [float(f"{float(d):.6g}") for d in prior_precisions]
+    if not grid:
+        raise ValueError("give at least one prior precision")
+    bad = [d for d in grid if not (math.isfinite(d) and d > 0)]
+    if bad:
+        raise ValueError(f"prior precisions must be positive and finite, got {bad}")
+    if len(set(grid)) != len(grid):
+        raise ValueError(f"repeated prior precision in {grid} (rounded to 6 significant digits); give each once")
+    return grid
 
 
 def _metric_rows(
@@ -136,10 +278,75 @@ def _metric_rows(
         if es.y is not None:
             m.update(metrics.classification_metrics(p, es.y))
             m["reliability"] = metrics.reliability_bins(p, es.y)
-        if es.kind != "test" and ref is not None:
+        if es.kind in ("corrupted", "ood") and ref is not None:
             m.update(metrics.ood_metrics(ref, p))
         out[es.name] = m
     return out
+
+
+def _row_base(name: str, repeat: int, delta: float | None, es: EvalSet, link: str, full_batch: bool) -> dict:
+    return {
+        "method": name, "repeat": repeat, "prior_precision": delta, "eval_set": es.name,
+        "kind": es.kind, "severity": es.severity, "link": link, "full_batch": full_batch,
+    }
+
+
+@torch.no_grad()
+def cell_probabilities(
+    pred: GridPredictive,
+    x: Tensor,
+    grid: Sequence[float],
+    links: Sequence[str],
+    n_samples: int,
+    seeds: dict[tuple[float, str], int],
+) -> dict[str, Tensor]:
+    """``GridPredictive.grid`` with one generator per cell: ``link -> (G, N, C)``.
+
+    ``seeds[(δ, link)]`` seeds that cell's generator, which is carried across the input chunks
+    (so the draws depend on ``pred.chunk_size``, and on nothing outside the cell).
+    """
+    gens = {k: torch.Generator().manual_seed(v) for k, v in seeds.items()}
+    out: dict[str, list[Tensor]] = {link: [] for link in links}
+    was_training = pred.model.training
+    pred.model.eval()
+    try:
+        for chunk in x.split(pred.chunk_size):
+            f, jacs = logit_jacobians(pred.model, pred.params, chunk)
+            covs = pred.structure.covariances(pred.structure.rotate(jacs), grid)
+            for link in links:
+                out[link].append(torch.stack([
+                    apply_link(link, f, cov, n_samples, gens[(delta, link)]) for delta, cov in zip(grid, covs)
+                ]))
+    finally:
+        pred.model.train(was_training)
+    return {link: torch.cat(v, dim=1) for link, v in out.items()}
+
+
+def _log_marglik(la, delta: float) -> float | None:
+    """laplace-torch's log marginal likelihood at prior precision ``delta`` (``None`` if the
+    structure has none); ``la.prior_precision`` is left as it was."""
+    before = la.prior_precision
+    try:
+        return float(la.log_marginal_likelihood(prior_precision=torch.tensor(delta)))
+    except NotImplementedError:
+        return None
+    finally:
+        la.prior_precision = before
+
+
+def _map_rows(map_model: torch.nn.Module, eval_sets: Sequence[EvalSet], reference: EvalSet | None,
+              done: set[str]) -> list[dict]:
+    todo = [es for es in eval_sets if row_key(_row_base("map", 0, None, es, "map", False)) not in done]
+    if not todo:
+        return []
+    need = todo + ([reference] if reference is not None and reference not in todo else [])
+    with torch.no_grad():
+        was = map_model.training
+        map_model.eval()
+        probs = {es.name: torch.cat([torch.softmax(map_model(x), -1) for x in es.x.split(256)]) for es in need}
+        map_model.train(was)
+    mets = _metric_rows(probs, todo, reference)
+    return [{**_row_base("map", 0, None, es, "map", False), **mets[es.name]} for es in todo]
 
 
 def run_sweep(
@@ -155,79 +362,78 @@ def run_sweep(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     map_model: torch.nn.Module | None = None,
+    lock_timeout: float = 0.0,
 ) -> list[dict]:
     """Run (or resume) a sweep; returns all rows of ``out_path`` afterwards.
 
     ``map_model`` evaluates the MAP baseline rows (method ``"map"``, link ``"map"``) when given.
+    The output folder is locked for the whole run (:func:`output_lock`, waiting up to
+    ``lock_timeout`` seconds for another writer).
     """
     from tqdm.auto import tqdm
 
-    for link in links:
-        if link not in LINKS:
-            raise ValueError(f"unknown link {link!r}; choose from {LINKS}")
+    grid = check_grid(prior_precisions, links)
+    for m in methods:
+        check_grid(grid, tuple(m.links or links))
     names = [es.name for es in eval_sets]
     if len(set(names)) != len(names):
         raise ValueError(f"eval set names must be unique, got {names}")
     refs = [es for es in eval_sets if es.kind == "test"]
     reference = refs[0] if refs else None
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {row_key(r) for r in load_rows(out_path)}
-    grid = [float(f"{d:.6g}") for d in prior_precisions]
+    with output_lock(out_path.parent, lock_timeout):
+        _cut_partial_line(out_path)
+        done = {row_key(r) for r in load_rows(out_path)}
+        if map_model is not None:
+            for row in _map_rows(map_model, eval_sets, reference, done):
+                append_row(out_path, row)
+        jobs = [(m, r) for m in methods for r in range(m.repeats)]
+        for method, repeat in tqdm(jobs, desc="sweep", disable=not progress):
+            _sweep_one(method, repeat, eval_sets, reference, grid, out_path, done,
+                       n_samples=n_samples, seed=seed, chunk_size=chunk_size, log=log, links=links)
+        return load_rows(out_path)
 
-    def base(name, repeat, delta, es, link, full_batch):
-        return {
-            "method": name, "repeat": repeat, "prior_precision": delta, "eval_set": es.name,
-            "kind": es.kind, "severity": es.severity, "link": link, "full_batch": full_batch,
-        }
 
-    if map_model is not None:
-        todo = [es for es in eval_sets if row_key(base("map", 0, None, es, "map", False)) not in done]
-        if todo:
-            need = todo + ([reference] if reference is not None and reference not in todo else [])
-            with torch.no_grad():
-                was = map_model.training
-                map_model.eval()
-                probs = {es.name: torch.cat([torch.softmax(map_model(x), -1) for x in es.x.split(256)]) for es in need}
-                map_model.train(was)
-            mets = _metric_rows(probs, todo, reference)
-            for es in todo:
-                append_row(out_path, {**base("map", 0, None, es, "map", False), **mets[es.name]})
-
-    jobs = [(m, r) for m in methods for r in range(m.repeats)]
-    for method, repeat in tqdm(jobs, desc="sweep", disable=not progress):
-        mlinks = tuple(method.links or links)
-        keys = {
-            (es.name, d, link): row_key(base(method.name, repeat, d, es, link, method.full_batch))
-            for es in eval_sets for d in grid for link in mlinks
-        }
-        missing = {k for k, v in keys.items() if v not in done}
-        if not missing:
-            continue
-        if log:
-            log(f"{method.name} repeat {repeat}: {len(missing)} rows to compute")
-        start = time.perf_counter()
-        la = method.fit(repeat)
-        fit_seconds = time.perf_counter() - start
-        pred = GridPredictive(la, chunk_size=chunk_size)
-        need = {es.name for es in eval_sets if any(k[0] == es.name for k in missing)}
-        if reference is not None and any(es.kind != "test" for es in eval_sets if es.name in need):
-            need.add(reference.name)
-        gen = torch.Generator().manual_seed(seed * 1000 + repeat)
-        probs = {}
-        for es in eval_sets:
-            if es.name in need:
-                probs[es.name] = pred.grid(es.x, grid, links=mlinks, n_samples=n_samples, generator=gen)
-        eval_seconds = time.perf_counter() - start - fit_seconds
-        todo_sets = [es for es in eval_sets if es.name in need]
-        for g, delta in enumerate(grid):
-            for link in mlinks:
-                mets = _metric_rows({n: p[link][g] for n, p in probs.items()}, todo_sets, reference)
-                for es in todo_sets:
-                    if (es.name, delta, link) not in missing:
-                        continue
-                    row = base(method.name, repeat, delta, es, link, method.full_batch)
-                    row.update(mets[es.name], fit_seconds=fit_seconds, eval_seconds=eval_seconds, **method.extra)
-                    append_row(out_path, row)
-                    done.add(row_key(row))
-    return load_rows(out_path)
+def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], reference: EvalSet | None,
+               grid: list[float], out_path: Path, done: set[str], *, n_samples: int, seed: int,
+               chunk_size: int, log: Callable[[str], None] | None, links: Sequence[str]) -> None:
+    """Fit one (method, repeat) if any of its rows is missing, and append the missing rows."""
+    mlinks = tuple(method.links or links)
+    keys = {
+        (es.name, d, link): row_key(_row_base(method.name, repeat, d, es, link, method.full_batch))
+        for es in eval_sets for d in grid for link in mlinks
+    }
+    missing = {k for k, v in keys.items() if v not in done}
+    if not missing:
+        return
+    if log:
+        log(f"{method.name} repeat {repeat}: {len(missing)} rows to compute")
+    start = time.perf_counter()
+    la = method.fit(repeat)
+    fit_seconds = time.perf_counter() - start
+    pred = GridPredictive(la, chunk_size=chunk_size)
+    need = {es.name for es in eval_sets if any(k[0] == es.name for k in missing)}
+    if reference is not None and any(es.kind not in ("test", "validation") for es in eval_sets if es.name in need):
+        need.add(reference.name)
+    probs = {}
+    for es in eval_sets:
+        if es.name in need:
+            seeds = {(d, link): cell_seed(seed=seed, method=method.name, repeat=repeat, eval_set=es.name,
+                                          prior_precision=d, link=link) for d in grid for link in mlinks}
+            probs[es.name] = cell_probabilities(pred, es.x, grid, mlinks, n_samples, seeds)
+    marglik = ({d: _log_marglik(la, d) for d in grid}
+               if any(es.kind == "validation" and es.name in need for es in eval_sets) else {})
+    eval_seconds = time.perf_counter() - start - fit_seconds
+    todo_sets = [es for es in eval_sets if es.name in need]
+    for g, delta in enumerate(grid):
+        for link in mlinks:
+            mets = _metric_rows({n: p[link][g] for n, p in probs.items()}, todo_sets, reference)
+            for es in todo_sets:
+                if (es.name, delta, link) not in missing:
+                    continue
+                row = _row_base(method.name, repeat, delta, es, link, method.full_batch)
+                row.update(mets[es.name], fit_seconds=fit_seconds, eval_seconds=eval_seconds, **method.extra)
+                if es.kind == "validation":
+                    row["log_marglik"] = marglik[delta]
+                append_row(out_path, row)
+                done.add(row_key(row))
