@@ -133,6 +133,7 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
     """
 
     _key = ("all", "debiased_kron")
+    _fits_distributed = True
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()

@@ -43,6 +43,7 @@ from laplace_debiased.structures.batches import (
     batch_size,
     split_batches,
 )
+from laplace_debiased.structures.distributed import is_distributed
 
 __all__ = ["TwoBatchLaplaceMixin"]
 
@@ -52,6 +53,9 @@ _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._Batch
 class TwoBatchLaplaceMixin:
     """Two-batch ``fit`` (B picks directions, B̃ measures magnitudes) for laplace-torch
     ``ParametricLaplace`` subclasses, plus a grid search that resets its metric."""
+
+    #: whether ``_fit_two_batch`` shards its work over an initialised torch.distributed group
+    _fits_distributed: bool = False
 
     def fit(
         self,
@@ -88,6 +92,12 @@ class TwoBatchLaplaceMixin:
             draw the batches at random (reproducibly) instead of in loader order.
         """
         del progress_bar
+        if is_distributed() and not self._fits_distributed:
+            raise ValueError(
+                f"{type(self).__name__} cannot fit under an initialised torch.distributed "
+                "process group yet; fit it in one process or use "
+                "hessian_structure='debiased_kron'."
+            )
         if isinstance(self, LLLaplace) and not override:
             raise ValueError(
                 "Last-layer Laplace approximations do not support `override=False`."
