@@ -105,3 +105,54 @@ def test_group_sums_split_rows_and_ignore_uncovered_rows():
     for t2, t1, tp in zip(two.tensors(), one.tensors(), part.tensors()):
         torch.testing.assert_close(t2.sum(0), t1[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(t2[0], tp[0], rtol=1e-12, atol=1e-12)
+
+
+def _token_data(n_seq: int, T: int, likelihood: str):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(n_seq, T, 4, generator=g, dtype=torch.float64)
+    if likelihood == "classification":
+        return X, torch.randint(0, 3, (n_seq, T), generator=g)
+    return X, torch.randn(n_seq, T, 3, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+def test_token_outputs_equal_flattened_tokens_as_samples(likelihood):
+    """(batch, tokens, classes) with every token an output: for a model acting on each token
+    separately the fit equals the fit on the tokens flattened into samples (same B, B̃)."""
+    T = 3
+    X, y = _token_data(30, T, likelihood)
+    seq = torch.utils.data.TensorDataset(X, y)
+    flat = torch.utils.data.TensorDataset(X.flatten(0, 1), y.flatten(0, 1))
+    fits = []
+    for data, bs in ((seq, 6), (flat, 6 * T)):
+        la = DebiasedKronLaplace(tiny_mlp(), likelihood)
+        la.fit(loader(data, bs), n_direction_batches=2)
+        fits.append(la)
+    _assert_same_fit(*fits)
+    assert fits[0].n_outputs == 3
+
+
+def test_requires_grad_subset_blocks_equal_full_model_blocks():
+    """Adapter-only fit (frozen backbone): the blocks of the trainable layer are those the
+    all-trainable model has for it; the frozen layers get none."""
+
+    def model(frozen: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(
+            nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5, bias=False), nn.Tanh(), nn.Linear(5, 3)
+        ).double()
+        if frozen:
+            for i in (0, 4):
+                m[i].requires_grad_(False)
+        return m
+
+    data = loader(torch.utils.data.TensorDataset(*_token_data(40, 2, "classification")), 10)
+    adapter, full = DebiasedKronLaplace(model(True), "classification"), None
+    adapter.fit(data)
+    full = DebiasedKronLaplace(model(False), "classification")
+    full.fit(data)
+    assert adapter.n_params == 25 and len(adapter.H_facs.kfacs) == 1
+    for mine, ref in ((adapter.H_facs, full.H_facs), (adapter.H_facs_magnitude, full.H_facs_magnitude)):
+        for x, y in zip(mine.kfacs[0], ref.kfacs[2]):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.as_tensor(adapter.loss), torch.as_tensor(full.loss))

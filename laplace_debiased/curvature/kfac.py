@@ -118,7 +118,9 @@ def group_kfac_sums(
     Parameters
     ----------
     model : nn.Module
-        maps ``X`` to outputs ``(n, C)``; evaluated once, in its current mode.
+        maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output
+        (its own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once,
+        in its current mode.
     modules : sequence of nn.Linear / nn.Conv2d
         the layers with trainable parameters, in ``Kron`` block order.
     X, y : Tensor
@@ -159,25 +161,35 @@ def group_kfac_sums(
     try:
         with torch.enable_grad():
             f = model(X)
-            if f.ndim != 2:
-                raise ValueError(
-                    f"the model output has shape {tuple(f.shape)}; the single-pass K-FAC "
-                    "needs (batch, outputs)."
-                )
+            rows, targets = _output_rows(f, y)
             if fisher == "empirical":
-                torch.autograd.grad(lossfunc(f, y), params)
+                torch.autograd.grad(lossfunc(rows, targets), params)
             else:
-                S = loss_hessian_sqrt(f, likelihood)
+                S = loss_hessian_sqrt(rows, likelihood)
                 C = S.shape[-1]
                 for c in range(C):
-                    torch.autograd.grad((f * S[:, :, c]).sum(), params, retain_graph=c < C - 1)
+                    torch.autograd.grad(
+                        (rows * S[:, :, c]).sum(), params, retain_graph=c < C - 1
+                    )
     finally:
         for h in handles:
             h.remove()
     f = f.detach()
     for start, stop, group in segments:
-        into.loss[group] += factor * lossfunc(f[start:stop], y[start:stop])
+        into.loss[group] += factor * lossfunc(*_output_rows(f[start:stop], y[start:stop]))
     return into
+
+
+def _output_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs ``(n, [tokens, ...,] C)`` as rows ``(n·tokens, C)``, each token an output (as
+    laplace-torch's ASDL backend and LLM examples treat them), with the targets to match:
+    class labels ``(n, [tokens])`` or regression targets shaped like the outputs."""
+    if f.ndim < 2:
+        raise ValueError(
+            f"the model output has shape {tuple(f.shape)}; K-FAC needs (batch, [tokens,] outputs)."
+        )
+    rows = f.reshape(-1, f.shape[-1])
+    return rows, y.reshape(rows.shape[0], *y.shape[f.ndim - 1 :])
 
 
 def zero_sums(modules: Sequence[nn.Module], n_groups: int, like: torch.Tensor) -> GroupKfacSums:
