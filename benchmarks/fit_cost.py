@@ -108,6 +108,8 @@ def main() -> None:
                 "ratio_debiased_over_single_same_code": med["debiased"] / med["single_same_code"],
                 "ratio_per_batch_over_single": med["debiased_per_batch"] / med["single"],
                 "eigh_float64_share_of_debiased_fit": med["eigh_float64"] / med["debiased"],
+                "ratio_without_decompositions": (med["debiased"] - med["eigh_float64"])
+                / (med["single"] - med["eigh_stock"]),
                 "met": med["debiased"] / med["single"] <= 1.05,
             }
         )
@@ -136,8 +138,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
         "",
         "| b | debiased 2×b/2 (s) | single b, laplace-torch (s) | **ratio** (target ≤ 1.05) "
         "| worst repeat | vs B̃ = B same code | per-batch calls / single | float64 eigh (s) "
-        "| stock eigh (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| stock eigh (s) | ratio without the decompositions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r["median_seconds"]
@@ -147,7 +149,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['ratio_debiased_over_single_worst_repeat']:.2f} | "
             f"{r['ratio_debiased_over_single_same_code']:.2f} | "
             f"{r['ratio_per_batch_over_single']:.2f} | {s['eigh_float64']:.3f} | "
-            f"{s['eigh_stock']:.3f} |"
+            f"{s['eigh_stock']:.3f} | {r['ratio_without_decompositions']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
