@@ -9,16 +9,24 @@ the factors of a batch set S with ``m`` samples are ``G_S = N/m * sum_{n in S} g
 (output side, summed loss; bias blocks likewise) and ``A_S = mean_{n in S} a_n a_nᵀ``
 (input side), so ``G_S ⊗ A_S`` estimates the K-FAC of the summed loss over ``N`` points and
 ``split="halves"`` is directly comparable to ``KronLaplace.fit(full_loader)``.
+
+Fit cost: with the Curvlinops exact-GGN or EF backend (the default) the rows of B and B̃ go
+through the model in shared forward/backward passes and the factor sums are split by sample
+(:mod:`laplace_debiased.curvature.kfac`), so a debiased fit at 2 × b/2 costs one pass over
+``b`` rows like a single-batch fit at ``b``; other backends are called once per batch.
+Under an initialised ``torch.distributed`` group the rows are sharded over the ranks
+(:mod:`laplace_debiased.structures.distributed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
 from laplace.curvature.backpack import BackPackInterface
 from laplace.curvature.curvature import GGNInterface, EFInterface
+from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
 from laplace.baselaplace import KronLaplace
 from laplace.lllaplace import KronLLLaplace
 from laplace.utils.matrix import Kron, KronDecomposed
@@ -27,7 +35,15 @@ from torch import nn
 
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.curvature.kfac import group_kfac_sums, zero_sums
 from laplace_debiased.curvature.linalg import debiased_kron
+from laplace_debiased.structures.distributed import (
+    all_reduce_sum_,
+    broadcast_,
+    is_distributed,
+    rank_world,
+    shard_batch,
+)
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
 
@@ -71,6 +87,39 @@ def _combine(old: Kron, new: Kron, n_old: int, n_new: int) -> Kron:
     return Kron(kfacs)
 
 
+def _passes(
+    pieces: list[tuple[Batch, int]], max_rows: int, dict_key_x: str, dict_key_y: str
+) -> Iterator[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]]:
+    """Stack consecutive ``(batch, group)`` pieces into passes ``(X, y, segments)`` of at
+    most ``max_rows`` rows (a piece never splits; dict batches pass one at a time), with
+    ``segments`` the ``(start, stop, group)`` row ranges of :func:`group_kfac_sums`."""
+    todo: list[tuple[Any, torch.Tensor, int]] = []
+    for b, g in pieces:
+        X, y = batch_inputs_targets(b, dict_key_x, dict_key_y)
+        if len(y) == 0:
+            continue
+        if todo and (
+            isinstance(X, MutableMapping) or sum(len(t[1]) for t in todo) + len(y) > max_rows
+        ):
+            yield _stack(todo)
+            todo = []
+        todo.append((X, y, g))
+    if todo:
+        yield _stack(todo)
+
+
+def _stack(
+    todo: list[tuple[Any, torch.Tensor, int]],
+) -> tuple[Any, torch.Tensor, list[tuple[int, int, int]]]:
+    segments, start = [], 0
+    for _, y, g in todo:
+        segments.append((start, start + len(y), g))
+        start += len(y)
+    if len(todo) == 1:
+        return todo[0][0], todo[0][1], segments
+    return torch.cat([t[0] for t in todo]), torch.cat([t[1] for t in todo]), segments
+
+
 class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
@@ -84,6 +133,7 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
     """
 
     _key = ("all", "debiased_kron")
+    _fits_distributed = True
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()
@@ -94,12 +144,20 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
     ) -> torch.Tensor:
         self._check_supported(direction_batches)
-        loss, direction = self._kfac(direction_batches, N)
-        if magnitude_batches is direction_batches:
-            magnitude = direction
+        same = magnitude_batches is direction_batches
+        groups = [direction_batches] if same else [direction_batches, magnitude_batches]
+        if self._single_pass_fisher() is not None:
+            loss, krons = self._kfac_single_pass(groups, N)
+        elif is_distributed():
+            raise ValueError(
+                f"a distributed debiased K-FAC fit needs the CurvlinopsGGN (stochastic=False) "
+                f"or CurvlinopsEF backend without asdl_fisher_kwargs; got "
+                f"{type(self.backend).__name__}. Use one of them or fit in one process."
+            )
         else:
-            magnitude_loss, magnitude = self._kfac(magnitude_batches, N)
-            loss = loss + magnitude_loss
+            fits = [self._kfac(batches, N) for batches in groups]
+            loss, krons = sum(f[0] for f in fits), [f[1] for f in fits]
+        direction, magnitude = krons[0], krons[-1]
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             n_old = self.n_data
             direction = _combine(self.H_facs, direction, n_old, N)
@@ -109,14 +167,97 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
         return loss
 
     def _decompose(self) -> None:
-        eigenvectors, eigenvalues = debiased_kron(
-            self.H_facs.kfacs, self.H_facs_magnitude.kfacs
-        )
+        """Debiased eigenbasis; under a process group rank 0 computes it, the others
+        receive it (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
+        rank, _ = rank_world()
+        if rank == 0:
+            eigenvectors, eigenvalues = debiased_kron(
+                self.H_facs.kfacs, self.H_facs_magnitude.kfacs
+            )
+        else:
+            eigenvectors = [[torch.empty_like(F) for F in block] for block in self.H_facs.kfacs]
+            eigenvalues = [
+                [F.new_empty(F.shape[0]) for F in block] for block in self.H_facs.kfacs
+            ]
+        broadcast_([t for blocks in (eigenvectors, eigenvalues) for b in blocks for t in b])
         self.H = DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping)
 
+    def _single_pass_fisher(self) -> str | None:
+        """The curvature type of the backend if :func:`group_kfac_sums` reproduces it
+        exactly (Curvlinops exact GGN or EF, K-FAC "expand"), else ``None``."""
+        if set(self._asdl_fisher_kwargs) - {"kfac_approx"} or (
+            self._asdl_fisher_kwargs.get("kfac_approx", "expand") != "expand"
+        ):
+            return None
+        if isinstance(self.backend, CurvlinopsGGN) and not self.backend.stochastic:
+            return "type2"
+        if isinstance(self.backend, CurvlinopsEF):
+            return "empirical"
+        return None
+
+    def _kfac_modules(self) -> list[nn.Module]:
+        """The layers with trainable parameters, in ``Kron`` block order."""
+        return [
+            m
+            for m in self._layers().modules()
+            if isinstance(m, _KFAC_LAYERS)
+            and any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+
+    def _kfac_single_pass(
+        self, groups: list[list[Batch]], N: int
+    ) -> tuple[torch.Tensor, list[Kron]]:
+        """K-FAC of each batch set from shared forward/backward passes over B ∪ B̃ (this
+        rank's rows of every batch, stacked into passes of at most twice the largest
+        batch), summed over ranks, each scaled to ``N`` points like :meth:`_kfac`; and the
+        summed loss over all batches (unscaled)."""
+        rank, world = rank_world()
+        key_x, key_y = self.dict_key_x, self.dict_key_y
+        sizes = [[batch_size(b, key_x, key_y) for b in batches] for batches in groups]
+        pieces = [
+            (shard_batch(b, n, rank, world), g)
+            for g, batches in enumerate(groups)
+            for b, n in zip(batches, sizes[g])
+        ]
+        modules = self._kfac_modules()
+        sums = None
+        max_rows = 2 * max(max(s) for s in sizes)
+        fisher = self._single_pass_fisher()
+        for X, y, segments in _passes(pieces, max_rows, key_x, key_y):
+            sums = group_kfac_sums(
+                self.model,
+                modules,
+                X,
+                y,
+                segments,
+                len(groups),
+                likelihood=self.likelihood,
+                lossfunc=self.backend.lossfunc,
+                factor=self.backend.factor,
+                fisher=fisher,
+                into=sums,
+            )
+        if sums is None:  # this rank got no rows (fewer samples than ranks)
+            sums = zero_sums(modules, len(groups), self.mean)
+        all_reduce_sum_(sums.tensors())
+        krons = []
+        for g, m in enumerate(sum(s) for s in sizes):
+            kfacs = []
+            for module, G, A in zip(modules, sums.output, sums.input):
+                if A is not None:
+                    kfacs.append([G[g], A[g] / m])
+                if module.bias is not None and module.bias.requires_grad:
+                    kfacs.append([G[g]])
+            kron = Kron(kfacs) * self.backend.factor
+            kfacs = [[F[0] * (N / m), *F[1:]] for F in kron.kfacs]
+            self._check_blocks(kfacs)
+            krons.append(Kron(kfacs))
+        return sums.loss.sum(), krons
+
     def _kfac(self, batches: list[Batch], N: int) -> tuple[torch.Tensor, Kron]:
-        """K-FAC of the batch set, scaled to ``N`` points (module docstring convention), and
-        the summed loss over the batches that the backend evaluates with it (unscaled)."""
+        """K-FAC of the batch set by one backend call per batch (backends that
+        :meth:`_single_pass_fisher` does not reproduce), scaled to ``N`` points (module
+        docstring convention), and the summed loss the backend evaluates with it."""
         m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
         loss = torch.zeros((), device=self._device, dtype=self._dtype)
         total: Kron | None = None

@@ -1,0 +1,158 @@
+"""Fit cost of the debiased K-FAC at 2 × b/2 relative to a single-batch K-FAC fit at b.
+
+Measured in one run (``OMP_NUM_THREADS=1 nice python benchmarks/fit_cost.py``), writing
+``benchmarks/results/fit_cost.{json,md}``. For every b in ``--batch-sizes`` the fits are
+timed in interleaved repeats (the order of the methods rotates every repeat) and the median
+over repeats is reported:
+
+* ``debiased``: ``DebiasedKronLaplace.fit`` with B and B̃ one loader batch of b/2 each (the
+  single forward/backward pass over B ∪ B̃);
+* ``debiased_per_batch``: the same fit with one backend call per batch (the path before the
+  single pass; kept for backends the single pass does not reproduce);
+* ``single``: laplace-torch's ``KronLaplace.fit`` on one batch of b (the reference of the
+  target ``debiased / single <= 1.05``);
+* ``single_same_code``: ``DebiasedKronLaplace.fit`` with B̃ = B, one batch of b;
+* ``eigh_float64`` / ``eigh_stock``: the debiased decomposition alone (float64 ``eigh`` of
+  B's factors and B̃'s Rayleigh quotients) and laplace-torch's ``Kron.decompose`` (model
+  dtype), on the factors of the b-fit.
+
+Model: ``cifar_cnn()`` (56,714 weights, all weights), random CIFAR-shaped inputs and labels
+at the random initialisation (fit time does not depend on the data), float32, Curvlinops GGN
+(the default backend), ``torch.set_num_threads(--threads)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from laplace import KronLaplace
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_debiased.evaluation.models import cifar_cnn
+from laplace_debiased.structures.kron import DebiasedKronLaplace
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHODS = ["debiased", "debiased_per_batch", "single", "single_same_code"]
+
+
+def _loader(n: int, batch: int, seed: int) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return DataLoader(TensorDataset(X, y), batch_size=batch, shuffle=False)
+
+
+def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int) -> float:
+    if method == "single":
+        la, loader, kw = KronLaplace(model, "classification"), _loader(b, b, seed), {}
+    elif method == "single_same_code":
+        loader = _loader(b, b, seed)
+        la, kw = DebiasedKronLaplace(model, "classification"), {"magnitude_loader": loader}
+    else:
+        la, loader, kw = DebiasedKronLaplace(model, "classification"), _loader(b, b // 2, seed), {}
+        if method == "debiased_per_batch":
+            la._single_pass_fisher = lambda: None
+    t0 = time.perf_counter()
+    la.fit(loader, **kw)
+    return time.perf_counter() - t0
+
+
+def _time_eigh(model: torch.nn.Module, b: int, seed: int) -> dict[str, float]:
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(_loader(b, b // 2, seed))
+    t0 = time.perf_counter()
+    la._decompose()
+    t1 = time.perf_counter()
+    la.H_facs.decompose()
+    return {"eigh_float64": t1 - t0, "eigh_stock": time.perf_counter() - t1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS / "fit_cost")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = cifar_cnn().eval()
+    start = time.perf_counter()
+    for b in args.batch_sizes[:1]:  # warm-up (allocator, lazy imports), not recorded
+        for method in METHODS:
+            _time_fit(method, model, b, seed=0)
+    times = {b: {m: [] for m in [*METHODS, "eigh_float64", "eigh_stock"]} for b in args.batch_sizes}
+    for r in range(args.repeats):
+        for b in args.batch_sizes:
+            order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+            for method in order:
+                times[b][method].append(_time_fit(method, model, b, seed=r))
+            for key, t in _time_eigh(model, b, seed=r).items():
+                times[b][key].append(t)
+    rows = []
+    for b in args.batch_sizes:
+        med = {m: statistics.median(ts) for m, ts in times[b].items()}
+        paired = [d / s for d, s in zip(times[b]["debiased"], times[b]["single"])]
+        rows.append(
+            {
+                "b": b,
+                "median_seconds": med,
+                "ratio_debiased_over_single": med["debiased"] / med["single"],
+                "ratio_debiased_over_single_worst_repeat": max(paired),
+                "ratio_debiased_over_single_same_code": med["debiased"] / med["single_same_code"],
+                "ratio_per_batch_over_single": med["debiased_per_batch"] / med["single"],
+                "eigh_float64_share_of_debiased_fit": med["eigh_float64"] / med["debiased"],
+                "ratio_without_decompositions": (med["debiased"] - med["eigh_float64"])
+                / (med["single"] - med["eigh_stock"]),
+                "met": med["debiased"] / med["single"] <= 1.05,
+            }
+        )
+    meta = {
+        "model": "cifar_cnn (56,714 weights), float32, all weights, CurvlinopsGGN",
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "cpu": f"{platform.machine()} ({platform.processor() or 'cpu'})",
+        "wall_seconds": time.perf_counter() - start,
+        "times": {str(b): t for b, t in times.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    args.out.with_suffix(".md").write_text(_markdown(meta, rows))
+    print(_markdown(meta, rows))
+
+
+def _markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        "# Fit cost: debiased K-FAC at 2 × b/2 vs single-batch K-FAC at b "
+        "(`benchmarks/fit_cost.py`)",
+        "",
+        f"{meta['model']}; {meta['cpu']}, torch {meta['torch']}, {meta['threads']} thread(s), "
+        f"median of {meta['repeats']} interleaved repeats, one run ({meta['wall_seconds']:.0f} s).",
+        "",
+        "| b | debiased 2×b/2 (s) | single b, laplace-torch (s) | **ratio** (target ≤ 1.05) "
+        "| worst repeat | vs B̃ = B same code | per-batch calls / single | float64 eigh (s) "
+        "| stock eigh (s) | ratio without the decompositions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s = r["median_seconds"]
+        lines.append(
+            f"| {r['b']} | {s['debiased']:.3f} | {s['single']:.3f} | "
+            f"**{r['ratio_debiased_over_single']:.2f}** | "
+            f"{r['ratio_debiased_over_single_worst_repeat']:.2f} | "
+            f"{r['ratio_debiased_over_single_same_code']:.2f} | "
+            f"{r['ratio_per_batch_over_single']:.2f} | {s['eigh_float64']:.3f} | "
+            f"{s['eigh_stock']:.3f} | {r['ratio_without_decompositions']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""K-FAC factor sums of several sample groups from one forward/backward pass.
+
+A debiased K-FAC fit needs the factors of the direction batch B and of the magnitude batch B̃
+separately. Instead of one backend call per batch (each with its fixed overhead), the rows
+of B and B̃ are stacked into one input and passed through the model once; the per-sample
+layer inputs ``a_n`` and output gradients ``g_n`` captured by hooks are accumulated into one
+sum per group. The mathematics is Curvlinops' ``KFACLinearOperator`` (``kfac_approx="expand"``,
+the convention of laplace-torch's default backend):
+
+* output side, per trainable weight or bias: ``Σ_{n ∈ group} Σ_t Σ_c g_ntc g_ntcᵀ`` where
+  ``g_ntc`` is the gradient w.r.t. the layer output at position ``t`` (conv: spatial
+  positions; linear: ``t`` is void) of ``f_n · s_nc`` for the columns ``s_nc`` of a square
+  root ``S_n S_nᵀ = Λ_n`` of the per-sample loss Hessian (``fisher="type2"``, exact GGN), or
+  of the per-sample loss itself (``fisher="empirical"``, one column);
+* input side, per trainable weight: ``Σ_{n ∈ group} (1/T) Σ_t a_nt a_ntᵀ`` with ``T`` the
+  number of positions (unfolded patches for ``Conv2d``; ``T = 1`` for ``Linear``).
+
+Both are *sums over the samples of a group*: dividing the input side by the group size gives
+the factor a backend call over that group returns, and sums from disjoint shards of a group
+(other passes, other processes) simply add up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+from curvlinops.kfac_utils import extract_patches
+from torch import nn
+
+__all__ = ["GroupKfacSums", "group_kfac_sums", "loss_hessian_sqrt", "zero_sums"]
+
+
+@dataclass
+class GroupKfacSums:
+    """Per-group K-FAC sums of one or more passes (module docstring conventions).
+
+    Attributes
+    ----------
+    output : list of Tensor
+        one ``(n_groups, d_out, d_out)`` tensor per hooked module (output-side sums).
+    input : list of Tensor or None
+        one ``(n_groups, d_in, d_in)`` tensor per hooked module whose weight is trainable
+        (input-side sums), ``None`` for modules with only a trainable bias.
+    loss : Tensor
+        ``(n_groups,)`` summed loss ``factor * lossfunc`` of each group.
+    """
+
+    output: list[torch.Tensor]
+    input: list[torch.Tensor | None]
+    loss: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        """All sums as one flat list (for in-place collectives such as ``all_reduce``)."""
+        return [*self.output, *(A for A in self.input if A is not None), self.loss]
+
+
+def loss_hessian_sqrt(f: torch.Tensor, likelihood: str) -> torch.Tensor:
+    """A square root ``S_n`` (``S_n S_nᵀ = Λ_n``) of the Hessian of laplace-torch's summed
+    loss w.r.t. each output row, ``(n, C, C)``.
+
+    Cross-entropy: ``Λ = diag(p) - ppᵀ = (diag(√p) - p√pᵀ)(diag(√p) - √p pᵀ)`` (uses
+    ``Σ p = 1``). ``MSELoss(reduction="sum")``: ``Λ = 2 I``, ``S = √2 I``.
+    """
+    n, C = f.shape
+    if likelihood == "classification":
+        p = torch.softmax(f.detach(), dim=-1)
+        sp = p.sqrt()
+        return torch.diag_embed(sp) - p.unsqueeze(-1) * sp.unsqueeze(-2)
+    eye = torch.eye(C, dtype=f.dtype, device=f.device)
+    return (2.0**0.5 * eye).expand(n, C, C)
+
+
+def _rows(t: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """Output gradient ``(n, d_out[, h, w])`` as ``(n, T, d_out)``."""
+    if isinstance(module, nn.Conv2d):
+        return t.flatten(2).transpose(1, 2)
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _patches(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """Layer input as ``(n, T, d_in)`` (unfolded patches for ``Conv2d``)."""
+    if isinstance(module, nn.Conv2d):
+        return extract_patches(
+            x, module.kernel_size, module.stride, module.padding, module.dilation, module.groups
+        )
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def _segment_sums(
+    rows: torch.Tensor, segments: Sequence[tuple[int, int, int]], out: torch.Tensor, scale: float
+) -> None:
+    """``out[group] += scale * Σ_{rows r of the segment} r rᵀ`` per ``(start, stop, group)``."""
+    for start, stop, group in segments:
+        r = rows[start:stop].reshape(-1, rows.shape[-1])
+        out[group].addmm_(r.T, r, alpha=scale)
+
+
+def group_kfac_sums(
+    model: nn.Module,
+    modules: Sequence[nn.Module],
+    X: torch.Tensor,
+    y: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]],
+    n_groups: int,
+    *,
+    likelihood: str,
+    lossfunc: nn.Module,
+    factor: float,
+    fisher: Literal["type2", "empirical"] = "type2",
+    into: GroupKfacSums | None = None,
+) -> GroupKfacSums:
+    """Add the K-FAC sums of one pass over ``X`` to ``into`` (or to zeros).
+
+    Parameters
+    ----------
+    model : nn.Module
+        maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output
+        (its own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once,
+        in its current mode.
+    modules : sequence of nn.Linear / nn.Conv2d
+        the layers with trainable parameters, in ``Kron`` block order.
+    X, y : Tensor
+        stacked inputs and targets of all rows of this pass.
+    segments : sequence of (start, stop, group)
+        row ranges of ``X`` and the group (``0 <= group < n_groups``) each belongs to;
+        rows outside every segment are ignored.
+    likelihood : {"classification", "regression"}
+    lossfunc, factor
+        laplace-torch's summed loss and its factor (``backend.lossfunc``, ``backend.factor``).
+    fisher : {"type2", "empirical"}
+        exact GGN (loss-Hessian square root, ``C`` backward passes) or empirical Fisher.
+
+    Returns
+    -------
+    GroupKfacSums
+        ``into`` updated in place, or a new one. The output side carries no ``factor``;
+        the loss does (it is laplace-torch's loss).
+    """
+    params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
+    if into is None:
+        into = zero_sums(modules, n_groups, params[0])
+    handles = []
+
+    def on_output_grad(grad: torch.Tensor, i: int) -> None:
+        _segment_sums(_rows(grad.detach(), modules[i]), segments, into.output[i], 1.0)
+
+    def on_forward(
+        module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
+    ) -> None:
+        if into.input[i] is not None:
+            a = _patches(inputs[0].detach(), module)
+            _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
+        output.register_hook(partial(on_output_grad, i=i))
+
+    for i, m in enumerate(modules):
+        handles.append(m.register_forward_hook(partial(on_forward, i=i)))
+    try:
+        with torch.enable_grad():
+            f = model(X)
+            rows, targets = _output_rows(f, y)
+            if fisher == "empirical":
+                torch.autograd.grad(lossfunc(rows, targets), params)
+            else:
+                S = loss_hessian_sqrt(rows, likelihood)
+                C = S.shape[-1]
+                for c in range(C):
+                    torch.autograd.grad(
+                        (rows * S[:, :, c]).sum(), params, retain_graph=c < C - 1
+                    )
+    finally:
+        for h in handles:
+            h.remove()
+    f = f.detach()
+    for start, stop, group in segments:
+        into.loss[group] += factor * lossfunc(*_output_rows(f[start:stop], y[start:stop]))
+    return into
+
+
+def _output_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs ``(n, [tokens, ...,] C)`` as rows ``(n·tokens, C)``, each token an output (as
+    laplace-torch's ASDL backend and LLM examples treat them), with the targets to match:
+    class labels ``(n, [tokens])`` or regression targets shaped like the outputs."""
+    if f.ndim < 2:
+        raise ValueError(
+            f"the model output has shape {tuple(f.shape)}; K-FAC needs (batch, [tokens,] outputs)."
+        )
+    rows = f.reshape(-1, f.shape[-1])
+    return rows, y.reshape(rows.shape[0], *y.shape[f.ndim - 1 :])
+
+
+def zero_sums(modules: Sequence[nn.Module], n_groups: int, like: torch.Tensor) -> GroupKfacSums:
+    """Zero sums for ``modules`` and ``n_groups`` groups, dtype and device of ``like``."""
+    def z(d: int) -> torch.Tensor:
+        return torch.zeros(n_groups, d, d, dtype=like.dtype, device=like.device)
+
+    output, inputs = [], []
+    for m in modules:
+        output.append(z(m.weight.shape[0]))
+        inputs.append(z(m.weight[0].numel()) if m.weight.requires_grad else None)
+    loss = torch.zeros(n_groups, dtype=like.dtype, device=like.device)
+    return GroupKfacSums(output, inputs, loss)

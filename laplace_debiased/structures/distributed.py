@@ -1,0 +1,89 @@
+"""Sharding a two-batch fit across the ranks of an initialised ``torch.distributed`` group.
+
+Every rank selects the same B and B̃ (same loader, same order or seeded ``generator``); rank
+``r`` of ``W`` then takes rows ``torch.tensor_split(rows, W)[r]`` of *every* batch, so the work
+is balanced for any number of batches. K-FAC sums of the shards are added with one
+``all_reduce`` (:func:`all_reduce_sum_`), rank 0 eigendecomposes and :func:`broadcast_` sends
+the eigenbasis to the others, so every rank ends with an identical posterior.
+
+Without an initialised process group (or with one rank) every function is the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from laplace_debiased.structures.batches import Batch
+
+__all__ = ["rank_world", "is_distributed", "shard_batch", "all_reduce_sum_", "broadcast_"]
+
+
+def rank_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` if none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is initialised."""
+    return rank_world()[1] > 1
+
+
+def shard_batch(batch: Batch, n: int, rank: int, world: int) -> Batch:
+    """This rank's rows of a batch of ``n`` samples (``tensor_split`` into ``world`` parts).
+
+    ``(X, y)`` pairs are split row-wise; dict batches have every tensor with leading
+    dimension ``n`` split. May return zero rows when ``n < world``.
+    """
+    if world == 1:
+        return batch
+    bounds = torch.tensor_split(torch.arange(n), world)[rank]
+    start, stop = (int(bounds[0]), int(bounds[-1]) + 1) if len(bounds) else (0, 0)
+
+    def cut(t: object) -> object:
+        if isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] == n:
+            return t[start:stop]
+        return t
+
+    if isinstance(batch, MutableMapping):
+        return type(batch)({k: cut(v) for k, v in batch.items()})
+    return type(batch)(cut(t) for t in batch)
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflat_(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> int:
+    """Sum ``tensors`` over all ranks in place (one ``all_reduce`` on a flat buffer).
+
+    Returns the number of bytes each rank sends into the reduction (0 without a group)."""
+    if not is_distributed():
+        return 0
+    flat = _flat(tensors)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    _unflat_(flat, tensors)
+    return flat.numel() * flat.element_size()
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> int:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s (one flat ``broadcast``).
+
+    Returns the number of bytes broadcast (0 without a group)."""
+    if not is_distributed():
+        return 0
+    flat = _flat(tensors)
+    dist.broadcast(flat, src=src)
+    _unflat_(flat, tensors)
+    return flat.numel() * flat.element_size()
