@@ -41,6 +41,7 @@ activations and output gradients, one batched backward pass per class) and come 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-LINKS = ("probit_projected", "probit", "mc")
+LINKS = ("probit_projected", "probit", "mc", "bridge", "bridge_norm")
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,6 +101,24 @@ def mc_softmax(
     return torch.softmax(logits, dim=-1).mean(0).to(f.dtype)
 
 
+def laplace_bridge(f: Tensor, cov: Tensor, normalise: bool = False) -> Tensor:
+    """laplace-torch's Laplace bridge (``link_approx="bridge"``, ``"bridge_norm"`` with
+    ``normalise=True``): Dirichlet mean after the zero-mean correction of ``(f, Σ)``.
+    f ``(n, C)``, cov ``(n, C, C)`` -> ``(n, C)``; same formula as laplace-torch 0.3."""
+    total = cov.sum(dim=(1, 2))[:, None]
+    row = cov.sum(-1)
+    f = f - row * f.sum(-1, keepdim=True) / total
+    var = (cov - row.unsqueeze(-1) * cov.sum(-2).unsqueeze(-2) / total[..., None]).diagonal(dim1=-2, dim2=-1)
+    K = f.shape[-1]
+    if normalise:
+        m = var.mean(dim=1) / math.sqrt(K / 2)
+        f = f / m.sqrt().unsqueeze(-1)
+        var = var / m.unsqueeze(-1)
+    sum_exp = torch.exp(-f).sum(dim=1, keepdim=True)
+    alpha = (1 - 2 / K + f.exp() / K**2 * sum_exp) / var
+    return torch.nan_to_num(alpha / alpha.sum(dim=1, keepdim=True), nan=1.0)
+
+
 def apply_link(
     link: str,
     f: Tensor,
@@ -107,13 +126,16 @@ def apply_link(
     n_samples: int = 100,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Dispatch to :func:`probit_projected`, :func:`probit` or :func:`mc_softmax` by name."""
+    """Dispatch to :func:`probit_projected`, :func:`probit`, :func:`mc_softmax` or
+    :func:`laplace_bridge` by name."""
     if link == "probit":
         return probit(f, cov)
     if link == "probit_projected":
         return probit_projected(f, cov)
     if link == "mc":
         return mc_softmax(f, cov, n_samples, generator)
+    if link in ("bridge", "bridge_norm"):
+        return laplace_bridge(f, cov, normalise=link == "bridge_norm")
     raise ValueError(f"unknown link approximation {link!r}; choose from {LINKS}")
 
 
@@ -536,20 +558,33 @@ def laplace_params(la) -> list[Tensor]:
     return list(la.params)
 
 
+def _curvature_kind(la) -> str | None:
+    """``"kron"``, ``"dense"``, ``"low_rank"`` for the curvatures :func:`posterior_structure`
+    reads, else ``None`` (cheap: no decomposition)."""
+    from laplace.utils.matrix import KronDecomposed
+
+    H = getattr(la, "H", None)
+    if isinstance(H, KronDecomposed):
+        return "kron"
+    if isinstance(H, Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] == la.n_params:
+        return "dense"
+    if isinstance(H, (tuple, list)) and len(H) == 2 and isinstance(H[0], Tensor) and H[0].ndim == 2:
+        return "low_rank"
+    return None
+
+
 def posterior_structure(la) -> KronStructure | EigenStructure:
     """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
 
     ``KronDecomposed`` -> :class:`KronStructure`; a dense ``(P, P)`` tensor ->
     :class:`EigenStructure` (full); a pair ``(U, λ)`` -> :class:`EigenStructure` (low rank).
     """
-    from laplace.utils.matrix import KronDecomposed
-
-    H, s = la.H, la._H_factor
-    if isinstance(H, KronDecomposed):
+    kind, H, s = _curvature_kind(la), getattr(la, "H", None), la._H_factor
+    if kind == "kron":
         return KronStructure(H, s, [p.numel() for p in laplace_params(la)])
-    if isinstance(H, Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] == la.n_params:
+    if kind == "dense":
         return EigenStructure.from_dense(H, s)
-    if isinstance(H, (tuple, list)) and len(H) == 2 and isinstance(H[0], Tensor) and H[0].ndim == 2:
+    if kind == "low_rank":
         return EigenStructure(H[0], H[1], s)
     raise TypeError(
         f"no eigenbasis for curvature of type {type(H).__name__} (fit the Laplace object first; "
@@ -626,8 +661,8 @@ class GridPredictive:
         return {k: torch.cat(v, dim=0 if k == "map" else 1) for k, v in out.items()}
 
     def _chunk(self, f: Tensor, jacs, prior_precisions, links, n_samples, generator) -> dict[str, Tensor]:
-        """``link -> (G, n, C)`` float64 probabilities for one chunk of inputs.  The probits use
-        the structure's variances (never the ``(n, C, C)`` covariance); only ``mc`` needs ``Σ``."""
+        """``link -> (G, n, C)`` probabilities for one chunk of inputs.  The probits use the
+        structure's variances (never the ``(n, C, C)`` covariance); mc and the bridge need ``Σ``."""
         rotated = self.structure.rotate(jacs)
         f64 = f.double()
         probs: dict[str, Tensor] = {}
@@ -637,9 +672,11 @@ class GridPredictive:
         if "probit_projected" in links:
             var = self.structure.variances(rotated, prior_precisions, project=True)
             probs["probit_projected"] = probit_from_variances(f64 - f64.mean(-1, keepdim=True), var)
-        if "mc" in links:
+        full = [link for link in links if link in ("mc", "bridge", "bridge_norm")]
+        if full:
             covs = self.structure.covariances(rotated, prior_precisions)
-            probs["mc"] = torch.stack([mc_softmax(f, cov, n_samples, generator) for cov in covs])  # ε in f.dtype
+            for link in full:  # mc: ε drawn in f.dtype
+                probs[link] = torch.stack([apply_link(link, f64 if link != "mc" else f, cov, n_samples, generator) for cov in covs])
         return probs
 
     def __call__(self, x: Tensor, link: str = "probit_projected", prior_precision=None, **kw) -> Tensor:
@@ -691,3 +728,70 @@ def sampled_linearized_predictive(
     """Eq. 18 of Tatzel et al.: ``1/S Σ_s softmax(f(x) + J(x)(θ_s - θ*))``, shape ``(N, C)``
     (see :func:`linearized_logit_samples`)."""
     return torch.softmax(linearized_logit_samples(la, x, n_samples, generator, chunk_size), -1).mean(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Prior-precision grid search from one predictive pass
+# --------------------------------------------------------------------------------------------
+#: laplace-torch ``link_approx`` values the grid search can evaluate through GridPredictive.
+GRIDSEARCH_LINKS = ("probit", "mc", "bridge", "bridge_norm")
+
+
+def gridsearch_supported(la, pred_type: str, link_approx: str) -> bool:
+    """Whether :func:`grid_validation_scores` can replace laplace-torch's per-point loop:
+    a fitted classification posterior with an eigenbasis, the GLM predictive, and a link of
+    :data:`GRIDSEARCH_LINKS`."""
+    if getattr(la, "likelihood", None) != "classification" or pred_type != "glm":
+        return False
+    return link_approx in GRIDSEARCH_LINKS and _curvature_kind(la) is not None
+
+
+class UnsupportedBatches(TypeError):
+    """Validation batches that :func:`grid_validation_scores` cannot read (not ``(X, y)``
+    tensors, e.g. dict batches): use laplace-torch's per-point ``validate`` instead."""
+
+
+def grid_validation_scores(
+    la, loss, prior_precisions: Tensor, val_loader, link_approx: str, n_samples: int = 100,
+    chunk_size: int = 64,
+) -> list[float]:
+    """``laplace.utils.validate(la, val_loader, loss, "glm", link_approx)`` at every prior
+    precision of the grid, from one :class:`GridPredictive` pass over ``val_loader``.
+
+    ``loss`` is a torchmetrics ``Metric`` (one reset copy per grid point, updated batch by batch
+    and ``compute().sum()``, as ``validate`` does) or a callable ``loss(probs, targets)`` on the
+    concatenated predictions.  Batches are ``(X, y)`` tensors (else :class:`UnsupportedBatches`).
+    ``"mc"`` draws its own samples, so its scores are a different Monte-Carlo estimate of the
+    same predictive than laplace-torch's.
+    """
+    from torchmetrics import Metric
+
+    link = getattr(link_approx, "value", link_approx)  # LinkApprox enum or str
+    pred = GridPredictive(la, chunk_size=chunk_size)
+    grid = [d for d in prior_precisions]
+    online = isinstance(loss, Metric)
+    if online:
+        metrics = []
+        for _ in grid:
+            m = copy.deepcopy(loss)
+            m.reset()
+            metrics.append(m)
+    else:
+        outputs: list[list[Tensor]] = [[] for _ in grid]
+        targets: list[Tensor] = []
+    for batch in val_loader:
+        if not (isinstance(batch, (tuple, list)) and all(isinstance(t, Tensor) for t in batch[:2])):
+            raise UnsupportedBatches("grid_validation_scores needs (X, y) tensor batches")
+        X, y = batch[0].to(la._device), batch[1].to(la._device)
+        probs = pred.grid(X, grid, links=(link,), n_samples=n_samples)[link]
+        for g in range(len(grid)):
+            if online:
+                metrics[g].update(probs[g], y)
+            else:
+                outputs[g].append(probs[g])
+        if not online:
+            targets.append(y)
+    if online:
+        return [m.compute().sum().item() for m in metrics]
+    y_all = torch.cat(targets)
+    return [loss(torch.cat(o), y_all).item() for o in outputs]

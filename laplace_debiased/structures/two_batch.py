@@ -222,7 +222,23 @@ class TwoBatchLaplaceMixin:
         progress_bar: bool = False,
     ) -> torch.Tensor:
         """Grid search over prior precisions; unlike laplace-torch 0.3 the running metric
-        is reset before every grid point, so each point is scored on its own predictions."""
+        is reset before every grid point, so each point is scored on its own predictions.
+
+        Classification with the GLM predictive and a probit/bridge/mc link scores the whole
+        grid from one predictive pass over ``val_loader``
+        (:func:`laplace_debiased.evaluation.predictive.grid_validation_scores`); other
+        settings (and dict batches) evaluate ``validate`` once per grid point."""
+        from laplace_debiased.evaluation import predictive
+
+        if predictive.gridsearch_supported(self, pred_type, link_approx):
+            try:
+                scores = predictive.grid_validation_scores(
+                    self, loss, interval, val_loader, link_approx, n_samples
+                )
+            except predictive.UnsupportedBatches:
+                pass
+            else:
+                return interval[int(np.argmin(scores))]
         results: list[float] = []
         for prior_prec in tqdm.tqdm(interval, disable=not progress_bar):
             self.prior_precision = prior_prec
