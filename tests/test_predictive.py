@@ -198,7 +198,7 @@ def test_bad_inputs_get_clear_errors():
     la, X = _fit("kron", "last_layer")
     pred = GridPredictive(la)
     with pytest.raises(ValueError, match="unknown link"):
-        pred.grid(X, [1.0], links=("bridge",))
+        pred.grid(X, [1.0], links=("nope",))
     with pytest.raises(ValueError, match="positive"):
         pred.grid(X, [-1.0])
     with pytest.raises(ValueError, match="unknown link"):
