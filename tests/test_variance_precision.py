@@ -201,7 +201,7 @@ def test_lowrank_regression_variance_marginal_equals_joint_and_float64():
 
 
 # ------------------------------------------------------------------- diag(ΠΣΠ) without Σ
-def _random_kron_structure(C: int = 4, out: int = 4, inp: int = 5, damping: bool = False):
+def _random_kron_structure(C: int = 4, out: int = 4, inp: int = 5, damping: bool = False, shared: bool = False):
     from laplace.utils.matrix import KronDecomposed
 
     g = torch.Generator().manual_seed(3)
@@ -213,20 +213,32 @@ def _random_kron_structure(C: int = 4, out: int = 4, inp: int = 5, damping: bool
     H = KronDecomposed(Qs, ls, damping=damping)
     struct = KronStructure(H, 0.7, [out * inp, out])
     n = 6
+    m = 1 if shared else n  # shared: one output gradient for every input (the output layer)
     jacs = [
-        LayerJacobian(g=torch.randn(n, C, out, generator=g, dtype=torch.float64),
+        LayerJacobian(g=torch.randn(m, C, out, generator=g, dtype=torch.float64),
                       a=torch.randn(n, inp, generator=g, dtype=torch.float64)),
-        LayerJacobian(dense=torch.randn(n, C, out, generator=g, dtype=torch.float64)),
+        LayerJacobian(dense=torch.randn(m, C, out, generator=g, dtype=torch.float64)),
     ]
     return struct, jacs
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("damping", [False, True])
-def test_kron_variances_equal_diagonal_of_explicit_projected_covariance(damping):
-    struct, jacs = _random_kron_structure(damping=damping)
+def test_kron_variances_equal_diagonal_of_explicit_projected_covariance(damping, shared):
+    struct, jacs = _random_kron_structure(damping=damping, shared=shared)
     rotated = struct.rotate(jacs)
     grid = [1e-6, 0.3, torch.tensor([2.0, 0.1], dtype=torch.float64)]
     cov = struct.covariances(rotated, grid)
+    # Σ against J P⁻¹ Jᵀ written out with the dense Kronecker blocks
+    J = torch.cat([j.full().expand(6, -1, -1) for j in jacs], -1)
+    for gi, delta in enumerate(grid):
+        d = torch.as_tensor(delta, dtype=torch.float64).expand(2)
+        inv = []
+        for k in range(2):
+            Q = torch.kron(*struct.Qs[k]) if len(struct.Qs[k]) == 2 else struct.Qs[k][0]
+            inv.append((Q * struct._inverse_eigenvalues(k, d[k]).reshape(-1)) @ Q.T)
+        ref = torch.einsum("ncp,pq,nkq->nck", J, torch.block_diag(*inv), J)
+        torch.testing.assert_close(cov[gi], ref, rtol=1e-10, atol=1e-12)
     f = torch.zeros(cov.shape[:-1][1:], dtype=torch.float64)
     for project in (False, True):
         ref = torch.stack([(project_logits(f, c)[1] if project else c).diagonal(dim1=-2, dim2=-1) for c in cov])

@@ -149,6 +149,8 @@ class LayerJacobian:
     Either *factored*, ``J[n, c, :] = vec(g[n, c, :] ⊗ a[n, :])`` (a ``Linear`` weight with 2-D
     input; ``g`` ``(n, C, out)`` output gradients, ``a`` ``(n, in)`` inputs; row-major like
     ``weight.flatten()``), or *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order.
+    A leading size 1 of ``g`` or ``dense`` means the same for every input (broadcast): the
+    output layer's ``g`` is the identity, which is then never materialised per input.
     """
 
     g: Tensor | None = None
@@ -156,7 +158,7 @@ class LayerJacobian:
     dense: Tensor | None = None
 
     def full(self) -> Tensor:
-        """The dense ``(n, C, numel)`` Jacobian."""
+        """The dense ``(n, C, numel)`` Jacobian (leading size 1 if shared, see above)."""
         if self.dense is not None:
             return self.dense
         return (self.g.unsqueeze(-1) * self.a[:, None, None, :]).flatten(2)
@@ -172,7 +174,7 @@ class LayerJacobian:
         if self.dense is not None:
             return self.dense @ V
         o, i = self.g.shape[-1], self.a.shape[-1]
-        return torch.einsum("nco,ni,oik->nck", self.g, self.a, V.reshape(o, i, -1))
+        return self.g @ torch.einsum("ni,oik->nok", self.a, V.reshape(o, i, -1))
 
 
 def _owners(model: nn.Module, params: Sequence[Tensor]) -> list[tuple[nn.Module, str] | None]:
@@ -200,7 +202,9 @@ def _layer_jacobians(
     """Closed-form per-example Jacobians from captured activations and output gradients.
 
     One forward pass with hooks on the owning modules, then one batched backward pass per class
-    (``is_grads_batched``); assumes examples do not interact (no BatchNorm in train mode).
+    (``is_grads_batched``) for the modules before the output; the output module's output
+    gradient is the identity, kept as one shared ``(1, C, C)``.  Assumes examples do not
+    interact (no BatchNorm in train mode).
     """
     owners = _owners(model, params)
     modules = list({id(m): m for m, _ in owners}.values())
@@ -222,13 +226,17 @@ def _layer_jacobians(
             if f.ndim != 2:
                 raise ValueError(f"model output must be (batch, classes), got {tuple(f.shape)}")
             n, C = f.shape
-            outs = [captured[id(m)][1] for m in modules]
-            cot = torch.eye(C, dtype=f.dtype, device=f.device)[:, None, :].expand(C, n, C)
-            grads = torch.autograd.grad(f, outs, grad_outputs=cot, is_grads_batched=True)
+            eye = torch.eye(C, dtype=f.dtype, device=f.device)
+            out_grad = {id(m): eye[None] for m in modules if captured[id(m)][1] is f}  # shared
+            inner = [m for m in modules if id(m) not in out_grad]
+            if inner:
+                cot = eye[:, None, :].expand(C, n, C)
+                outs = [captured[id(m)][1] for m in inner]
+                grads = torch.autograd.grad(f, outs, grad_outputs=cot, is_grads_batched=True)
+                out_grad.update({id(m): g.movedim(0, 1).detach() for m, g in zip(inner, grads)})  # (n, C, ...)
     finally:
         for h in handles:
             h.remove()
-    out_grad = {id(m): g.movedim(0, 1).detach() for m, g in zip(modules, grads)}  # (n, C, ...)
 
     jacs: list[LayerJacobian] = []
     for mod, name in owners:
@@ -394,16 +402,21 @@ class KronStructure:
         """``Σ(δ_g) = Σ_k J̃_k diag(1/(s λ_k + δ_gk)) J̃_kᵀ`` for every prior precision of a grid,
         shape ``(G, n, C, C)``, float64; each rotated Jacobian is read once for the whole grid."""
         deltas = self._deltas(prior_precisions)  # (G, K)
-        n, C = rotated[0][1].shape[:2]
-        cov = rotated[0][1].new_zeros(len(deltas), n, C, C)
+        cov = rotated[0][1].new_zeros(len(deltas), *self._shape(rotated), rotated[0][1].shape[1])
         for k, (kind, A, B) in enumerate(rotated):
             W = self._weights(k, deltas)
             if kind == "factored":  # Σ_ab g̃_ca g̃_da ã_b² w_gab
                 BW = B @ W.reshape(len(W), A.shape[-1], B.shape[-1]).transpose(1, 2)  # (G, n, a)
-                cov += torch.einsum("nca,gna,nda->gncd", A, BW, A)
+                cov += (A * BW.unsqueeze(2)) @ A.transpose(1, 2)
             else:
                 cov += weighted_grams(A, W)
         return cov
+
+    @staticmethod
+    def _shape(rotated) -> tuple[int, int]:
+        """``(n, C)`` of a chunk (a shared block has leading size 1; ``ã²`` never is)."""
+        n = max(t.shape[0] for _, A, B in rotated for t in (A, B) if t is not None)
+        return n, rotated[0][1].shape[1]
 
     def covariance(self, rotated, delta: float | Tensor) -> Tensor:
         """``Σ(δ)`` of shape ``(n, C, C)``: :meth:`covariances` at one prior precision."""
@@ -414,14 +427,13 @@ class KronStructure:
         float64, without forming ``Σ``: ``Σ_k (ΠJ̃_k)² w_gk`` (squares of the projected rotated
         Jacobian, so no cancellation); memory ``O(n C p)`` instead of ``O(G n C²)``."""
         deltas = self._deltas(prior_precisions)
-        n, C = rotated[0][1].shape[:2]
-        var = rotated[0][1].new_zeros(len(deltas), n, C)
+        var = rotated[0][1].new_zeros(len(deltas), *self._shape(rotated))
         for k, (kind, A, B) in enumerate(rotated):
             W = self._weights(k, deltas)
             A2 = (project_classes(A) if project else A).square()
             if kind == "factored":
                 BW = B @ W.reshape(len(W), A.shape[-1], B.shape[-1]).transpose(1, 2)  # (G, n, a)
-                var += torch.einsum("nca,gna->gnc", A2, BW)
+                var += (A2 @ BW.permute(1, 2, 0)).permute(2, 0, 1)
             else:
                 var += (A2 @ W.T).permute(2, 0, 1)
         return var
