@@ -47,7 +47,8 @@ def fit_pair(structure: str, subset: str, likelihood: str = "classification", **
     """The same fitted structure for the float64 model and its float32 copy, and held-out
     float64 inputs.  (At the training inputs of an overfit model the logit-difference variance
     at δ ≲ 1e-5 lives on curvature eigenvalues below float32's resolution of ``H``, ~1e-7‖H‖,
-    which no float32 fit can measure; see the README's Limitations.)"""
+    which no float32 fit can measure; the float32/float64 comparisons below therefore also use a
+    float64 model carrying the float32 fit's curvature.)"""
     model, X, y = overfit_mlp()
     out = {}
     for dtype in (torch.float64, torch.float32):
