@@ -50,7 +50,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-LINKS = ("probit_projected", "probit", "mc", "bridge", "bridge_norm")
+#: links of the sweeps and reports
+LINKS = ("probit_projected", "probit", "mc")
+#: every link :func:`apply_link` and :meth:`GridPredictive.grid` evaluate (adds laplace-torch's bridge)
+ALL_LINKS = (*LINKS, "bridge", "bridge_norm")
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +139,7 @@ def apply_link(
         return mc_softmax(f, cov, n_samples, generator)
     if link in ("bridge", "bridge_norm"):
         return laplace_bridge(f, cov, normalise=link == "bridge_norm")
-    raise ValueError(f"unknown link approximation {link!r}; choose from {LINKS}")
+    raise ValueError(f"unknown link approximation {link!r}; choose from {ALL_LINKS}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -653,7 +656,7 @@ class GridPredictive:
         """
         for link in links:
             if link not in LINKS:
-                raise ValueError(f"unknown link approximation {link!r}; choose from {LINKS}")
+                raise ValueError(f"unknown link approximation {link!r}; choose from {ALL_LINKS}")
         if len(prior_precisions) == 0:
             raise ValueError("give at least one prior precision")
         from tqdm.auto import tqdm
