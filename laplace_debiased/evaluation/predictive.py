@@ -655,7 +655,7 @@ class GridPredictive:
         ``link -> (G, N, C)`` for ``G = len(prior_precisions)``, plus ``"map"`` ``(N, C)``.
         """
         for link in links:
-            if link not in LINKS:
+            if link not in ALL_LINKS:
                 raise ValueError(f"unknown link approximation {link!r}; choose from {ALL_LINKS}")
         if len(prior_precisions) == 0:
             raise ValueError("give at least one prior precision")
