@@ -20,6 +20,7 @@ from laplace_debiased.evaluation.predictive import (
     KronStructure,
     LayerJacobian,
     lowrank_functional_covariance,
+    normal_samples,
     posterior_structure,
     project_logits,
 )
@@ -281,3 +282,34 @@ def test_grid_predictive_diagonal_links_never_form_the_covariance(monkeypatch):
     out = pred.grid(X, DELTAS, links=("probit", "probit_projected"))
     for link in ("probit", "probit_projected"):
         torch.testing.assert_close(out[link], ref[link], rtol=1e-10, atol=1e-12)
+
+
+def test_normal_samples_moments_and_ill_conditioned_covariance():
+    g = torch.Generator().manual_seed(2)
+    L = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
+    var = L @ L.transpose(1, 2)
+    mean = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    s = normal_samples(mean, var, 40_000, torch.Generator().manual_seed(0))
+    assert s.shape == (40_000, 3, 4)
+    centred = s - mean
+    emp = torch.einsum("snc,snd->ncd", centred, centred) / len(s)
+    torch.testing.assert_close(emp, var, rtol=0, atol=0.05 * var.abs().max())
+    diag = normal_samples(mean, var.diagonal(dim1=1, dim2=2), 40_000, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(diag.var(0), var.diagonal(dim1=1, dim2=2), rtol=0.05, atol=0)
+    # float32 Σ dominated by the all-ones direction (small prior precision): Cholesky fails here
+    bad = (var + 1e12 * torch.ones(4, 4, dtype=torch.float64)).float()
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.cholesky(bad)
+    out = normal_samples(mean.float(), bad, 100, torch.Generator().manual_seed(0))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("subset", SUBSETS)
+@pytest.mark.parametrize("structure", ["debiased_full", "debiased_kron", "debiased_lowrank"])
+def test_laplace_torch_mc_finite_at_small_prior_precision(structure, subset):
+    las, X = fit_pair(structure, subset, **_la_kw(structure))
+    la = las[torch.float32]
+    la.prior_precision = 1e-8
+    p = la(X.float(), pred_type="glm", link_approx="mc", n_samples=20)
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(len(p)))

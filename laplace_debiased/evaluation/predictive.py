@@ -122,6 +122,26 @@ def laplace_bridge(f: Tensor, cov: Tensor, normalise: bool = False) -> Tensor:
     return torch.nan_to_num(alpha / alpha.sum(dim=1, keepdim=True), nan=1.0)
 
 
+def normal_samples(
+    mean: Tensor, var: Tensor, n_samples: int, generator: torch.Generator | None = None
+) -> Tensor:
+    """Samples ``(S, n, C)`` of ``N(mean, var)``, mean ``(n, C)``, var ``(n, C, C)`` or diagonal
+    ``(n, C)``: laplace-torch's ``normal_samples`` (same ``ε`` draw, ``(C, S)`` in the mean's
+    dtype, shared over the batch) with the symmetric square root of a float64
+    eigendecomposition (round-off negative eigenvalues clamped) instead of a Cholesky factor,
+    which fails for the ill-conditioned float32 ``Σ`` of a small prior precision."""
+    n, C = mean.shape
+    eps = torch.randn((C, n_samples), device=mean.device, dtype=mean.dtype, generator=generator).double()
+    if var.shape == mean.shape:
+        scaled = var.double().clamp_min(0.0).sqrt().unsqueeze(-1) * eps
+    elif var.shape == (n, C, C):
+        evals, evecs = torch.linalg.eigh(var.double())
+        scaled = (evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)) @ (evecs.transpose(-1, -2) @ eps)
+    else:
+        raise ValueError(f"var must be (n, C) or (n, C, C) for mean {tuple(mean.shape)}, got {tuple(var.shape)}")
+    return (mean.double().unsqueeze(-1) + scaled).permute(2, 0, 1).to(mean.dtype)
+
+
 def apply_link(
     link: str,
     f: Tensor,

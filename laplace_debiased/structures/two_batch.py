@@ -211,6 +211,23 @@ class TwoBatchLaplaceMixin:
             total = total + self.backend.factor * self.backend.lossfunc(f, y)
         return total
 
+    def _glm_functional_samples(
+        self,
+        f_mu: torch.Tensor,
+        f_var: torch.Tensor,
+        n_samples: int,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """laplace-torch's GLM functional samples (``link_approx="mc"``) from a float64 square
+        root of ``f_var`` (:func:`laplace_debiased.evaluation.predictive.normal_samples`);
+        laplace-torch's float32 Cholesky fails at small prior precision."""
+        from laplace_debiased.evaluation.predictive import normal_samples
+
+        if diagonal_output:
+            f_var = torch.diagonal(f_var, dim1=1, dim2=2)
+        return normal_samples(f_mu, f_var, n_samples, generator)
+
     def _gridsearch(
         self,
         loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float],
