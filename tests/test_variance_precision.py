@@ -248,17 +248,26 @@ def test_kron_variances_equal_diagonal_of_explicit_projected_covariance(damping,
         torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-13)
 
 
-def test_eigen_variances_equal_diagonal_of_explicit_projected_covariance():
+@pytest.mark.parametrize("buffer", [None, 7])
+def test_eigen_variances_equal_diagonal_of_explicit_projected_covariance(buffer, monkeypatch):
+    from laplace_debiased.evaluation import predictive
+
+    if buffer is not None:  # the residual Gram in many small pieces
+        monkeypatch.setattr(predictive, "PAIR_BUFFER", buffer)
     g = torch.Generator().manual_seed(4)
     P, k, C, n = 15, 6, 4, 5
     U = torch.linalg.qr(torch.randn(P, k, generator=g, dtype=torch.float64))[0]
     lam = torch.rand(k, generator=g, dtype=torch.float64) * 5
-    jacs = [LayerJacobian(dense=torch.randn(n, C, P, generator=g, dtype=torch.float64))]
+    jacs = [  # a factored 3 x 3 weight and a dense 6-parameter block
+        LayerJacobian(g=torch.randn(n, C, 3, generator=g, dtype=torch.float64),
+                      a=torch.randn(n, 3, generator=g, dtype=torch.float64)),
+        LayerJacobian(dense=torch.randn(n, C, 6, generator=g, dtype=torch.float64)),
+    ]
     for struct in (EigenStructure(U, lam, 0.5), EigenStructure.from_dense((U * lam) @ U.T, 0.5)):
         rotated = struct.rotate(jacs)
         grid = [1e-8, 1.0, 1e3]
         cov = struct.covariances(rotated, grid)
-        J = jacs[0].dense
+        J = torch.cat([j.full() for j in jacs], -1)
         for gi, delta in enumerate(grid):  # against the explicit inverse
             ref = _dense_reference(J, U, 0.5 * lam, torch.full((P,), delta, dtype=torch.float64))
             torch.testing.assert_close(cov[gi], ref, rtol=1e-6, atol=0)  # the explicit inverse: cond ≤ 1e9

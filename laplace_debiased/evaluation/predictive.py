@@ -492,7 +492,7 @@ class EigenStructure:
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> tuple[Tensor, Tensor | None]:
         """``(JU, R Rᵀ)`` (float64) with ``R = J - (JU)Uᵀ``; ``R Rᵀ`` is ``None`` for a full
-        posterior.  ``R`` is formed one parameter tensor at a time."""
+        posterior.  ``R`` is formed in pieces of the parameters (:func:`_residual_gram`)."""
         jacs = [_jacobian_float64(j) for j in jacs]
         sizes = [j.dense.shape[-1] if j.dense is not None else j.g.shape[-1] * j.a.shape[-1] for j in jacs]
         if sum(sizes) != self.U.shape[0]:
@@ -501,8 +501,7 @@ class EigenStructure:
         JU = sum(jac.matmul(U_b) for jac, U_b in zip(jacs, blocks))
         if not self.low_rank:
             return JU, None
-        R = [jac.full() - JU @ U_b.T for jac, U_b in zip(jacs, blocks)]
-        return JU, sum(r @ r.transpose(1, 2) for r in R)
+        return JU, sum(_residual_gram(jac, JU, U_b) for jac, U_b in zip(jacs, blocks))
 
     def covariances(self, rotated, prior_precisions: Sequence[float | Tensor]) -> Tensor:
         """``Σ(δ_g)`` for every prior precision of a grid, shape ``(G, n, C, C)``, float64."""
@@ -531,6 +530,28 @@ class EigenStructure:
     @staticmethod
     def _deltas(prior_precisions: Sequence[float | Tensor]) -> Tensor:
         return torch.stack([_as_prior(delta, 1, torch.float64)[0] for delta in prior_precisions])
+
+
+def _residual_gram(jac: LayerJacobian, JU: Tensor, U_b: Tensor) -> Tensor:
+    """``R Rᵀ`` ``(n, C, C)`` of the residual ``R = J - (JU) U_bᵀ`` of one parameter tensor,
+    formed in column pieces of at most :data:`PAIR_BUFFER` elements (a factored ``Linear``
+    Jacobian a few weight rows at a time), never the whole ``(n, C, numel)`` Jacobian."""
+    n, C = JU.shape[:2]
+    if jac.dense is not None:
+        step = max(1, PAIR_BUFFER // (n * C))
+        pieces = ((jac.dense[..., c : c + step], slice(c, c + step)) for c in range(0, jac.dense.shape[-1], step))
+    else:
+        width = jac.a.shape[-1]
+        rows = max(1, PAIR_BUFFER // (n * C * width))
+        pieces = (
+            ((jac.g[..., o : o + rows, None] * jac.a[:, None, None, :]).flatten(2), slice(o * width, (o + rows) * width))
+            for o in range(0, jac.g.shape[-1], rows)
+        )
+    gram = JU.new_zeros(n, C, C)
+    for J_piece, cols in pieces:
+        R = J_piece - JU @ U_b[cols].T
+        gram += R @ R.transpose(1, 2)
+    return gram
 
 
 def orthonormal_eigenpairs(U: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
