@@ -41,6 +41,7 @@ activations and output gradients, one batched backward pass per class) and come 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -49,21 +50,31 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+#: links of the sweeps and reports
 LINKS = ("probit_projected", "probit", "mc")
+#: every link :func:`apply_link` and :meth:`GridPredictive.grid` evaluate (adds laplace-torch's bridge)
+ALL_LINKS = (*LINKS, "bridge", "bridge_norm")
 
 
 # --------------------------------------------------------------------------------------------
 # Link approximations: (f, Σ) -> class probabilities
 # --------------------------------------------------------------------------------------------
+def probit_from_variances(f: Tensor, var: Tensor) -> Tensor:
+    """``softmax(f_c / sqrt(1 + π/8 var_c))``; f, var ``(n, C)``."""
+    return torch.softmax(f / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
+
+
 def probit(f: Tensor, cov: Tensor) -> Tensor:
     """laplace-torch's probit: ``softmax(f_c / sqrt(1 + π/8 Σ_cc))``; f ``(n, C)``, cov ``(n, C, C)``."""
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    return torch.softmax(f / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
+    return probit_from_variances(f, cov.diagonal(dim1=-2, dim2=-1))
 
 
 def project_logits(f: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     """Mean and covariance of ``Πf_lin`` with ``Π = I - 11ᵀ/C`` (removes the softmax-invariant
-    all-ones direction).  Returns ``(Πf, ΠΣΠ)`` with the shapes of the inputs."""
+    all-ones direction).  Returns ``(Πf, ΠΣΠ)`` with the shapes of the inputs.
+
+    Double-centring ``Σ`` cancels when ``Σ`` is dominated by the all-ones direction; the
+    structures' ``variances(..., project=True)`` project the Jacobian instead."""
     f_p = f - f.mean(-1, keepdim=True)
     cov_p = cov - cov.mean(-1, keepdim=True)
     cov_p = cov_p - cov_p.mean(-2, keepdim=True)
@@ -75,16 +86,60 @@ def probit_projected(f: Tensor, cov: Tensor) -> Tensor:
     return probit(*project_logits(f, cov))
 
 
+def project_classes(A: Tensor) -> Tensor:
+    """``Π A`` for ``A`` ``(n, C, ...)``: centre over the class axis (``Π = I - 11ᵀ/C``)."""
+    return A - A.mean(1, keepdim=True)
+
+
 def mc_softmax(
     f: Tensor, cov: Tensor, n_samples: int = 100, generator: torch.Generator | None = None
 ) -> Tensor:
-    """Monte-Carlo predictive ``1/S Σ_s softmax(f + L ε_s)``, ``L Lᵀ = Σ`` (symmetric square root,
-    so rank-deficient ``Σ`` is fine).  f ``(n, C)``, cov ``(n, C, C)`` -> ``(n, C)``."""
-    evals, evecs = torch.linalg.eigh(cov)
+    """Monte-Carlo predictive ``1/S Σ_s softmax(f + L ε_s)``, ``L Lᵀ = Σ`` (symmetric square root
+    from a float64 eigendecomposition, so rank-deficient ``Σ`` is fine).  f ``(n, C)``, cov
+    ``(n, C, C)`` -> ``(n, C)`` in ``f.dtype``."""
+    evals, evecs = torch.linalg.eigh(cov.double())
     root = evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)
     eps = torch.randn(n_samples, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
-    logits = f + torch.einsum("nij,snj->sni", root, eps)
-    return torch.softmax(logits, dim=-1).mean(0)
+    logits = f.double() + torch.einsum("nij,snj->sni", root, eps.double())
+    return torch.softmax(logits, dim=-1).mean(0).to(f.dtype)
+
+
+def laplace_bridge(f: Tensor, cov: Tensor, normalise: bool = False) -> Tensor:
+    """laplace-torch's Laplace bridge (``link_approx="bridge"``, ``"bridge_norm"`` with
+    ``normalise=True``): Dirichlet mean after the zero-mean correction of ``(f, Σ)``.
+    f ``(n, C)``, cov ``(n, C, C)`` -> ``(n, C)``; same formula as laplace-torch 0.3."""
+    total = cov.sum(dim=(1, 2))[:, None]
+    row = cov.sum(-1)
+    f = f - row * f.sum(-1, keepdim=True) / total
+    var = (cov - row.unsqueeze(-1) * cov.sum(-2).unsqueeze(-2) / total[..., None]).diagonal(dim1=-2, dim2=-1)
+    K = f.shape[-1]
+    if normalise:
+        m = var.mean(dim=1) / math.sqrt(K / 2)
+        f = f / m.sqrt().unsqueeze(-1)
+        var = var / m.unsqueeze(-1)
+    sum_exp = torch.exp(-f).sum(dim=1, keepdim=True)
+    alpha = (1 - 2 / K + f.exp() / K**2 * sum_exp) / var
+    return torch.nan_to_num(alpha / alpha.sum(dim=1, keepdim=True), nan=1.0)
+
+
+def normal_samples(
+    mean: Tensor, var: Tensor, n_samples: int, generator: torch.Generator | None = None
+) -> Tensor:
+    """Samples ``(S, n, C)`` of ``N(mean, var)``, mean ``(n, C)``, var ``(n, C, C)`` or diagonal
+    ``(n, C)``: laplace-torch's ``normal_samples`` (same ``ε`` draw, ``(C, S)`` in the mean's
+    dtype, shared over the batch) with the symmetric square root of a float64
+    eigendecomposition (round-off negative eigenvalues clamped) instead of a Cholesky factor,
+    which fails for the ill-conditioned float32 ``Σ`` of a small prior precision."""
+    n, C = mean.shape
+    eps = torch.randn((C, n_samples), device=mean.device, dtype=mean.dtype, generator=generator).double()
+    if var.shape == mean.shape:
+        scaled = var.double().clamp_min(0.0).sqrt().unsqueeze(-1) * eps
+    elif var.shape == (n, C, C):
+        evals, evecs = torch.linalg.eigh(var.double())
+        scaled = (evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)) @ (evecs.transpose(-1, -2) @ eps)
+    else:
+        raise ValueError(f"var must be (n, C) or (n, C, C) for mean {tuple(mean.shape)}, got {tuple(var.shape)}")
+    return (mean.double().unsqueeze(-1) + scaled).permute(2, 0, 1).to(mean.dtype)
 
 
 def apply_link(
@@ -94,14 +149,17 @@ def apply_link(
     n_samples: int = 100,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Dispatch to :func:`probit_projected`, :func:`probit` or :func:`mc_softmax` by name."""
+    """Dispatch to :func:`probit_projected`, :func:`probit`, :func:`mc_softmax` or
+    :func:`laplace_bridge` by name."""
     if link == "probit":
         return probit(f, cov)
     if link == "probit_projected":
         return probit_projected(f, cov)
     if link == "mc":
         return mc_softmax(f, cov, n_samples, generator)
-    raise ValueError(f"unknown link approximation {link!r}; choose from {LINKS}")
+    if link in ("bridge", "bridge_norm"):
+        return laplace_bridge(f, cov, normalise=link == "bridge_norm")
+    raise ValueError(f"unknown link approximation {link!r}; choose from {ALL_LINKS}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,6 +172,8 @@ class LayerJacobian:
     Either *factored*, ``J[n, c, :] = vec(g[n, c, :] ⊗ a[n, :])`` (a ``Linear`` weight with 2-D
     input; ``g`` ``(n, C, out)`` output gradients, ``a`` ``(n, in)`` inputs; row-major like
     ``weight.flatten()``), or *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order.
+    A leading size 1 of ``g`` or ``dense`` means the same for every input (broadcast): the
+    output layer's ``g`` is the identity, which is then never materialised per input.
     """
 
     g: Tensor | None = None
@@ -121,7 +181,7 @@ class LayerJacobian:
     dense: Tensor | None = None
 
     def full(self) -> Tensor:
-        """The dense ``(n, C, numel)`` Jacobian."""
+        """The dense ``(n, C, numel)`` Jacobian (leading size 1 if shared, see above)."""
         if self.dense is not None:
             return self.dense
         return (self.g.unsqueeze(-1) * self.a[:, None, None, :]).flatten(2)
@@ -137,7 +197,7 @@ class LayerJacobian:
         if self.dense is not None:
             return self.dense @ V
         o, i = self.g.shape[-1], self.a.shape[-1]
-        return torch.einsum("nco,ni,oik->nck", self.g, self.a, V.reshape(o, i, -1))
+        return self.g @ torch.einsum("ni,oik->nok", self.a, V.reshape(o, i, -1))
 
 
 def _owners(model: nn.Module, params: Sequence[Tensor]) -> list[tuple[nn.Module, str] | None]:
@@ -165,7 +225,9 @@ def _layer_jacobians(
     """Closed-form per-example Jacobians from captured activations and output gradients.
 
     One forward pass with hooks on the owning modules, then one batched backward pass per class
-    (``is_grads_batched``); assumes examples do not interact (no BatchNorm in train mode).
+    (``is_grads_batched``) for the modules before the output; the output module's output
+    gradient is the identity, kept as one shared ``(1, C, C)``.  Assumes examples do not
+    interact (no BatchNorm in train mode).
     """
     owners = _owners(model, params)
     modules = list({id(m): m for m, _ in owners}.values())
@@ -187,13 +249,17 @@ def _layer_jacobians(
             if f.ndim != 2:
                 raise ValueError(f"model output must be (batch, classes), got {tuple(f.shape)}")
             n, C = f.shape
-            outs = [captured[id(m)][1] for m in modules]
-            cot = torch.eye(C, dtype=f.dtype, device=f.device)[:, None, :].expand(C, n, C)
-            grads = torch.autograd.grad(f, outs, grad_outputs=cot, is_grads_batched=True)
+            eye = torch.eye(C, dtype=f.dtype, device=f.device)
+            out_grad = {id(m): eye[None] for m in modules if captured[id(m)][1] is f}  # shared
+            inner = [m for m in modules if id(m) not in out_grad]
+            if inner:
+                cot = eye[:, None, :].expand(C, n, C)
+                outs = [captured[id(m)][1] for m in inner]
+                grads = torch.autograd.grad(f, outs, grad_outputs=cot, is_grads_batched=True)
+                out_grad.update({id(m): g.movedim(0, 1).detach() for m, g in zip(inner, grads)})  # (n, C, ...)
     finally:
         for h in handles:
             h.remove()
-    out_grad = {id(m): g.movedim(0, 1).detach() for m, g in zip(modules, grads)}  # (n, C, ...)
 
     jacs: list[LayerJacobian] = []
     for mod, name in owners:
@@ -297,18 +363,25 @@ def weighted_grams(A: Tensor, W: Tensor) -> Tensor:
     return out
 
 
+def _jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
+    if jac.dense is not None:
+        return LayerJacobian(dense=jac.dense.double())
+    return LayerJacobian(g=jac.g.double(), a=jac.a.double())
+
+
 class KronStructure:
     """Posterior ``s·H + δ`` for a ``KronDecomposed`` ``H`` (one block per parameter tensor).
 
     ``eigenvectors[k]`` is ``[Q_G, Q_A]`` (output-side factor first, as laplace-torch orders
     ``weight.flatten()``) or ``[Q]`` for a one-factor block (biases).  With ``damping=True`` the
     block eigenvalues are ``(√s λ_G + √δ) ⊗ (√s λ_A + √δ)`` (laplace-torch's documented damping;
-    note laplace-torch 0.3 itself drops the flag when it scales ``H``).
+    note laplace-torch 0.3 itself drops the flag when it scales ``H``).  Everything is held and
+    computed in float64 (round-off negative factor eigenvalues clamped to 0); rotated Jacobians, covariances and variances are float64.
     """
 
     def __init__(self, H, h_factor: float | Tensor, numels: Sequence[int]) -> None:
-        self.Qs = [list(q) for q in H.eigenvectors]
-        self.ls = [list(l) for l in H.eigenvalues]
+        self.Qs = [[q.double() for q in qs] for qs in H.eigenvectors]
+        self.ls = [[l.double().clamp_min(0.0) for l in ls] for ls in H.eigenvalues]
         self.damping = bool(getattr(H, "damping", False))
         self.s = float(h_factor)
         sizes = [math.prod(len(l) for l in ls) for ls in self.ls]
@@ -319,9 +392,9 @@ class KronStructure:
             )
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
-        """Prior-independent work: Jacobians in the eigenbasis of each block."""
+        """Prior-independent work: Jacobians (float64) in the eigenbasis of each block."""
         out = []
-        for jac, Qs in zip(jacs, self.Qs):
+        for jac, Qs in zip(map(_jacobian_float64, jacs), self.Qs):
             if len(Qs) == 2 and jac.dense is None:
                 out.append(("factored", jac.g @ Qs[0], (jac.a @ Qs[1]).square()))
             elif len(Qs) == 2:
@@ -341,71 +414,196 @@ class KronStructure:
             return 1.0 / torch.outer(r * ls[0] + sd, r * ls[1] + sd)
         return 1.0 / (self.s * torch.outer(ls[0], ls[1]) + delta)
 
+    def _weights(self, k: int, deltas: Tensor) -> Tensor:
+        """``(G, numel_k)`` inverse posterior eigenvalues of block ``k`` for every grid point."""
+        return torch.stack([self._inverse_eigenvalues(k, d).reshape(-1) for d in deltas[:, k]])
+
+    def _deltas(self, prior_precisions: Sequence[float | Tensor]) -> Tensor:
+        return torch.stack([_as_prior(d, len(self.ls), torch.float64) for d in prior_precisions])
+
     def covariances(self, rotated, prior_precisions: Sequence[float | Tensor]) -> Tensor:
         """``Σ(δ_g) = Σ_k J̃_k diag(1/(s λ_k + δ_gk)) J̃_kᵀ`` for every prior precision of a grid,
-        shape ``(G, n, C, C)``; each rotated Jacobian is read once for the whole grid."""
-        dtype = rotated[0][1].dtype
-        deltas = torch.stack([_as_prior(d, len(self.ls), dtype) for d in prior_precisions])  # (G, K)
-        n, C = rotated[0][1].shape[:2]
-        cov = rotated[0][1].new_zeros(len(deltas), n, C, C)
+        shape ``(G, n, C, C)``, float64; each rotated Jacobian is read once for the whole grid."""
+        deltas = self._deltas(prior_precisions)  # (G, K)
+        cov = rotated[0][1].new_zeros(len(deltas), *self._shape(rotated), rotated[0][1].shape[1])
         for k, (kind, A, B) in enumerate(rotated):
-            W = torch.stack([self._inverse_eigenvalues(k, d).reshape(-1) for d in deltas[:, k]])
+            W = self._weights(k, deltas)
             if kind == "factored":  # Σ_ab g̃_ca g̃_da ã_b² w_gab
                 BW = B @ W.reshape(len(W), A.shape[-1], B.shape[-1]).transpose(1, 2)  # (G, n, a)
-                cov += torch.einsum("nca,gna,nda->gncd", A, BW, A)
+                cov += (A * BW.unsqueeze(2)) @ A.transpose(1, 2)
             else:
                 cov += weighted_grams(A, W)
         return cov
+
+    @staticmethod
+    def _shape(rotated) -> tuple[int, int]:
+        """``(n, C)`` of a chunk (a shared block has leading size 1; ``ã²`` never is)."""
+        n = max(t.shape[0] for _, A, B in rotated for t in (A, B) if t is not None)
+        return n, rotated[0][1].shape[1]
 
     def covariance(self, rotated, delta: float | Tensor) -> Tensor:
         """``Σ(δ)`` of shape ``(n, C, C)``: :meth:`covariances` at one prior precision."""
         return self.covariances(rotated, [delta])[0]
 
+    def variances(self, rotated, prior_precisions: Sequence[float | Tensor], project: bool = False) -> Tensor:
+        """``diag Σ(δ_g)`` (or ``diag ΠΣ(δ_g)Π`` with ``project=True``), shape ``(G, n, C)``,
+        float64, without forming ``Σ``: ``Σ_k (ΠJ̃_k)² w_gk`` (squares of the projected rotated
+        Jacobian, so no cancellation); memory ``O(n C p)`` instead of ``O(G n C²)``."""
+        deltas = self._deltas(prior_precisions)
+        var = rotated[0][1].new_zeros(len(deltas), *self._shape(rotated))
+        for k, (kind, A, B) in enumerate(rotated):
+            W = self._weights(k, deltas)
+            A2 = (project_classes(A) if project else A).square()
+            if kind == "factored":
+                BW = B @ W.reshape(len(W), A.shape[-1], B.shape[-1]).transpose(1, 2)  # (G, n, a)
+                var += (A2 @ BW.permute(1, 2, 0)).permute(2, 0, 1)
+            else:
+                var += (A2 @ W.T).permute(2, 0, 1)
+        return var
+
 
 class EigenStructure:
-    """Posterior ``s·U diag(λ) Uᵀ + δ I`` with orthonormal ``U`` ``(P, k)``.
+    """Posterior ``s·U diag(λ) Uᵀ + δ I`` with orthonormal ``U`` ``(P, k)``, scalar ``δ``.
 
     ``k = P`` is a full (dense) posterior; ``k < P`` a low-rank one whose complement of ``U`` has
-    precision ``δ``: ``Σ(δ) = JU diag(1/(sλ+δ)) (JU)ᵀ + (J Jᵀ - JU (JU)ᵀ)/δ``.  Scalar ``δ`` only.
+    precision ``δ``: ``Σ(δ) = JU diag(1/(sλ+δ)) (JU)ᵀ + R Rᵀ/δ`` with the residual
+    ``R = J - (JU)Uᵀ`` (a Gram of the residual, not the cancelling ``JJᵀ - JU(JU)ᵀ``).
+    ``U`` and ``λ`` are re-orthonormalised and re-diagonalised in float64
+    (:func:`orthonormal_eigenpairs`), round-off negative eigenvalues clamped to 0 (``H`` is PSD:
+    a negative ``sλ + δ`` at small ``δ`` is what made float32 predictives non-finite);
+    everything computed is float64.
     """
 
     def __init__(self, U: Tensor, eigenvalues: Tensor, h_factor: float | Tensor) -> None:
         if U.ndim != 2 or U.shape[1] != len(eigenvalues):
             raise ValueError(f"U must be (P, k) with k = len(eigenvalues); got {tuple(U.shape)}")
-        self.U, self.lam, self.s = U, eigenvalues, float(h_factor)
+        self.U, self.lam = orthonormal_eigenpairs(U, eigenvalues)
+        self.s = float(h_factor)
         self.low_rank = U.shape[1] < U.shape[0]
 
     @classmethod
     def from_dense(cls, H: Tensor, h_factor: float | Tensor) -> EigenStructure:
-        """Eigendecompose a dense symmetric ``H`` (full Laplace)."""
-        lam, U = torch.linalg.eigh(H)
-        return cls(U, lam, h_factor)
+        """Eigendecompose a dense symmetric ``H`` (full Laplace) in float64."""
+        H64 = H.double()
+        lam, U = torch.linalg.eigh(0.5 * (H64 + H64.T))
+        self = cls.__new__(cls)
+        self.U, self.lam, self.s, self.low_rank = U, lam.clamp_min(0.0), float(h_factor), False
+        return self
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> tuple[Tensor, Tensor | None]:
-        """``(JU, J Jᵀ - JU JUᵀ)``; the second is ``None`` for a full posterior."""
-        JU, gram, start = 0.0, 0.0, 0
-        for jac in jacs:
-            p = jac.full().shape[-1] if jac.dense is not None else jac.g.shape[-1] * jac.a.shape[-1]
-            JU = JU + jac.matmul(self.U[start : start + p])
-            if self.low_rank:
-                gram = gram + jac.gram()
-            start += p
-        if start != self.U.shape[0]:
-            raise ValueError(f"U has {self.U.shape[0]} rows but the parameters have {start}")
+        """``(JU, R Rᵀ)`` (float64) with ``R = J - (JU)Uᵀ``; ``R Rᵀ`` is ``None`` for a full
+        posterior.  ``R`` is formed in pieces of the parameters (:func:`_residual_gram`)."""
+        jacs = [_jacobian_float64(j) for j in jacs]
+        sizes = [j.dense.shape[-1] if j.dense is not None else j.g.shape[-1] * j.a.shape[-1] for j in jacs]
+        if sum(sizes) != self.U.shape[0]:
+            raise ValueError(f"U has {self.U.shape[0]} rows but the parameters have {sum(sizes)}")
+        blocks = self.U.split(sizes)
+        JU = sum(jac.matmul(U_b) for jac, U_b in zip(jacs, blocks))
         if not self.low_rank:
             return JU, None
-        return JU, gram - JU @ JU.transpose(1, 2)
+        return JU, sum(_residual_gram(jac, JU, U_b) for jac, U_b in zip(jacs, blocks))
 
     def covariances(self, rotated, prior_precisions: Sequence[float | Tensor]) -> Tensor:
-        """``Σ(δ_g)`` for every prior precision of a grid, shape ``(G, n, C, C)``."""
+        """``Σ(δ_g)`` for every prior precision of a grid, shape ``(G, n, C, C)``, float64."""
         JU, rest = rotated
-        d = torch.stack([_as_prior(delta, 1, JU.dtype)[0] for delta in prior_precisions])  # (G,)
+        d = self._deltas(prior_precisions)
         cov = weighted_grams(JU, 1.0 / (self.s * self.lam + d[:, None]))
         return cov if rest is None else cov + rest / d[:, None, None, None]
 
     def covariance(self, rotated, delta: float | Tensor) -> Tensor:
         """``Σ(δ)`` of shape ``(n, C, C)``: :meth:`covariances` at one prior precision."""
         return self.covariances(rotated, [delta])[0]
+
+    def variances(self, rotated, prior_precisions: Sequence[float | Tensor], project: bool = False) -> Tensor:
+        """``diag Σ(δ_g)`` (or ``diag ΠΣ(δ_g)Π``), shape ``(G, n, C)``, float64: squares of the
+        (projected) ``JU`` weighted by ``1/(sλ+δ)``, plus the residual Gram's (projected) diagonal
+        over ``δ``."""
+        JU, rest = rotated
+        d = self._deltas(prior_precisions)
+        A2 = (project_classes(JU) if project else JU).square()
+        var = (A2 @ (1.0 / (self.s * self.lam + d[:, None])).T).permute(2, 0, 1)
+        if rest is not None:
+            r = project_logits(rest.new_zeros(rest.shape[:2]), rest)[1] if project else rest
+            var = var + r.diagonal(dim1=-2, dim2=-1) / d[:, None, None]
+        return var
+
+    @staticmethod
+    def _deltas(prior_precisions: Sequence[float | Tensor]) -> Tensor:
+        return torch.stack([_as_prior(delta, 1, torch.float64)[0] for delta in prior_precisions])
+
+
+def _residual_gram(jac: LayerJacobian, JU: Tensor, U_b: Tensor) -> Tensor:
+    """``R Rᵀ`` ``(n, C, C)`` of the residual ``R = J - (JU) U_bᵀ`` of one parameter tensor,
+    formed in column pieces of at most :data:`PAIR_BUFFER` elements (a factored ``Linear``
+    Jacobian a few weight rows at a time), never the whole ``(n, C, numel)`` Jacobian."""
+    n, C = JU.shape[:2]
+    if jac.dense is not None:
+        step = max(1, PAIR_BUFFER // (n * C))
+        pieces = ((jac.dense[..., c : c + step], slice(c, c + step)) for c in range(0, jac.dense.shape[-1], step))
+    else:
+        width = jac.a.shape[-1]
+        rows = max(1, PAIR_BUFFER // (n * C * width))
+        pieces = (
+            ((jac.g[..., o : o + rows, None] * jac.a[:, None, None, :]).flatten(2), slice(o * width, (o + rows) * width))
+            for o in range(0, jac.g.shape[-1], rows)
+        )
+    gram = JU.new_zeros(n, C, C)
+    for J_piece, cols in pieces:
+        R = J_piece - JU @ U_b[cols].T
+        gram += R @ R.transpose(1, 2)
+    return gram
+
+
+def orthonormal_eigenpairs(U: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
+    """``(Q, μ)`` in float64 with ``QᵀQ = I`` to float64 round-off and ``Q diag(μ) Qᵀ =
+    U diag(λ) Uᵀ`` (``U`` ``(P, k)`` orthonormal only to its own dtype's round-off).
+
+    ``U = Q₀R`` (QR), ``R diag(λ) Rᵀ = V diag(μ) Vᵀ`` (eigh), ``Q = Q₀V``; negative ``μ``
+    clamped to 0 (a float32 ``U`` makes complement formulas
+    like ``I - UUᵀ`` wrong by ``1e-7``, which ``1/δ`` amplifies)."""
+    Q0, R = torch.linalg.qr(U.double())
+    M = (R * eigenvalues.double()) @ R.T
+    mu, V = torch.linalg.eigh(0.5 * (M + M.T))
+    return Q0 @ V, mu.clamp_min(0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Functional (co)variances for laplace-torch's own predictive paths, float64, cancellation-free
+# --------------------------------------------------------------------------------------------
+def lowrank_functional_covariance(J: Tensor, U: Tensor, lam: Tensor, prior: Tensor) -> Tensor:
+    """``J (U diag(λ) Uᵀ + diag(p))⁻¹ Jᵀ``: J ``(n, C, P)``, U ``(P, k)``, λ ``(k,)`` ``≥ 0`` (the
+    scaled curvature, e.g. laplace-torch's ``posterior_precision[0]``), p ``(P,)`` ``> 0`` ->
+    ``(n, C, C)`` in ``J.dtype``, computed in float64.
+
+    With ``D = diag(p)`` and the thin SVD ``D^{-1/2} U diag(√λ) = Q diag(σ) Vᵀ`` the precision is
+    ``D^{1/2} (I + Q diag(σ²) Qᵀ) D^{1/2}``, so with ``J̃ = J D^{-1/2}``, ``R = J̃ - (J̃Q)Qᵀ``:
+
+        Σ = (J̃Q) diag(1/(1+σ²)) (J̃Q)ᵀ + R Rᵀ,
+
+    two Gram matrices with positive weights: no "prior term minus a correction" cancellation
+    (for scalar ``p = δ``: ``1/(1+σ²)/δ = 1/(λ+δ)`` along ``U``, ``1/δ`` on its complement).
+    ``U`` need only be orthonormal to its dtype's round-off; negative ``λ`` are clamped to 0."""
+    Jt = J.double() / prior.double().sqrt()
+    W = U.double() / prior.double().sqrt()[:, None] * lam.double().clamp_min(0.0).sqrt()
+    Q, sigma, _ = torch.linalg.svd(W, full_matrices=False)
+    JQ = Jt @ Q
+    R = Jt - JQ @ Q.T
+    cov = (JQ / (1.0 + sigma.square())) @ JQ.transpose(-1, -2) + R @ R.transpose(-1, -2)
+    return cov.to(J.dtype)
+
+
+def dense_posterior_scale(H: Tensor, h_factor: float | Tensor, prior: Tensor) -> Tensor:
+    """Float64 ``S`` ``(P, P)`` with ``S Sᵀ = (s·H + diag(p))⁻¹`` for a dense PSD ``H`` stored in
+    any dtype, ``p`` ``(P,)`` ``> 0``.
+
+    ``D^{-1/2} s H D^{-1/2} = V diag(μ) Vᵀ`` (float64 eigh, round-off negative ``μ`` clamped
+    to 0) gives ``S = D^{-1/2} V diag((1+μ)^{-1/2})``; the
+    functional variance ``(JS)(JS)ᵀ`` is then a Gram, finite and PSD for every ``p > 0``."""
+    d = prior.double().rsqrt()
+    M = float(h_factor) * H.double() * d[:, None] * d[None, :]
+    mu, V = torch.linalg.eigh(0.5 * (M + M.T))
+    mu = mu.clamp_min(0.0)
+    return d[:, None] * V * (1.0 + mu).rsqrt()
 
 
 def laplace_params(la) -> list[Tensor]:
@@ -416,23 +614,38 @@ def laplace_params(la) -> list[Tensor]:
     return list(la.params)
 
 
+def _curvature_kind(la) -> str | None:
+    """``"own"`` (a curvature with a ``grid_structure`` method), ``"kron"``, ``"dense"``,
+    ``"low_rank"`` for the curvatures :func:`posterior_structure` reads, else ``None`` (cheap:
+    no decomposition)."""
+    from laplace.utils.matrix import KronDecomposed
+
+    H = getattr(la, "H", None)
+    if callable(getattr(H, "grid_structure", None)):
+        return "own"
+    if isinstance(H, KronDecomposed):
+        return "kron"
+    if isinstance(H, Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] == la.n_params:
+        return "dense"
+    if isinstance(H, (tuple, list)) and len(H) == 2 and isinstance(H[0], Tensor) and H[0].ndim == 2:
+        return "low_rank"
+    return None
+
+
 def posterior_structure(la) -> KronStructure | EigenStructure:
     """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
 
     ``KronDecomposed`` -> :class:`KronStructure`; a dense ``(P, P)`` tensor ->
     :class:`EigenStructure` (full); a pair ``(U, λ)`` -> :class:`EigenStructure` (low rank).
     """
-    from laplace.utils.matrix import KronDecomposed
-
-    H, s = la.H, la._H_factor
-    grid_structure = getattr(H, "grid_structure", None)
-    if callable(grid_structure):  # a curvature that knows its basis (debiased EKFAC)
-        return grid_structure(s, [p.numel() for p in laplace_params(la)])
-    if isinstance(H, KronDecomposed):
+    kind, H, s = _curvature_kind(la), getattr(la, "H", None), la._H_factor
+    if kind == "own":  # a curvature that knows its basis (debiased EKFAC)
+        return H.grid_structure(s, [p.numel() for p in laplace_params(la)])
+    if kind == "kron":
         return KronStructure(H, s, [p.numel() for p in laplace_params(la)])
-    if isinstance(H, Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] == la.n_params:
+    if kind == "dense":
         return EigenStructure.from_dense(H, s)
-    if isinstance(H, (tuple, list)) and len(H) == 2 and isinstance(H[0], Tensor) and H[0].ndim == 2:
+    if kind == "low_rank":
         return EigenStructure(H[0], H[1], s)
     raise TypeError(
         f"no eigenbasis for curvature of type {type(H).__name__} (fit the Laplace object first; "
@@ -488,8 +701,8 @@ class GridPredictive:
         ``link -> (G, N, C)`` for ``G = len(prior_precisions)``, plus ``"map"`` ``(N, C)``.
         """
         for link in links:
-            if link not in LINKS:
-                raise ValueError(f"unknown link approximation {link!r}; choose from {LINKS}")
+            if link not in ALL_LINKS:
+                raise ValueError(f"unknown link approximation {link!r}; choose from {ALL_LINKS}")
         if len(prior_precisions) == 0:
             raise ValueError("give at least one prior precision")
         from tqdm.auto import tqdm
@@ -500,19 +713,32 @@ class GridPredictive:
         try:
             for x in tqdm(_batches(data, self.chunk_size), disable=not progress, desc="predictive", leave=False):
                 f, jacs = logit_jacobians(self.model, self.params, x)
-                rotated = self.structure.rotate(jacs)
-                del jacs
-                covs = self.structure.covariances(rotated, prior_precisions)
-                per_link: dict[str, list[Tensor]] = {link: [] for link in links}
-                for cov in covs:
-                    for link in links:
-                        per_link[link].append(apply_link(link, f, cov, n_samples, generator))
+                probs = self._chunk(f, jacs, prior_precisions, links, n_samples, generator)
                 for link in links:
-                    out[link].append(torch.stack(per_link[link]))
+                    out[link].append(probs[link].to(f.dtype))
                 out["map"].append(torch.softmax(f, -1))
         finally:
             self.model.train(was_training)
         return {k: torch.cat(v, dim=0 if k == "map" else 1) for k, v in out.items()}
+
+    def _chunk(self, f: Tensor, jacs, prior_precisions, links, n_samples, generator) -> dict[str, Tensor]:
+        """``link -> (G, n, C)`` probabilities for one chunk of inputs.  The probits use the
+        structure's variances (never the ``(n, C, C)`` covariance); mc and the bridge need ``Σ``."""
+        rotated = self.structure.rotate(jacs)
+        f64 = f.double()
+        probs: dict[str, Tensor] = {}
+        if "probit" in links:
+            var = self.structure.variances(rotated, prior_precisions)
+            probs["probit"] = probit_from_variances(f64, var)
+        if "probit_projected" in links:
+            var = self.structure.variances(rotated, prior_precisions, project=True)
+            probs["probit_projected"] = probit_from_variances(f64 - f64.mean(-1, keepdim=True), var)
+        full = [link for link in links if link in ("mc", "bridge", "bridge_norm")]
+        if full:
+            covs = self.structure.covariances(rotated, prior_precisions)
+            for link in full:  # mc: ε drawn in f.dtype
+                probs[link] = torch.stack([apply_link(link, f64 if link != "mc" else f, cov, n_samples, generator) for cov in covs])
+        return probs
 
     def __call__(self, x: Tensor, link: str = "probit_projected", prior_precision=None, **kw) -> Tensor:
         """Probabilities ``(N, C)`` at ``prior_precision`` (default: ``la.prior_precision``)."""
@@ -563,3 +789,70 @@ def sampled_linearized_predictive(
     """Eq. 18 of Tatzel et al.: ``1/S Σ_s softmax(f(x) + J(x)(θ_s - θ*))``, shape ``(N, C)``
     (see :func:`linearized_logit_samples`)."""
     return torch.softmax(linearized_logit_samples(la, x, n_samples, generator, chunk_size), -1).mean(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Prior-precision grid search from one predictive pass
+# --------------------------------------------------------------------------------------------
+#: laplace-torch ``link_approx`` values the grid search can evaluate through GridPredictive.
+GRIDSEARCH_LINKS = ("probit", "mc", "bridge", "bridge_norm")
+
+
+def gridsearch_supported(la, pred_type: str, link_approx: str) -> bool:
+    """Whether :func:`grid_validation_scores` can replace laplace-torch's per-point loop:
+    a fitted classification posterior with an eigenbasis, the GLM predictive, and a link of
+    :data:`GRIDSEARCH_LINKS`."""
+    if getattr(la, "likelihood", None) != "classification" or pred_type != "glm":
+        return False
+    return link_approx in GRIDSEARCH_LINKS and _curvature_kind(la) is not None
+
+
+class UnsupportedBatches(TypeError):
+    """Validation batches that :func:`grid_validation_scores` cannot read (not ``(X, y)``
+    tensors, e.g. dict batches): use laplace-torch's per-point ``validate`` instead."""
+
+
+def grid_validation_scores(
+    la, loss, prior_precisions: Tensor, val_loader, link_approx: str, n_samples: int = 100,
+    chunk_size: int = 64,
+) -> list[float]:
+    """``laplace.utils.validate(la, val_loader, loss, "glm", link_approx)`` at every prior
+    precision of the grid, from one :class:`GridPredictive` pass over ``val_loader``.
+
+    ``loss`` is a torchmetrics ``Metric`` (one reset copy per grid point, updated batch by batch
+    and ``compute().sum()``, as ``validate`` does) or a callable ``loss(probs, targets)`` on the
+    concatenated predictions.  Batches are ``(X, y)`` tensors (else :class:`UnsupportedBatches`).
+    ``"mc"`` draws its own samples, so its scores are a different Monte-Carlo estimate of the
+    same predictive than laplace-torch's.
+    """
+    from torchmetrics import Metric
+
+    link = getattr(link_approx, "value", link_approx)  # LinkApprox enum or str
+    pred = GridPredictive(la, chunk_size=chunk_size)
+    grid = [d for d in prior_precisions]
+    online = isinstance(loss, Metric)
+    if online:
+        metrics = []
+        for _ in grid:
+            m = copy.deepcopy(loss)
+            m.reset()
+            metrics.append(m)
+    else:
+        outputs: list[list[Tensor]] = [[] for _ in grid]
+        targets: list[Tensor] = []
+    for batch in val_loader:
+        if not (isinstance(batch, (tuple, list)) and all(isinstance(t, Tensor) for t in batch[:2])):
+            raise UnsupportedBatches("grid_validation_scores needs (X, y) tensor batches")
+        X, y = batch[0].to(la._device), batch[1].to(la._device)
+        probs = pred.grid(X, grid, links=(link,), n_samples=n_samples)[link]
+        for g in range(len(grid)):
+            if online:
+                metrics[g].update(probs[g], y)
+            else:
+                outputs[g].append(probs[g])
+        if not online:
+            targets.append(y)
+    if online:
+        return [m.compute().sum().item() for m in metrics]
+    y_all = torch.cat(targets)
+    return [loss(torch.cat(o), y_all).item() for o in outputs]

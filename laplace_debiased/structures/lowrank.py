@@ -50,6 +50,7 @@ from laplace_debiased.curvature import eigen
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
+from laplace_debiased.evaluation.predictive import dense_posterior_scale, lowrank_functional_covariance
 
 __all__ = [
     "DebiasedLowRankLaplace",
@@ -201,6 +202,18 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
         )
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
 
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
+        "prior term minus low-rank correction" cancellation
+        (:func:`laplace_debiased.evaluation.predictive.lowrank_functional_covariance`)."""
+        (U, lam), prior = self.posterior_precision
+        return lowrank_functional_covariance(Js, U, lam, prior)
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint ``(n·C, n·C)`` covariance; its diagonal blocks are :meth:`functional_variance`."""
+        n, C, P = Js.shape
+        return self.functional_variance(Js.reshape(1, n * C, P))[0]
+
     def state_dict(self) -> dict[str, Any]:
         """laplace-torch's state plus the eigen settings as flat entries: tensors, numbers and
         strings only, so ``torch.load(..., weights_only=True)`` reads it."""
@@ -278,6 +291,26 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
         self.eigenvalues = lam.to(self._dtype)
         self._posterior_scale = None
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
+
+    def _compute_scale(self) -> None:
+        """Posterior scale from a float64 eigendecomposition (laplace-torch's Cholesky fails or
+        turns non-finite in float32 at small prior precision); the float64 scale is kept for
+        :meth:`functional_variance` (:func:`laplace_debiased.evaluation.predictive.dense_posterior_scale`)."""
+        self._check_H_init()
+        self._posterior_scale64 = dense_posterior_scale(self.H, self._H_factor, self.prior_precision_diag)
+        self._posterior_scale = self._posterior_scale64.to(self._dtype)
+
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """``(J S)(J S)ᵀ`` ``(n, C, C)`` with the float64 scale ``S Sᵀ = P⁻¹``, cast to ``Js.dtype``."""
+        if self._posterior_scale is None:
+            self._compute_scale()
+        JS = Js.double() @ self._posterior_scale64
+        return (JS @ JS.transpose(-1, -2)).to(Js.dtype)
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint ``(n·C, n·C)`` covariance; its diagonal blocks are :meth:`functional_variance`."""
+        n, C, P = Js.shape
+        return self.functional_variance(Js.reshape(1, n * C, P))[0]
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()

@@ -281,6 +281,23 @@ class TwoBatchLaplaceMixin:
             total = total + self.backend.factor * self.backend.lossfunc(f, y)
         return total
 
+    def _glm_functional_samples(
+        self,
+        f_mu: torch.Tensor,
+        f_var: torch.Tensor,
+        n_samples: int,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """laplace-torch's GLM functional samples (``link_approx="mc"``) from a float64 square
+        root of ``f_var`` (:func:`laplace_debiased.evaluation.predictive.normal_samples`);
+        laplace-torch's float32 Cholesky fails at small prior precision."""
+        from laplace_debiased.evaluation.predictive import normal_samples
+
+        if diagonal_output:
+            f_var = torch.diagonal(f_var, dim1=1, dim2=2)
+        return normal_samples(f_mu, f_var, n_samples, generator)
+
     def _gridsearch(
         self,
         loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float],
@@ -292,7 +309,23 @@ class TwoBatchLaplaceMixin:
         progress_bar: bool = False,
     ) -> torch.Tensor:
         """Grid search over prior precisions; unlike laplace-torch 0.3 the running metric
-        is reset before every grid point, so each point is scored on its own predictions."""
+        is reset before every grid point, so each point is scored on its own predictions.
+
+        Classification with the GLM predictive and a probit/bridge/mc link scores the whole
+        grid from one predictive pass over ``val_loader``
+        (:func:`laplace_debiased.evaluation.predictive.grid_validation_scores`); other
+        settings (and dict batches) evaluate ``validate`` once per grid point."""
+        from laplace_debiased.evaluation import predictive
+
+        if predictive.gridsearch_supported(self, pred_type, link_approx):
+            try:
+                scores = predictive.grid_validation_scores(
+                    self, loss, interval, val_loader, link_approx, n_samples
+                )
+            except predictive.UnsupportedBatches:
+                pass
+            else:
+                return interval[int(np.argmin(scores))]
         results: list[float] = []
         for prior_prec in tqdm.tqdm(interval, disable=not progress_bar):
             self.prior_precision = prior_prec
