@@ -300,6 +300,10 @@ class CrossFitStructure:
     def covariance(self, rotated, delta) -> Tensor:
         return self.covariances(rotated, [delta])[0]
 
+    def variances(self, rotated, prior_precisions, project: bool = False) -> Tensor:
+        """``diag Σ(δ)`` (or ``diag ΠΣ(δ)Π``), ``(G, n, C)``: the average of the components'."""
+        return 0.5 * sum(p.variances(r, prior_precisions, project) for p, r in zip(self.parts, rotated))
+
 
 class DebiasedEKFACLaplace(DebiasedKronLaplace):
     """Two-batch debiased EKFAC Laplace over all weights (``Laplace(...,
@@ -353,7 +357,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
     ) -> Tensor:
-        self._check_supported()
+        self._check_supported(direction_batches)
         loss, direction = self._kfac(direction_batches, N)
         same = magnitude_batches is direction_batches
         magnitude = None
