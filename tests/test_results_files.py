@@ -110,7 +110,7 @@ def _hold(folder: Path, seconds: float) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_a_second_process_is_refused_or_waits(tmp_path):
-    holder = _hold(tmp_path, 2.0)
+    holder = _hold(tmp_path, 5.0)
     try:
         with pytest.raises(OutputLockedError, match=f"another run \\(pid {holder.pid}\\) holds the lock"):
             with output_lock(tmp_path):
