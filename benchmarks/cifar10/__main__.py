@@ -25,7 +25,7 @@ import json
 import platform
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,14 @@ from .fits import Fit, run_fits
 from .plots import auroc_figure, reliability_figure, tracking_figures
 from .predict import PREDICTIVE_VERSION, predictions
 from .report import markdown
-from .train import MapConfig, nll_acc, train
+from .train import ALLCNNC, MapConfig, train
+
+
+@torch.no_grad()
+def softmax(model, X: torch.Tensor, chunk: int = 1000) -> torch.Tensor:
+    """MAP class probabilities ``(N, C)`` on the CPU, computed in chunks on the model's device."""
+    dev = next(model.parameters()).device
+    return torch.cat([torch.softmax(model(x.to(dev)), -1).cpu() for x in X.split(chunk)])
 
 
 def label(fit: Fit, rank: int, n_train: int) -> str:
@@ -106,17 +113,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"), help="output folder")
     parser.add_argument("--quick", action="store_true", help="short training, small sets, 2 draws: exercises every step")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    parser.add_argument("--setting", choices=("cpu", "allcnnc"), default="cpu",
+                        help="cpu: cifar_cnn on a 10k subset (default); allcnnc: the paper's ALL-CNN-C "
+                             "setting on 40k images, for a GPU (--device cuda)")
     for f in ("repeats", "n_test", "n_corrupt", "n_val", "n_ood", "mc_samples", "n_boot"):
         parser.add_argument("--" + f.replace("_", "-"), type=int, default=None)
+    parser.add_argument("--only-sets", nargs="+", default=None, metavar="SET",
+                        help="helper mode: predict (and cache) only these evaluation sets, in this order, then exit "
+                             "without a report; run beside the main run of the same configuration, once it has "
+                             "chosen the grid, to use a second core (sets: val test c1 .. c5 ood)")
     parser.add_argument("--fresh", action="store_true", help="discard the cached fits and predictions of this configuration")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    cfg = Config.quick_config() if args.quick else Config()
+    if args.quick and args.setting == "allcnnc":
+        parser.error("--quick is for the cpu setting")
+    cfg = Config.quick_config() if args.quick else Config.allcnnc_config() if args.setting == "allcnnc" else Config()
     for f in ("repeats", "n_test", "n_corrupt", "n_val", "n_ood", "mc_samples", "n_boot"):
         if getattr(args, f) is not None:
             setattr(cfg, f, getattr(args, f))
-    out = Path(args.out) / ("quick" if cfg.quick else "")
+    out = Path(args.out) / ("quick" if cfg.quick else "allcnnc" if cfg.model == "allcnnc" else "")
     out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
@@ -127,15 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg.n_test, cfg.n_val = min(cfg.n_test, len(data.test)), min(cfg.n_val, len(data.val))
     cfg.n_corrupt, cfg.n_ood = min(cfg.n_corrupt, cfg.n_test), min(cfg.n_ood, cfg.n_test)
     train_set = torch.utils.data.TensorDataset(X[:n_train], y[:n_train])
-    map_cfg = MapConfig(n_train=n_train, epochs=cfg.epochs, seed=cfg.seed)
-    model, history = train(map_cfg, X[:n_train], y[:n_train], *data.val.tensors, log=log)
-    with torch.no_grad():
-        map_train = M.classification_metrics(torch.softmax(model(X[:n_train]), -1), y[:n_train])
-        map_test = M.classification_metrics(torch.softmax(model(data.test.tensors[0]), -1), data.test.tensors[1])
+    base = ALLCNNC if cfg.model == "allcnnc" else MapConfig()
+    map_cfg = replace(base, n_train=n_train, epochs=cfg.epochs, seed=cfg.seed)
+    model, history = train(map_cfg, X[:n_train], y[:n_train], *data.val.tensors, device=args.device, log=log)
+    map_train = M.classification_metrics(softmax(model, X[:n_train]), y[:n_train])
+    map_test = M.classification_metrics(softmax(model, data.test.tensors[0]), data.test.tensors[1])
     log(f"MAP: train NLL {map_train['nll']:.4f} ECE {map_train['ece']:.4f}; test NLL {map_test['nll']:.4f} "
         f"ECE {map_test['ece']:.4f} acc {map_test['accuracy']:.4f}")
 
-    model_id = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:12]
+    model_id = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()[:12]
     root = default_cache_dir() / "cifar10_laplace"
     fit_key = cfg.key("seed", "full_batch_size", "lowrank_rank", "batch_sizes", "lowrank_batch_sizes")
     fit_cache = root / f"fits-{model_id}-{fit_key}"
@@ -155,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     log("prior-precision grid (validation set) ...")
     grid, interior = choose_grid(model, fits, sets, cfg, pred_cache, log)
     log(f"predictive on {len(grid)} prior precisions ...")
+    if args.only_sets:
+        predictions(model, fits, sets, grid, cfg, pred_cache, names=args.only_sets, log=log)
+        return 0
     probs, maps = predictions(model, fits, sets, grid, cfg, pred_cache, log=log)
 
     res = E.curves(probs, maps, sets)
@@ -173,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
 
     figures = tracking_figures(groups, {m: f for m, f in fulls.items()}, res, grid, out)
     chosen, auroc_rows = {}, {}
-    for name, fs in [*groups.items(), *((f.name, [f]) for f in fulls.values())]:
+    order = ("kron", "debiased_kron", "kron-full", "lowrank_ll", "debiased_lowrank_ll", "lowrank_ll-full")
+    every = sorted([*groups.values(), *([f] for f in fulls.values())], key=lambda fs: (order.index(fs[0].method), fs[0].b or 0))
+    for fs in every:
         sels = [summary["selected"][f.key]["val_nll"] for f in fs]
         first = fs[0]
         chosen[first.extra["label"]] = (probs["test"][first.key][sels[0]["index"]], sels[0]["prior_precision"])
@@ -188,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         "n_train": n_train, "n_test_all": len(data.test), "map_train": map_train, "map_test": map_test,
         "train_epochs": len(history), "train_history": history,
         "set_sizes": ", ".join(f"{k} {len(v[1]):,}" for k, v in sets.items()),
-        "device": f"CPU ({platform.processor() or platform.machine()}), {args.threads} torch threads on a shared 2-core "
-                  "machine; no GPU (the ALL-CNN-C setting is benchmarks/allcnnc_gpu.py)",
+        "device": (f"CPU ({platform.processor() or platform.machine()}), {args.threads} torch threads on a shared 2-core "
+                   "machine; no GPU (the ALL-CNN-C setting: --setting allcnnc --device cuda)") if args.device == "cpu"
+                  else f"{args.device} ({torch.cuda.get_device_name() if args.device.startswith('cuda') else args.device})",
         "fits_loaded_from_cache": [f.key for f in fits if f.extra.get("cached")],
         "wall_seconds": time.perf_counter() - t0, "figures": figures,
     }

@@ -39,6 +39,7 @@ class Config:
     """Everything that determines the numbers (hashed into the cache keys)."""
 
     quick: bool = False
+    model: str = "cifar_cnn"  # or "allcnnc" (the paper's GPU setting)
     n_train: int = 10000  # MAP training subset (first n of the seeded 45k split)
     epochs: int = 30
     batch_sizes: tuple[int, ...] = (512,)  # single-batch b; debiased runs at 2 x b/2
@@ -54,6 +55,14 @@ class Config:
     chunk_size: int = 64
     n_boot: int = 200
     seed: int = 0
+
+    @classmethod
+    def allcnnc_config(cls) -> Config:
+        """The paper's ALL-CNN-C CIFAR-10 setting (GPU): 40k training images, 350 epochs of SGD,
+        full test set and full corrupted sets; no last-layer rows (ALL-CNN-C has no final Linear)."""
+        return cls(model="allcnnc", n_train=40000, epochs=350, batch_sizes=(128, 512, 2048), repeats=5,
+                   lowrank_batch_sizes=(), n_val=5000, n_test=10000, n_corrupt=10000, n_ood=10000,
+                   chunk_size=32)
 
     @classmethod
     def quick_config(cls) -> Config:

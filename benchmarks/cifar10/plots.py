@@ -75,7 +75,7 @@ def reliability_figure(chosen: dict, map_probs, y, out: Path) -> str:
     cols = 3
     rows = -(-n // cols)
     fig = plt.figure(figsize=(4.6 * cols, 5.2 * rows))
-    gs = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows, hspace=0.45)
+    gs = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows, hspace=0.65)
     ref = M.reliability_bins(map_probs, y)
     centers = (np.array(ref["edges"][:-1]) + np.array(ref["edges"][1:])) / 2
     width = 1 / len(centers)

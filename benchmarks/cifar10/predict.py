@@ -51,13 +51,14 @@ def _predict(model, fits: list[Fit], todo: dict[str, list[float]], X: torch.Tens
              cfg: Config) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
     """``out[probs_key][δ]`` ``(N, C)`` for the prior precisions ``todo[fit.key]``, and the MAP."""
     params = list(model.parameters())
+    dev = params[0].device
     n_ll = 2  # the last nn.Linear's weight and bias are the model's last two parameters
     out: dict[str, dict[str, list[torch.Tensor]]] = {}
     maps = []
-    gen = torch.Generator()
+    gen = torch.Generator(device=dev)
     for ci, x in enumerate(X.split(cfg.chunk_size)):
-        f, jacs = logit_jacobians(model, params, x)
-        maps.append(torch.softmax(f, -1))
+        f, jacs = logit_jacobians(model, params, x.to(dev))
+        maps.append(torch.softmax(f, -1).cpu())
         for fit in fits:
             deltas = todo.get(fit.key)
             if not deltas:
@@ -68,7 +69,7 @@ def _predict(model, fits: list[Fit], todo: dict[str, list[float]], X: torch.Tens
                 slot = out.setdefault(probs_key(fit, stream), {})
                 for delta, cov in zip(deltas, covs):
                     gen.manual_seed(_seed(cfg, set_name, ci, stream))
-                    slot.setdefault(_dkey(delta), []).append(apply_link("mc", f, cov, cfg.mc_samples, gen))
+                    slot.setdefault(_dkey(delta), []).append(apply_link("mc", f, cov, cfg.mc_samples, gen).cpu())
             del rotated, covs
         del jacs
     return ({k: {d: torch.cat(v) for d, v in slot.items()} for k, slot in out.items()}, torch.cat(maps))
