@@ -9,7 +9,6 @@ percentage points.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import numpy as np
@@ -148,7 +147,7 @@ def tracking(probs: dict, sets: dict, groups: dict[str, list[Fit]], full_key: st
 # Targets
 # ---------------------------------------------------------------------------------------------
 def targets(summary: dict, res: dict, groups: dict[str, list[Fit]], full_key: str, target_b: int) -> list[dict]:
-    """The issue's targets, each with ``met`` True/False (None: informational)."""
+    """The issue's targets, each with ``met`` True or False."""
     out: list[dict] = []
     tr = summary["tracking_paper_grid"]
     floor = tr["noise_floor"]
@@ -200,6 +199,3 @@ def targets(summary: dict, res: dict, groups: dict[str, list[Fit]], full_key: st
                             "met": bool(max(d_deb) <= 1 and min(d_single) > 1)})
     return out
 
-
-def log10_dist(a: float, b: float) -> float:
-    return abs(math.log10(a) - math.log10(b))
