@@ -1,0 +1,196 @@
+"""The Laplace fits of the benchmark, each measured (wall time, peak RSS) and cached on disk.
+
+Methods (all GGN curvature; K-FAC through laplace-torch's default Curvlinops backend):
+
+* ``kron-b``                  laplace-torch ``KronLaplace`` on one batch of b (all weights);
+* ``debiased_kron-b``         ``DebiasedKronLaplace`` on the *same* b samples split 2 x b/2;
+* ``kron-full``               ``KronLaplace`` over the whole training set;
+* ``lowrank_ll-b``            last-layer rank-k eigen LA on one batch of b
+                              (``DebiasedLowRankLLLaplace`` with B̃ = B);
+* ``debiased_lowrank_ll-b``   the same at 2 x b/2 (directions from B, eigenvalues from B̃);
+* ``lowrank_ll-full``         the rank-k LA of the full-data last-layer GGN (top-k eigenpairs of
+                              the GGN over all training images, with their full-data eigenvalues):
+                              the fair reference of the two low-rank rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from laplace import KronLaplace
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_debiased.evaluation.predictive import posterior_structure
+from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.structures.lowrank import DebiasedLowRankLLLaplace
+
+from .config import WIDE_GRID, Config
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * _PAGE
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the baseline may then include freed heap
+        pass
+
+
+def measured(fn: Callable[[], Any], interval: float = 0.005) -> tuple[Any, float, float]:
+    """Run ``fn()``; return its result, wall seconds, and the peak RSS increase in MiB over the RSS
+    just before it (sampled every ``interval`` s from ``/proc/self/statm`` after ``gc.collect()`` +
+    ``malloc_trim(0)``; tracemalloc cannot see torch's allocations)."""
+    _release_memory()
+    base = _rss_bytes()
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            done.wait(interval)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    try:
+        result = fn()
+    finally:
+        seconds = time.perf_counter() - start
+        done.set()
+        thread.join()
+    peak[0] = max(peak[0], _rss_bytes())
+    return result, seconds, (peak[0] - base) / 2**20
+
+
+@dataclass
+class Fit:
+    """One fitted posterior: what the predictive needs, its marginal likelihood, its cost.
+
+    ``subset``: ``"all"`` (every weight) or ``"last_layer"`` (the last ``nn.Linear``; its
+    structure is over ``[weight, bias]`` of that layer, the model's last two parameters).
+    ``log_marglik``: ``log p(D | δ)`` on :data:`config.WIDE_GRID` (None if the class has none).
+    """
+
+    name: str
+    method: str
+    b: int | None
+    repeat: int | None
+    subset: str
+    seconds: float
+    peak_mib: float
+    structure: Any
+    log_marglik: list[float] | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}#{self.repeat}"
+
+
+def log_marglik(la) -> list[float] | None:
+    """``log p(D | δ)`` of a fitted laplace-torch object on :data:`WIDE_GRID` (None if n/a)."""
+    try:
+        return [float(la.log_marginal_likelihood(prior_precision=torch.tensor([d]))) for d in WIDE_GRID]
+    except (NotImplementedError, AttributeError, RuntimeError, ValueError, TypeError) as err:
+        print(f"  (no marglik for {type(la).__name__}: {err})", flush=True)
+        return None
+
+
+def _loader(train: TensorDataset, idx: np.ndarray, batch_size: int) -> DataLoader:
+    """Loader over the samples ``idx`` of ``train`` in that order; ``len(loader.dataset)`` is the
+    training-set size N, so every fit scales its curvature to N like laplace-torch."""
+    return DataLoader(train, batch_size=batch_size, sampler=idx.tolist(), shuffle=False)
+
+
+def fit_kron(model, train, idx, debiased: bool):
+    """Single-batch K-FAC on ``idx`` or debiased K-FAC on ``idx`` split in halves (B, then B̃)."""
+    la = (DebiasedKronLaplace if debiased else KronLaplace)(model, "classification")
+    la.fit(_loader(train, idx, len(idx) // 2 if debiased else len(idx)))
+    return la
+
+
+def fit_kron_full(model, train, batch_size: int):
+    la = KronLaplace(model, "classification")
+    la.fit(DataLoader(train, batch_size=batch_size, shuffle=False))
+    return la
+
+
+def fit_lowrank_ll(model, train, idx, rank: int, debiased: bool):
+    """Last-layer rank-``rank`` LA: debiased at 2 x |idx|/2, else B̃ = B on all of ``idx``."""
+    la = DebiasedLowRankLLLaplace(model, "classification", rank=rank)
+    if debiased:
+        la.fit(_loader(train, idx, len(idx) // 2))
+    else:
+        loader = _loader(train, idx, len(idx))
+        la.fit(loader, magnitude_loader=loader)
+    return la
+
+
+def fit_lowrank_ll_full(model, train, rank: int, batch_size: int):
+    """Top-``rank`` eigenpairs of the full-data last-layer GGN, with full-data eigenvalues."""
+    la = DebiasedLowRankLLLaplace(model, "classification", rank=rank)
+    loader = DataLoader(train, batch_size=batch_size, shuffle=False)
+    la.fit(loader, magnitude_loader=loader)
+    return la
+
+
+def run_fits(model, train: TensorDataset, cfg: Config, cache: Path, log=print) -> list[Fit]:
+    """Every fit; single-batch and debiased fits of the same draw back to back, alternating which
+    goes first.  Each finished fit is saved as ``cache/fit-<name>-r<repeat>.pt`` and loaded on the
+    next run (its time is then the one of the run that fitted it; ``extra["cached"]`` says so)."""
+    fits: list[Fit] = []
+    n = len(train)
+
+    def record(name, method, b, r, subset, fn) -> None:
+        path = cache / f"fit-{name}-r{r}.pt"
+        if path.is_file():
+            fit = torch.load(path, weights_only=False)
+            fit.extra["cached"] = True
+            fits.append(fit)
+            return
+        la, sec, mib = measured(fn)
+        fit = Fit(name, method, b, r, subset, sec, mib, posterior_structure(la), log_marglik(la),
+                  {"cached": False, "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+        del la
+        tmp = path.with_name(path.name + f".{os.getpid()}.part")
+        torch.save(fit, tmp)
+        tmp.replace(path)
+        fits.append(fit)
+        log(f"  fit {name:<26} repeat {r}: {sec:7.2f} s, peak +{mib:7.1f} MiB")
+
+    rng = np.random.default_rng(cfg.seed)
+    low_rng = np.random.default_rng([cfg.seed, 2])  # own stream: K-FAC draws do not depend on it
+    for r in range(cfg.repeats):
+        for i, b in enumerate(cfg.batch_sizes):
+            idx = rng.choice(n, size=b, replace=False)
+            pair = [(f"kron-{b}", "kron", False), (f"debiased_kron-{b}", "debiased_kron", True)]
+            for name, method, deb in pair[:: -1 if (r + i) % 2 else 1]:
+                record(name, method, b, r, "all", lambda idx=idx, deb=deb: fit_kron(model, train, idx, deb))
+        for i, b in enumerate(cfg.lowrank_batch_sizes):
+            idx = low_rng.choice(n, size=b, replace=False)
+            k = cfg.lowrank_rank
+            pair = [(f"lowrank_ll-{b}", "lowrank_ll", False), (f"debiased_lowrank_ll-{b}", "debiased_lowrank_ll", True)]
+            for name, method, deb in pair[:: -1 if (r + i) % 2 else 1]:
+                record(name, method, b, r, "last_layer",
+                       lambda idx=idx, deb=deb: fit_lowrank_ll(model, train, idx, k, deb))
+    if cfg.lowrank_batch_sizes:
+        record("lowrank_ll-full", "lowrank_ll-full", None, None, "last_layer",
+               lambda: fit_lowrank_ll_full(model, train, cfg.lowrank_rank, cfg.full_batch_size))
+    record("kron-full", "kron-full", None, None, "all", lambda: fit_kron_full(model, train, cfg.full_batch_size))
+    return fits
