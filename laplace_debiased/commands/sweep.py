@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from laplace_debiased.evaluation.pipeline import add_pipeline_arguments, resolve_options, run_pipeline
+from laplace_debiased.evaluation.options import add_pipeline_arguments, resolve_options
 
 HELP = "prior-precision sweep of fitted Laplace approximations, resumable"
 
@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep (no report); exit status 2 on bad options."""
+    from laplace_debiased.evaluation.pipeline import run_pipeline
+
     try:
         paths = run_pipeline(resolve_options(args), report=False)
     except (ValueError, FileNotFoundError) as err:

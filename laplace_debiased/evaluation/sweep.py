@@ -23,20 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from laplace_debiased.evaluation import metrics
+from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS
 from laplace_debiased.evaluation.predictive import LINKS, GridPredictive
-
-#: The paper's 13 log-spaced prior precisions 1e-4 ... 1, plus 10 (14 points).
-DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
-    float(f"{v:.6g}") for v in [*np.logspace(-4, 0, 13), 10.0]
-)
-#: Default links: the projected probit (right, deterministic) and laplace-torch's diagonal
-#: probit, recorded for comparison.
-DEFAULT_LINKS: tuple[str, ...] = ("probit_projected", "probit")
 
 
 @dataclass
