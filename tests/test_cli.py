@@ -130,3 +130,26 @@ def test_missing_cifar_data_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "cifar-10-batches-bin" in err and "Traceback" not in err
+
+
+def test_progress_bars_only_on_a_terminal_and_never_when_quiet(monkeypatch):
+    from laplace_debiased import _progress
+
+    class Tty:
+        def __init__(self, tty: bool):
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+        def write(self, text: str) -> int:
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Tty(False))
+    assert not _progress.progress_enabled() and _progress.progress_bar(range(3), desc="x").disable
+    monkeypatch.setattr(sys, "stderr", Tty(True))
+    assert _progress.progress_enabled() and not _progress.progress_enabled(quiet=True)
+    assert list(_progress.progress_bar(range(3), desc="x")) == [0, 1, 2]

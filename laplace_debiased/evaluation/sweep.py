@@ -152,7 +152,7 @@ def run_sweep(
 
     ``map_model`` evaluates the MAP baseline rows (method ``"map"``, link ``"map"``) when given.
     """
-    from tqdm.auto import tqdm
+    from laplace_debiased._progress import progress_bar
 
     for link in links:
         if link not in LINKS:
@@ -187,7 +187,7 @@ def run_sweep(
                 append_row(out_path, {**base("map", 0, None, es, "map", False), **mets[es.name]})
 
     jobs = [(m, r) for m in methods for r in range(m.repeats)]
-    for method, repeat in tqdm(jobs, desc="sweep", disable=not progress):
+    for method, repeat in progress_bar(jobs, desc="fit + sweep", unit="fit", quiet=not progress):
         mlinks = tuple(method.links or links)
         keys = {
             (es.name, d, link): row_key(base(method.name, repeat, d, es, link, method.full_batch))
