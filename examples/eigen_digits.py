@@ -119,4 +119,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import warnings
+
+    # laplace-torch warns on every gridsearch although link_approx="mc" is passed
+    warnings.filterwarnings("ignore", message="By default `link_approx`")
     main()
