@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from laplace_debiased.evaluation.options import DEFAULTS, METHODS, add_pipeline_arguments, load_config, resolve_options  # noqa: F401  flags live in options (torch-free, fast --help)
+# the flags live in the torch-free options module (fast --help); re-exported here
+from laplace_debiased.evaluation.options import (  # noqa: F401
+    DEFAULTS, METHODS, add_pipeline_arguments, load_config, resolve_options,
+)
 from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
 
 def _tensors(ds: Dataset, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
