@@ -24,6 +24,17 @@ def register() -> None:
     importlib.import_module("laplace_debiased.structures.lowrank")  # "debiased_lowrank", "debiased_full"
 
 
+def _structures_initialising() -> bool:
+    """Whether ``laplace`` is being imported by a module of :mod:`laplace_debiased.structures`
+    (then defining the classes now would meet a partly executed module; the package's own
+    ``__init__`` imports them all once it finishes)."""
+    for name, module in list(sys.modules.items()):
+        if name == "laplace_debiased.structures" or name.startswith("laplace_debiased.structures."):
+            if getattr(getattr(module, "__spec__", None), "_initializing", False):
+                return True
+    return False
+
+
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Find ``laplace`` with the remaining finders and register once its module has executed."""
 
@@ -38,7 +49,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module: ModuleType) -> None:
             exec_module(module)
-            register()
+            if not _structures_initialising():  # else the structures package registers them itself
+                register()
 
         spec.loader.exec_module = exec_then_register  # the loader object belongs to this spec alone
         return spec

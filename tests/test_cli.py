@@ -42,9 +42,12 @@ def test_cli_and_every_help_import_no_torch():
     assert res.stdout.strip() == ""
 
 
-def test_import_registers_the_debiased_structures_after_a_later_laplace_import():
-    code = ("import sys, laplace_debiased\n"
-            "assert 'torch' not in sys.modules\n"
+@pytest.mark.parametrize("first", ["laplace_debiased", "laplace_debiased.structures.two_batch",
+                                   "laplace_debiased.structures.lowrank"])
+def test_import_registers_the_debiased_structures_after_a_later_laplace_import(first):
+    """A submodule that imports laplace itself (two_batch) used to meet a partly executed module."""
+    lazy = "assert 'torch' not in sys.modules\n" if first == "laplace_debiased" else ""
+    code = (f"import sys, {first}\n" + lazy +
             "import torch\n"
             "from laplace import Laplace\n"
             "m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))\n"
