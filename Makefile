@@ -21,9 +21,9 @@ $(STAMP): requirements-cpu.lock pyproject.toml
 	    echo "make: '$(PYTHON) -m venv' failed. On Debian/Ubuntu install the venv module first: 'sudo apt install python3-venv', then rerun make." >&2; exit 1; }; \
 	  echo "$(INTERPRETER)" > $(VENV)/.interpreter; \
 	fi
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps -r requirements-cpu.lock
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-cpu.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
