@@ -1,28 +1,60 @@
-# Set-up and entry points for CPU-only machines. `make run` and `make test` install first.
+# Set-up and entry points for CPU-only machines. `make run` and `make test` need only `python3`
+# on the PATH: they create ./.venv with it (Debian's python3 refuses pip outside a venv, PEP 668),
+# install into it, then run. `make ... PYTHON=/path/to/python3.11` picks another interpreter.
 PYTHON ?= python3
-PIP = $(PYTHON) -m pip
-STAMP = .install.stamp
+VENV ?= .venv
+PY = $(VENV)/bin/python
 
-.PHONY: install run test bench
+# The install is keyed to the interpreter: its version and the hash of its real path. Another
+# python3 (a pyenv switch, an upgrade) recreates the venv instead of reusing a broken one.
+INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
+STAMP = $(VENV)/.installed-$(INTERPRETER)
+
+.PHONY: install run test bench clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --no-deps -r requirements-cpu.lock
-	$(PIP) install -q --no-deps --no-build-isolation -e .
-	@touch $(STAMP)
+	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
+	@if [ "$$(cat $(VENV)/.interpreter 2>/dev/null)" != "$(INTERPRETER)" ]; then \
+	  rm -rf $(VENV); \
+	  echo "creating $(VENV) with $(PYTHON) ($(INTERPRETER))"; \
+	  $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
+	    echo "make: '$(PYTHON) -m venv' failed. On Debian/Ubuntu install the venv module first: 'sudo apt install python3-venv', then rerun make." >&2; exit 1; }; \
+	  echo "$(INTERPRETER)" > $(VENV)/.interpreter; \
+	fi
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-cpu.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@rm -f $(VENV)/.installed-*
+	@touch $@
 
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PYTHON) -m laplace_debiased
+	$(PY) -m laplace_debiased
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q tests
+	$(PY) -m pytest -q tests
 
-# Benchmarks (not tests): real CIFAR-10 from ../shared/data, built once into the cache.
-DATA ?= $(HOME)/.cache/laplace-debiased/data
+clean-venv:
+	rm -rf $(VENV)
+
+# Benchmarks (not tests) need real CIFAR-10. Give its folder with CIFAR10_DIR=DIR (holding
+# cifar-10-batches-bin/ or cifar-10-batches-py/), or CIFAR10_SOURCE=DIR holding the project's
+# build_cifar10.py and its JPEG tars (default: ../shared/data, when it exists), which builds the
+# binary layout once into CIFAR10_DIR.
+CIFAR10_DIR ?= $(HOME)/.cache/laplace-debiased/data
+CIFAR10_SOURCE ?= $(wildcard ../shared/data)
 bench: $(STAMP)
-	$(PYTHON) ../shared/data/build_cifar10.py $(DATA)
-	LAPLACE_DEBIASED_DATA=$(DATA) $(PYTHON) benchmarks/sweep_speed.py
-	LAPLACE_DEBIASED_DATA=$(DATA) $(PYTHON) benchmarks/cg_figure5.py
-	LAPLACE_DEBIASED_DATA=$(DATA) $(PYTHON) benchmarks/cifar10_laplace.py
+	@if [ ! -d "$(CIFAR10_DIR)/cifar-10-batches-bin" ] && [ ! -d "$(CIFAR10_DIR)/cifar-10-batches-py" ]; then \
+	  if [ -f "$(CIFAR10_SOURCE)/build_cifar10.py" ]; then \
+	    $(PY) "$(CIFAR10_SOURCE)/build_cifar10.py" "$(CIFAR10_DIR)" || exit 1; \
+	  else \
+	    echo "make bench: no CIFAR-10 under CIFAR10_DIR=$(CIFAR10_DIR) and no CIFAR10_SOURCE with build_cifar10.py." >&2; \
+	    echo "  Download the official 'CIFAR-10 binary version' from https://www.cs.toronto.edu/~kriz/cifar.html," >&2; \
+	    echo "  unpack it into DIR (giving DIR/cifar-10-batches-bin/), then run: make bench CIFAR10_DIR=DIR" >&2; \
+	    exit 2; \
+	  fi; \
+	fi
+	LAPLACE_DEBIASED_DATA=$(CIFAR10_DIR) $(PY) benchmarks/sweep_speed.py
+	LAPLACE_DEBIASED_DATA=$(CIFAR10_DIR) $(PY) benchmarks/cg_figure5.py
+	LAPLACE_DEBIASED_DATA=$(CIFAR10_DIR) $(PY) benchmarks/cifar10_laplace.py

@@ -14,8 +14,11 @@ All curvatures are scaled to the training-set size. The prior precision of every
 by grid search on the validation NLL (MC link, laplace-torch's GLM predictive), then test NLL,
 ECE and accuracy are reported as mean ± std over ``--seeds`` random batch draws.
 
-Run: ``python examples/eigen_digits.py`` (about two minutes on one CPU core; ``--quick`` for
-a smoke run).
+The prior precision is searched over 1e-1 ... 1e4: with N = 1,000 the best δ lies far above
+the paper's CIFAR-10 grid, and below δ ≈ 10 every approximation is worse than the MAP network.
+
+Run: ``python examples/eigen_digits.py`` (under a minute on 2 cores once the MAP model is cached;
+``--quick`` for a smoke run).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def run_method(name, model, subset, structure, fit_kwargs, data, args, seed, la_
     torch.manual_seed(0)
     la.optimize_prior_precision(
         method="gridsearch", val_loader=data["val"], link_approx="mc", n_samples=args.mc_samples,
-        log_prior_prec_min=-2, log_prior_prec_max=3, grid_size=args.grid_size,
+        log_prior_prec_min=-1, log_prior_prec_max=4, grid_size=args.grid_size,
     )
     probs = predict(la, data["test"], args.mc_samples)
     return {"method": name, "nll": nll(probs, data["y_test"]), "ece": ece(probs, data["y_test"]),
@@ -59,9 +62,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32, help="b: samples per batch")
     parser.add_argument("--rank", type=int, default=20, help="k for debiased_lowrank")
-    parser.add_argument("--seeds", type=int, default=3, help="random batch draws")
+    parser.add_argument("--seeds", type=int, default=2, help="random batch draws")
     parser.add_argument("--grid-size", type=int, default=11)
-    parser.add_argument("--mc-samples", type=int, default=200)
+    parser.add_argument("--mc-samples", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="1 seed, coarse grid, few MC samples")
     args = parser.parse_args()
     if args.quick:
@@ -98,7 +101,6 @@ def main() -> None:
             else:
                 fit_kwargs, data_seeded = {}, data
             rows.append(run_method(name, model, subset, structure, fit_kwargs, data_seeded, args, seed, la_kwargs))
-            print(f"seed {seed} {rows[-1]}", flush=True)
     full = {**data, "fit_loader": lambda _s: DataLoader(splits["train"], batch_size=256)}
     rows.append(run_method("LL full all data (stock)", model, "last_layer", "full", {}, full, args, 0))
 
@@ -117,4 +119,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import warnings
+
+    # laplace-torch warns on every gridsearch although link_approx="mc" is passed
+    warnings.filterwarnings("ignore", message="By default `link_approx`")
     main()

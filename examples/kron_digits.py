@@ -11,13 +11,17 @@ Trains (or loads from the cache) a MAP ``digits_cnn``, then fits over all weight
 * ``kron (full batch)``: K-FAC over all N training points (one batch, B̃ = B: exactly
   ``KronLaplace.fit`` on that loader),
 
-tunes each (scalar) prior precision by the Laplace marginal likelihood (meaningful for the
-debiased fit: its ``loss`` is rescaled to the full data set) or, with ``--select val``, by
-validation NLL over the paper's grid, and prints test NLL and ECE (15 bins, l1) of the
+tunes each (scalar) prior precision by validation NLL over a log grid 1e-2 ... 1e4 (or, with
+``--select marglik``, by the Laplace marginal likelihood), and prints test NLL and ECE (15 bins, l1) of the
 linearized predictive with the probit on the logit-difference subspace
-(:class:`laplace_debiased.evaluation.predictive.GridPredictive`).  The last column is laplace-torch's own
-diagonal GLM probit for comparison: it is fooled by the softmax-invariant logit direction.
-Run: ``python examples/kron_digits.py`` (about 20 s of CPU once the MAP model is cached).
+(:class:`laplace_debiased.evaluation.predictive.GridPredictive`).
+
+Why the prior precision must be chosen on validation data over a wide grid: with N = 1,000 the
+likelihood curvature is ~50x smaller than on CIFAR-10, so the best δ is ~1e3, far above the
+paper's grid (1e-4 ... 10, tuned to N = 50,000), and the marginal likelihood of this overfit
+network picks δ ≈ 3.  At δ ≤ 10 every LA is worse than the MAP network (NLL 0.3-0.6 against
+0.116); at the validation-chosen δ the LA improves on it.
+Run: ``python examples/kron_digits.py`` (about 20 s on 2 cores once the MAP model is cached).
 """
 
 from __future__ import annotations
@@ -32,28 +36,23 @@ import laplace_debiased  # noqa: F401  registers 'debiased_kron'
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.evaluation.metrics import ece, nll
 from laplace_debiased.evaluation.predictive import GridPredictive
-from laplace_debiased.evaluation.sweep import DEFAULT_PRIOR_PRECISIONS
 from laplace_debiased.evaluation.training import default_digits_model
 
 
-@torch.no_grad()
-def laplace_probit(la, loader: DataLoader) -> torch.Tensor:
-    """laplace-torch's diagonal GLM probit, in small chunks (it builds per-sample Jacobians)."""
-    return torch.cat([la(X, pred_type="glm", link_approx="probit") for X, _ in loader])
+PRIORS = torch.logspace(-2, 4, 25).tolist()  # candidate prior precisions δ
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=128, help="single-batch size")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--select", choices=("marglik", "val"), default="marglik",
-                        help="prior precision by marginal likelihood or by validation NLL on the paper's grid")
+    parser.add_argument("--select", choices=("val", "marglik"), default="val",
+                        help="prior precision by validation NLL on a log grid 1e-2 ... 1e4, or by marginal likelihood")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
 
-    model, splits = default_digits_model(seed=args.seed)
+    model, splits = default_digits_model(seed=args.seed, log=None)
     model.eval()
-    test = DataLoader(splits["test"], batch_size=100)
     shuffle = torch.Generator().manual_seed(args.seed)
     single = DataLoader(splits["train"], batch_size=args.batch_size, shuffle=True, generator=shuffle)
     halves = DataLoader(splits["train"], batch_size=args.batch_size // 2, shuffle=True,
@@ -67,8 +66,7 @@ def main() -> None:
     }
     print(f"N = {len(splits['train'])}, single batch = {args.batch_size}, "
           f"B = B̃ = {args.batch_size // 2} samples")
-    print(f"{'posterior':22s} {'prior prec':>10s} {'test NLL':>9s} {'test ECE':>9s} {'fit s':>6s}"
-          f" {'NLL diag. probit':>17s}")
+    print(f"{'posterior':22s} {'prior prec':>10s} {'test NLL':>9s} {'test ECE':>9s} {'fit s':>6s}")
     x_test, y_test = splits["test"].tensors
     x_val, y_val = splits["val"].tensors
     probs = torch.softmax(model(x_test), -1).detach()
@@ -80,19 +78,15 @@ def main() -> None:
         seconds = time.perf_counter() - start
         predictive = GridPredictive(la)
         if args.select == "val":
-            val_probs = predictive.grid(x_val, DEFAULT_PRIOR_PRECISIONS)["probit_projected"]
+            val_probs = predictive.grid(x_val, PRIORS)["probit_projected"]
             best = min(range(len(val_probs)), key=lambda g: nll(val_probs[g], y_val))
-            la.prior_precision = DEFAULT_PRIOR_PRECISIONS[best]
+            la.prior_precision = PRIORS[best]
         else:
             la.optimize_prior_precision(method="marglik")
         probs = predictive(x_test)
-        diag = laplace_probit(la, test)
         print(f"{name:22s} {la.prior_precision.item():10.3g} {nll(probs, y_test):9.4f} "
-              f"{ece(probs, y_test):9.4f} {seconds:6.2f} {nll(diag, y_test):17.4f}")
+              f"{ece(probs, y_test):9.4f} {seconds:6.2f}")
 
 
 if __name__ == "__main__":
-    import warnings
-
-    warnings.filterwarnings("ignore", message="By default `link_approx`")
     main()

@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 from laplace_debiased import _moved  # noqa: E402
 
 _moved.install()
-from laplace_debiased.structures import kron as _kron  # noqa: E402,F401  registers "debiased_kron"
-from laplace_debiased.structures import lowrank as _lowrank  # noqa: E402,F401  registers "debiased_lowrank", "debiased_full"
-from laplace_debiased.structures import ekfac as _ekfac  # noqa: E402,F401  registers "debiased_ekfac"
+from laplace_debiased import _register  # noqa: E402
+
+# Registers the debiased structures now if laplace-torch is already imported, else right after
+# its import, so that ``python -m laplace_debiased --help`` does not import torch.
+_register.when_laplace_is_imported()

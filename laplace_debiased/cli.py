@@ -6,8 +6,10 @@ Every command lives in its own module ``laplace_debiased.commands.<name>`` that 
 * ``add_arguments(parser: argparse.ArgumentParser) -> None``,
 * ``run(args: argparse.Namespace) -> int`` -- the exit status.
 
-Modules are imported only when their command runs, so ``--help`` stays fast.  With no command
-at all the main job runs (``laplace-debiased`` == ``laplace-debiased main``).
+Only the chosen command's module is imported, and command modules import torch only inside
+``run``, so ``--help`` stays well under a second.  With no command at all the main job runs
+(``laplace-debiased`` == ``laplace-debiased main``).  The CLI adds ``--threads`` to the commands
+that compute (:mod:`laplace_debiased._threads`) and applies it before the command starts.
 """
 
 from __future__ import annotations
@@ -17,12 +19,37 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from laplace_debiased._threads import add_threads_argument, apply_threads
+
 COMMANDS: dict[str, str] = {
     "main": "run the whole pipeline (train or load a model, fit, sweep, report)",
     "sweep": "prior-precision sweep of fitted Laplace approximations, resumable",
     "report": "turn sweep results into a calibration report (Markdown + HTML)",
     "diagnose": "measure how biased mini-batch quadratics are (bias report)",
 }
+#: commands that run torch work and so take ``--threads``
+THREADED = ("main", "sweep", "diagnose")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show each option's default (not ``None``/``False``: the help says what those mean), and
+    the command's docstring as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
+    """The parser of command ``name`` and its module (imported here, which must stay cheap)."""
+    module = importlib.import_module(f"laplace_debiased.commands.{name}")
+    parser = argparse.ArgumentParser(prog=f"laplace-debiased {name}", description=module.__doc__,
+                                     formatter_class=_HelpFormatter)
+    module.add_arguments(parser)
+    if name in THREADED:
+        add_threads_argument(parser)
+    return parser, module
 
 
 def _overview() -> str:
@@ -47,7 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"laplace-debiased: unknown command {name!r}\n\n{_overview()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"laplace_debiased.commands.{name}")
-    parser = argparse.ArgumentParser(prog=f"laplace-debiased {name}", description=COMMANDS[name])
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(argv)) or 0)
+    parser, module = build_parser(name)
+    args = parser.parse_args(argv)
+    if name in THREADED:
+        apply_threads(args.threads)
+        del args.threads
+    return int(module.run(args) or 0)

@@ -2,23 +2,91 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
 import pytest
 
-from laplace_debiased import cli
+from laplace_debiased import _threads, cli
+from laplace_debiased.evaluation.options import resolve_options
 from laplace_debiased.evaluation.pipeline import load_config
 
 
-@pytest.mark.parametrize("cmd", ["main", "sweep", "report"])
-def test_help(cmd, capsys):
+def _help(cmd: str, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
         cli.main([cmd, "--help"])
     assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "--out" in out
+    return capsys.readouterr().out
+
+
+def test_each_command_has_its_own_help_with_its_defaults(capsys):
+    texts = {cmd: " ".join(_help(cmd, capsys).split()) for cmd in cli.COMMANDS}
+    assert len(set(texts.values())) == len(texts)  # main and sweep used to print the same text
+    for cmd, text in texts.items():
+        assert f"laplace-debiased {cmd}" in text and "--out" in text
+    assert "(default: 64)" in texts["sweep"] and "(default: 3)" in texts["main"]  # batch size, repeats
+    assert "(default: 50)" in texts["diagnose"] and "(default: ggn)" in texts["diagnose"]
+    assert "cifar100" in texts["main"] and "cifar100" in texts["sweep"]
+    for cmd in cli.THREADED:
+        assert "--threads THREADS" in texts[cmd] and f"(default: {_threads.default_threads()})" in texts[cmd]
+
+
+def test_cli_and_every_help_import_no_torch():
+    code = ("import sys, laplace_debiased.cli as cli\n"
+            "for name in cli.COMMANDS: cli.build_parser(name)[0].format_help()\n"
+            "heavy = sorted(m for m in ('torch', 'laplace', 'numpy', 'matplotlib') if m in sys.modules)\n"
+            "print(','.join(heavy))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("first", ["laplace_debiased", "laplace_debiased.structures.two_batch",
+                                   "laplace_debiased.structures.lowrank"])
+def test_import_registers_the_debiased_structures_after_a_later_laplace_import(first):
+    """A submodule that imports laplace itself (two_batch) used to meet a partly executed module."""
+    lazy = "assert 'torch' not in sys.modules\n" if first == "laplace_debiased" else ""
+    code = (f"import sys, {first}\n" + lazy +
+            "import torch\n"
+            "from laplace import Laplace\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))\n"
+            "print(type(Laplace(m, 'classification', subset_of_weights='all', hessian_structure='debiased_kron')).__name__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "DebiasedKronLaplace"
+
+
+def test_threads_default_respects_omp_num_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _threads.default_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert _threads.default_threads() == _threads.available_cores() >= 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "garbage")
+    assert _threads.default_threads() == _threads.available_cores()
+
+
+def test_threads_are_applied_before_the_command_runs(monkeypatch, capsys):
+    from laplace_debiased.commands import sweep
+
+    calls = []
+    monkeypatch.setattr(cli, "apply_threads", lambda n: calls.append(("threads", n)))
+    monkeypatch.setattr(sweep, "run", lambda args: calls.append(("run", hasattr(args, "threads"))) or 0)
+    assert cli.main(["sweep", "--threads", "3", "--quiet"]) == 0
+    assert calls == [("threads", 3), ("run", False)]
+    with pytest.raises(SystemExit):
+        cli.main(["sweep", "--threads", "0"])
+    assert "positive integer" in capsys.readouterr().err
+
+
+def test_cifar100_is_a_data_choice_with_its_own_test_set(tmp_path, capsys):
+    opts = resolve_options(argparse.Namespace(data="cifar100"))
+    assert opts["eval"] == ["cifar100-test"]
+    code = cli.main(["main", "--data", "cifar100", "--data-root", str(tmp_path / "nowhere"),
+                     "--out", str(tmp_path / "out"), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cifar-100" in err and "Traceback" not in err
 
 
 def test_config_file_keys_mirror_flags_and_unknown_keys_fail(tmp_path):
@@ -67,3 +135,26 @@ def test_missing_cifar_data_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "cifar-10-batches-bin" in err and "Traceback" not in err
+
+
+def test_progress_bars_only_on_a_terminal_and_never_when_quiet(monkeypatch):
+    from laplace_debiased import _progress
+
+    class Tty:
+        def __init__(self, tty: bool):
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+        def write(self, text: str) -> int:
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Tty(False))
+    assert not _progress.progress_enabled() and _progress.progress_bar(range(3), desc="x").disable
+    monkeypatch.setattr(sys, "stderr", Tty(True))
+    assert _progress.progress_enabled() and not _progress.progress_enabled(quiet=True)
+    assert list(_progress.progress_bar(range(3), desc="x")) == [0, 1, 2]

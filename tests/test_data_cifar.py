@@ -262,6 +262,47 @@ def test_malicious_pickle_is_refused_without_running(tmp_path, payload):
         assert marker.exists()
 
 
+def _pickle_with_data(data_value: bytes) -> bytes:
+    """An official-looking CIFAR-10 python pickle whose 'data' value is the given pickle bytes."""
+    return b"\x80\x02}(" + _pystr(b"data") + data_value + _pystr(b"labels") + b"](J\x01\x00\x00\x00eu."
+
+
+_RECONSTRUCT = b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\n"
+_SHAPE_1x3072 = b"K\x01M\x00\x0c\x86"  # the tuple (1, 3072)
+
+
+@pytest.mark.parametrize("how", ["ndarray-call", "reconstruct-typecode"])
+def test_float64_array_in_pickle_is_refused(tmp_path, how):
+    """Two ways to get a float64 ndarray past a dtype filter that sees only numpy.dtype(...)."""
+    if how == "ndarray-call":  # numpy.ndarray((1, 3072), 'f8') called directly by REDUCE
+        value = b"cnumpy\nndarray\n" + _SHAPE_1x3072 + _pystr(b"f8") + b"\x86R"
+    else:  # _reconstruct(ndarray, (1, 3072), 'd') and no __setstate__: a float64 array
+        value = _RECONSTRUCT + _SHAPE_1x3072 + _pystr(b"d") + b"\x87R"
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(_pickle_with_data(value))
+    assert pickle.loads(path.read_bytes(), encoding="latin1")["data"].dtype == np.float64  # live
+    with pytest.raises(C.DataIntegrityError, match="test_batch: .*(refused|uint8)"):
+        C.load_cifar10(tmp_path, "test", verify="structure")
+
+
+@pytest.mark.parametrize("where", ["reconstruct", "setstate"])
+def test_huge_array_declared_in_pickle_is_a_clear_error_not_memoryerror(tmp_path, where):
+    huge = b"\x8a\x08" + (2**62).to_bytes(8, "little") + b"\x85"  # the tuple (2**62,)
+    if where == "reconstruct":
+        value = _RECONSTRUCT + huge + _pystr(b"b") + b"\x87R"
+    else:  # official reconstruction, then a state declaring 2**62 uint8 with 3 bytes of data
+        value = (_RECONSTRUCT + b"K\x00\x85" + _pystr(b"b") + b"\x87R"
+                 b"(K\x01" + huge + b"cnumpy\ndtype\n" + _pystr(b"u1") + b"K\x00K\x01\x87R"
+                 b"(K\x03" + _pystr(b"|") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
+                 b"\x89" + _pystr(b"abc") + b"tb")  # fmt: skip
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(_pickle_with_data(value))
+    with pytest.raises(C.DataIntegrityError, match="test_batch: "):
+        C.load_cifar10(tmp_path, "test", verify="structure")
+
+
 # ----------------------------------------------------------------------------- split, stats
 
 

@@ -10,7 +10,7 @@ import pytest
 from test_data_cifar import random_images, write_binary
 
 from laplace_debiased.data import cifar_c as CC
-from laplace_debiased.data.cifar import DataIntegrityError
+from laplace_debiased.data.cifar import DataIntegrityError, file_digest
 from laplace_debiased.data.corruptions import CORRUPTIONS, corrupt
 from laplace_debiased.data.eval_sets import resolve_eval_set
 
@@ -89,9 +89,45 @@ def test_truncated_and_malformed_files_are_refused(tmp_path):
     np.save(path, np.zeros((5 * N, 32, 32), np.uint8))
     with pytest.raises(DataIntegrityError, match=r"fog.npy: expected uint8 \(20, 32, 32, 3\)"):
         CC.CifarC(tmp_path, n_test=N).select("fog", 1)
-    np.save(tmp_path / "labels.npy", np.arange(5 * N, dtype=np.uint8))
+    np.save(tmp_path / "labels.npy", (np.arange(5 * N) % 10).astype(np.uint8))  # in range, not repeating
     with pytest.raises(DataIntegrityError, match="repeat the same test labels"):
         CC.CifarC(tmp_path, n_test=N)
+
+
+@pytest.mark.parametrize("dataset, bad", [("cifar10", 10), ("cifar10", 255), ("cifar100", 100)])
+def test_out_of_range_labels_are_refused(tmp_path, dataset, bad):
+    write_release(tmp_path, names=("fog",), labels=np.array([3, 1, bad, 1]))
+    with pytest.raises(DataIntegrityError, match=rf"labels.npy: labels outside \[0, {10 if dataset == 'cifar10' else 100}\)"):
+        CC.CifarC(tmp_path, n_test=N, dataset=dataset)
+    write_release(tmp_path, names=("fog",), labels=np.array([3, 1, 9, 1]))
+    assert CC.CifarC(tmp_path, n_test=N, dataset=dataset).labels.max() == 9
+
+
+def test_npy_with_trailing_bytes_is_refused(tmp_path):
+    write_release(tmp_path, names=("fog",))
+    path = tmp_path / "fog.npy"
+    path.write_bytes(path.read_bytes() + b"\x00" * 7)
+    with pytest.raises(DataIntegrityError, match="fog.npy: 7 bytes after the array data"):
+        CC.CifarC(tmp_path, n_test=N).select("fog", 1)
+    labels = tmp_path / "labels.npy"
+    labels.write_bytes(labels.read_bytes() + b"x")
+    with pytest.raises(DataIntegrityError, match="labels.npy: 1 bytes after the array data"):
+        CC.CifarC(tmp_path, n_test=N)
+
+
+def test_object_dtype_and_huge_declared_npy_are_refused(tmp_path):
+    write_release(tmp_path, names=("fog",))
+    arr = np.empty((5 * N, 32, 32, 3), dtype=object)
+    np.save(tmp_path / "fog.npy", arr, allow_pickle=True)
+    with pytest.raises(DataIntegrityError, match="fog.npy: holds Python objects"):
+        CC.CifarC(tmp_path, n_test=N).select("fog", 1)
+    # a header declaring 2**40 images over a few bytes of data: refused before any mapping
+    with open(tmp_path / "fog.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "|u1", "fortran_order": False, "shape": (2**40, 32, 32, 3)})
+        f.write(b"\x00" * 64)
+    with pytest.raises(DataIntegrityError, match="fog.npy: expected uint8"):
+        CC.CifarC(tmp_path, n_test=N).select("fog", 1)
 
 
 def test_user_checksums(tmp_path):
@@ -185,6 +221,16 @@ def test_resolve_generated_and_mixed_with_cache(clean_root, tmp_path):
     with pytest.warns(UserWarning, match="fails its integrity check"):
         fixed = resolve_eval_set("cifar10-c-generated:contrast:2", root, **kw)
     np.testing.assert_array_equal(fixed.uint8(slice(None)), corrupt(x, "contrast", 2, 5))
+
+    # an object-dtype cache file (with a matching sidecar hash) is refused, never unpickled
+    obj = np.empty(arr.shape, dtype=object)
+    np.save(npy, obj, allow_pickle=True)
+    sidecar = npy.with_suffix(".json")
+    meta = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({**meta, "sha256": file_digest(npy, "sha256")}))
+    with pytest.raises(DataIntegrityError, match="holds Python objects.*delete it"):
+        resolve_eval_set("cifar10-c-generated:contrast:2", root, **kw)
+    npy.unlink()
 
     mixed = resolve_eval_set("cifar10-c-mixed:3", root, **kw)
     assert len(mixed) == 6 and mixed.corruption_names == CORRUPTIONS

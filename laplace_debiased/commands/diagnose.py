@@ -11,16 +11,17 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from laplace_debiased._progress import progress_bar
 
-from laplace_debiased.evaluation.training import DIGITS_CONFIG, default_digits_model
+if TYPE_CHECKING:  # torch is imported inside run(), so that --help stays fast
+    import torch
+    from torch import nn
 
 HELP = "measure how biased mini-batch quadratics are (bias report)"
 
 DEFAULT_BATCH_SIZE = 50
-DEFAULT_BETA = DIGITS_CONFIG.weight_decay  # the default model's MAP ℓ² term (prior precision per point)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,22 +30,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-file", type=Path, help="torch.save'd nn.Module (default: the digits CNN)")
     parser.add_argument("--data", type=Path, help="torch.save'd {'X': inputs, 'y': targets} (default: digits train split)")
     parser.add_argument("--likelihood", choices=("classification", "regression"), default="classification",
-                        help="cross-entropy or mean squared error (default: classification)")
+                        help="cross-entropy or mean squared error")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="your mini-batch size b")
-    parser.add_argument("--curvature", choices=("ggn", "hessian", "ef"), default="ggn")
+    parser.add_argument("--curvature", choices=("ggn", "hessian", "ef"), default="ggn",
+                        help="curvature matrix: generalized Gauss-Newton, Hessian or empirical Fisher")
     parser.add_argument("--beta", type=float, default=None,
-                        help=f"l2 term beta of the mean-loss quadratic (default {DEFAULT_BETA} for the default model, else 0)")
+                        help="l2 term beta of the mean-loss quadratic (default: the default model's MAP weight "
+                             "decay, or 0 with --model-file)")
     parser.add_argument("--top-k", type=int, default=20, help="eigenvectors per batch")
     parser.add_argument("--cg-steps", type=int, default=10, help="CG directions per batch")
     parser.add_argument("--sources", type=int, default=2, help="direction batches (repeats)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="batch-size study (default b, 2b, 4b, ... <= N/2)")
     parser.add_argument("--no-kfac", action="store_true", help="skip the K-FAC batch-size study")
     parser.add_argument("--no-full-eigen", action="store_true", help="skip Lanczos on the full data set")
-    parser.add_argument("--tolerance", type=float, default=0.1, help="acceptable relative bias (default 0.1)")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="acceptable relative bias")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                         help="precision of the curvature products (Lanczos itself runs in float64)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (batch draws, default model)")
+    parser.add_argument("--no-progress", "--quiet", action="store_true",
+                        help="no progress bar (bars are drawn only when stderr is a terminal)")
 
 
 def _fail(msg: str) -> int:
@@ -53,12 +57,17 @@ def _fail(msg: str) -> int:
 
 
 def _load_inputs(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor, float]:
+    import torch
+    from torch import nn
+
+    from laplace_debiased.evaluation.training import DIGITS_CONFIG, default_digits_model
+
     if (args.model_file is None) != (args.data is None):
         raise ValueError("pass both --model-file and --data, or neither (for the default digits model)")
     if args.model_file is None:
         model, splits = default_digits_model(seed=args.seed)
         X, y = splits["train"].tensors
-        return model, X, y, DEFAULT_BETA if args.beta is None else args.beta
+        return model, X, y, DIGITS_CONFIG.weight_decay if args.beta is None else args.beta
     for path in (args.model_file, args.data):
         if not path.is_file():
             raise ValueError(f"{path} does not exist")
@@ -73,6 +82,9 @@ def _load_inputs(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, tor
 
 def run(args: argparse.Namespace) -> int:
     """Run the diagnosis and write the report; exit status 0 on success, 2 on bad input."""
+    import torch
+    from torch import nn
+
     from laplace_debiased.diagnostics.bias import DiagnosisConfig, diagnose_bias, n_stages, planned_products
     from laplace_debiased.diagnostics.report import write_report
 
@@ -99,9 +111,7 @@ def run(args: argparse.Namespace) -> int:
     for stage, text in plan.items():
         print(f"  {stage}: {text}")
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=n_stages(config, X.shape[0]), desc="diagnose", disable=args.no_progress, file=sys.stderr)
+    bar = progress_bar(total=n_stages(config, X.shape[0]), desc="diagnose", quiet=args.no_progress, unit="stage")
 
     def progress(msg: str) -> None:
         bar.set_postfix_str(msg)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from laplace_debiased.evaluation.pipeline import add_pipeline_arguments, resolve_options, run_pipeline
-from laplace_debiased.evaluation.sweep import OutputLockedError
+from laplace_debiased.evaluation.options import add_pipeline_arguments, resolve_options
 
 HELP = "run the whole pipeline (train or load a model, fit, sweep, report)"
 
@@ -22,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the pipeline; exit status 2 on bad options or an output folder held by another run."""
+    from laplace_debiased.evaluation.pipeline import run_pipeline
+    from laplace_debiased.evaluation.sweep import OutputLockedError
+
     try:
         opts = resolve_options(args)
         paths = run_pipeline(opts, report=True)

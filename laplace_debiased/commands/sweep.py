@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from laplace_debiased.evaluation.pipeline import add_pipeline_arguments, resolve_options, run_pipeline
-from laplace_debiased.evaluation.sweep import OutputLockedError
+from laplace_debiased.evaluation.options import add_pipeline_arguments, resolve_options
 
 HELP = "prior-precision sweep of fitted Laplace approximations, resumable"
 
@@ -19,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep (no report); exit status 2 on bad options or an output folder held by another run."""
+    from laplace_debiased.evaluation.pipeline import run_pipeline
+    from laplace_debiased.evaluation.sweep import OutputLockedError
+
     try:
         paths = run_pipeline(resolve_options(args), report=False)
     except (ValueError, FileNotFoundError, OutputLockedError) as err:

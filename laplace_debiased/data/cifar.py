@@ -164,11 +164,36 @@ def _uint8_dtype(spec, align=False, copy=False):
     return np.dtype(spec, align=bool(align), copy=bool(copy))
 
 
+class _NdarrayToken:
+    """Stands for ``numpy.ndarray`` inside a pickle: only :func:`_array_reconstruct` accepts it.
+
+    Handing out the real class would let a pickle call ``numpy.ndarray(shape, "f8")`` directly,
+    an array of any dtype and size that no dtype filter sees.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        raise RefusedPickleContent(
+            "refused a direct numpy.ndarray(...) call: it builds an array of any dtype and size; "
+            "CIFAR pickles hold only uint8 arrays written by numpy."
+        )
+
+
 def _array_reconstruct(cls, shape, typecode):
-    """``_reconstruct`` for unpickling, admitting only plain ``numpy.ndarray``."""
-    if cls is not np.ndarray:
-        raise RefusedPickleContent(f"refused array subclass {cls!r}.")
-    return _numpy_reconstruct()(np.ndarray, shape, typecode)
+    """``_reconstruct`` for unpickling, admitting only what numpy itself writes.
+
+    numpy pickles an array as ``_reconstruct(ndarray, (0,), b"b")`` and then sets shape, dtype
+    and bytes with ``__setstate__`` (where the dtype passes :func:`_uint8_dtype` and numpy checks
+    that the bytes fill the shape).  Any other shape or type code would build an array of another
+    dtype, or allocate a declared size before a single byte is checked.
+    """
+    if cls is not _NdarrayToken:
+        raise RefusedPickleContent(f"refused array class {cls!r}.")
+    if tuple(shape) != (0,) or typecode not in ("b", b"b"):
+        raise RefusedPickleContent(
+            f"refused array reconstruction with shape {shape!r} and type code {typecode!r} "
+            "(numpy writes (0,) and 'b', then the uint8 content)."
+        )
+    return _numpy_reconstruct()(np.ndarray, (0,), "b")
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -182,7 +207,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     _ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"): _array_reconstruct,
         ("numpy._core.multiarray", "_reconstruct"): _array_reconstruct,
-        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "ndarray"): _NdarrayToken,
         ("numpy", "dtype"): _uint8_dtype,
     }
 
@@ -206,6 +231,11 @@ def read_python_batch(path: Path) -> dict:
             obj = RestrictedUnpickler(f, encoding="latin1").load()
     except RefusedPickleContent as err:
         raise DataIntegrityError(f"{path}: {err}") from err
+    except (MemoryError, OverflowError) as err:
+        raise DataIntegrityError(
+            f"{path}: declares an array too large to hold ({type(err).__name__}); the file is not "
+            "an official CIFAR file."
+        ) from err
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as err:
         raise DataIntegrityError(
             f"{path}: not a complete CIFAR python pickle ({type(err).__name__}: {err}); the file "
@@ -225,8 +255,8 @@ def _python_records(
     if missing:
         raise DataIntegrityError(f"{path}: keys {missing} missing; found {sorted(batch)}.")
     data = batch["data"]
-    if not isinstance(data, np.ndarray) or data.ndim != 2 or data.shape[1] != PIXELS:
-        found = getattr(data, "shape", type(data).__name__)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != PIXELS:
+        found = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
         raise DataIntegrityError(f"{path}: 'data' should be uint8 (n, {PIXELS}), found {found}.")
     n = data.shape[0]
     if expected is not None and n != expected:

@@ -32,24 +32,59 @@ ARCHIVE_MD5 = {  # Zenodo records 2535967 (CIFAR-10-C) and 3555552 (CIFAR-100-C)
 }
 
 
-def _open_npy(path: Path, shape: tuple[int, ...], checksum: str | None) -> np.memmap:
-    """Memory-map a released ``.npy`` file after checking header, size and optional checksum."""
+def _npy_header(path: Path) -> tuple[np.dtype, tuple[int, ...], int]:
+    """dtype, shape and data offset of a ``.npy`` file, read from its header alone."""
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version not in readers:
+            raise ValueError(f".npy format version {version} (numpy writes 1.0 or 2.0 for plain arrays)")
+        shape, fortran_order, dtype = readers[version](f)
+        if fortran_order:
+            raise ValueError("Fortran-ordered array (numpy's np.save of a C array writes C order)")
+        return dtype, tuple(shape), f.tell()
+
+
+def open_npy(path: Path, shape: tuple[int, ...] | None = None, checksum: str | None = None,
+             tail: tuple[int, ...] | None = None) -> np.memmap:
+    """Memory-map a uint8 ``.npy`` file after checking it, without ever unpickling.
+
+    Checked, from the header before any mapping: the dtype is uint8 (an object array is refused,
+    since loading it would run pickle); the shape is ``shape`` (or ends in ``tail``); and the file
+    size is exactly header + data (refusing truncated files, trailing bytes and headers that
+    declare more data than the file holds).  ``checksum``: optional md5 or sha256 of the file.
+    """
+    path = Path(path)
     if not path.is_file():
         raise DataIntegrityError(f"{path}: file not found.")
     if checksum is not None:
         verify_checksum(path, checksum, "user-given checksum")
+    want = f"uint8 {shape}" if shape is not None else f"uint8 (..., {', '.join(map(str, tail or ()))})"
     try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as err:  # truncated data: mmap larger than the file; bad header
+        dtype, found, offset = _npy_header(path)
+    except (ValueError, EOFError, SyntaxError) as err:
+        raise DataIntegrityError(f"{path}: not a .npy file of {want} ({err}); the file is altered.") from err
+    if dtype.hasobject:
         raise DataIntegrityError(
-            f"{path}: not a complete .npy file of uint8 {shape} ({err}); the file is truncated "
-            "or altered."
-        ) from err
-    if array.dtype != np.uint8 or array.shape != shape:
-        raise DataIntegrityError(
-            f"{path}: expected uint8 {shape}, found {array.dtype} {array.shape}."
+            f"{path}: holds Python objects (dtype {dtype}); refused, since loading it would run "
+            "pickle. If it is a cache file, delete it (it is regenerated); else replace it with the "
+            "official uint8 file."
         )
-    return array
+    if dtype != np.uint8 or (shape is not None and found != shape) or (tail and found[-len(tail):] != tail):
+        raise DataIntegrityError(f"{path}: expected {want}, found {dtype} {found}.")
+    expected_size = offset + int(np.prod(found, dtype=np.int64))
+    size = path.stat().st_size
+    if size < expected_size:
+        raise DataIntegrityError(
+            f"{path}: not a complete .npy file of {want} ({size} bytes, header needs {expected_size}); "
+            "the file is truncated or altered."
+        )
+    if size > expected_size:
+        raise DataIntegrityError(
+            f"{path}: {size - expected_size} bytes after the array data; the file is altered or not a "
+            "single .npy array."
+        )
+    return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
 def parse_corruptions(corruptions: str | Sequence[str]) -> tuple[str, ...]:
@@ -105,6 +140,12 @@ class CifarC:
         self.checksums = dict(checksums or {})
         self._maps: dict[str, np.memmap] = {}
         self.labels = self._open("labels").astype(np.int64)
+        n_classes = 10 if dataset == "cifar10" else 100
+        if self.labels.max(initial=0) >= n_classes:
+            raise DataIntegrityError(
+                f"{self.directory / 'labels.npy'}: labels outside [0, {n_classes}) (max "
+                f"{self.labels.max()}); not the {dataset} test labels."
+            )
         if not np.array_equal(self.labels, np.tile(self.labels[:n_test], N_SEVERITIES)):
             raise DataIntegrityError(
                 f"{self.directory / 'labels.npy'}: the five severity blocks should repeat the same "
@@ -115,7 +156,7 @@ class CifarC:
         if name not in self._maps:
             shape = (N_SEVERITIES * self.n_test,) + (() if name == "labels" else (32, 32, 3))
             file = f"{name}.npy"
-            self._maps[name] = _open_npy(self.directory / file, shape, self.checksums.get(file))
+            self._maps[name] = open_npy(self.directory / file, shape, self.checksums.get(file))
         return self._maps[name]
 
     def _dataset(self, names: Sequence[str], which: np.ndarray, rows: np.ndarray, info: dict):

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..evaluation.training import default_cache_dir
 from .cifar import Verify, cifar_splits, default_data_root, file_digest, load_cifar10, load_cifar100
-from .cifar_c import CifarC, RowView, mixed_choice, parse_corruptions
+from .cifar_c import CifarC, RowView, mixed_choice, open_npy, parse_corruptions
 from .corruptions import CORRUPTIONS, corrupt
 from .images import ImageDataset
 
@@ -127,7 +127,7 @@ def _cached(cache: Path, stem: str, params: dict, make) -> tuple[np.ndarray, dic
         except json.JSONDecodeError:
             meta = {}
         if meta.get("params") == params and meta.get("sha256") == file_digest(data, "sha256"):
-            return np.load(data, mmap_mode="r", allow_pickle=False), meta
+            return open_npy(data, tail=(32, 32, 3)), meta
         warnings.warn(
             f"Cached set {data} fails its integrity check (hash or parameters differ); "
             "regenerating it.",
@@ -141,7 +141,7 @@ def _cached(cache: Path, stem: str, params: dict, make) -> tuple[np.ndarray, dic
     tmp.replace(data)
     meta_path.with_suffix(".json.part").write_text(json.dumps(meta))
     meta_path.with_suffix(".json.part").replace(meta_path)
-    return np.load(data, mmap_mode="r", allow_pickle=False), meta
+    return open_npy(data, tail=(32, 32, 3)), meta
 
 
 def _cache_root(cache_dir: str | Path | None) -> Path:

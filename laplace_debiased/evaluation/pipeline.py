@@ -30,10 +30,8 @@ a folder that has results but no ``options.json``, is refused.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-import tomllib
 from dataclasses import asdict, replace
 from collections.abc import Callable
 from pathlib import Path
@@ -41,130 +39,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from laplace_debiased.evaluation.sweep import (
-    DEFAULT_LINKS,
-    DEFAULT_PRIOR_PRECISIONS,
-    EvalSet,
-    Method,
-    check_grid,
-    load_rows,
-    output_lock,
-    run_sweep,
+# the flags live in the torch-free options module (fast --help); re-exported here
+from laplace_debiased.evaluation.options import (  # noqa: F401
+    DEFAULTS, METHODS, add_pipeline_arguments, check_grid, load_config, resolve_options,
 )
+from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
 
-METHODS = ("kron_single", "kron_debiased", "kron_full", "lowrank_single", "lowrank_debiased")
-
-DEFAULTS: dict = {
-    "config": None,
-    "out": "laplace-debiased-output",
-    "seed": 0,
-    "quiet": False,
-    "data": "digits",
-    "data_root": None,
-    "eval": [],
-    "eval_size": 2000,
-    "train_size": None,
-    "epochs": None,  # None: the default training of the chosen model
-    "subset": "all",
-    # low rank (k = 30 of 9,802 directions) is opt-in: it cannot help on the digits CNN and doubles the time
-    "methods": ["kron_single", "kron_debiased", "kron_full"],
-    "repeats": 3,
-    "batch_size": 64,
-    "rank": 30,
-    # the paper's 14 points (tuned to CIFAR-10's N = 50k) plus 100 ... 1e5: with N = 300 digits and an
-    # interpolating MAP the likelihood curvature is far smaller, so the best prior precision lies higher
-    # (the digits model's validation choice is 1e3; the grid still grows if a choice lands on an edge)
-    "prior_precisions": [*DEFAULT_PRIOR_PRECISIONS, 100.0, 1000.0, 10000.0, 100000.0],
-    "links": list(DEFAULT_LINKS),
-    "n_samples": 100,
-    "chunk_size": 64,
-    "lock_timeout": 0.0,
-}
 #: grid extensions at most, so that every method's validation choice of δ is interior
 MAX_EXTENSIONS = 4
-
-
-def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``main`` and ``sweep``.  Defaults are applied in :func:`resolve_options` (so that
-    a ``--config`` file can supply them and explicit flags still win)."""
-    S = argparse.SUPPRESS
-    d = DEFAULTS
-    parser.add_argument("--config", default=S, help="JSON or TOML file whose keys mirror these flags")
-    parser.add_argument("--out", default=S, help=f"output folder (default: {d['out']})")
-    parser.add_argument("--seed", type=int, default=S, help=f"random seed (default: {d['seed']})")
-    parser.add_argument("--quiet", action="store_true", default=S, help="no progress bars or log lines")
-    parser.add_argument("--data", choices=("digits", "cifar10"), default=S,
-                        help="digits: scikit-learn 8x8 digits (embedded, default); cifar10: needs --data-root")
-    parser.add_argument("--data-root", default=S, help="CIFAR-10 folder (official binary or python layout)")
-    parser.add_argument("--eval", action="append", default=S, metavar="SPEC",
-                        help="CIFAR evaluation set, repeatable, e.g. cifar10-test, cifar10-c-generated:3 "
-                             "(the first clean one is the in-distribution test set)")
-    parser.add_argument("--eval-size", type=int, default=S,
-                        help=f"at most this many points per CIFAR evaluation set (default: {d['eval_size']})")
-    parser.add_argument("--train-size", type=int, default=S, help="use only this many training points")
-    parser.add_argument("--epochs", type=int, default=S, help="MAP training epochs (default: 300 for digits, 30 for CIFAR-10)")
-    parser.add_argument("--subset", choices=("all", "last_layer"), default=S,
-                        help=f"weights under the Laplace approximation (default: {d['subset']})")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=S,
-                        help=f"approximations to sweep (default: {' '.join(d['methods'])})")
-    parser.add_argument("--repeats", type=int, default=S, help=f"batch draws per method (default: {d['repeats']})")
-    parser.add_argument("--batch-size", type=int, default=S,
-                        help=f"single-batch size; the debiased methods use two halves (default: {d['batch_size']})")
-    parser.add_argument("--rank", type=int, default=S, help=f"rank of the low-rank methods (default: {d['rank']})")
-    parser.add_argument("--prior-precisions", nargs="+", type=float, default=S,
-                        help="prior-precision grid (default: 13 log-spaced values 1e-4..1, plus 10, 100, ..., 1e5; "
-                             "grown at an edge holding a validation choice)")
-    parser.add_argument("--links", nargs="+", choices=("probit_projected", "probit", "mc"), default=S,
-                        help=f"link approximations (default: {' '.join(d['links'])}; the first is the main one)")
-    parser.add_argument("--n-samples", type=int, default=S, help=f"MC samples (default: {d['n_samples']})")
-    parser.add_argument("--chunk-size", type=int, default=S,
-                        help=f"inputs per predictive chunk (memory; default: {d['chunk_size']})")
-    parser.add_argument("--lock-timeout", type=float, default=S, metavar="SECONDS",
-                        help="wait this long for another run writing into --out (default: 0, refuse at once)")
-
-
-def load_config(path: str | Path) -> dict:
-    """Read a JSON or TOML config; keys may use dashes or underscores; unknown keys are errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    text = path.read_text()
-    try:
-        raw = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as err:
-        raise ValueError(f"cannot parse config {path}: {err}") from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"config {path} must hold a table/object of options")
-    cfg = {k.replace("-", "_"): v for k, v in raw.items()}
-    unknown = sorted(set(cfg) - set(DEFAULTS) - {"config"})
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} in {path}; valid: {sorted(DEFAULTS)}")
-    return cfg
-
-
-def resolve_options(args: argparse.Namespace) -> dict:
-    """Defaults < config file < explicit command-line flags; validated."""
-    given = vars(args)
-    opts = dict(DEFAULTS)
-    if given.get("config"):
-        opts.update(load_config(given["config"]))
-    opts.update(given)
-    bad = [m for m in opts["methods"] if m not in METHODS]
-    if bad:
-        raise ValueError(f"unknown method(s) {bad}; choose from {METHODS}")
-    for key in ("repeats", "batch_size", "rank", "n_samples", "chunk_size", "epochs", "eval_size"):
-        if opts[key] is not None and int(opts[key]) < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {opts[key]}")
-    if opts["batch_size"] < 2:
-        raise ValueError("--batch-size must be at least 2 (the debiased methods split it in halves)")
-    check_grid(opts["prior_precisions"], opts["links"])
-    if len(set(opts["methods"])) != len(opts["methods"]):
-        raise ValueError(f"repeated method in --methods {opts['methods']}; give each once")
-    if opts["lock_timeout"] < 0:
-        raise ValueError("--lock-timeout must be >= 0 seconds")
-    if opts["data"] == "cifar10" and not opts["eval"]:
-        opts["eval"] = ["cifar10-test"]
-    return opts
 
 
 def _tensors(ds: Dataset, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,12 +71,12 @@ def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.M
 
 
 def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
-    from laplace_debiased.data import load_cifar10, resolve_eval_set
+    from laplace_debiased.data import load_cifar10, load_cifar100, resolve_eval_set
     from laplace_debiased.evaluation.models import cifar_cnn
 
     if not opts["data_root"]:
-        raise ValueError("--data cifar10 needs --data-root DIR (see /work/shared/data/SOURCES.md)")
-    train = load_cifar10(opts["data_root"], "train")
+        raise ValueError(f"--data {opts['data']} needs --data-root DIR (see /work/shared/data/SOURCES.md)")
+    train = (load_cifar100 if opts["data"] == "cifar100" else load_cifar10)(opts["data_root"], "train")
     sets, have_test = [], False
     for spec in opts["eval"]:
         ds = resolve_eval_set(spec, opts["data_root"], seed=opts["seed"])
@@ -206,7 +88,8 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
         have_test = have_test or kind == "test"
     if not have_test:
         raise ValueError("give a clean in-distribution --eval set first, e.g. --eval cifar10-test")
-    return train, sets, cifar_cnn, "cifar_cnn"
+    n_classes = 100 if opts["data"] == "cifar100" else 10
+    return train, sets, lambda: cifar_cnn(n_classes), "cifar_cnn" if n_classes == 10 else "cifar100_cnn"
 
 
 def _method(name: str, model, train: Dataset, opts: dict) -> Method:
@@ -318,7 +201,7 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
     quiet = opts["quiet"]
     log = None if quiet else (lambda msg: print(msg, flush=True))
     torch.manual_seed(opts["seed"])
-    train, eval_sets, arch, tag = _cifar(opts) if opts["data"] == "cifar10" else _digits(opts)
+    train, eval_sets, arch, tag = _cifar(opts) if opts["data"] != "digits" else _digits(opts)
     if opts["train_size"]:
         train = torch.utils.data.Subset(train, range(min(opts["train_size"], len(train))))
     base = DIGITS_CONFIG if opts["data"] == "digits" else TrainConfig()

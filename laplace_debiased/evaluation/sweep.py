@@ -42,20 +42,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from laplace_debiased.evaluation import metrics
-from laplace_debiased.evaluation.predictive import LINKS, GridPredictive, apply_link, logit_jacobians
+from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, check_grid  # noqa: F401
+from laplace_debiased.evaluation.predictive import GridPredictive, apply_link, logit_jacobians
 
-#: The paper's 13 log-spaced prior precisions 1e-4 ... 1, plus 10 (14 points).
-DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
-    float(f"{v:.6g}") for v in [*np.logspace(-4, 0, 13), 10.0]
-)
-#: Default links: the projected probit (right, deterministic) and laplace-torch's diagonal
-#: probit, recorded for comparison.
-DEFAULT_LINKS: tuple[str, ...] = ("probit_projected", "probit")
 KINDS = ("test", "validation", "corrupted", "ood")
 #: Name of the lock file a writer holds in its output folder.
 LOCK_NAME = ".laplace-debiased.lock"
@@ -244,27 +237,6 @@ def cell_seed(*, seed: int, method: str, repeat: int, eval_set: str, prior_preci
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
-def check_grid(prior_precisions: Sequence[float], links: Sequence[str]) -> list[float]:
-    """Validated grid (each value rounded to 6 significant digits, as rows store it).
-
-    Refuses an empty grid, values that are not finite and positive, and repeated prior precisions
-    or links (they would give duplicated or misaligned rows).
-    """
-    for link in links:
-        if link not in LINKS:
-            raise ValueError(f"unknown link {link!r}; choose from {LINKS}")
-    if len(set(links)) != len(links):
-        raise ValueError(f"repeated link approximation in {list(links)}; give each once")
-    grid = [float(f"{float(d):.6g}") for d in prior_precisions]
-    if not grid:
-        raise ValueError("give at least one prior precision")
-    bad = [d for d in grid if not (math.isfinite(d) and d > 0)]
-    if bad:
-        raise ValueError(f"prior precisions must be positive and finite, got {bad}")
-    if len(set(grid)) != len(grid):
-        raise ValueError(f"repeated prior precision in {grid} (rounded to 6 significant digits); give each once")
-    return grid
-
 
 def _metric_rows(
     probs: dict[str, Tensor], eval_sets: Sequence[EvalSet], reference: EvalSet | None
@@ -370,7 +342,7 @@ def run_sweep(
     The output folder is locked for the whole run (:func:`output_lock`, waiting up to
     ``lock_timeout`` seconds for another writer).
     """
-    from tqdm.auto import tqdm
+    from laplace_debiased._progress import progress_bar
 
     grid = check_grid(prior_precisions, links)
     for m in methods:
@@ -388,7 +360,7 @@ def run_sweep(
             for row in _map_rows(map_model, eval_sets, reference, done):
                 append_row(out_path, row)
         jobs = [(m, r) for m in methods for r in range(m.repeats)]
-        for method, repeat in tqdm(jobs, desc="sweep", disable=not progress):
+        for method, repeat in progress_bar(jobs, desc="fit + sweep", unit="fit", quiet=not progress):
             _sweep_one(method, repeat, eval_sets, reference, grid, out_path, done,
                        n_samples=n_samples, seed=seed, chunk_size=chunk_size, log=log, links=links)
         return load_rows(out_path)

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from laplace_debiased._progress import progress_bar
+
 
 def default_cache_dir() -> Path:
     """``$LAPLACE_DEBIASED_CACHE`` if set, else ``~/.cache/laplace-debiased``."""
@@ -129,7 +131,7 @@ def train_map(
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(config.epochs, 1))
 
     history: list[dict[str, float]] = []
-    for epoch in range(config.epochs):
+    for epoch in progress_bar(range(config.epochs), desc="MAP training", unit="epoch", quiet=log is None):
         start = time.perf_counter()
         model.train()
         for X, y in loader:

@@ -5,3 +5,6 @@
 * :mod:`.kron` -- ``DebiasedKron(LL)Laplace`` (``hessian_structure="debiased_kron"``);
 * :mod:`.lowrank` -- ``DebiasedLowRank(LL)Laplace`` and ``DebiasedFull(LL)Laplace``.
 """
+
+# Importing any submodule defines (and so registers) every debiased class.
+from laplace_debiased.structures import ekfac, kron, lowrank  # noqa: E402,F401

@@ -1,0 +1,78 @@
+"""Wall time of the main job idle vs under a parallel CPU load, for several ``--threads``.
+
+Runs ``python -m laplace_debiased`` (a reduced main job: two K-FAC methods, one batch draw each,
+five prior precisions, the projected probit; the MAP model is trained once in a warm-up run and
+loaded from the cache after, so the timed part is the fits and the sweep) once without and once
+with ``--busy`` extra busy-loop processes, for each thread count, and writes
+``benchmarks/results/threads_under_load.{json,md}``.  The ratio loaded/idle is the figure of
+issue 15 (target: at most 2).  On a shared machine "idle" means no load added by this script; the
+load average at each start is recorded.
+
+    python benchmarks/threads_under_load.py [--threads 1 2] [--busy 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ["--methods", "kron_single", "kron_debiased", "--repeats", "1", "--links", "probit_projected",
+       "--prior-precisions", "1", "10", "100", "1000", "10000", "--quiet"]
+
+
+def run_job(threads: int, busy: int, cache: Path) -> dict:
+    """One main job with ``busy`` busy-loop processes beside it; wall seconds and load average."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "LAPLACE_DEBIASED_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+            env.pop("OMP_NUM_THREADS", None)
+            load = os.getloadavg()[0]
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "laplace_debiased", "--threads", str(threads),
+                            "--out", str(Path(tmp) / "out"), *JOB], env=env, check=True, capture_output=True)
+            seconds = time.perf_counter() - start
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    return {"threads": threads, "busy_processes": busy, "seconds": round(seconds, 1), "load_average_at_start": load}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--busy", type=int, default=2, help="busy-loop processes for the loaded runs")
+    args = parser.parse_args()
+    rows = []
+    cache = Path(tempfile.mkdtemp(prefix="threads-under-load-"))
+    run_job(1, 0, cache)  # warm-up: trains the MAP model into the cache
+    for threads in args.threads:
+        idle = run_job(threads, 0, cache)
+        loaded = run_job(threads, args.busy, cache)
+        rows += [idle, loaded]
+        print(f"threads {threads}: idle {idle['seconds']} s, with {args.busy} busy loops "
+              f"{loaded['seconds']} s, ratio {loaded['seconds'] / idle['seconds']:.2f}", flush=True)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"cores": os.cpu_count(), "job": ["python -m laplace_debiased", *JOB], "rows": rows}
+    (out / "threads_under_load.json").write_text(json.dumps(meta, indent=2))
+    lines = ["| --threads | idle (s) | with %d busy loops (s) | ratio | load avg at start (idle / loaded) |" % args.busy,
+             "|---|---|---|---|---|"]
+    for idle, loaded in zip(rows[::2], rows[1::2]):
+        lines.append(f"| {idle['threads']} | {idle['seconds']} | {loaded['seconds']} | "
+                     f"{loaded['seconds'] / idle['seconds']:.2f} | {idle['load_average_at_start']:.1f} / "
+                     f"{loaded['load_average_at_start']:.1f} |")
+    (out / "threads_under_load.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
