@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -694,11 +694,14 @@ class GridPredictive:
         n_samples: int = 100,
         generator: torch.Generator | None = None,
         progress: bool = False,
+        cell_generators: Mapping[tuple[float, str], torch.Generator] | None = None,
     ) -> dict[str, Tensor]:
         """Predictive probabilities for each prior precision and link.
 
         ``data``: a tensor of inputs ``(N, ...)`` or an iterable of batches.  Returns a dict
         ``link -> (G, N, C)`` for ``G = len(prior_precisions)``, plus ``"map"`` ``(N, C)``.
+        MC draws come from ``generator``, or, with ``cell_generators``, from the generator of
+        each cell ``(prior precision, link)`` (carried across chunks; resumable sweeps use it).
         """
         for link in links:
             if link not in ALL_LINKS:
@@ -713,7 +716,7 @@ class GridPredictive:
         try:
             for x in tqdm(_batches(data, self.chunk_size), disable=not progress, desc="predictive", leave=False):
                 f, jacs = logit_jacobians(self.model, self.params, x)
-                probs = self._chunk(f, jacs, prior_precisions, links, n_samples, generator)
+                probs = self._chunk(f, jacs, prior_precisions, links, n_samples, generator, cell_generators)
                 for link in links:
                     out[link].append(probs[link].to(f.dtype))
                 out["map"].append(torch.softmax(f, -1))
@@ -721,7 +724,7 @@ class GridPredictive:
             self.model.train(was_training)
         return {k: torch.cat(v, dim=0 if k == "map" else 1) for k, v in out.items()}
 
-    def _chunk(self, f: Tensor, jacs, prior_precisions, links, n_samples, generator) -> dict[str, Tensor]:
+    def _chunk(self, f: Tensor, jacs, prior_precisions, links, n_samples, generator, cell_generators=None) -> dict[str, Tensor]:
         """``link -> (G, n, C)`` probabilities for one chunk of inputs.  The probits use the
         structure's variances (never the ``(n, C, C)`` covariance); mc and the bridge need ``Σ``."""
         rotated = self.structure.rotate(jacs)
@@ -737,7 +740,10 @@ class GridPredictive:
         if full:
             covs = self.structure.covariances(rotated, prior_precisions)
             for link in full:  # mc: ε drawn in f.dtype
-                probs[link] = torch.stack([apply_link(link, f64 if link != "mc" else f, cov, n_samples, generator) for cov in covs])
+                gens = [generator if cell_generators is None else cell_generators[(d, link)] for d in prior_precisions]
+                probs[link] = torch.stack([
+                    apply_link(link, f64 if link != "mc" else f, cov, n_samples, gen) for cov, gen in zip(covs, gens)
+                ])
         return probs
 
     def __call__(self, x: Tensor, link: str = "probit_projected", prior_precision=None, **kw) -> Tensor:

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from laplace_debiased.evaluation import metrics
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, check_grid  # noqa: F401
-from laplace_debiased.evaluation.predictive import GridPredictive, apply_link, logit_jacobians
+from laplace_debiased.evaluation.predictive import GridPredictive
 
 KINDS = ("test", "validation", "corrupted", "ood")
 #: Name of the lock file a writer holds in its output folder.
@@ -278,20 +278,8 @@ def cell_probabilities(
     (so the draws depend on ``pred.chunk_size``, and on nothing outside the cell).
     """
     gens = {k: torch.Generator().manual_seed(v) for k, v in seeds.items()}
-    out: dict[str, list[Tensor]] = {link: [] for link in links}
-    was_training = pred.model.training
-    pred.model.eval()
-    try:
-        for chunk in x.split(pred.chunk_size):
-            f, jacs = logit_jacobians(pred.model, pred.params, chunk)
-            covs = pred.structure.covariances(pred.structure.rotate(jacs), grid)
-            for link in links:
-                out[link].append(torch.stack([
-                    apply_link(link, f, cov, n_samples, gens[(delta, link)]) for delta, cov in zip(grid, covs)
-                ]))
-    finally:
-        pred.model.train(was_training)
-    return {link: torch.cat(v, dim=1) for link, v in out.items()}
+    probs = pred.grid(x, grid, links=tuple(links), n_samples=n_samples, cell_generators=gens)
+    return {link: probs[link] for link in links}
 
 
 def _log_marglik(la, delta: float) -> float | None:
