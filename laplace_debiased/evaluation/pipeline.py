@@ -214,18 +214,22 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
         log(f"MAP model ready ({time.perf_counter() - start:.1f} s); N = {len(train)}")
     methods = [_method(m, model, train, opts) for m in opts["methods"]]
     results = out / "results.jsonl"
-    grid = [float(f"{d:.6g}") for d in opts["prior_precisions"]]
-    for extension in range(MAX_EXTENSIONS + 1):
+    configured = [float(f"{d:.6g}") for d in opts["prior_precisions"]]
+    grid = configured
+    while True:
         rows = run_sweep(methods, eval_sets, results, prior_precisions=grid, links=opts["links"],
                          n_samples=opts["n_samples"], seed=opts["seed"], chunk_size=opts["chunk_size"],
                          progress=not quiet, log=log, map_model=model)
-        new = _grid_extension([r for r in rows if r["method"] in opts["methods"] or r["method"] == "map"],
-                              opts["links"][0])
-        if not new or extension == MAX_EXTENSIONS:
+        ours = [r for r in rows if r["method"] in opts["methods"] or r["method"] == "map"]
+        # a resumed run starts from the grid an earlier run already grew (counted from the rows)
+        grid = sorted({*grid, *(r["prior_precision"] for r in ours if r["method"] != "map")})
+        grown = sum(d < min(configured) or d > max(configured) for d in grid)
+        new = _grid_extension(ours, opts["links"][0])
+        if not new or grown >= MAX_EXTENSIONS:
             break
         if log:
             log(f"a validation choice of δ lies on the grid edge: extending the grid by {new}")
-        grid = sorted({*grid, *new, *(r["prior_precision"] for r in rows if r["method"] != "map")})
+        grid = sorted({*grid, *new})
     paths = {"results": results}
     if report:
         from laplace_debiased.evaluation.report import write_report
