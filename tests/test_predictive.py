@@ -201,6 +201,8 @@ def test_bad_inputs_get_clear_errors():
         pred.grid(X, [1.0], links=("nope",))
     with pytest.raises(ValueError, match="positive"):
         pred.grid(X, [-1.0])
+    with pytest.raises(ValueError, match="repeated link"):  # the dict would hold one entry for both
+        pred.grid(X, [1.0], links=("probit", "probit"))
     with pytest.raises(ValueError, match="unknown link"):
         apply_link("nope", X.new_zeros(1, 2), X.new_zeros(1, 2, 2))
     assert math.isclose(float(pred(X[:2]).sum()), 2.0)

@@ -706,6 +706,8 @@ class GridPredictive:
         for link in links:
             if link not in ALL_LINKS:
                 raise ValueError(f"unknown link approximation {link!r}; choose from {ALL_LINKS}")
+        if len(set(links)) != len(links):
+            raise ValueError(f"repeated link approximation in {list(links)}; give each once")
         if len(prior_precisions) == 0:
             raise ValueError("give at least one prior precision")
         from tqdm.auto import tqdm
