@@ -42,7 +42,7 @@ def _numbers(line: str) -> list[float]:
 
 def test_every_example_is_covered():
     assert set(EXAMPLES) == {"quickstart.py", "prior_sweep.py", "calibration_report.py", "regression.py",
-                             "kron_digits.py", "eigen_digits.py"}
+                             "kron_digits.py", "eigen_digits.py", "adapter_sequence.py"}
 
 
 @pytest.mark.slow
@@ -91,3 +91,13 @@ def test_kron_digits(cache):
 def test_eigen_digits_quick(cache):
     out = _run(["examples/eigen_digits.py", "--quick"], cache)
     assert "lowrank b+b" in out and "LL full all data" in out and "seed 0" not in out, out
+
+
+@pytest.mark.slow
+def test_adapter_sequence(cache):
+    out = _run(["examples/adapter_sequence.py", "--samples", "20"], cache)
+    rows = {line[:22].strip(): line.split() for line in out.splitlines()[2:]}
+    for name in ("MAP", "kron (single batch)", "debiased_kron", "kron (full batch)"):
+        assert name in rows, out
+    nll = float(rows["debiased_kron"][-4])
+    assert 0.0 < nll < 1.3863  # finite and better than uniform over 4 classes (log 4)
