@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 from laplace import Laplace
@@ -111,7 +112,9 @@ def main() -> None:
         t0 = time.perf_counter()
         la.fit(loader, magnitude_loader=loader if magnitude == "same" else None)
         seconds = time.perf_counter() - t0
-        la.optimize_prior_precision(method="marglik")
+        with warnings.catch_warnings():  # laplace-torch warns about link_approx on every call
+            warnings.filterwarnings("ignore", message="By default `link_approx`")
+            la.optimize_prior_precision(method="marglik")
         g = torch.Generator().manual_seed(0)
         probs = la.predictive_samples(x_test, pred_type="nn", n_samples=args.samples, generator=g)
         rows.append((name, la.prior_precision.item(), *evaluate(probs.mean(0), y_test), seconds))
