@@ -72,7 +72,9 @@ def test_report_renders(diagnosis, tmp_path):
         s["eigen"]["curvature_bias_same_batch"]["median"])
     assert len(payload["details"]["eigen"][0]["curvatures"]) == 160 // 8
     text = (tmp_path / "README.md").read_text()
-    assert "over-estimated by a median of" in text and "Planned" in text
+    median = s["eigen"]["curvature_bias_same_batch"]["median"]
+    word = "over" if median >= 0 else "under"  # a negative median used to read "over-estimated by -10 %"
+    assert f"{word}-estimated by a median of {100 * abs(median):.0f} %" in text and "Planned" in text
 
 
 def test_batch_size_for_tolerance():

@@ -175,8 +175,9 @@ def markdown_summary(s: dict[str, Any], plan: dict[str, str] | None = None) -> s
         "",
         "## Verdict",
         "",
-        f"* **At batch size {b} the top-{s['top_k']} curvature subspace is over-estimated by a median of "
-        f"{_pct(same['median'])}** (quartiles {_pct(same['q25'])} … {_pct(same['q75'])}) relative to the full data "
+        f"* **At batch size {b} the top-{s['top_k']} curvature subspace is "
+        f"{'over' if same['median'] >= 0 else 'under'}-estimated by a median of "
+        f"{100 * abs(same['median']):.0f} %** (quartiles {_pct(same['q25'])} … {_pct(same['q75'])}) relative to the full data "
         f"set; along the single top eigenvector the same-batch curvature is "
         f"{e['top1_overestimation_factor']['median']:.2f}× the full-data one (median over batches).",
         f"* Measured on an **independent batch** of the same size (two-batch debiasing), the median relative "
