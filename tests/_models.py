@@ -15,9 +15,11 @@ w.r.t. the network output: ``diag(p) - ppᵀ`` for cross-entropy, ``I`` for ``½
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 def tiny_mlp(n_in: int = 4, hidden: int = 3, n_out: int = 3, seed: int = 0) -> nn.Module:
@@ -136,3 +138,27 @@ def diagonal_blocks(M: torch.Tensor, model: nn.Module) -> list[torch.Tensor]:
         blocks.append(M[start : start + p.numel(), start : start + p.numel()])
         start += p.numel()
     return blocks
+
+
+class DictData(Dataset):
+    """``toy_data`` as mapping batches ``{key_x: x, "labels": y}`` (Hugging Face style)."""
+
+    def __init__(self, X: torch.Tensor, y: torch.Tensor, key_x: str = "input_ids") -> None:
+        self.X, self.y, self.key_x = X, y, key_x
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {self.key_x: self.X[i], "labels": self.y[i]}
+
+
+class DictModel(nn.Module):
+    """``tiny_mlp`` that reads ``data["input_ids"]`` from a mapping (or takes a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_mlp()
+
+    def forward(self, data) -> torch.Tensor:
+        return self.net(data["input_ids"] if isinstance(data, MutableMapping) else data)

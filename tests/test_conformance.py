@@ -14,7 +14,7 @@ Curvature backends are varied where the check depends on them (fit, reduction to
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -30,10 +30,10 @@ from laplace.curvature import (
     CurvlinopsGGN,
 )
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the debiased structures
-from _models import loader, tiny_mlp, toy_data
+from _models import DictData, DictModel, loader, tiny_mlp, toy_data
 
 
 STRUCTURES = ("debiased_kron", "debiased_lowrank", "debiased_full")
@@ -196,31 +196,13 @@ def test_float32_model_gives_float32_close_to_float64(structure, subset):
     torch.testing.assert_close(p32.double(), p64, atol=1e-4, rtol=0)
 
 
-class _DictData(Dataset):
-    def __init__(self, X, y):
-        self.X, self.y = X, y
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.X[i], "labels": self.y[i]}
-
-
-class _DictModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = tiny_mlp()
-
-    def forward(self, data):
-        return self.net(data["input_ids"] if isinstance(data, MutableMapping) else data)
 
 
 @pytest.mark.parametrize("structure, subset", _classes())
 def test_dict_inputs_match_tensor_inputs(structure, subset):
     X, y = toy_data(N_DATA, (4,), 3, "classification").tensors
-    la_d = _la(structure, subset, model=_DictModel())
-    la_d.fit(DataLoader(_DictData(X, y), batch_size=BATCH))
+    la_d = _la(structure, subset, model=DictModel())
+    la_d.fit(DataLoader(DictData(X, y), batch_size=BATCH))
     la_t = _fitted(structure, subset)
     torch.testing.assert_close(_precision(la_d), _precision(la_t))
     torch.testing.assert_close(la_d.loss, la_t.loss)

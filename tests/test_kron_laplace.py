@@ -1,15 +1,14 @@
 """laplace-torch-style behaviour checks on DebiasedKronLaplace / DebiasedKronLLLaplace."""
 
-from collections.abc import MutableMapping
 
 import pytest
 import torch
 from laplace import KronLaplace, KronLLLaplace, Laplace
 from laplace.utils.matrix import Kron
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
-from _models import loader, tiny_mlp, toy_data
+from _models import DictData, DictModel, loader, tiny_mlp, toy_data
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
 from laplace_debiased.curvature.linalg import debiased_kron
 
@@ -94,30 +93,12 @@ def test_float32_model():
         assert la(ds.tensors[0][:3]).dtype == torch.float32
 
 
-class _DictData(Dataset):
-    def __init__(self, X, y):
-        self.X, self.y = X, y
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.X[i], "labels": self.y[i]}
-
-
-class _DictModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = tiny_mlp()
-
-    def forward(self, data):
-        return self.net(data["input_ids"] if isinstance(data, MutableMapping) else data)
 
 
 def test_dict_batches_match_tensor_batches():
     X, y = toy_data(32, (4,), 3, "classification").tensors
-    la_d = DebiasedKronLaplace(_DictModel(), "classification")
-    la_d.fit(DataLoader(_DictData(X, y), batch_size=8))
+    la_d = DebiasedKronLaplace(DictModel(), "classification")
+    la_d.fit(DataLoader(DictData(X, y), batch_size=8))
     la_t = DebiasedKronLaplace(tiny_mlp(), "classification")
     la_t.fit(loader(TensorDataset(X, y), 8))
     torch.testing.assert_close(la_d.H.to_matrix(), la_t.H.to_matrix())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st

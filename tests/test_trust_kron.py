@@ -5,7 +5,7 @@ import torch
 from laplace import KronLaplace
 from laplace.curvature import AsdlGGN, CurvlinopsGGN
 
-from _models import loader, tiny_mlp, toy_data
+from _models import DictData, DictModel, loader, tiny_mlp, toy_data
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 
@@ -120,24 +120,6 @@ def test_same_batch_rank_deficient_equals_plain_kron():
     )
 
 
-class _DictData(torch.utils.data.Dataset):
-    def __init__(self, X, y, key_x="input_ids"):
-        self.X, self.y, self.key_x = X, y, key_x
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return {self.key_x: self.X[i], "labels": self.y[i]}
-
-
-class _DictModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = tiny_mlp()
-
-    def forward(self, data):
-        return self.net(data["input_ids"])
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
@@ -145,8 +127,8 @@ def test_dict_batch_missing_key_raises_key_error(subset):
     from laplace import Laplace
 
     X, y = toy_data(16, (4,), 3, "classification").tensors
-    dl = torch.utils.data.DataLoader(_DictData(X, y, key_x="pixels"), batch_size=8)
-    la = Laplace(_DictModel(), "classification", subset, "debiased_kron")
+    dl = torch.utils.data.DataLoader(DictData(X, y, key_x="pixels"), batch_size=8)
+    la = Laplace(DictModel(), "classification", subset, "debiased_kron")
     with pytest.raises(KeyError, match="input_ids"):
         la.fit(dl)
 
@@ -158,7 +140,7 @@ def test_backpack_with_dict_inputs_refused_up_front(subset):
     from laplace.curvature import BackPackGGN
 
     X, y = toy_data(16, (4,), 3, "classification").tensors
-    dl = torch.utils.data.DataLoader(_DictData(X, y), batch_size=8)
-    la = Laplace(extend(_DictModel()), "classification", subset, "debiased_kron", backend=BackPackGGN)
+    dl = torch.utils.data.DataLoader(DictData(X, y), batch_size=8)
+    la = Laplace(extend(DictModel()), "classification", subset, "debiased_kron", backend=BackPackGGN)
     with pytest.raises(ValueError, match="BackPACK.*dict.*CurvlinopsGGN"):
         la.fit(dl)

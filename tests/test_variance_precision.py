@@ -5,7 +5,6 @@ the (n, C, C) covariance (issue 12 item 6, issue 18 item 5, issue 14 item 3)."""
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from laplace_debiased.evaluation.predictive import (
     LayerJacobian,
     lowrank_functional_covariance,
     normal_samples,
-    posterior_structure,
     project_logits,
 )
 

@@ -38,7 +38,7 @@ from laplace_debiased.diagnostics.measure import (
     quadratic_factory,
     restrict,
 )
-from laplace_debiased.diagnostics.overlap import overlap_matrix, subspace_overlap
+from laplace_debiased.diagnostics.overlap import overlap_matrix
 from laplace_debiased.curvature.operators import CURVATURES
 
 LANCZOS_PRODUCTS_ESTIMATE = 4

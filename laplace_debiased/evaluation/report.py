@@ -313,7 +313,7 @@ def _headline(ctx: _Context, doc: _Doc) -> None:
     by_nll = ctx.chosen(ctx.main_link)
     by_ml = (chosen_prior_precisions(ctx.rows, ctx.val_set, ctx.main_link, "log_marglik")
              if ctx.val_set else {})
-    header = ["method", "δ", f"test NLL (nats; Δ vs MAP)", "test ECE (%; Δ in pt)"]
+    header = ["method", "δ", "test NLL (nats; Δ vs MAP)", "test ECE (%; Δ in pt)"]
     if ctx.ood_set is not None:
         header.append(f"AUROC {ctx.ood_set} (%; Δ in pt)")
     table = [_gain_row(ctx, "MAP", "map", None)]
