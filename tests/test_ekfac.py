@@ -204,6 +204,23 @@ def test_float32_model():
         assert p.dtype == torch.float32 and torch.isfinite(p).all()
 
 
+@pytest.mark.parametrize("cross_fit", [False, True])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_grid_predictive_of_a_float32_model_matches_float64(subset, cross_fit):
+    """The grid structure holds the float32 eigenbasis in float64 (it used to mix dtypes)."""
+    ds = toy_data(32, (4,), 3, "classification")
+    X = toy_data(5, (4,), 3, "classification", seed=7).tensors[0]
+    grid = [1e-3, 0.5, 10.0]
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        data = TensorDataset(ds.tensors[0].to(dtype), ds.tensors[1])
+        la = CLASSES[subset](tiny_mlp().to(dtype), "classification")
+        la.fit(loader(data, 8), cross_fit=cross_fit)
+        out[dtype] = GridPredictive(la, chunk_size=4).grid(X.to(dtype), grid, links=("probit",))["probit"]
+    assert torch.isfinite(out[torch.float32]).all()
+    torch.testing.assert_close(out[torch.float32].double(), out[torch.float64], atol=1e-4, rtol=1e-4)
+
+
 @settings(max_examples=8, deadline=None)
 @given(st.permutations(list(range(8))))
 def test_invariant_to_sample_order_within_magnitude_batch(perm):

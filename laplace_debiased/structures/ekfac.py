@@ -265,11 +265,12 @@ class CrossFitDecomposed:
 class EKFACStructure(KronStructure):
     """:class:`~laplace_debiased.evaluation.predictive.GridPredictive` structure of an
     :class:`EKFACDecomposed` curvature: same eigenbasis rotation as K-FAC, eigenvalues per
-    basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``."""
+    basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held and computed
+    in float64 like :class:`KronStructure` (round-off negative eigenvalues clamped to 0)."""
 
     def __init__(self, H: EKFACDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
-        self.Qs = [list(q) for q in H.eigenvectors]
-        self.ls = list(H.eigenvalues)
+        self.Qs = [[q.double() for q in qs] for qs in H.eigenvectors]
+        self.ls = [lam.double().clamp_min(0.0) for lam in H.eigenvalues]
         self.damping = False
         self.s = float(h_factor)
         sizes = [lam.numel() for lam in self.ls]
@@ -280,8 +281,7 @@ class EKFACStructure(KronStructure):
             )
 
     def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
-        lam = self.ls[k]
-        return (1.0 / (self.s * lam.double() + delta.double())).to(lam.dtype)
+        return 1.0 / (self.s * self.ls[k] + delta)
 
 
 class CrossFitStructure:
