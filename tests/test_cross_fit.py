@@ -141,3 +141,20 @@ def test_mixture_components_must_match():
         CrossFitDecomposed(kron, small)
     with pytest.raises(TypeError, match="cross_fit must be a bool"):
         DebiasedKronLaplace(tiny_mlp(), "classification").fit(L1, cross_fit=1)
+
+
+def test_kron_online_cross_fit_swaps_the_combined_factors():
+    """``override=False``: both components come from the factors combined over the two fits."""
+    L1, L2 = _two_loaders()
+    L3, L4 = (loader(toy_data(16, (4,), 3, "classification", seed=s), 16) for s in (3, 4))
+    la = _fit("kron", "all", L1, L2, cross_fit=True)
+    la.fit(L3, override=False, magnitude_loader=L4, cross_fit=True)
+    first, swapped = la.H.components
+    assert la.n_data == 32
+    ref = DebiasedKronLaplace(tiny_mlp(), "classification")
+    ref.H_facs, ref.H_facs_magnitude = la.H_facs_magnitude, la.H_facs
+    ref._decompose()
+    torch.testing.assert_close(swapped.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
+    ref.H_facs, ref.H_facs_magnitude = la.H_facs, la.H_facs_magnitude
+    ref._decompose()
+    torch.testing.assert_close(first.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
