@@ -18,7 +18,6 @@ from _models import dense_kfac, exact_ggn, kfac_to_dense, loader, tiny_cnn, tiny
 from laplace_debiased.curvature.ekfac import ekfac_to_dense, kron_eigenbasis, measure_ekfac_eigenvalues
 from laplace_debiased.evaluation.predictive import GridPredictive
 from laplace_debiased.structures.ekfac import (
-    CrossFitDecomposed,
     DebiasedEKFACLaplace,
     DebiasedEKFACLLLaplace,
     EKFACDecomposed,
@@ -204,6 +203,23 @@ def test_float32_model():
         assert p.dtype == torch.float32 and torch.isfinite(p).all()
 
 
+@pytest.mark.parametrize("cross_fit", [False, True])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_grid_predictive_of_a_float32_model_matches_float64(subset, cross_fit):
+    """The grid structure holds the float32 eigenbasis in float64 (it used to mix dtypes)."""
+    ds = toy_data(32, (4,), 3, "classification")
+    X = toy_data(5, (4,), 3, "classification", seed=7).tensors[0]
+    grid = [1e-3, 0.5, 10.0]
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        data = TensorDataset(ds.tensors[0].to(dtype), ds.tensors[1])
+        la = CLASSES[subset](tiny_mlp().to(dtype), "classification")
+        la.fit(loader(data, 8), cross_fit=cross_fit)
+        out[dtype] = GridPredictive(la, chunk_size=4).grid(X.to(dtype), grid, links=("probit",))["probit"]
+    assert torch.isfinite(out[torch.float32]).all()
+    torch.testing.assert_close(out[torch.float32].double(), out[torch.float64], atol=1e-4, rtol=1e-4)
+
+
 @settings(max_examples=8, deadline=None)
 @given(st.permutations(list(range(8))))
 def test_invariant_to_sample_order_within_magnitude_batch(perm):
@@ -246,73 +262,7 @@ def test_bad_inputs_get_clear_errors():
         )
 
 
-# ------------------------------------------------------------------ cross-fitting
-def _two_loaders(shape=(4,), likelihood="classification"):
-    ds1 = toy_data(16, shape, 3, likelihood, seed=1)
-    ds2 = toy_data(16, shape, 3, likelihood, seed=2)
-    return loader(ds1, 16), loader(ds2, 16)
-
-
-def test_cross_fit_is_symmetric_in_the_two_batches():
-    L1, L2 = _two_loaders()
-    X = toy_data(5, (4,), 3, "classification", seed=7).tensors[0]
-    fits = []
-    for a, b in ((L1, L2), (L2, L1)):
-        la = DebiasedEKFACLaplace(tiny_mlp(), "classification", prior_precision=0.5)
-        la.fit(a, magnitude_loader=b, cross_fit=True)
-        fits.append(la)
-    one, two = fits
-    assert isinstance(one.H, CrossFitDecomposed)
-    torch.testing.assert_close(one.H.to_matrix(-1), two.H.to_matrix(-1), atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(one.posterior_precision.to_matrix(-1), two.posterior_precision.to_matrix(-1))
-    torch.testing.assert_close(one.log_marginal_likelihood(), two.log_marginal_likelihood())
-    torch.testing.assert_close(one(X, link_approx="probit"), two(X, link_approx="probit"))
-    torch.testing.assert_close(one.loss, two.loss)
-
-
-def test_cross_fit_is_the_mixture_of_the_two_role_swapped_fits():
-    L1, L2 = _two_loaders()
-    X = toy_data(5, (4,), 3, "classification", seed=7).tensors[0]
-    cross = DebiasedEKFACLaplace(tiny_mlp(), "classification", prior_precision=0.5)
-    cross.fit(L1, magnitude_loader=L2, cross_fit=True)
-    parts = []
-    for a, b in ((L1, L2), (L2, L1)):
-        la = DebiasedEKFACLaplace(tiny_mlp(), "classification", prior_precision=0.5)
-        la.fit(a, magnitude_loader=b)
-        parts.append(la)
-    P1, P2 = (p.posterior_precision for p in parts)
-    cov = 0.5 * (P1.to_matrix(-1) + P2.to_matrix(-1))
-    torch.testing.assert_close(cross.posterior_precision.to_matrix(-1), cov, atol=1e-12, rtol=1e-10)
-    # the two components differ, so the mixture is new
-    assert not torch.allclose(P1.to_matrix(-1), P2.to_matrix(-1), atol=1e-6)
-    # function space: the mixture's covariance ½ J (P₁⁻¹ + P₂⁻¹) Jᵀ
-    Js, _ = cross.backend.jacobians(X)
-    torch.testing.assert_close(cross.functional_variance(Js), Js @ cov @ Js.transpose(1, 2))
-    # averaged log evidence
-    lml = 0.5 * (parts[0].log_marginal_likelihood() + parts[1].log_marginal_likelihood())
-    torch.testing.assert_close(cross.log_marginal_likelihood(), lml)
-    # the grid predictive agrees with laplace-torch's on the mixture
-    ours = GridPredictive(cross).grid(X, [0.5], links=("probit",))["probit"][0]
-    torch.testing.assert_close(ours, cross(X, pred_type="glm", link_approx="probit"), rtol=1e-10, atol=1e-12)
-    # exact mixture samples: their covariance is the mixture's
-    s = cross.sample(20000, generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(torch.cov((s - cross.mean).T), cov, atol=0.05 * cov.diag().max())
-    with pytest.raises(ValueError, match="exponent"):
-        cross.posterior_precision.bmm(Js, exponent=-0.5)
-
-
-def test_cross_fit_reduces_to_plain_structure_when_batches_coincide():
-    dl = loader(toy_data(32, (4,), 3, "classification"), 8)
-    plain = DebiasedEKFACLaplace(tiny_mlp(), "classification")
-    plain.fit(dl, magnitude_loader=dl)
-    cross = DebiasedEKFACLaplace(tiny_mlp(), "classification")
-    cross.fit(dl, magnitude_loader=dl, cross_fit=True)
-    assert isinstance(cross.H, EKFACDecomposed)
-    assert torch.equal(cross.H.to_matrix(), plain.H.to_matrix())
-    # and the mixture of two equal components is that component
-    mix = CrossFitDecomposed(plain.H, plain.H) + torch.tensor(0.7, dtype=torch.float64)
-    torch.testing.assert_close(mix.to_matrix(-1), (plain.H + torch.tensor(0.7, dtype=torch.float64)).to_matrix(-1))
-    torch.testing.assert_close(mix.logdet(), (plain.H + torch.tensor(0.7, dtype=torch.float64)).logdet())
+# cross-fitting (shared with debiased_kron): tests/test_cross_fit.py
 
 
 def test_ekfac_to_dense_matches_block_formula():

@@ -11,7 +11,10 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
   (B chooses the eigenvectors, B̃ measures the eigenvalues);
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
 * ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
-  from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.structures.lowrank`).
+  from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.structures.lowrank`);
+* ``ekfac_single`` / ``ekfac_debiased`` / ``ekfac_full``: as the ``kron_*`` methods with
+  ``hessian_structure='debiased_ekfac'`` (K-FAC eigenbasis of B, the exact curvature along it
+  measured on B̃; :mod:`laplace_debiased.structures.ekfac`).  Opt-in, like low rank.
 
 Each repeat draws fresh batches (seeded).  Digits evaluation sets: the validation split (for
 choosing the prior precision), the test split, the test split with Gaussian pixel noise of
@@ -93,6 +96,7 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
 
 
 def _method(name: str, model, train: Dataset, opts: dict) -> Method:
+    from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
     from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
     from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
 
@@ -106,6 +110,8 @@ def _method(name: str, model, train: Dataset, opts: dict) -> Method:
     def make(kind: str):
         if kind == "kron":
             return (DebiasedKronLLLaplace if ll else DebiasedKronLaplace)(model, "classification")
+        if kind == "ekfac":
+            return (DebiasedEKFACLLLaplace if ll else DebiasedEKFACLaplace)(model, "classification")
         return (DebiasedLowRankLLLaplace if ll else DebiasedLowRankLaplace)(
             model, "classification", rank=opts["rank"])
 

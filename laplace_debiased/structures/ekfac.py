@@ -7,18 +7,8 @@ points like every debiased structure (``N/|B̃|`` times the sum over B̃; maths 
 :mod:`laplace_debiased.curvature.ekfac`).  With B̃ = B this is plain EKFAC on B.
 
 Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
-B̃, curvature measured on B) and uses the **equal-weight mixture** of the two Gaussians
-``N(θ*, P₁⁻¹)`` and ``N(θ*, P₂⁻¹)`` as the posterior.  The mixture is symmetric in B and B̃ and
-reduces to the plain structure when B̃ = B.  Averaging the two *precisions* instead would be a
-single Gaussian, but ``P₁ + P₂`` is diagonal in no Kronecker basis (``Q₁ ≠ Q₂``), so nothing
-about it is cheap; the mixture keeps every operation structured:
-
-* GLM predictive: the mixture's exact function-space mean and covariance,
-  ``f(x)`` and ``½ J (P₁⁻¹ + P₂⁻¹) Jᵀ`` (laplace-torch's ``functional_variance``, and
-  :class:`~laplace_debiased.evaluation.predictive.GridPredictive`);
-* ``sample``: exact mixture samples (each sample from a component drawn with probability ½);
-* marginal likelihood: the average of the two components' Laplace log evidences
-  (``log_det_posterior_precision`` and ``square_norm`` are component averages).
+B̃, curvature measured on B) and uses the equal-weight mixture of the two Gaussians as the
+posterior (:mod:`laplace_debiased.structures.cross_fit`, shared with ``debiased_kron``).
 """
 
 from __future__ import annotations
@@ -40,8 +30,9 @@ from laplace_debiased.curvature.ekfac import (
     kron_eigenbasis,
     measure_ekfac_eigenvalues,
 )
-from laplace_debiased.evaluation.predictive import KronStructure, LayerJacobian
+from laplace_debiased.evaluation.predictive import KronStructure
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 __all__ = [
@@ -192,84 +183,15 @@ class EKFACDecomposed:
         return EKFACStructure(self, h_factor, numels)
 
 
-class CrossFitDecomposed:
-    """Equal-weight mixture of two Gaussians with precisions ``P₁``, ``P₂`` (both
-    :class:`EKFACDecomposed`, same blocks; see the module docstring).
-
-    ``+`` / ``*`` act on both components.  ``bmm(W, e)``, ``diag(e)``, ``to_matrix(e)`` and
-    ``logdet`` are component averages: for ``e = -1`` these are the mixture's covariance
-    ``½(P₁⁻¹ + P₂⁻¹)`` (products, diagonal: marginal variances); for ``e = 1`` the averaged
-    precision used in the averaged log evidence.  Other exponents have no mixture meaning and
-    raise (draw samples with the Laplace object's ``sample``).
-    """
-
-    def __init__(self, first: EKFACDecomposed, second: EKFACDecomposed) -> None:
-        shapes = [[tuple(l.shape) for l in c.eigenvalues] for c in (first, second)]
-        if shapes[0] != shapes[1]:
-            raise ValueError(f"mixture components have different blocks: {shapes}")
-        self.components = (first, second)
-
-    def __len__(self) -> int:
-        return len(self.components[0])
-
-    @property
-    def deltas(self) -> Tensor:
-        return self.components[0].deltas
-
-    def detach(self) -> CrossFitDecomposed:
-        for c in self.components:
-            c.detach()
-        return self
-
-    def __add__(self, deltas: Tensor) -> CrossFitDecomposed:
-        return CrossFitDecomposed(*(c + deltas for c in self.components))
-
-    def __mul__(self, scalar: Tensor | float) -> CrossFitDecomposed:
-        return CrossFitDecomposed(*(c * scalar for c in self.components))
-
-    __radd__ = __add__
-    __rmul__ = __mul__
-
-    @staticmethod
-    def _check_exponent(exponent: float) -> None:
-        if exponent not in (1, -1):
-            raise ValueError(
-                f"exponent {exponent}: a Gaussian mixture has no matrix power other than the "
-                "averaged precision (1) and its covariance (-1); use sample() for draws."
-            )
-
-    def logdet(self) -> Tensor:
-        """Average of the components' log determinants (averaged log evidence)."""
-        return 0.5 * (self.components[0].logdet() + self.components[1].logdet())
-
-    def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
-        self._check_exponent(exponent)
-        return 0.5 * (self.components[0].bmm(W, exponent) + self.components[1].bmm(W, exponent))
-
-    def inv_square_form(self, W: Tensor) -> Tensor:
-        """``½ W (P₁⁻¹ + P₂⁻¹) Wᵀ``: the mixture's function-space covariance."""
-        return 0.5 * (self.components[0].inv_square_form(W) + self.components[1].inv_square_form(W))
-
-    def diag(self, exponent: float = 1) -> Tensor:
-        self._check_exponent(exponent)
-        return 0.5 * (self.components[0].diag(exponent) + self.components[1].diag(exponent))
-
-    def to_matrix(self, exponent: float = 1) -> Tensor:
-        self._check_exponent(exponent)
-        return 0.5 * (self.components[0].to_matrix(exponent) + self.components[1].to_matrix(exponent))
-
-    def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> CrossFitStructure:
-        return CrossFitStructure(self, h_factor, numels)
-
-
 class EKFACStructure(KronStructure):
     """:class:`~laplace_debiased.evaluation.predictive.GridPredictive` structure of an
     :class:`EKFACDecomposed` curvature: same eigenbasis rotation as K-FAC, eigenvalues per
-    basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``."""
+    basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held and computed
+    in float64 like :class:`KronStructure` (round-off negative eigenvalues clamped to 0)."""
 
     def __init__(self, H: EKFACDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
-        self.Qs = [list(q) for q in H.eigenvectors]
-        self.ls = list(H.eigenvalues)
+        self.Qs = [[q.double() for q in qs] for qs in H.eigenvectors]
+        self.ls = [lam.double().clamp_min(0.0) for lam in H.eigenvalues]
         self.damping = False
         self.s = float(h_factor)
         sizes = [lam.numel() for lam in self.ls]
@@ -280,29 +202,7 @@ class EKFACStructure(KronStructure):
             )
 
     def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
-        lam = self.ls[k]
-        return (1.0 / (self.s * lam.double() + delta.double())).to(lam.dtype)
-
-
-class CrossFitStructure:
-    """Grid structure of a :class:`CrossFitDecomposed` mixture: ``Σ(δ)`` is the average of the
-    two components' function-space covariances."""
-
-    def __init__(self, H: CrossFitDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
-        self.parts = [EKFACStructure(c, h_factor, numels) for c in H.components]
-
-    def rotate(self, jacs: Sequence[LayerJacobian]) -> list:
-        return [part.rotate(jacs) for part in self.parts]
-
-    def covariances(self, rotated, prior_precisions) -> Tensor:
-        return 0.5 * sum(p.covariances(r, prior_precisions) for p, r in zip(self.parts, rotated))
-
-    def covariance(self, rotated, delta) -> Tensor:
-        return self.covariances(rotated, [delta])[0]
-
-    def variances(self, rotated, prior_precisions, project: bool = False) -> Tensor:
-        """``diag Σ(δ)`` (or ``diag ΠΣ(δ)Π``), ``(G, n, C)``: the average of the components'."""
-        return 0.5 * sum(p.variances(r, prior_precisions, project) for p, r in zip(self.parts, rotated))
+        return 1.0 / (self.s * self.ls[k] + delta)
 
 
 class DebiasedEKFACLaplace(DebiasedKronLaplace):
@@ -329,29 +229,23 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
                 "damping=True needs Kronecker-factored eigenvalues; EKFAC has one eigenvalue "
                 "per basis direction. Use hessian_structure='debiased_kron' for damping."
             )
-        self._cross_fit = False
 
     def fit(
         self,
         train_loader: DataLoader,
         override: bool = True,
         progress_bar: bool = False,
-        *,
-        cross_fit: bool = False,
         **kwargs: Any,
     ) -> None:
-        """Fit as :meth:`TwoBatchLaplaceMixin.fit`; ``cross_fit=True`` also fits the swapped
-        roles (basis from B̃, curvature from B) and uses the mixture of the two (module
-        docstring).  ``override=False`` raises: EKFAC eigenvalues are measured in one basis
-        and cannot be re-measured in a combined basis without the earlier data."""
+        """Fit as :meth:`TwoBatchLaplaceMixin.fit` (``cross_fit`` as
+        :meth:`~laplace_debiased.structures.cross_fit.CrossFitMixin.fit`).  ``override=False``
+        raises: EKFAC eigenvalues are measured in one basis and cannot be re-measured in a
+        combined basis without the earlier data."""
         if not override:
             raise ValueError(
                 "debiased EKFAC does not support override=False: refit on all the data with "
                 "override=True."
             )
-        if not isinstance(cross_fit, bool):
-            raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
-        self._cross_fit = cross_fit
         super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
 
     def _fit_two_batch(
@@ -396,20 +290,6 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         )
         scale = N / m * self.backend.factor
         return EKFACDecomposed(basis, [scale * lam for lam in lams])
-
-    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
-        if not isinstance(self.H, CrossFitDecomposed):
-            return super().sample(n_samples, generator)
-        P = self.posterior_precision
-        z = torch.randn(n_samples, self.n_params, device=self._device, dtype=self._dtype, generator=generator)
-        pick = torch.rand(n_samples, generator=generator, device=z.device) < 0.5
-        steps = torch.where(
-            pick[:, None],
-            P.components[0].bmm(z, exponent=-0.5).reshape(n_samples, -1),
-            P.components[1].bmm(z, exponent=-0.5).reshape(n_samples, -1),
-        )
-        return self.mean.reshape(1, self.n_params) + steps
 
     def state_dict(self) -> dict[str, Any]:
         state = super(DebiasedKronLaplace, self).state_dict()  # KronLaplace: "H" = B's K-FAC

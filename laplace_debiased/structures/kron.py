@@ -33,6 +33,7 @@ from laplace.utils.matrix import Kron, KronDecomposed
 from laplace.utils.utils import _is_valid_scalar
 from torch import nn
 
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.kfac import group_kfac_sums, zero_sums
@@ -120,14 +121,17 @@ def _stack(
     return torch.cat([t[0] for t in todo]), torch.cat([t[1] for t in todo]), segments
 
 
-class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
+class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 
     Same interface as ``KronLaplace``; ``fit`` takes the extra two-batch arguments of
     :meth:`TwoBatchLaplaceMixin.fit`. After fitting, ``H_facs`` / ``H_facs_magnitude`` are the
     ``Kron`` factors of B and B̃ (both scaled to ``n_data``) and ``H`` is a
-    :class:`DebiasedKronDecomposed` with B's eigenvectors and B̃'s Rayleigh quotients.
+    :class:`DebiasedKronDecomposed` with B's eigenvectors and B̃'s Rayleigh quotients
+    (``fit(..., cross_fit=True)``: a
+    :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed` mixture of it and the
+    role-swapped one, B̃'s eigenvectors with B's Rayleigh quotients).
     Supported layers: ``nn.Linear`` and ``nn.Conv2d``; backends: Curvlinops GGN/EF (default
     GGN) and ASDL GGN/EF (BackPACK only for models without Conv2d).
     """
@@ -167,20 +171,25 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
         return loss
 
     def _decompose(self) -> None:
-        """Debiased eigenbasis; under a process group rank 0 computes it, the others
-        receive it (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
+        """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
+        and the role-swapped one."""
+        H = self._debiased(self.H_facs, self.H_facs_magnitude)
+        if self._cross_fit and self.H_facs_magnitude is not self.H_facs:
+            H = CrossFitDecomposed(H, self._debiased(self.H_facs_magnitude, self.H_facs))
+        self.H = H
+
+    def _debiased(self, direction: Kron, magnitude: Kron) -> DebiasedKronDecomposed:
+        """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude``; under a process
+        group rank 0 computes them, the others receive them
+        (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
         rank, _ = rank_world()
         if rank == 0:
-            eigenvectors, eigenvalues = debiased_kron(
-                self.H_facs.kfacs, self.H_facs_magnitude.kfacs
-            )
+            eigenvectors, eigenvalues = debiased_kron(direction.kfacs, magnitude.kfacs)
         else:
-            eigenvectors = [[torch.empty_like(F) for F in block] for block in self.H_facs.kfacs]
-            eigenvalues = [
-                [F.new_empty(F.shape[0]) for F in block] for block in self.H_facs.kfacs
-            ]
+            eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]
+            eigenvalues = [[F.new_empty(F.shape[0]) for F in block] for block in direction.kfacs]
         broadcast_([t for blocks in (eigenvectors, eigenvalues) for b in blocks for t in b])
-        self.H = DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping)
+        return DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping)
 
     def _single_pass_fisher(self) -> str | None:
         """The curvature type of the backend if :func:`group_kfac_sums` reproduces it
@@ -340,18 +349,27 @@ class DebiasedKronLaplace(TwoBatchLaplaceMixin, KronLaplace):
             )
 
     def state_dict(self) -> dict[str, Any]:
+        """KronLaplace's state, B̃'s factors and the decomposition (cross-fitted: also the
+        swapped component, under ``"H_swapped"``)."""
         state = super().state_dict()
         state["H_magnitude"] = self.H_facs_magnitude.kfacs
-        state["H_eigenvectors"] = self.H.eigenvectors
-        state["H_eigenvalues"] = self.H.eigenvalues
+        comps = self.H.components if isinstance(self.H, CrossFitDecomposed) else (self.H,)
+        state["H_eigenvectors"] = comps[0].eigenvectors
+        state["H_eigenvalues"] = comps[0].eigenvalues
+        if len(comps) == 2:
+            state["H_swapped"] = [comps[1].eigenvectors, comps[1].eigenvalues]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
-        self.H = DebiasedKronDecomposed(
+        H = DebiasedKronDecomposed(
             state_dict["H_eigenvectors"], state_dict["H_eigenvalues"], damping=self.damping
         )
+        if "H_swapped" in state_dict:
+            vecs, vals = state_dict["H_swapped"]
+            H = CrossFitDecomposed(H, DebiasedKronDecomposed(vecs, vals, damping=self.damping))
+        self.H = H
 
 
 class DebiasedKronLLLaplace(DebiasedKronLaplace, KronLLLaplace):

@@ -1,0 +1,172 @@
+"""Cross-fitting: the equal-weight mixture of the two role-swapped debiased approximations.
+
+A debiased fit takes the eigenbasis from B and the eigenvalues from B̃.  ``fit(...,
+cross_fit=True)`` (``debiased_kron`` and ``debiased_ekfac``) also builds the swapped
+approximation (basis from B̃, eigenvalues from B) and uses the **equal-weight mixture** of the
+two Gaussians ``N(θ*, P₁⁻¹)`` and ``N(θ*, P₂⁻¹)`` as the posterior.  The mixture is symmetric in
+B and B̃ and reduces to the plain structure when B̃ = B.  Averaging the two *precisions*
+instead would be a single Gaussian, but ``P₁ + P₂`` is diagonal in no Kronecker basis
+(``Q₁ ≠ Q₂``), so nothing about it is cheap; the mixture keeps every operation structured:
+
+* GLM predictive: the mixture's exact function-space mean and covariance,
+  ``f(x)`` and ``½ J (P₁⁻¹ + P₂⁻¹) Jᵀ`` (laplace-torch's ``functional_variance``, and
+  :class:`~laplace_debiased.evaluation.predictive.GridPredictive`);
+* ``sample``: exact mixture samples (each sample from a component drawn with probability ½);
+* marginal likelihood: the average of the two components' Laplace log evidences
+  (``log_det_posterior_precision`` and ``square_norm`` are component averages).
+
+The components are laplace-torch ``KronDecomposed`` (debiased K-FAC) or
+:class:`~laplace_debiased.structures.ekfac.EKFACDecomposed` (debiased EKFAC) objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from laplace_debiased.evaluation.predictive import KronStructure, LayerJacobian
+
+__all__ = ["CrossFitDecomposed", "CrossFitStructure", "CrossFitMixin"]
+
+
+def _block_shapes(component: Any) -> list[tuple[int, ...]]:
+    """Per block, the sizes of the eigenbasis factors (``[d_out, d_in]`` or ``[d]``)."""
+    return [tuple(len(Q) for Q in Qs) for Qs in component.eigenvectors]
+
+
+class CrossFitDecomposed:
+    """Equal-weight mixture of two Gaussians with precisions ``P₁``, ``P₂`` (two
+    ``KronDecomposed`` or two ``EKFACDecomposed`` of the same blocks; module docstring).
+
+    ``+`` / ``*`` act on both components.  ``bmm(W, e)``, ``diag(e)``, ``to_matrix(e)`` and
+    ``logdet`` are component averages: for ``e = -1`` these are the mixture's covariance
+    ``½(P₁⁻¹ + P₂⁻¹)`` (products, diagonal: marginal variances); for ``e = 1`` the averaged
+    precision used in the averaged log evidence.  Other exponents have no mixture meaning and
+    raise (draw samples with the Laplace object's ``sample``).
+    """
+
+    def __init__(self, first: Any, second: Any) -> None:
+        if type(first) is not type(second):
+            raise TypeError(
+                f"mixture components of different types {type(first).__name__} and "
+                f"{type(second).__name__}"
+            )
+        shapes = [_block_shapes(c) for c in (first, second)]
+        if shapes[0] != shapes[1]:
+            raise ValueError(f"mixture components have different blocks: {shapes}")
+        self.components = (first, second)
+
+    def __len__(self) -> int:
+        return len(self.components[0])
+
+    @property
+    def deltas(self) -> Tensor:
+        return self.components[0].deltas
+
+    def detach(self) -> CrossFitDecomposed:
+        for c in self.components:
+            c.detach()
+        return self
+
+    def __add__(self, deltas: Tensor) -> CrossFitDecomposed:
+        return CrossFitDecomposed(*(c + deltas for c in self.components))
+
+    def __mul__(self, scalar: Tensor | float) -> CrossFitDecomposed:
+        return CrossFitDecomposed(*(c * scalar for c in self.components))
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    @staticmethod
+    def _check_exponent(exponent: float) -> None:
+        if exponent not in (1, -1):
+            raise ValueError(
+                f"exponent {exponent}: a Gaussian mixture has no matrix power other than the "
+                "averaged precision (1) and its covariance (-1); use sample() for draws."
+            )
+
+    def logdet(self) -> Tensor:
+        """Average of the components' log determinants (averaged log evidence)."""
+        return 0.5 * (self.components[0].logdet() + self.components[1].logdet())
+
+    def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        self._check_exponent(exponent)
+        return 0.5 * (self.components[0].bmm(W, exponent) + self.components[1].bmm(W, exponent))
+
+    def inv_square_form(self, W: Tensor) -> Tensor:
+        """``½ W (P₁⁻¹ + P₂⁻¹) Wᵀ``: the mixture's function-space covariance."""
+        return 0.5 * (self.components[0].inv_square_form(W) + self.components[1].inv_square_form(W))
+
+    def diag(self, exponent: float = 1) -> Tensor:
+        self._check_exponent(exponent)
+        return 0.5 * (self.components[0].diag(exponent) + self.components[1].diag(exponent))
+
+    def to_matrix(self, exponent: float = 1) -> Tensor:
+        self._check_exponent(exponent)
+        return 0.5 * (self.components[0].to_matrix(exponent) + self.components[1].to_matrix(exponent))
+
+    def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> CrossFitStructure:
+        return CrossFitStructure(self, h_factor, numels)
+
+
+def _component_structure(component: Any, h_factor: float | Tensor, numels: Sequence[int]) -> Any:
+    """The grid structure of one component: its own (EKFAC) or :class:`KronStructure`."""
+    if callable(getattr(component, "grid_structure", None)):
+        return component.grid_structure(h_factor, numels)
+    return KronStructure(component, h_factor, numels)
+
+
+class CrossFitStructure:
+    """Grid structure of a :class:`CrossFitDecomposed` mixture: ``Σ(δ)`` is the average of the
+    two components' function-space covariances (float64)."""
+
+    def __init__(self, H: CrossFitDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
+        self.parts = [_component_structure(c, h_factor, numels) for c in H.components]
+
+    def rotate(self, jacs: Sequence[LayerJacobian]) -> list:
+        return [part.rotate(jacs) for part in self.parts]
+
+    def covariances(self, rotated, prior_precisions) -> Tensor:
+        return 0.5 * sum(p.covariances(r, prior_precisions) for p, r in zip(self.parts, rotated))
+
+    def covariance(self, rotated, delta) -> Tensor:
+        return self.covariances(rotated, [delta])[0]
+
+    def variances(self, rotated, prior_precisions, project: bool = False) -> Tensor:
+        """``diag Σ(δ)`` (or ``diag ΠΣ(δ)Π``), ``(G, n, C)``: the average of the components'."""
+        return 0.5 * sum(p.variances(r, prior_precisions, project) for p, r in zip(self.parts, rotated))
+
+
+class CrossFitMixin:
+    """The ``cross_fit`` keyword of ``fit`` and exact mixture samples, for a two-batch Laplace
+    class (listed before :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`)
+    whose fit builds a :class:`CrossFitDecomposed` ``H`` when ``self._cross_fit`` is set."""
+
+    _cross_fit: bool = False
+
+    def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False, *,
+            cross_fit: bool = False, **kwargs: Any) -> None:
+        """``cross_fit=True``: also fit the swapped roles (basis from B̃, eigenvalues from B)
+        and use the mixture of the two (module docstring); other arguments as
+        :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`."""
+        if not isinstance(cross_fit, bool):
+            raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
+        self._cross_fit = cross_fit
+        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
+        if not isinstance(self.H, CrossFitDecomposed):
+            return super().sample(n_samples, generator)
+        P = self.posterior_precision
+        z = torch.randn(n_samples, self.n_params, device=self._device, dtype=self._dtype, generator=generator)
+        pick = torch.rand(n_samples, generator=generator, device=z.device) < 0.5
+        steps = torch.where(
+            pick[:, None],
+            P.components[0].bmm(z, exponent=-0.5).reshape(n_samples, -1),
+            P.components[1].bmm(z, exponent=-0.5).reshape(n_samples, -1),
+        )
+        return self.mean.reshape(1, self.n_params) + steps
