@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,8 @@ def _eval_sets() -> list[EvalSet]:
 
 def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))  # a mismatched collective fails, not hangs
     out = Path(out)
     try:
         result = {"pid": os.getpid(), "rank_world": rank_world()}

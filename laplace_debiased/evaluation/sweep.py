@@ -20,6 +20,9 @@ interrupted write: readers skip it with a warning and the next sweep cuts it bef
 Any other line that is not a row object (``{}``, ``[]``, ``42``, NUL bytes, ...) is an error
 naming the file and line.
 
+Under an initialised ``torch.distributed`` group the (method, repeat) jobs are sharded over the
+ranks, each fitted locally; rank 0 alone locks the folder and writes (:func:`run_sweep`).
+
 Row fields: ``method, repeat, prior_precision`` (``null`` for MAP), ``eval_set, kind``
 (``test``, ``validation``, ``corrupted``, ``ood``), ``severity, link, full_batch`` and the
 metrics: for labelled sets accuracy/nll/ece/brier/confidence and a reliability histogram; for
