@@ -86,6 +86,9 @@ def _worker(rank: int, port: int, out: str) -> None:
         result["file_after_first"] = (out / "dist" / "r.jsonl").read_bytes()
         result["rows_again"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
                                          map_model=tiny_mlp(), **SWEEP)
+        # collective debiased_kron fits on every rank, eval sets sharded
+        result["cells"] = run_sweep([Method("kron", _fit_kron, repeats=2)], _eval_sets(),
+                                    out / "cells" / "r.jsonl", shard_jobs=False, **SWEEP)
         try:
             run_sweep([Method("kron", _fit_kron), Method("broken", _fail)], _eval_sets(),
                       out / "fail" / "r.jsonl", **SWEEP)
@@ -165,6 +168,37 @@ def test_distributed_sweep_failure_on_one_rank_raises_on_every_rank(runs):
     assert "rank 1 failed" in ranks[0]["error"][1] and "no fit for you" in ranks[0]["error"][1]
     assert all(ranks[r]["barrier_passed"] for r in range(WORLD))
     assert not (out / "fail" / "r.jsonl").exists()  # the round failed: nothing written
+
+
+def _assert_close(got, want, where: str) -> None:
+    """Equal structure and non-float values; floats to 1e-6 (relative) or 1e-9."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _assert_close(got[key], want[key], f"{where} {key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), where
+    else:
+        assert got == want, where
+
+
+@pytest.mark.slow
+def test_distributed_sweep_collective_fits_shard_the_eval_sets(runs):
+    """shard_jobs=False: every rank fits every job with the distributed debiased_kron fit, the
+    eval sets are split over the ranks; the rows equal the single-process ones to the fit's
+    round-off, in the single-process order, each written once."""
+    single, ranks, out = runs
+    want = [r for r in single if r["method"] == "kron"]
+    written = load_rows(out / "cells" / "r.jsonl")
+    assert [row_key(r) for r in written] == [row_key(r) for r in want]
+    for got, exp in zip(written, want):
+        _assert_close(_metrics(got), _metrics(exp), row_key(exp))
+    for r in range(WORLD):
+        assert ranks[r]["cells"] == written
 
 
 def test_distributed_local_fits_without_group_is_identity():

@@ -41,7 +41,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -327,6 +327,7 @@ def run_sweep(
     log: Callable[[str], None] | None = None,
     map_model: torch.nn.Module | None = None,
     lock_timeout: float = 0.0,
+    shard_jobs: bool = True,
 ) -> list[dict]:
     """Run (or resume) a sweep; returns all rows of ``out_path`` afterwards.
 
@@ -341,6 +342,12 @@ def run_sweep(
     so it must not call collectives itself. After each round the rows are gathered and rank 0
     alone holds the lock and writes them, in the single-process order; per-cell seeds make them
     bitwise the rows of a single-process sweep. Every rank returns the same rows.
+
+    ``shard_jobs=False`` is for collective fits (``debiased_kron`` sharding its batches, which
+    every rank must call): every rank runs every job's ``Method.fit`` under the group, and the
+    job's eval sets are sharded instead (set ``i`` on rank ``i % world``); the rows then equal a
+    single-process sweep's to the round-off of the distributed fit. Without a group (or with one
+    rank) both modes are the single-process sweep.
     """
     from laplace_debiased._progress import progress_bar
 
@@ -375,26 +382,34 @@ def run_sweep(
             if k >= len(jobs):
                 return []
             method, repeat = jobs[k]
-            with local_fits():
+            with local_fits() if shard_jobs else nullcontext():
                 return _sweep_one(method, repeat, eval_sets, reference, grid, done, n_samples=n_samples,
-                                  seed=seed, chunk_size=chunk_size, log=log, links=links)
+                                  seed=seed, chunk_size=chunk_size, log=log, links=links,
+                                  part=(0, 1) if shard_jobs else (rank, world))
 
-        rounds = range(0, len(jobs), world)
-        for first in progress_bar(rounds, desc="fit + sweep", unit="round" if world > 1 else "fit",
-                                  quiet=not progress or not writer):
-            for rows in gather_results(lambda: compute(first + rank)):
-                for row in rows:
-                    if writer:
-                        append_row(out_path, row)
-                    done.add(row_key(row))
+        step = world if shard_jobs else 1
+        for first in progress_bar(range(0, len(jobs), step), desc="fit + sweep",
+                                  unit="round" if step > 1 else "fit", quiet=not progress or not writer):
+            k = first + rank if shard_jobs else first
+            rows = [row for part in gather_results(lambda: compute(k)) for row in part]
+            if not shard_jobs:  # one job's cells from every rank: back to the single-process order
+                mlinks = tuple(jobs[first][0].links or links)
+                rows.sort(key=lambda r: (grid.index(r["prior_precision"]), mlinks.index(r["link"]),
+                                         names.index(r["eval_set"])))
+            for row in rows:
+                if writer:
+                    append_row(out_path, row)
+                done.add(row_key(row))
         return gather_results(lambda: load_rows(out_path) if writer else None)[0]
 
 
 def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], reference: EvalSet | None,
                grid: list[float], done: set[str], *, n_samples: int, seed: int,
-               chunk_size: int, log: Callable[[str], None] | None, links: Sequence[str]) -> list[dict]:
+               chunk_size: int, log: Callable[[str], None] | None, links: Sequence[str],
+               part: tuple[int, int] = (0, 1)) -> list[dict]:
     """Fit one (method, repeat) if any of its rows is missing (not in ``done``), and return the
-    missing rows."""
+    missing rows of the eval sets of part ``(rank, world)``: set ``i`` where ``i % world == rank``
+    (the fit runs whenever any set has missing rows, so a collective fit runs on every rank)."""
     mlinks = tuple(method.links or links)
     keys = {
         (es.name, d, link): row_key(_row_base(method.name, repeat, d, es, link, method.full_batch))
@@ -408,6 +423,8 @@ def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], refere
     start = time.perf_counter()
     la = method.fit(repeat)
     fit_seconds = time.perf_counter() - start
+    mine = {es.name for i, es in enumerate(eval_sets) if i % part[1] == part[0]}
+    missing = {k for k in missing if k[0] in mine}
     pred = GridPredictive(la, chunk_size=chunk_size)
     need = {es.name for es in eval_sets if any(k[0] == es.name for k in missing)}
     if reference is not None and any(es.kind not in ("test", "validation") for es in eval_sets if es.name in need):
