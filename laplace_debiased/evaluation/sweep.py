@@ -20,6 +20,9 @@ interrupted write: readers skip it with a warning and the next sweep cuts it bef
 Any other line that is not a row object (``{}``, ``[]``, ``42``, NUL bytes, ...) is an error
 naming the file and line.
 
+Under an initialised ``torch.distributed`` group the (method, repeat) jobs are sharded over the
+ranks, each fitted locally; rank 0 alone locks the folder and writes (:func:`run_sweep`).
+
 Row fields: ``method, repeat, prior_precision`` (``null`` for MAP), ``eval_set, kind``
 (``test``, ``validation``, ``corrupted``, ``ood``), ``severity, link, full_batch`` and the
 metrics: for labelled sets accuracy/nll/ece/brier/confidence and a reliability histogram; for
@@ -38,7 +41,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +51,7 @@ from torch import Tensor
 from laplace_debiased.evaluation import metrics
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, check_grid  # noqa: F401
 from laplace_debiased.evaluation.predictive import GridPredictive
+from laplace_debiased.structures.distributed import gather_results, local_fits, rank_world
 
 KINDS = ("test", "validation", "corrupted", "ood")
 #: Name of the lock file a writer holds in its output folder.
@@ -323,12 +327,27 @@ def run_sweep(
     log: Callable[[str], None] | None = None,
     map_model: torch.nn.Module | None = None,
     lock_timeout: float = 0.0,
+    shard_jobs: bool = True,
 ) -> list[dict]:
     """Run (or resume) a sweep; returns all rows of ``out_path`` afterwards.
 
     ``map_model`` evaluates the MAP baseline rows (method ``"map"``, link ``"map"``) when given.
     The output folder is locked for the whole run (:func:`output_lock`, waiting up to
     ``lock_timeout`` seconds for another writer).
+
+    Under an initialised ``torch.distributed`` group (call it on every rank with the same
+    arguments) the (method, repeat) jobs are sharded: job ``k`` runs on rank ``k % world``, in
+    rounds of ``world`` jobs. ``Method.fit`` then runs inside
+    :func:`~laplace_debiased.structures.distributed.local_fits`: a local fit of that rank alone,
+    so it must not call collectives itself. After each round the rows are gathered and rank 0
+    alone holds the lock and writes them, in the single-process order; per-cell seeds make them
+    bitwise the rows of a single-process sweep. Every rank returns the same rows.
+
+    ``shard_jobs=False`` is for collective fits (``debiased_kron`` sharding its batches, which
+    every rank must call): every rank runs every job's ``Method.fit`` under the group, and the
+    job's eval sets are sharded instead (set ``i`` on rank ``i % world``); the rows then equal a
+    single-process sweep's to the round-off of the distributed fit. Without a group (or with one
+    rank) both modes are the single-process sweep.
     """
     from laplace_debiased._progress import progress_bar
 
@@ -341,23 +360,56 @@ def run_sweep(
     refs = [es for es in eval_sets if es.kind == "test"]
     reference = refs[0] if refs else None
     out_path = Path(out_path)
-    with output_lock(out_path.parent, lock_timeout):
-        _cut_partial_line(out_path)
-        done = {row_key(r) for r in load_rows(out_path)}
-        if map_model is not None:
-            for row in _map_rows(map_model, eval_sets, reference, done):
-                append_row(out_path, row)
-        jobs = [(m, r) for m in methods for r in range(m.repeats)]
-        for method, repeat in progress_bar(jobs, desc="fit + sweep", unit="fit", quiet=not progress):
-            _sweep_one(method, repeat, eval_sets, reference, grid, out_path, done,
-                       n_samples=n_samples, seed=seed, chunk_size=chunk_size, log=log, links=links)
-        return load_rows(out_path)
+    rank, world = rank_world()
+    writer = rank == 0
+    jobs = [(m, r) for m in methods for r in range(m.repeats)]
+    with ExitStack() as stack:
+
+        def start() -> set[str] | None:
+            if not writer:
+                return None
+            stack.enter_context(output_lock(out_path.parent, lock_timeout))
+            _cut_partial_line(out_path)
+            done = {row_key(r) for r in load_rows(out_path)}
+            if map_model is not None:
+                for row in _map_rows(map_model, eval_sets, reference, done):
+                    append_row(out_path, row)
+            return done
+
+        done = gather_results(start)[0]
+
+        def compute(k: int) -> list[dict]:
+            if k >= len(jobs):
+                return []
+            method, repeat = jobs[k]
+            with local_fits() if shard_jobs else nullcontext():
+                return _sweep_one(method, repeat, eval_sets, reference, grid, done, n_samples=n_samples,
+                                  seed=seed, chunk_size=chunk_size, log=log, links=links,
+                                  part=(0, 1) if shard_jobs else (rank, world))
+
+        step = world if shard_jobs else 1
+        for first in progress_bar(range(0, len(jobs), step), desc="fit + sweep",
+                                  unit="round" if step > 1 else "fit", quiet=not progress or not writer):
+            k = first + rank if shard_jobs else first
+            rows = [row for part in gather_results(lambda: compute(k)) for row in part]
+            if not shard_jobs:  # one job's cells from every rank: back to the single-process order
+                mlinks = tuple(jobs[first][0].links or links)
+                rows.sort(key=lambda r: (grid.index(r["prior_precision"]), mlinks.index(r["link"]),
+                                         names.index(r["eval_set"])))
+            for row in rows:
+                if writer:
+                    append_row(out_path, row)
+                done.add(row_key(row))
+        return gather_results(lambda: load_rows(out_path) if writer else None)[0]
 
 
 def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], reference: EvalSet | None,
-               grid: list[float], out_path: Path, done: set[str], *, n_samples: int, seed: int,
-               chunk_size: int, log: Callable[[str], None] | None, links: Sequence[str]) -> None:
-    """Fit one (method, repeat) if any of its rows is missing, and append the missing rows."""
+               grid: list[float], done: set[str], *, n_samples: int, seed: int,
+               chunk_size: int, log: Callable[[str], None] | None, links: Sequence[str],
+               part: tuple[int, int] = (0, 1)) -> list[dict]:
+    """Fit one (method, repeat) if any of its rows is missing (not in ``done``), and return the
+    missing rows of the eval sets of part ``(rank, world)``: set ``i`` where ``i % world == rank``
+    (the fit runs whenever any set has missing rows, so a collective fit runs on every rank)."""
     mlinks = tuple(method.links or links)
     keys = {
         (es.name, d, link): row_key(_row_base(method.name, repeat, d, es, link, method.full_batch))
@@ -365,12 +417,14 @@ def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], refere
     }
     missing = {k for k, v in keys.items() if v not in done}
     if not missing:
-        return
+        return []
     if log:
         log(f"{method.name} repeat {repeat}: {len(missing)} rows to compute")
     start = time.perf_counter()
     la = method.fit(repeat)
     fit_seconds = time.perf_counter() - start
+    mine = {es.name for i, es in enumerate(eval_sets) if i % part[1] == part[0]}
+    missing = {k for k in missing if k[0] in mine}
     pred = GridPredictive(la, chunk_size=chunk_size)
     need = {es.name for es in eval_sets if any(k[0] == es.name for k in missing)}
     if reference is not None and any(es.kind not in ("test", "validation") for es in eval_sets if es.name in need):
@@ -385,6 +439,7 @@ def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], refere
                if any(es.kind == "validation" and es.name in need for es in eval_sets) else {})
     eval_seconds = time.perf_counter() - start - fit_seconds
     todo_sets = [es for es in eval_sets if es.name in need]
+    rows = []
     for g, delta in enumerate(grid):
         for link in mlinks:
             mets = _metric_rows({n: p[link][g] for n, p in probs.items()}, todo_sets, reference)
@@ -395,5 +450,6 @@ def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], refere
                 row.update(mets[es.name], fit_seconds=fit_seconds, eval_seconds=eval_seconds, **method.extra)
                 if es.kind == "validation":
                     row["log_marglik"] = marglik[delta]
-                append_row(out_path, row)
-                done.add(row_key(row))
+                rows.append(row)
+    return rows
+

@@ -6,31 +6,88 @@ is balanced for any number of batches. K-FAC sums of the shards are added with o
 ``all_reduce`` (:func:`all_reduce_sum_`), rank 0 eigendecomposes and :func:`broadcast_` sends
 the eigenbasis to the others, so every rank ends with an identical posterior.
 
-Without an initialised process group (or with one rank) every function is the identity.
+Without an initialised process group (or with one rank) every function is the identity; so is
+every function inside :func:`local_fits`, which lets one rank fit alone while a group is
+initialised (the prior-precision sweep shards its jobs over the ranks that way).
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from laplace_debiased.structures.batches import Batch
 
-__all__ = ["rank_world", "is_distributed", "shard_batch", "all_reduce_sum_", "broadcast_"]
+__all__ = [
+    "rank_world",
+    "is_distributed",
+    "local_fits",
+    "gather_results",
+    "shard_batch",
+    "all_reduce_sum_",
+    "broadcast_",
+]
+
+T = TypeVar("T")
+_local: ContextVar[bool] = ContextVar("laplace_debiased_local_fits", default=False)
 
 
 def rank_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group, ``(0, 1)`` if none."""
-    if dist.is_available() and dist.is_initialized():
+    """``(rank, world_size)`` of the default process group; ``(0, 1)`` if none, or inside
+    :func:`local_fits`."""
+    if not _local.get() and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+@contextmanager
+def local_fits() -> Iterator[None]:
+    """Fit in this process alone while a process group is initialised.
+
+    Inside the block :func:`rank_world` is ``(0, 1)``: ``debiased_kron`` neither shards its
+    batches nor communicates, and the eigen structures do not refuse. Use it where the ranks do
+    different work (one fit each); a collective fit instead needs every rank to call ``fit``.
+    """
+    token = _local.set(True)
+    try:
+        yield
+    finally:
+        _local.reset(token)
 
 
 def is_distributed() -> bool:
     """True when a process group with more than one rank is initialised."""
     return rank_world()[1] > 1
+
+
+def gather_results(fn: Callable[[], T]) -> list[T]:
+    """Call ``fn()`` on this rank and all-gather the results: ``[result of rank 0, ...]``.
+
+    Collective (every rank must call it, in the same order); results must pickle. If ``fn``
+    raises on any rank, every rank raises (the failing rank its own exception, the others a
+    ``RuntimeError`` naming it), so no rank waits forever in a later collective. Without a
+    group: ``[fn()]``.
+    """
+    if not is_distributed():
+        return [fn()]
+    try:
+        result, error = fn(), None
+    except Exception as err:  # re-raised below, after every rank knows
+        result, error = None, err
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (result, None if error is None else repr(error)))
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, (_, e) in enumerate(parts) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise RuntimeError(f"rank {rank} failed: {message}")
+    return [r for r, _ in parts]
 
 
 def shard_batch(batch: Batch, n: int, rank: int, world: int) -> Batch:

@@ -1,0 +1,212 @@
+"""The prior-precision sweep under torch.distributed: 2 local gloo processes (127.0.0.1) shard
+the (method, repeat) jobs, rank 0 alone writes, and the rows equal a single-process sweep's
+bitwise in every metric field.
+
+One spawn runs every case (starting processes costs seconds); each test checks one aspect.
+"""
+
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from laplace import Laplace
+
+from _models import loader, tiny_mlp, toy_data
+from laplace_debiased.evaluation.sweep import LOCK_NAME, EvalSet, Method, load_rows, row_key, run_sweep
+from laplace_debiased.structures.distributed import local_fits, rank_world
+
+WORLD = 2
+SWEEP = dict(prior_precisions=(0.1, 1.0), links=("probit", "mc"), n_samples=16, seed=3,
+             chunk_size=5, progress=False)
+TIMINGS = ("fit_seconds", "eval_seconds")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data():
+    return loader(toy_data(48, (4,), 3, "classification"), 8)
+
+
+def _fit_kron(repeat: int):
+    """debiased_kron: under a process group it would shard and all-reduce unless fitted locally."""
+    la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure="debiased_kron")
+    la.fit(_data(), generator=torch.Generator().manual_seed(repeat))
+    return la
+
+
+def _fit_full(repeat: int):
+    """debiased_full refuses to fit under a process group unless fitted locally."""
+    la = Laplace(tiny_mlp(), "classification", subset_of_weights="last_layer", hessian_structure="debiased_full")
+    la.fit(_data(), generator=torch.Generator().manual_seed(10 + repeat))
+    return la
+
+
+def _fail(repeat: int):
+    raise ValueError("no fit for you")
+
+
+def _methods() -> list[Method]:
+    # jobs: kron 0, kron 1, full 0 -> rounds (kron 0 | kron 1), (full 0 | idle)
+    return [Method("kron", _fit_kron, repeats=2), Method("full_ll", _fit_full)]
+
+
+def _eval_sets() -> list[EvalSet]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(22, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (22,), generator=g)
+    return [
+        EvalSet("test", x[:8], y[:8]),
+        EvalSet("val", x[8:15], y[8:15], kind="validation"),
+        EvalSet("ood", 4 * x[15:], kind="ood"),
+    ]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))  # a mismatched collective fails, not hangs
+    out = Path(out)
+    try:
+        result = {"pid": os.getpid(), "rank_world": rank_world()}
+        with local_fits():
+            result["local_rank_world"] = rank_world()
+        result["rows"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
+                                   map_model=tiny_mlp(), **SWEEP)
+        result["file_after_first"] = (out / "dist" / "r.jsonl").read_bytes()
+        result["rows_again"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
+                                         map_model=tiny_mlp(), **SWEEP)
+        # collective debiased_kron fits on every rank, eval sets sharded
+        result["cells"] = run_sweep([Method("kron", _fit_kron, repeats=2)], _eval_sets(),
+                                    out / "cells" / "r.jsonl", shard_jobs=False, **SWEEP)
+        try:
+            run_sweep([Method("kron", _fit_kron), Method("broken", _fail)], _eval_sets(),
+                      out / "fail" / "r.jsonl", **SWEEP)
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            result["error"] = (type(err).__name__, str(err))
+        dist.barrier()  # the group still works after the failed sweep
+        result["barrier_passed"] = True
+        torch.save(result, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("distributed_sweep")
+    single = run_sweep(_methods(), _eval_sets(), out / "single" / "r.jsonl", map_model=tiny_mlp(), **SWEEP)
+    # a resumed sweep: repeat 0 of "kron" is already in the distributed sweep's file
+    run_sweep([Method("kron", _fit_kron)], _eval_sets(), out / "dist" / "r.jsonl", **SWEEP)
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return single, ranks, out
+
+
+def _metrics(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMINGS}
+
+
+@pytest.mark.slow
+def test_distributed_sweep_rows_equal_single_process_bitwise(runs):
+    single, ranks, out = runs
+    written = load_rows(out / "dist" / "r.jsonl")
+    assert len(single) == 3 + 3 * (2 * 3 * 2)  # MAP: one row per set; 3 fits x 2 priors x 3 sets x 2 links
+    assert sorted(map(row_key, written)) == sorted(map(row_key, single))
+    want = {row_key(r): _metrics(r) for r in single}
+    for row in written:
+        assert _metrics(row) == want[row_key(row)], row_key(row)
+    # the Monte-Carlo cells differ between repeats (their seeds do), so equality is not trivial
+    by = {row_key(r): r for r in written}
+    assert by["kron|0|1.0|test|mc"]["nll"] != by["kron|1|1.0|test|mc"]["nll"]
+
+
+@pytest.mark.slow
+def test_distributed_sweep_writes_each_row_once_from_rank_zero(runs):
+    _, ranks, out = runs
+    written = load_rows(out / "dist" / "r.jsonl")
+    assert len({row_key(r) for r in written}) == len(written)
+    # only rank 0 took the output lock (the lock file records the holder's pid)
+    assert (out / "dist" / LOCK_NAME).read_text().strip() == str(ranks[0]["pid"])
+    # the resumed run neither recomputed nor rewrote the rows kron|0 already had
+    assert ranks[0]["file_after_first"] == (out / "dist" / "r.jsonl").read_bytes()
+
+
+@pytest.mark.slow
+def test_distributed_sweep_every_rank_returns_the_written_rows(runs):
+    _, ranks, out = runs
+    written = load_rows(out / "dist" / "r.jsonl")
+    for r in range(WORLD):
+        assert ranks[r]["rows"] == written
+        assert ranks[r]["rows_again"] == written
+
+
+@pytest.mark.slow
+def test_distributed_sweep_local_fits_hide_the_group(runs):
+    _, ranks, _ = runs
+    for r in range(WORLD):
+        assert ranks[r]["rank_world"] == (r, WORLD)
+        assert ranks[r]["local_rank_world"] == (0, 1)
+
+
+@pytest.mark.slow
+def test_distributed_sweep_failure_on_one_rank_raises_on_every_rank(runs):
+    _, ranks, out = runs
+    # job 1 ("broken") runs on rank 1
+    assert ranks[1]["error"] == ("ValueError", "no fit for you")
+    assert ranks[0]["error"][0] == "RuntimeError"
+    assert "rank 1 failed" in ranks[0]["error"][1] and "no fit for you" in ranks[0]["error"][1]
+    assert all(ranks[r]["barrier_passed"] for r in range(WORLD))
+    assert not (out / "fail" / "r.jsonl").exists()  # the round failed: nothing written
+
+
+def _assert_close(got, want, where: str) -> None:
+    """Equal structure and non-float values; floats to 1e-6 (relative) or 1e-9."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _assert_close(got[key], want[key], f"{where} {key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), where
+    else:
+        assert got == want, where
+
+
+@pytest.mark.slow
+def test_distributed_sweep_collective_fits_shard_the_eval_sets(runs):
+    """shard_jobs=False: every rank fits every job with the distributed debiased_kron fit, the
+    eval sets are split over the ranks; the rows equal the single-process ones to the fit's
+    round-off, in the single-process order, each written once."""
+    single, ranks, out = runs
+    want = [r for r in single if r["method"] == "kron"]
+    written = load_rows(out / "cells" / "r.jsonl")
+    assert [row_key(r) for r in written] == [row_key(r) for r in want]
+    for got, exp in zip(written, want):
+        _assert_close(_metrics(got), _metrics(exp), row_key(exp))
+    for r in range(WORLD):
+        assert ranks[r]["cells"] == written
+
+
+def test_distributed_local_fits_without_group_is_identity():
+    assert rank_world() == (0, 1)
+    with local_fits():
+        assert rank_world() == (0, 1)
+    assert rank_world() == (0, 1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
