@@ -1,16 +1,28 @@
-"""How many CPU threads torch may use: ``--threads``, else ``$OMP_NUM_THREADS``, else the cores.
+"""How many CPU threads torch may use, and how its OpenMP threads wait.
 
-torch's default on Linux is one intra-op thread per core.  On a machine that other processes
-keep busy, threads that wait for a core they do not get stall every parallel kernel (each
-matrix product waits for its slowest thread), so a job can run several times slower than with
-fewer threads.  ``--threads`` sets the number explicitly; the default respects
-``OMP_NUM_THREADS`` as OpenMP programs do, and otherwise uses the cores this process may run on.
+torch's CPU wheel runs its intra-op pool on GNU OpenMP (libgomp, ``torch.__config__.parallel_info()``).
+By default libgomp's idle workers spin (busy-poll) for a while before they sleep.  On a machine
+that other processes keep busy, a spinning worker burns the core another worker (or another job)
+needs, and every parallel kernel waits for its slowest thread, so a job can run several times
+slower than its idle time.  Two defaults address this; both are only defaults:
+
+* :func:`set_openmp_defaults` sets ``OMP_WAIT_POLICY=PASSIVE`` (idle workers sleep at once)
+  unless the variable is already set.  libgomp reads it when torch is first imported, so the CLI
+  calls it before that (the CLI imports torch lazily).
+* :func:`default_threads`: ``$OMP_NUM_THREADS`` if it is a positive integer, else
+  ``threads_for_load(cores, load)`` = ``min(cores, max(1, cores - round(load)))`` with ``cores``
+  the cores this process may run on (its CPU affinity) and ``load`` the 1-minute load average:
+  the cores that other processes leave free, at least one.  ``--threads N`` overrides both.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import MutableMapping
+
+#: OpenMP settings that :func:`set_openmp_defaults` puts in the environment when absent
+OPENMP_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def available_cores() -> int:
@@ -21,12 +33,35 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def load_average() -> float:
+    """The 1-minute load average, 0.0 where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def threads_for_load(cores: int, load: float) -> int:
+    """The cores that a load of ``load`` runnable processes leaves free, between 1 and ``cores``."""
+    return min(cores, max(1, cores - round(load)))
+
+
 def default_threads() -> int:
-    """``$OMP_NUM_THREADS`` if it is a positive integer, else :func:`available_cores`."""
+    """``$OMP_NUM_THREADS`` if it is a positive integer, else :func:`threads_for_load` of this machine."""
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return available_cores()
+    return threads_for_load(available_cores(), load_average())
+
+
+def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Put :data:`OPENMP_DEFAULTS` into ``environ`` where absent; return those it set.
+
+    Takes effect only if called before torch is first imported in this process.
+    """
+    added = {key: value for key, value in OPENMP_DEFAULTS.items() if key not in environ}
+    environ.update(added)
+    return added
 
 
 def positive_int(text: str) -> int:
@@ -41,10 +76,10 @@ def positive_int(text: str) -> int:
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    """``--threads N`` (default shown in ``--help``: this machine's value)."""
+    """``--threads N`` (default shown in ``--help``: this machine's value now)."""
     parser.add_argument("--threads", type=positive_int, default=default_threads(),
-                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else the cores); "
-                             "on a machine shared with other jobs, fewer threads than cores is faster")
+                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else the cores "
+                             "minus the 1-minute load average, at least 1)")
 
 
 def apply_threads(n: int) -> None:
