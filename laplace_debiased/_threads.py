@@ -4,15 +4,11 @@ torch's CPU wheel runs its intra-op pool on GNU OpenMP (libgomp, ``torch.__confi
 By default libgomp's idle workers spin (busy-poll) for a while before they sleep.  On a machine
 that other processes keep busy, a spinning worker burns the core another worker (or another job)
 needs, and every parallel kernel waits for its slowest thread, so a job can run several times
-slower than its idle time.  Two defaults address this; both are only defaults:
-
-* :func:`set_openmp_defaults` sets ``OMP_WAIT_POLICY=PASSIVE`` (idle workers sleep at once)
-  unless the variable is already set.  libgomp reads it when torch is first imported, so the CLI
-  calls it before that (the CLI imports torch lazily).
-* :func:`default_threads`: ``$OMP_NUM_THREADS`` if it is a positive integer, else
-  ``threads_for_load(cores, load)`` = ``min(cores, max(1, cores - round(load)))`` with ``cores``
-  the cores this process may run on (its CPU affinity) and ``load`` the 1-minute load average:
-  the cores that other processes leave free, at least one.  ``--threads N`` overrides both.
+slower than its idle time.  :func:`set_openmp_defaults` therefore sets
+``OMP_WAIT_POLICY=PASSIVE`` (idle workers sleep at once) unless the variable is already set;
+libgomp reads it when torch is first imported, so the CLI calls it before that (the CLI imports
+torch lazily).  The thread count (:func:`default_threads`) is ``$OMP_NUM_THREADS`` if set, else
+the cores this process may run on; ``--threads N`` overrides it.
 """
 
 from __future__ import annotations
@@ -33,25 +29,12 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def load_average() -> float:
-    """The 1-minute load average, 0.0 where the platform has none."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return 0.0
-
-
-def threads_for_load(cores: int, load: float) -> int:
-    """The cores that a load of ``load`` runnable processes leaves free, between 1 and ``cores``."""
-    return min(cores, max(1, cores - round(load)))
-
-
 def default_threads() -> int:
-    """``$OMP_NUM_THREADS`` if it is a positive integer, else :func:`threads_for_load` of this machine."""
+    """``$OMP_NUM_THREADS`` if it is a positive integer, else :func:`available_cores`."""
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return threads_for_load(available_cores(), load_average())
+    return available_cores()
 
 
 def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
@@ -76,10 +59,9 @@ def positive_int(text: str) -> int:
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    """``--threads N`` (default shown in ``--help``: this machine's value now)."""
+    """``--threads N`` (default shown in ``--help``: this machine's value)."""
     parser.add_argument("--threads", type=positive_int, default=default_threads(),
-                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else the cores "
-                             "minus the 1-minute load average, at least 1)")
+                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else the cores)")
 
 
 def apply_threads(n: int) -> None:

@@ -23,7 +23,7 @@ def _help(cmd: str, capsys) -> str:
 
 
 def test_each_command_has_its_own_help_with_its_defaults(capsys, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # the load-based default could change between two reads
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
     texts = {cmd: " ".join(_help(cmd, capsys).split()) for cmd in cli.COMMANDS}
     assert len(set(texts.values())) == len(texts)  # main and sweep used to print the same text
     for cmd, text in texts.items():
@@ -60,7 +60,6 @@ def test_import_registers_the_debiased_structures_after_a_later_laplace_import(f
 
 
 def test_threads_default_respects_omp_num_threads(monkeypatch):
-    monkeypatch.setattr(_threads, "load_average", lambda: 0.0)
     monkeypatch.setattr(_threads, "available_cores", lambda: 4)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert _threads.default_threads() == 3
@@ -71,25 +70,11 @@ def test_threads_default_respects_omp_num_threads(monkeypatch):
         assert _threads.default_threads() == 4
 
 
-@pytest.mark.parametrize(("cores", "load", "expected"), [
-    (2, 0.0, 2), (2, 0.4, 2), (2, 0.6, 1), (2, 2.0, 1), (2, 7.5, 1),  # never below one thread
-    (8, 2.6, 5), (8, 0.0, 8), (1, 0.0, 1), (1, 3.0, 1)])
-def test_default_threads_are_the_cores_the_load_leaves_free(monkeypatch, cores, load, expected):
-    assert _threads.threads_for_load(cores, load) == expected
+def test_available_cores_are_the_cpu_affinity(monkeypatch):
+    monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
+    assert _threads.available_cores() == 3
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    monkeypatch.setattr(_threads.os, "getloadavg", lambda: (load, 9.0, 9.0))
-    assert _threads.default_threads() == expected
-
-
-def test_default_threads_without_a_load_average_use_the_cores(monkeypatch):
-    def unavailable():
-        raise OSError("no load average")
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(_threads.os, "getloadavg", unavailable)
-    assert _threads.load_average() == 0.0
-    assert _threads.default_threads() == _threads.available_cores()
+    assert _threads.default_threads() == 3
 
 
 def test_openmp_defaults_are_set_only_where_absent():
