@@ -1,16 +1,24 @@
-"""How many CPU threads torch may use: ``--threads``, else ``$OMP_NUM_THREADS``, else the cores.
+"""How many CPU threads torch may use, and how its OpenMP threads wait.
 
-torch's default on Linux is one intra-op thread per core.  On a machine that other processes
-keep busy, threads that wait for a core they do not get stall every parallel kernel (each
-matrix product waits for its slowest thread), so a job can run several times slower than with
-fewer threads.  ``--threads`` sets the number explicitly; the default respects
-``OMP_NUM_THREADS`` as OpenMP programs do, and otherwise uses the cores this process may run on.
+torch's CPU wheel runs its intra-op pool on GNU OpenMP (libgomp, ``torch.__config__.parallel_info()``).
+By default libgomp's idle workers spin (busy-poll) for a while before they sleep.  On a machine
+that other processes keep busy, a spinning worker burns the core another worker (or another job)
+needs, and every parallel kernel waits for its slowest thread, so a job can run several times
+slower than its idle time.  :func:`set_openmp_defaults` therefore sets
+``OMP_WAIT_POLICY=PASSIVE`` (idle workers sleep at once) unless the variable is already set;
+libgomp reads it when torch is first imported, so the CLI calls it before that (the CLI imports
+torch lazily).  The thread count (:func:`default_threads`) is ``$OMP_NUM_THREADS`` if set, else
+the cores this process may run on; ``--threads N`` overrides it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import MutableMapping
+
+#: OpenMP settings that :func:`set_openmp_defaults` puts in the environment when absent
+OPENMP_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def available_cores() -> int:
@@ -29,6 +37,16 @@ def default_threads() -> int:
     return available_cores()
 
 
+def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Put :data:`OPENMP_DEFAULTS` into ``environ`` where absent; return those it set.
+
+    Takes effect only if called before torch is first imported in this process.
+    """
+    added = {key: value for key, value in OPENMP_DEFAULTS.items() if key not in environ}
+    environ.update(added)
+    return added
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
@@ -43,8 +61,7 @@ def positive_int(text: str) -> int:
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """``--threads N`` (default shown in ``--help``: this machine's value)."""
     parser.add_argument("--threads", type=positive_int, default=default_threads(),
-                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else the cores); "
-                             "on a machine shared with other jobs, fewer threads than cores is faster")
+                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else the cores)")
 
 
 def apply_threads(n: int) -> None:

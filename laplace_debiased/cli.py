@@ -9,7 +9,8 @@ Every command lives in its own module ``laplace_debiased.commands.<name>`` that 
 Only the chosen command's module is imported, and command modules import torch only inside
 ``run``, so ``--help`` stays well under a second.  With no command at all the main job runs
 (``laplace-debiased`` == ``laplace-debiased main``).  The CLI adds ``--threads`` to the commands
-that compute (:mod:`laplace_debiased._threads`) and applies it before the command starts.
+that compute (:mod:`laplace_debiased._threads`) and applies it, with OpenMP's passive wait policy
+unless ``OMP_WAIT_POLICY`` is set, before the command imports torch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from laplace_debiased._threads import add_threads_argument, apply_threads
+from laplace_debiased._threads import add_threads_argument, apply_threads, set_openmp_defaults
 
 COMMANDS: dict[str, str] = {
     "main": "run the whole pipeline (train or load a model, fit, sweep, report)",
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, module = build_parser(name)
     args = parser.parse_args(argv)
     if name in THREADED:
+        set_openmp_defaults()  # before torch is imported: libgomp reads it once, at load
         apply_threads(args.threads)
         del args.threads
     return int(module.run(args) or 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,8 @@ def _help(cmd: str, capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_each_command_has_its_own_help_with_its_defaults(capsys):
+def test_each_command_has_its_own_help_with_its_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
     texts = {cmd: " ".join(_help(cmd, capsys).split()) for cmd in cli.COMMANDS}
     assert len(set(texts.values())) == len(texts)  # main and sweep used to print the same text
     for cmd, text in texts.items():
@@ -30,7 +32,7 @@ def test_each_command_has_its_own_help_with_its_defaults(capsys):
     assert "(default: 50)" in texts["diagnose"] and "(default: ggn)" in texts["diagnose"]
     assert "cifar100" in texts["main"] and "cifar100" in texts["sweep"]
     for cmd in cli.THREADED:
-        assert "--threads THREADS" in texts[cmd] and f"(default: {_threads.default_threads()})" in texts[cmd]
+        assert "--threads THREADS" in texts[cmd] and "(default: 7)" in texts[cmd]
 
 
 def test_cli_and_every_help_import_no_torch():
@@ -58,22 +60,61 @@ def test_import_registers_the_debiased_structures_after_a_later_laplace_import(f
 
 
 def test_threads_default_respects_omp_num_threads(monkeypatch):
+    monkeypatch.setattr(_threads, "available_cores", lambda: 4)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert _threads.default_threads() == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert _threads.default_threads() == _threads.available_cores() >= 1
-    monkeypatch.setenv("OMP_NUM_THREADS", "garbage")
-    assert _threads.default_threads() == _threads.available_cores()
+    assert _threads.default_threads() == 4
+    for garbage in ("garbage", "0", "-2", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", garbage)
+        assert _threads.default_threads() == 4
+
+
+def test_available_cores_are_the_cpu_affinity(monkeypatch):
+    monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
+    assert _threads.available_cores() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert _threads.default_threads() == 3
+
+
+def test_openmp_defaults_are_set_only_where_absent():
+    env = {"GOMP_SPINCOUNT": "10"}
+    assert _threads.set_openmp_defaults(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"GOMP_SPINCOUNT": "10", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert _threads.set_openmp_defaults(env) == {}
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_the_cli_sets_the_wait_policy_before_torch_is_imported(tmp_path):
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads it: the CLI must set it first."""
+    code = ("import os, sys\n"
+            "from laplace_debiased import cli\n"
+            "from laplace_debiased.commands import sweep\n"
+            "def run(args):\n"
+            "    print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+            "    return 0\n"
+            "sweep.run = run\n"
+            "cli.apply_threads = lambda n: None\n"
+            "raise SystemExit(cli.main(['sweep', '--threads', '1', '--quiet']))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert res.stdout.split() == ["PASSIVE", "False"]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert res.stdout.split() == ["ACTIVE", "False"]
 
 
 def test_threads_are_applied_before_the_command_runs(monkeypatch, capsys):
     from laplace_debiased.commands import sweep
 
     calls = []
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a user's value stays (and the test leaks none)
     monkeypatch.setattr(cli, "apply_threads", lambda n: calls.append(("threads", n)))
     monkeypatch.setattr(sweep, "run", lambda args: calls.append(("run", hasattr(args, "threads"))) or 0)
     assert cli.main(["sweep", "--threads", "3", "--quiet"]) == 0
     assert calls == [("threads", 3), ("run", False)]
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     with pytest.raises(SystemExit):
         cli.main(["sweep", "--threads", "0"])
     assert "positive integer" in capsys.readouterr().err
