@@ -41,7 +41,7 @@ class Config:
     quick: bool = False
     model: str = "cifar_cnn"  # or "allcnnc" (the paper's GPU setting)
     n_train: int = 10000  # MAP training subset (first n of the seeded 45k split)
-    epochs: int = 30
+    epochs: int = 60  # converged: near-zero training loss on the 10k subset
     batch_sizes: tuple[int, ...] = (512,)  # single-batch b; debiased runs at 2 x b/2
     repeats: int = 5
     lowrank_batch_sizes: tuple[int, ...] = (512,)

@@ -40,7 +40,7 @@ class MapConfig:
     """Everything that determines the trained MAP (its cache tag is a hash of this)."""
 
     n_train: int = 10000
-    epochs: int = 30
+    epochs: int = 60
     lr: float = 2e-3
     weight_decay: float = 1e-4
     batch_size: int = 128
