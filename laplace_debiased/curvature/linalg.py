@@ -130,6 +130,13 @@ def remeasure_eigenvalues(U: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     return values.to(C.dtype)
 
 
+def symmetric_eigh64(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(L (n,), V (n, n))`` of the symmetric part ½(M + Mᵀ) of ``M`` (n, n), in float64,
+    ascending order: the one float64 eigendecomposition every variance formula uses."""
+    M64 = M.double()
+    return torch.linalg.eigh(0.5 * (M64 + M64.T))
+
+
 def eigh_float64(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigendecomposition of the symmetric part of ``M`` (n, n) computed in float64.
 
@@ -137,8 +144,7 @@ def eigh_float64(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``M ≈ V diag(L) Vᵀ``.
     """
     _check_square(M, "direction curvature")
-    M64 = M.double()
-    L, V = torch.linalg.eigh(0.5 * (M64 + M64.T))
+    L, V = symmetric_eigh64(M)
     return L.to(M.dtype), V.to(M.dtype)
 
 
@@ -172,14 +178,13 @@ def aligned_eigenbasis(direction: torch.Tensor, magnitude: torch.Tensor) -> torc
     """
     _check_square(direction, "direction curvature")
     _check_square(magnitude, "magnitude curvature")
-    D64, M64 = direction.double(), magnitude.double()
-    L, V = torch.linalg.eigh(0.5 * (D64 + D64.T))
+    L, V = symmetric_eigh64(direction)
+    M64 = magnitude.double()
     M64 = 0.5 * (M64 + M64.T)
     for group in degenerate_groups(L, roundoff_tolerance(direction)):
         if group.stop - group.start > 1:
             Vg = V[:, group]
-            compressed = Vg.T @ M64 @ Vg
-            _, W = torch.linalg.eigh(0.5 * (compressed + compressed.T))
+            _, W = symmetric_eigh64(Vg.T @ M64 @ Vg)
             V[:, group] = Vg @ W
     return V
 

@@ -50,6 +50,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from laplace_debiased.curvature.linalg import symmetric_eigh64
+
 #: links of the sweeps and reports
 LINKS = ("probit_projected", "probit", "mc")
 #: every link :func:`apply_link` and :meth:`GridPredictive.grid` evaluate (adds laplace-torch's bridge)
@@ -484,8 +486,7 @@ class EigenStructure:
     @classmethod
     def from_dense(cls, H: Tensor, h_factor: float | Tensor) -> EigenStructure:
         """Eigendecompose a dense symmetric ``H`` (full Laplace) in float64."""
-        H64 = H.double()
-        lam, U = torch.linalg.eigh(0.5 * (H64 + H64.T))
+        lam, U = symmetric_eigh64(H)
         self = cls.__new__(cls)
         self.U, self.lam, self.s, self.low_rank = U, lam.clamp_min(0.0), float(h_factor), False
         return self
@@ -562,8 +563,7 @@ def orthonormal_eigenpairs(U: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tens
     clamped to 0 (a float32 ``U`` makes complement formulas
     like ``I - UUᵀ`` wrong by ``1e-7``, which ``1/δ`` amplifies)."""
     Q0, R = torch.linalg.qr(U.double())
-    M = (R * eigenvalues.double()) @ R.T
-    mu, V = torch.linalg.eigh(0.5 * (M + M.T))
+    mu, V = symmetric_eigh64((R * eigenvalues.double()) @ R.T)
     return Q0 @ V, mu.clamp_min(0.0)
 
 
@@ -600,8 +600,7 @@ def dense_posterior_scale(H: Tensor, h_factor: float | Tensor, prior: Tensor) ->
     to 0) gives ``S = D^{-1/2} V diag((1+μ)^{-1/2})``; the
     functional variance ``(JS)(JS)ᵀ`` is then a Gram, finite and PSD for every ``p > 0``."""
     d = prior.double().rsqrt()
-    M = float(h_factor) * H.double() * d[:, None] * d[None, :]
-    mu, V = torch.linalg.eigh(0.5 * (M + M.T))
+    mu, V = symmetric_eigh64(float(h_factor) * H.double() * d[:, None] * d[None, :])
     mu = mu.clamp_min(0.0)
     return d[:, None] * V * (1.0 + mu).rsqrt()
 
