@@ -189,3 +189,44 @@ def test_one_batch_split_of_dict_batches():
     assert B["note"] == "kept" and len(B["labels"]) + len(Bt["labels"]) == 10
     idx_B, _ = s.choice.sample_split
     assert torch.equal(B["input_ids"], X[list(idx_B)]) and torch.equal(B["labels"], y[list(idx_B)])
+
+
+def test_on_device_moves_every_tensor_and_keeps_the_batch_kind():
+    from laplace_debiased.structures.batches import on_device
+
+    x, y = torch.ones(3, 2), torch.zeros(3, dtype=torch.long)
+    pair = on_device((x, y), "meta")
+    assert isinstance(pair, tuple) and pair[0].is_meta and pair[1].is_meta
+    d = on_device({"input_ids": x, "labels": y, "name": "kept"}, "meta")
+    assert d["input_ids"].is_meta and d["labels"].is_meta and d["name"] == "kept"
+    nested = on_device(({"input_ids": x}, y), "meta")
+    assert nested[0]["input_ids"].is_meta and nested[1].is_meta
+    assert on_device((x, y), None)[0] is x and on_device((x, y), "cpu")[0] is x  # no copies
+    with pytest.raises(ValueError, match="meta device"):
+        on_device((torch.empty(3, 2, device="meta"), y), "cpu")
+
+
+def test_same_batches_stay_one_list_after_the_move(ds):
+    dl = loader(ds, 8)
+    split = split_batches(dl, magnitude_loader=dl, device=torch.device("cpu"))
+    assert split.same_batches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("structure", ["debiased_kron", "debiased_lowrank", "debiased_full", "debiased_ekfac"])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_cuda_model_fits_from_a_cpu_loader_like_stock_laplace(ds, structure, subset):
+    """laplace-torch moves each batch to the model's device; so must every debiased fit, and the
+    GPU posterior gives the CPU one's predictive and log evidence (float64)."""
+    from laplace import Laplace
+
+    X_test = ds.tensors[0][:6]
+    results = []
+    for dev in ("cpu", "cuda"):
+        model = tiny_mlp().to(dev)
+        kwargs = {"rank": 5} if structure == "debiased_lowrank" else {}
+        la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure, **kwargs)
+        la.fit(loader(ds, 8))
+        results.append((la(X_test.to(dev), link_approx="probit").cpu(), la.log_marginal_likelihood().detach().cpu()))
+    for gpu, cpu in zip(results[1], results[0]):
+        torch.testing.assert_close(gpu, cpu, rtol=1e-8, atol=1e-10)

@@ -37,7 +37,7 @@ were chosen); the fit logs it and keeps it as ``la.fit_batches``.
 
 Checks (``ValueError`` with a hint what to do): too few batches in a loader, a batch with
 fewer than two samples, NaN/Inf in inputs or targets, inputs whose squared norm overflows
-their dtype, data off the model's ``device``, mismatched batch types, and any
+their dtype, mismatched batch types, and any
 sample whose input (and target) appears in both B and B̃ — detected by hashing the raw
 bytes of every sample, since batches carry no sample ids.
 """
@@ -186,19 +186,45 @@ def batch_size(batch: Batch, dict_key_x: str = "input_ids", dict_key_y: str = "l
     return int(y.shape[0])
 
 
-def _check_batch(
-    batch: Batch, where: str, dict_key_x: str, dict_key_y: str, device: torch.device | None
-) -> None:
+def _moved(t: Any, where: str, device: torch.device | str) -> Any:
+    """``t.to(device)`` for a tensor (anything else unchanged); a tensor on the ``meta`` device
+    has no values and is refused."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.is_meta:
+        raise ValueError(f"{where}: a tensor is on the meta device (shapes only, no values); load real data.")
+    return t.to(device)
+
+
+def on_device(batch: Batch, device: torch.device | str | None, where: str = "batch") -> Batch:
+    """``batch`` with its tensors on ``device`` (``None``: unchanged), as laplace-torch's ``fit``
+    moves every batch to the model's device.
+
+    Pairs ``(X, y)`` become tuples; dict batches (and dict inputs ``X``) become shallow copies
+    with every tensor value moved.  Tensors already on ``device`` are not copied.
+    """
+    if device is None:
+        return batch
+
+    def move_all(mapping: MutableMapping) -> MutableMapping:
+        out = copy.copy(mapping)
+        for key, value in mapping.items():
+            out[key] = _moved(value, where, device)
+        return out
+
+    if isinstance(batch, MutableMapping):
+        return move_all(batch)
+    X, y = batch
+    X = move_all(X) if isinstance(X, MutableMapping) else _moved(X, where, device)
+    return (X, _moved(y, where, device))
+
+
+def _check_batch(batch: Batch, where: str, dict_key_x: str, dict_key_y: str) -> None:
     X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
     x = _input_tensor(X, dict_key_x)
     for name, t in (("inputs", x), ("targets", y)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}.")
-        if device is not None and t.device != torch.device(device):
-            raise ValueError(
-                f"{where}: {name} are on {t.device} but the model is on {device}; move the "
-                "data (or the model) to one device."
-            )
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError(
                 f"{where}: {name} contain NaN or Inf; clean or impute the data first."
@@ -378,7 +404,8 @@ def split_batches(
     dict_key_x, dict_key_y : str
         keys of dict batches.
     device : torch.device, optional
-        the model's device; batches elsewhere raise ``ValueError``.
+        the model's device: every batch is moved there (:func:`on_device`), as laplace-torch's
+        ``fit`` does.
 
     Returns
     -------
@@ -497,11 +524,16 @@ def _checked(
     """Run the batch checks and record the choice."""
     dict_key_x, dict_key_y = keys
     first = direction[0]
+    same = magnitude is direction
     for where, group in (("direction batch", direction), ("magnitude batch", magnitude)):
         for i, b in enumerate(group):
             if isinstance(b, MutableMapping) != isinstance(first, MutableMapping):
                 raise ValueError("all batches must be of the same kind (all dicts or all pairs).")
-            _check_batch(b, f"{where} {i}", dict_key_x, dict_key_y, device)
+            batch_inputs_targets(b, dict_key_x, dict_key_y)  # KeyError / ValueError on a bad batch
+            group[i] = on_device(b, device, f"{where} {i}")
+            _check_batch(group[i], f"{where} {i}", dict_key_x, dict_key_y)
+        if same:
+            break
     if magnitude is not direction:
         _check_disjoint(direction, magnitude, dict_key_x, dict_key_y)
     choice = BatchChoice(
