@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setting", choices=("cpu", "allcnnc"), default="cpu",
                         help="cpu: cifar_cnn on a 10k subset (default); allcnnc: the paper's ALL-CNN-C "
                              "setting on 40k images, for a GPU (--device cuda)")
-    for f in ("epochs", "repeats", "n_test", "n_corrupt", "n_val", "n_ood", "mc_samples", "n_boot"):
+    for f in ("epochs", "repeats", "n_test", "n_corrupt", "n_val", "n_ood", "mc_samples", "n_boot", "chunk_size"):
         parser.add_argument("--" + f.replace("_", "-"), type=int, default=None)
     parser.add_argument("--only-sets", nargs="+", default=None, metavar="SET",
                         help="helper mode: predict (and cache) only these evaluation sets, in this order, then exit "
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.setting == "allcnnc":
         parser.error("--quick is for the cpu setting")
     cfg = Config.quick_config() if args.quick else Config.allcnnc_config() if args.setting == "allcnnc" else Config()
-    for f in ("epochs", "repeats", "n_test", "n_corrupt", "n_val", "n_ood", "mc_samples", "n_boot"):
+    for f in ("epochs", "repeats", "n_test", "n_corrupt", "n_val", "n_ood", "mc_samples", "n_boot", "chunk_size"):
         if getattr(args, f) is not None:
             setattr(cfg, f, getattr(args, f))
     out = Path(args.out) / ("quick" if cfg.quick else "allcnnc" if cfg.model == "allcnnc" else "")

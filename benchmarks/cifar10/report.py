@@ -25,7 +25,7 @@ def markdown(meta: dict, methods: dict, summary: dict, res: dict, tgt: list[dict
     mt, mtr = meta["map_test"], meta["map_train"]
     grid = meta["grid"]
     L = [f"# CIFAR-10 Laplace benchmark ({'quick' if cfg['quick'] else 'full'} mode)", "",
-         f"**MAP** `cifar_cnn` ({meta['n_params']:,} parameters) trained {meta['train_epochs']} epochs on "
+         f"**MAP** `{cfg['model']}` ({meta['n_params']:,} parameters) trained {meta['train_epochs']} epochs on "
          f"{meta['n_train']:,} training images: train NLL {mtr['nll']:.4f}, ECE {_pct(mtr['ece'])} pt, "
          f"acc. {_pct(mtr['accuracy'])} %; test (all {meta['n_test_all']:,} images) NLL {mt['nll']:.4f}, "
          f"ECE {_pct(mt['ece'])} pt, acc. {_pct(mt['accuracy'])} %.", "",

@@ -123,13 +123,16 @@ def train(cfg: MapConfig, X: torch.Tensor, y: torch.Tensor, Xv: torch.Tensor, yv
         history = blob["history"]
         log(f"resumed from epoch {len(history)} ({ckpt})")
     n = len(y)
+    if device != "cpu":  # one copy on the accelerator instead of one per step
+        X, y = X.to(device), y.to(device)
+        torch.backends.cudnn.benchmark = True
     for epoch in range(len(history), cfg.epochs):
         start = time.perf_counter()
         model.train()
         perm = torch.randperm(n, generator=gen)
         run_loss, run_correct = 0.0, 0
         for idx in perm.split(cfg.batch_size):
-            xb, yb = X[idx].to(device), y[idx].to(device)
+            xb, yb = X[idx.to(X.device)], y[idx.to(y.device)]
             out = model(xb)
             ce = nn.functional.cross_entropy(out, yb)
             loss = ce + 0.5 * cfg.weight_decay * sum(p.square().sum() for p in decayed)
