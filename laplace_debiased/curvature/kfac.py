@@ -31,7 +31,7 @@ import torch
 from curvlinops.kfac_utils import extract_patches
 from torch import nn
 
-__all__ = ["GroupKfacSums", "group_kfac_sums", "loss_hessian_sqrt", "zero_sums"]
+__all__ = ["GroupKfacSums", "group_kfac_sums", "loss_hessian_sqrt", "output_rows", "zero_sums"]
 
 
 @dataclass
@@ -161,7 +161,7 @@ def group_kfac_sums(
     try:
         with torch.enable_grad():
             f = model(X)
-            rows, targets = _output_rows(f, y)
+            rows, targets = output_rows(f, y)
             if fisher == "empirical":
                 torch.autograd.grad(lossfunc(rows, targets), params)
             else:
@@ -176,17 +176,24 @@ def group_kfac_sums(
             h.remove()
     f = f.detach()
     for start, stop, group in segments:
-        into.loss[group] += factor * lossfunc(*_output_rows(f[start:stop], y[start:stop]))
+        into.loss[group] += factor * lossfunc(*output_rows(f[start:stop], y[start:stop]))
     return into
 
 
-def _output_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def output_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs ``(n, [tokens, ...,] C)`` as rows ``(n·tokens, C)``, each token an output (as
     laplace-torch's ASDL backend and LLM examples treat them), with the targets to match:
-    class labels ``(n, [tokens])`` or regression targets shaped like the outputs."""
+    class labels ``(n, [tokens])`` or targets shaped like the outputs (regression, class
+    probabilities). Other target shapes raise a ``ValueError``."""
     if f.ndim < 2:
         raise ValueError(
             f"the model output has shape {tuple(f.shape)}; K-FAC needs (batch, [tokens,] outputs)."
+        )
+    if y.shape not in (f.shape, f.shape[:-1]):
+        raise ValueError(
+            f"the targets have shape {tuple(y.shape)} but the model outputs {tuple(f.shape)}: "
+            f"give class labels of shape {tuple(f.shape[:-1])} (one per token) or targets of "
+            f"shape {tuple(f.shape)}."
         )
     rows = f.reshape(-1, f.shape[-1])
     return rows, y.reshape(rows.shape[0], *y.shape[f.ndim - 1 :])

@@ -252,15 +252,12 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
     ) -> Tensor:
         self._check_supported(direction_batches)
-        loss, direction = self._kfac(direction_batches, N)
         same = magnitude_batches is direction_batches
-        magnitude = None
-        if same:
-            pass
-        elif self._cross_fit:
-            magnitude_loss, magnitude = self._kfac(magnitude_batches, N)
-            loss = loss + magnitude_loss
-        else:
+        swap = self._cross_fit and not same  # the swapped component needs B̃'s K-FAC too
+        groups = [direction_batches, magnitude_batches] if swap else [direction_batches]
+        loss, krons = self._kfacs(groups, N)
+        direction, magnitude = krons[0], (krons[1] if swap else None)
+        if not (same or swap):
             loss = loss + self._summed_loss(magnitude_batches)
         H = self._ekfac(direction, magnitude_batches, N)
         if magnitude is not None:

@@ -89,18 +89,14 @@ class _EigenCurvatureMixin:
 
     @torch.no_grad()
     def _module_batches(self, batches: list[Batch]) -> list[eigen.Batch]:
-        """``(input of the curvature module, y)`` per batch: features for a last layer."""
+        """``(input of the curvature module, y)`` per batch: features for a last layer
+        (``(n, tokens, D)`` for token outputs)."""
         out = []
         for b in batches:
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             if isinstance(self, LLLaplace):
+                # features (n, D), or (n, tokens, D) for token outputs (each token an output)
                 _, X = self.model.forward_with_features(X)
-                pairs = self.likelihood == "reward_modeling" and X.ndim == 3 and X.shape[1] == 2
-                if X.ndim != 2 and not pairs:
-                    raise ValueError(
-                        f"last-layer features have shape {tuple(X.shape)}; pass "
-                        "feature_reduction= so that they are (batch, features)."
-                    )
             out.append((X, y))
         return out
 

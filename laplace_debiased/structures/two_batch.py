@@ -48,6 +48,7 @@ from laplace_debiased.structures.batches import (
     check_targets,
     split_batches,
 )
+from laplace_debiased.curvature.kfac import output_rows
 from laplace_debiased.structures.distributed import is_distributed
 
 __all__ = ["TwoBatchLaplaceMixin"]
@@ -143,8 +144,10 @@ class TwoBatchLaplaceMixin:
             self._reset_fit_state()
 
     def _checked_n_outputs(self, first: Batch, used: list[Batch]) -> int:
-        """Output width, after checking every used batch's targets against the output shape."""
+        """Output width, after checking every used batch's targets against the output shape
+        (``self.fit_output_shape``: the per-sample output shape, ``([tokens, ...,] C)``)."""
         output_shape = self._output_shape(first)
+        self.fit_output_shape = output_shape
         for i, b in enumerate(used):
             _, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             check_targets(y, output_shape, self.likelihood, f"fit batch {i}")
@@ -273,12 +276,13 @@ class TwoBatchLaplaceMixin:
 
     @torch.no_grad()
     def _summed_loss(self, batches: list[Batch]) -> torch.Tensor:
-        """``sum over batches of factor * lossfunc(model(X), y)`` (laplace-torch's loss)."""
+        """``sum over batches of factor * lossfunc(model(X), y)`` (laplace-torch's loss), each
+        token its own loss term for outputs ``(n, tokens, C)`` (:func:`output_rows`)."""
         total = torch.zeros((), device=self._device, dtype=self._dtype)
         for b in batches:
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             f = self.model(X)
-            total = total + self.backend.factor * self.backend.lossfunc(f, y)
+            total = total + self.backend.factor * self.backend.lossfunc(*output_rows(f, y))
         return total
 
     def _glm_functional_samples(
