@@ -4,8 +4,10 @@ every debiased structure (issue 14, item 3), in float64.
 The identity tested: for a model that acts on each token separately, a fit on ``n`` sequences of
 ``T`` tokens is the fit on the ``n·T`` tokens flattened into samples with the same B and B̃
 (B: the first two loader batches, B̃: the third; ``N/|B|`` is the same in both views), to
-round-off: posterior precision, eigenvalues and training loss.
+round-off: posterior precision, eigenvalues and training loss; and so are the predictives.
 """
+
+import warnings
 
 import pytest
 import torch
@@ -88,6 +90,41 @@ def test_lowrank_lanczos_route_takes_token_outputs():
     torch.testing.assert_close(_precision(lanczos[0]), _precision(gram), rtol=1e-7, atol=1e-8)
 
 
+def _predictives(la, X, likelihood):
+    """GLM probit / mc and NN-sampling predictives; sampling with a fixed generator."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = {"glm": la(X, pred_type="glm", link_approx="probit" if likelihood == "classification" else "mc")}
+        if likelihood == "classification":
+            out["glm_mc"] = la(X, pred_type="glm", link_approx="mc", n_samples=5)
+        g = torch.Generator().manual_seed(0)
+        out["nn"] = la.predictive_samples(X, pred_type="nn", n_samples=4, generator=g)
+    return out
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_token_predictive_equals_flattened_tokens(structure, subset, likelihood):
+    """la(x) on (n, T, ·) inputs returns (n, T, C) (regression: mean (n, T, C) and covariance
+    (n, T, C, C)), the flattened fit's predictive of the n·T tokens reshaped."""
+    seq, flat = _fit_both(structure, subset, likelihood)
+    X, _ = _tokens(likelihood, n_seq=4, seed=5)
+    a, b = _predictives(seq, X, likelihood), _predictives(flat, X.flatten(0, 1), likelihood)
+    if likelihood == "classification":
+        assert a["glm"].shape == (4, T, 3)
+        torch.testing.assert_close(a["glm"].sum(-1), torch.ones(4, T, dtype=torch.float64))
+        torch.testing.assert_close(a["glm"], b["glm"].reshape(4, T, 3), rtol=1e-8, atol=1e-10)
+        assert a["glm_mc"].shape == (4, T, 3)
+    else:
+        (mu_a, var_a), (mu_b, var_b) = a["glm"], b["glm"]
+        assert mu_a.shape == (4, T, 3) and var_a.shape == (4, T, 3, 3)
+        torch.testing.assert_close(mu_a, mu_b.reshape(4, T, 3), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(var_a, var_b.reshape(4, T, 3, 3), rtol=1e-8, atol=1e-10)
+    assert a["nn"].shape == (4, 4, T, 3)
+    torch.testing.assert_close(a["nn"], b["nn"].reshape(4, 4, T, 3), rtol=1e-7, atol=1e-9)
+
+
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
 @pytest.mark.parametrize("structure", STRUCTURES)
 def test_targets_of_the_wrong_shape_get_a_clear_error(structure, subset):
@@ -149,3 +186,25 @@ def test_adapter_block_equals_the_block_of_the_all_trainable_model(structure):
         offsets[name], start = start, start + p.numel()
     idx = slice(offsets["2.down.weight"], offsets["2.down.weight"] + 20)
     torch.testing.assert_close(_precision(adapter), _precision(full)[idx, idx], rtol=1e-9, atol=1e-10)
+
+
+def test_ekfac_cross_fit_on_token_outputs():
+    """Cross-fitted EKFAC (both components, B's and B̃'s K-FAC from one shared pass)."""
+    X, y = _tokens("classification")
+    fits = []
+    for data, bs in (((X, y), BATCH), ((X.flatten(0, 1), y.flatten(0, 1)), BATCH * T)):
+        la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure="debiased_ekfac")
+        la.fit(loader(TensorDataset(*data), bs), n_direction_batches=2, cross_fit=True)
+        fits.append(la)
+    torch.testing.assert_close(_precision(fits[0]), _precision(fits[1]), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("structure", ["debiased_kron", "debiased_ekfac"])
+def test_backends_that_do_not_treat_tokens_as_outputs_are_refused(structure):
+    """K-FAC by a backend call (here ASDL) does not treat tokens as outputs: a clear error."""
+    from laplace.curvature import AsdlGGN
+
+    X, y = _tokens("classification")
+    la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure=structure, backend=AsdlGGN)
+    with pytest.raises(ValueError, match="every token an output.*CurvlinopsGGN"):
+        la.fit(loader(TensorDataset(X, y), BATCH))
