@@ -99,6 +99,8 @@ def _predictives(la, X, likelihood):
             out["glm_mc"] = la(X, pred_type="glm", link_approx="mc", n_samples=5)
         g = torch.Generator().manual_seed(0)
         out["nn"] = la.predictive_samples(X, pred_type="nn", n_samples=4, generator=g)
+        g = torch.Generator().manual_seed(0)
+        out["glm_samples"] = la.predictive_samples(X, pred_type="glm", n_samples=4, generator=g)
     return out
 
 
@@ -107,7 +109,8 @@ def _predictives(la, X, likelihood):
 @pytest.mark.parametrize("structure", STRUCTURES)
 def test_token_predictive_equals_flattened_tokens(structure, subset, likelihood):
     """la(x) on (n, T, ·) inputs returns (n, T, C) (regression: mean (n, T, C) and covariance
-    (n, T, C, C)), the flattened fit's predictive of the n·T tokens reshaped."""
+    (n, T, C, C)), the flattened fit's predictive of the n·T tokens reshaped; so do the NN and
+    GLM predictive samples, (S, n, T, C)."""
     seq, flat = _fit_both(structure, subset, likelihood)
     X, _ = _tokens(likelihood, n_seq=4, seed=5)
     a, b = _predictives(seq, X, likelihood), _predictives(flat, X.flatten(0, 1), likelihood)
@@ -121,8 +124,9 @@ def test_token_predictive_equals_flattened_tokens(structure, subset, likelihood)
         assert mu_a.shape == (4, T, 3) and var_a.shape == (4, T, 3, 3)
         torch.testing.assert_close(mu_a, mu_b.reshape(4, T, 3), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(var_a, var_b.reshape(4, T, 3, 3), rtol=1e-8, atol=1e-10)
-    assert a["nn"].shape == (4, 4, T, 3)
-    torch.testing.assert_close(a["nn"], b["nn"].reshape(4, 4, T, 3), rtol=1e-7, atol=1e-9)
+    for kind in ("nn", "glm_samples"):
+        assert a[kind].shape == (4, 4, T, 3)
+        torch.testing.assert_close(a[kind], b[kind].reshape(4, 4, T, 3), rtol=1e-7, atol=1e-9)
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
@@ -163,6 +167,9 @@ def test_adapters_on_a_frozen_backbone(structure):
     seq, flat = _fit_both(structure, "all", "classification", make_model=adapter_model)
     assert seq.n_params == 20
     _assert_same(seq, flat)
+    X, _ = _tokens("classification", n_seq=4, seed=5)
+    a, b = _predictives(seq, X, "classification"), _predictives(flat, X.flatten(0, 1), "classification")
+    torch.testing.assert_close(a["glm"], b["glm"].reshape(4, T, 3), rtol=1e-8, atol=1e-10)
 
 
 @pytest.mark.parametrize("structure", ["debiased_full", "debiased_ekfac"])
@@ -208,3 +215,17 @@ def test_backends_that_do_not_treat_tokens_as_outputs_are_refused(structure):
     la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure=structure, backend=AsdlGGN)
     with pytest.raises(ValueError, match="every token an output.*CurvlinopsGGN"):
         la.fit(loader(TensorDataset(X, y), BATCH))
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_marginal_likelihood_equals_flattened_tokens(structure, likelihood):
+    """The log marginal likelihood counts every token's outputs (regression: the Gaussian
+    normaliser over n·T·C values), as the fit on the tokens as samples does."""
+    seq, flat = _fit_both(structure, "all", likelihood)
+    args = [torch.tensor(0.7, dtype=torch.float64)]
+    if likelihood == "regression":
+        args.append(torch.tensor(0.3, dtype=torch.float64))
+    torch.testing.assert_close(
+        seq.log_marginal_likelihood(*args), flat.log_marginal_likelihood(*args), rtol=1e-10, atol=1e-9
+    )

@@ -6,6 +6,11 @@ GGN / empirical-Fisher curvature of the independent batch B̃ along them, scaled
 points like every debiased structure (``N/|B̃|`` times the sum over B̃; maths in
 :mod:`laplace_debiased.curvature.ekfac`).  With B̃ = B this is plain EKFAC on B.
 
+Outputs may be ``(n, tokens, C)``, every token an output with its own loss term (targets
+``(n, tokens)``): the K-FAC basis comes from ``debiased_kron``'s shared pass, and the
+eigenvalues of each token position are measured and added up
+(:func:`~laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues`).
+
 Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
 B̃, curvature measured on B) and uses the equal-weight mixture of the two Gaussians as the
 posterior (:mod:`laplace_debiased.structures.cross_fit`, shared with ``debiased_kron``).

@@ -31,7 +31,9 @@ gives the same result (the backend's loss function scales the training loss). In
 tensors or mappings (a dict or a Hugging Face ``BatchEncoding`` that the model consumes whole,
 with laplace-torch's ``dict_key_x``/``dict_key_y``), for all weights and for the last layer;
 the weights are the parameters with ``requires_grad`` (e.g. LoRA adapters on a frozen
-backbone). ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
+backbone). Outputs may be ``(n, tokens, C)``, every token an output with its own loss term
+(targets ``(n, tokens)`` or ``(n, tokens, C)``; last layer: features ``(n, tokens, D)``), as in
+:mod:`laplace_debiased.curvature.eigen`. ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
 preference pairs) and predicts as regression, as laplace-torch does.
 """
 

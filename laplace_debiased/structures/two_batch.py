@@ -317,6 +317,18 @@ class TwoBatchLaplaceMixin:
     def _has_token_outputs(self) -> bool:
         return len(getattr(self, "fit_output_shape", ())) > 1
 
+    @property
+    def log_likelihood(self) -> torch.Tensor:
+        """laplace-torch's log likelihood; for token outputs in regression its Gaussian
+        normaliser counts all ``n_data · tokens · C`` outputs (laplace-torch's counts
+        ``n_data · C``): ``- (tokens - 1) · n_data · C · log(σ √(2π))`` more."""
+        ll = super().log_likelihood
+        if self.likelihood == "regression" and self._has_token_outputs():
+            tokens = math.prod(self.fit_output_shape[:-1])
+            sigma = torch.as_tensor(self.sigma_noise, device=self._device, dtype=self._dtype)
+            ll = ll - (tokens - 1) * self.n_data * self.n_outputs * torch.log(sigma * math.sqrt(2 * math.pi))
+        return ll
+
     @torch.enable_grad()
     def _glm_predictive_distribution(
         self, X: Any, joint: bool = False, diagonal_output: bool = False
