@@ -360,8 +360,9 @@ def _batch_factor_functorch(
 def _linear_dense_curvature(layer: nn.Linear, batches: Sequence[Batch], likelihood: str, curvature: Curvature) -> Tensor:
     """Dense ``G_B`` of an ``nn.Linear`` from features ⊗ output curvature (float64, ``P × P``).
 
-    ``G[(i,p),(j,q)] = Σ_n Λ_n[i,j] φ̃_n[p] φ̃_n[q]`` (``n`` over the output rows: tokens too) with ``φ̃ = [φ, 1]`` if the layer has a bias;
-    laplace-torch's order: weight row-major (``i·D + p``), then bias. Cost ``C² D² n``.
+    ``G[(i,p),(j,q)] = Σ_n Λ_n[i,j] φ̃_n[p] φ̃_n[q]`` (``n`` over the output rows: every token of
+    token outputs) with ``φ̃ = [φ, 1]`` if the layer has a bias; laplace-torch's order: weight
+    row-major (``i·D + p``), then bias. Cost ``C² D² n``.
     """
     C, D = layer.out_features, layer.in_features
     has_bias = layer.bias is not None and layer.bias.requires_grad
