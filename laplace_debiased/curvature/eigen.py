@@ -38,6 +38,15 @@ Re-measuring curvature along given directions (``directional_curvatures``) costs
 batches for all ``k`` directions together (forward-mode ``J u`` for a chunk of directions at once,
 vectorised with ``torch.func.vmap``): ``λ̃_i = Σ_n ‖A_nᵀ J_n u_i‖²``.
 
+Token outputs
+-------------
+A model may output ``(n, tokens, C)`` (any number of token dimensions) with every token an output
+of its own loss term (laplace-torch's LLM convention), targets ``(n, tokens)`` (class labels) or
+``(n, tokens, C)``: ``J_n`` and ``Λ_n`` above are then per token, the sum runs over all
+``n·tokens`` *rows* of the outputs (:func:`laplace_debiased.curvature.kfac.output_rows`, the one
+flattening helper), and ``V`` has ``n·tokens·R`` columns. A sample is still a sequence:
+``N / n`` and ``count_samples`` count sequences.
+
 Inputs and models
 -----------------
 A batch's input ``X`` is a tensor or a mapping (a dict or a Hugging Face ``BatchEncoding``) that
@@ -69,6 +78,7 @@ from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
+from laplace_debiased.curvature.kfac import output_rows
 from laplace_debiased.curvature.linalg import eigh_float64
 
 Inputs = Tensor | Mapping[str, Any]
@@ -122,8 +132,42 @@ def trainable_parameters(model: nn.Module) -> dict[str, Tensor]:
 
 
 def count_samples(batches: Sequence[Batch]) -> int:
-    """Total number of samples in a batch list."""
+    """Total number of samples in a batch list (sequences for token outputs)."""
     return sum(len(y) for _, y in batches)
+
+
+@torch.no_grad()
+def _sample_output_shape(model: nn.Module, X: Inputs) -> tuple[int, ...]:
+    """Per-sample output shape ``([tokens, ...,] C)`` of ``model``, from the first row of ``X``."""
+    return tuple(model(take_rows(X, slice(0, 1))).shape[1:])
+
+
+def target_rows(model: nn.Module, X: Inputs, y: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """The targets of a batch with one row per output row (:func:`output_rows`, which checks
+    their shape against the model's output), and the per-sample output shape
+    ``([tokens, ...,] C)``. One forward pass of a single sample."""
+    shape = _sample_output_shape(model, X)
+    proxy = torch.empty((), dtype=torch.float32, device=y.device).expand(len(y), *shape)
+    return output_rows(proxy, y)[1], shape
+
+
+def count_rows(model: nn.Module, batches: Sequence[Batch]) -> int:
+    """Total number of output rows (loss terms) of the batches: samples × tokens per sample."""
+    return sum(len(target_rows(model, X, y)[0]) for X, y in batches)
+
+
+class _TokenRows(nn.Module):
+    """``model`` on ``{"x": X, "rows": r}`` with its outputs ``(n, tokens, C)`` as the ``r``
+    rows ``(r, C)``, so that curvlinops' losses see one row per loss term and weight a batch's
+    mean loss by its ``r`` rows (``batch_size_fn``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: Mapping[str, Any]) -> Tensor:
+        f = self.model(inputs["x"])
+        return f.reshape(-1, f.shape[-1])
 
 
 def is_mapping(X: Inputs) -> bool:
@@ -189,11 +233,12 @@ def _functorch_unsupported(err: Exception) -> bool:
 def per_sample_factor_columns(
     model: nn.Module, X: Inputs, y: Tensor, likelihood: str, curvature: Curvature = "ggn"
 ) -> Iterator[Tensor]:
-    """Reverse-mode route: for each sample ``n`` of the batch, the ``(P, R)`` block ``J_nᵀ A_n``
-    of the factor ``V`` (columns of :func:`curvature_factor`, model dtype).
+    """Reverse-mode route: for each sample ``n`` of the batch, the ``(P, T·R)`` block ``J_nᵀ A_n``
+    of the factor ``V`` (columns of :func:`curvature_factor`, model dtype; ``T`` tokens, 1
+    without).
 
-    One forward of the sample alone (``take_rows``) and ``R`` backward passes of
-    ``A_nᵀ f_n``; only plain autograd, so it works for mapping inputs and for operations
+    One forward of the sample alone (``take_rows``) and ``T·R`` backward passes of
+    ``A_ntᵀ f_nt``; only plain autograd, so it works for mapping inputs and for operations
     without forward-mode or ``vmap`` support. Parameters without ``requires_grad`` are constants.
     """
     params = [p for p in model.parameters() if p.requires_grad]
@@ -201,10 +246,10 @@ def per_sample_factor_columns(
         raise ValueError("The model has no parameters with requires_grad=True.")
     with torch.enable_grad():
         for i in range(len(y)):
-            f = model(take_rows(X, slice(i, i + 1)))
+            f, targets = output_rows(model(take_rows(X, slice(i, i + 1))), y[i : i + 1])
             _check_finite(f.detach(), "the model's outputs")
-            A = output_curvature_factor(f.detach(), y[i : i + 1], likelihood, curvature)[0]  # (C, R)
-            out = f[0] @ A  # (R,)
+            A = output_curvature_factor(f.detach(), targets, likelihood, curvature)  # (T, C, R)
+            out = (f.unsqueeze(-1) * A).sum(1).reshape(-1)  # (T·R,)
             columns = []
             for r in range(out.shape[0]):
                 grads = torch.autograd.grad(out[r], params, retain_graph=r < out.shape[0] - 1, allow_unused=True)
@@ -300,20 +345,24 @@ def _batch_factor_functorch(
     with torch.no_grad():
         f = fn(params, X)
     _check_finite(f, "the model's outputs")
-    A = output_curvature_factor(f, y, likelihood, curvature)
-    chunk = max(1, max_chunk_elements // (f.shape[-1] * n_params))
+    rows, targets = output_rows(f, y)
+    A = output_curvature_factor(rows, targets, likelihood, curvature)  # (n·T, C, R)
+    T = len(rows) // len(y)
+    chunk = max(1, max_chunk_elements // (f[0].numel() * n_params))
     for start in range(0, len(y), chunk):
         J = jac(params, X[start : start + chunk])
-        J = torch.cat([j.flatten(2) for j in J.values()], dim=2)  # (m, C, P)
-        columns.append(torch.einsum("mcr,mcp->pmr", A[start : start + chunk], J).flatten(1))
+        J = torch.cat([j.flatten(f.ndim) for j in J.values()], dim=-1)  # (m, [T,] C, P)
+        J = J.reshape(-1, f.shape[-1], n_params)  # (m·T, C, P)
+        columns.append(torch.einsum("mcr,mcp->pmr", A[start * T : start * T + len(J)], J).flatten(1))
     return columns
 
 
 def _linear_dense_curvature(layer: nn.Linear, batches: Sequence[Batch], likelihood: str, curvature: Curvature) -> Tensor:
     """Dense ``G_B`` of an ``nn.Linear`` from features ⊗ output curvature (float64, ``P × P``).
 
-    ``G[(i,p),(j,q)] = Σ_n Λ_n[i,j] φ̃_n[p] φ̃_n[q]`` with ``φ̃ = [φ, 1]`` if the layer has a bias;
-    laplace-torch's order: weight row-major (``i·D + p``), then bias. Cost ``C² D² n``.
+    ``G[(i,p),(j,q)] = Σ_n Λ_n[i,j] φ̃_n[p] φ̃_n[q]`` (``n`` over the output rows: every token of
+    token outputs) with ``φ̃ = [φ, 1]`` if the layer has a bias; laplace-torch's order: weight
+    row-major (``i·D + p``), then bias. Cost ``C² D² n``.
     """
     C, D = layer.out_features, layer.in_features
     has_bias = layer.bias is not None and layer.bias.requires_grad
@@ -324,16 +373,16 @@ def _linear_dense_curvature(layer: nn.Linear, batches: Sequence[Batch], likeliho
     for X, y in batches:
         _check_finite(X, "the inputs")
         with torch.no_grad():
-            f = layer(X)
+            f, targets = output_rows(layer(X), y)  # token outputs: one row per token
         _check_finite(f, "the model's outputs")
-        A = output_curvature_factor(f, y, likelihood, curvature).double()
-        Lam = A @ A.transpose(1, 2)  # (n, C, C)
-        phi = X.detach().double().reshape(len(y), D)
+        A = output_curvature_factor(f, targets, likelihood, curvature).double()
+        Lam = A @ A.transpose(1, 2)  # (rows, C, C)
+        phi = X.detach().double().reshape(len(f), D)
         if has_bias:
             phi = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
         for i in range(C):
-            weighted = Lam[:, i, :, None] * phi[:, None, :]  # (n, C, Dt)
-            G[i] += (weighted.reshape(len(y), C * Dt).T @ phi).reshape(C, Dt, Dt)
+            weighted = Lam[:, i, :, None] * phi[:, None, :]  # (rows, C, Dt)
+            G[i] += (weighted.reshape(len(f), C * Dt).T @ phi).reshape(C, Dt, Dt)
     G = G.permute(0, 2, 1, 3).reshape(C * Dt, C * Dt)  # index (i, p), (j, q)
     if has_bias:
         order = [i * Dt + p for i in range(C) for p in range(D)] + [i * Dt + D for i in range(C)]
@@ -420,7 +469,8 @@ def _directional_functorch(
     with torch.no_grad():
         f = fn(params, X)
     _check_finite(f, "the model's outputs")
-    A = output_curvature_factor(f, y, likelihood, curvature)
+    rows, targets = output_rows(f, y)
+    A = output_curvature_factor(rows, targets, likelihood, curvature)  # (n·T, C, R)
     for start in range(0, k, chunk_size):
         block = U[:, start : start + chunk_size]
         tangents = {
@@ -432,7 +482,8 @@ def _directional_functorch(
             return jvp(lambda p: fn(p, X), (params,), (t,))[1]
 
         with torch.no_grad():
-            Ju = vmap(push)(tangents)  # (kc, n, C)
+            Ju = vmap(push)(tangents)  # (kc, n, [T,] C)
+        Ju = Ju.reshape(Ju.shape[0], -1, f.shape[-1])  # (kc, n·T, C)
         proj = torch.einsum("knc,ncr->knr", Ju.double(), A.double())
         result[start : start + block.shape[1]] += proj.square().sum(dim=(1, 2))
     return result
@@ -513,29 +564,40 @@ def _topk_lanczos(
     """Top-k eigenpairs by :func:`lanczos_top_k` on curvlinops' GGN/EF operator of the batches.
 
     The operator is :func:`laplace_debiased.curvature.operators.curvature_linop`, the curvature of the
-    **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` samples; the summed
+    **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` output rows (samples,
+    or every token of every sample for token outputs, :class:`_TokenRows`); the summed
     loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
     ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
     entries). Eigenvectors are unchanged by the scale.
     """
     from laplace_debiased.curvature.operators import curvature_linop
 
-    n = count_samples(batches)
+    rows = [target_rows(model, X, y) for X, y in batches]
+    if all(len(shape) == 1 for _, shape in rows):
+        op_model, data, n = model, list(batches), count_samples(batches)
+        batch_size_fn = mapping_rows if any(is_mapping(X) for X, _ in batches) else None
+    else:  # token outputs: one row per token
+        op_model = _TokenRows(model)
+        data = [({"x": X, "rows": len(t)}, t) for (X, _), (t, _) in zip(batches, rows)]
+        n, batch_size_fn = sum(len(t) for t, _ in rows), _rows_of
     if likelihood == "classification":
         lossfunc, scale = nn.CrossEntropyLoss(), float(n)
     else:
         lossfunc, scale = nn.MSELoss(), loss_factor(likelihood) * n * n_outputs
-    batch_size_fn = mapping_rows if any(is_mapping(X) for X, _ in batches) else None
     with backward_hooks_detached(model):
-        op = curvature_linop(model, lossfunc, list(batches), curvature, num_data=n, batch_size_fn=batch_size_fn)
+        op = curvature_linop(op_model, lossfunc, data, curvature, num_data=n, batch_size_fn=batch_size_fn)
         pairs = lanczos_top_k(op.__matmul__, op.shape[0], k, tol=tol, dtype=op.dtype, device=op.device)
     return EigenPairs(scale * pairs.values, pairs.vectors, "lanczos")
 
 
-@torch.no_grad()
+def _rows_of(inputs: Mapping[str, Any]) -> int:
+    """``batch_size_fn`` of :class:`_TokenRows` inputs: their number of output rows."""
+    return inputs["rows"]
+
+
 def _n_outputs(model: nn.Module, batches: Sequence[Batch]) -> int:
     """Output width ``C`` of ``model`` from the first sample of the first batch."""
-    return model(take_rows(batches[0][0], slice(0, 1))).shape[-1]
+    return _sample_output_shape(model, batches[0][0])[-1]
 
 
 LANCZOS_MATVEC_OVERHEAD = 5e7
@@ -617,7 +679,7 @@ def top_eigenpairs(
     if not batches:
         raise ValueError("top_eigenpairs needs at least one batch.")
     n_params = sum(p.numel() for p in trainable_parameters(model).values())
-    n_samples = count_samples(batches)
+    n_samples = count_rows(model, batches)  # output rows: samples × tokens
     n_out = _n_outputs(model, batches)
     n_columns = n_samples * (n_out if curvature == "ggn" else 1)
     rank = min(rank, n_params)
@@ -647,7 +709,7 @@ def range_eigenpairs(
     """
     n_params = sum(p.numel() for p in trainable_parameters(model).values())
     n_out = _n_outputs(model, batches)
-    n_columns = count_samples(batches) * (n_out if curvature == "ggn" else 1)
+    n_columns = count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
     if n_columns < n_params:
         pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), n_columns)
     else:

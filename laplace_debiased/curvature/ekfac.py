@@ -21,6 +21,12 @@ Conventions (those of :mod:`laplace_debiased.curvature.linalg`)
   ``G_nc = Σ_t g_nct a_ntᵀ``: weight-shared positions ``t`` (conv patches) are summed *before*
   squaring, so ``Λ = diag(Qᵀ C_B̃ Q)`` exactly, ``C_B̃`` the GGN/EF block of B̃.
 * Scaling to ``N`` data points is left to the caller (every eigenvalue is a sum over B̃'s samples).
+* Token outputs ``(n, tokens, C)``, every token its own loss term: the sum runs over the
+  ``n·tokens`` loss terms, each with its own per-term weight gradient ``G_ntc`` (summed over the
+  positions the layer is applied at, which for a model acting on each token separately is the
+  token's own position). Curvlinops' EKFAC takes ``(n, C)`` outputs only, so the correction
+  runs once per token position ``t`` on the model's outputs at ``t`` and the results add up
+  (``tokens`` passes over B̃).
 
 The per-sample rotation and squaring is curvlinops' EKFAC eigenvalue correction
 (:class:`curvlinops.EKFACLinearOperator`); :func:`measure_ekfac_eigenvalues` runs it on B̃ with
@@ -29,6 +35,7 @@ B's eigenvectors installed instead of the ones curvlinops would compute from B̃
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence, MutableMapping
 from typing import Any
 
@@ -36,6 +43,7 @@ import torch
 from curvlinops import EKFACLinearOperator, FisherType
 from torch import Tensor, nn
 
+from laplace_debiased.curvature.eigen import target_rows
 from laplace_debiased.curvature.linalg import eigh_float64
 
 __all__ = [
@@ -121,7 +129,8 @@ def measure_ekfac_eigenvalues(
         ``reduction="sum"`` (e.g. laplace-torch's ``backend.lossfunc``; multiply the result by
         ``backend.factor``), and the parameters, one K-FAC block each, in block order.
     batches : sequence of (X, y)
-        the magnitude batches B̃ (``X`` a tensor or a mapping the model consumes).
+        the magnitude batches B̃ (``X`` a tensor or a mapping the model consumes); outputs
+        ``(n, C)``, or ``(n, tokens, C)`` with every token a loss term (module docstring).
     eigenvectors : list of blocks
         ``[[Q_G, Q_A], [Q_G], ...]`` per parameter (see :func:`kron_eigenbasis`), e.g. from B.
     fisher_type : curvlinops.FisherType
@@ -142,6 +151,63 @@ def measure_ekfac_eigenvalues(
         raise ValueError(
             f"got {len(eigenvectors)} eigenvector blocks for {len(params)} parameter tensors."
         )
+    dtype = params[0].dtype
+    cast = [[Q.to(dtype) for Q in Qs] for Qs in eigenvectors]
+    values: list[Tensor] | None = None
+    for token_model, token_batches in _per_token(model, batches):
+        lams = _eigenvalue_correction(
+            token_model, loss_func, params, token_batches, cast, fisher_type, mc_samples, batch_size_fn
+        )
+        values = lams if values is None else [v + lam for v, lam in zip(values, lams)]
+    return cast, values
+
+
+class _TokenOutput(nn.Module):
+    """``model``'s outputs ``(n, tokens, C)`` at the flattened token position ``t``, ``(n, C)``."""
+
+    def __init__(self, model: nn.Module, t: int) -> None:
+        super().__init__()
+        self.model, self.t = model, t
+
+    def forward(self, x: Any) -> Tensor:
+        f = self.model(x)
+        return f.reshape(f.shape[0], -1, f.shape[-1])[:, self.t]
+
+
+def _per_token(
+    model: nn.Module, batches: Sequence[tuple[Any, Tensor]]
+) -> list[tuple[nn.Module, list[tuple[Any, Tensor]]]]:
+    """``[(model, batches)]`` for ``(n, C)`` outputs; for token outputs one
+    ``(_TokenOutput(model, t), batches with their targets at t)`` per token position ``t``
+    (batches with fewer tokens are left out of the later positions). The targets' shape is
+    checked against the model's outputs (:func:`~laplace_debiased.curvature.eigen.target_rows`)."""
+    per_batch = [(X, *target_rows(model, X, y)) for X, y in batches]
+    if all(len(shape) == 1 for _, _, shape in per_batch):
+        return [(model, list(batches))]
+    tokens = [math.prod(shape[:-1]) for _, _, shape in per_batch]
+    return [
+        (
+            _TokenOutput(model, t),
+            [(X, rows.reshape(len(rows) // T, T, *rows.shape[1:])[:, t])
+             for (X, rows, _), T in zip(per_batch, tokens) if t < T],
+        )  # fmt: skip
+        for t in range(max(tokens))
+    ]
+
+
+def _eigenvalue_correction(
+    model: nn.Module,
+    loss_func: nn.Module,
+    params: Sequence[Tensor],
+    batches: Sequence[tuple[Any, Tensor]],
+    cast: list[list[Tensor]],
+    fisher_type: str,
+    mc_samples: int,
+    batch_size_fn: Callable[[MutableMapping], int] | None,
+) -> list[Tensor]:
+    """Curvlinops' EKFAC eigenvalue correction of ``(n, C)``-output ``model`` on ``batches``
+    along the installed basis ``cast`` (bias blocks' ``Q_G`` replaced in place by their layer's
+    weight ``Q_G``), one ``Λ`` per parameter block."""
     n_data = sum(len(y) for _, y in batches)
     op = EKFACLinearOperator(
         model,
@@ -157,8 +223,6 @@ def measure_ekfac_eigenvalues(
         batch_size_fn=batch_size_fn,
     )
     _check_internals(op)
-    dtype = params[0].dtype
-    cast = [[Q.to(dtype) for Q in Qs] for Qs in eigenvectors]
     out_side, in_side = _module_bases(op._mapping, cast)
     # install B's basis: curvlinops only computes eigenvectors when none are present
     op._gradient_covariances_eigenvectors = out_side
@@ -176,7 +240,7 @@ def measure_ekfac_eigenvalues(
                     "of the magnitude batches is not finite."
                 )
             values[i] = lam
-    return cast, values
+    return values
 
 
 def ekfac_block_dense(Qs: Sequence[Tensor], lam: Tensor, delta: float | Tensor = 0.0, exponent: float = 1.0) -> Tensor:

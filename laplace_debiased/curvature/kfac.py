@@ -22,7 +22,7 @@ the factor a backend call over that group returns, and sums from disjoint shards
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -31,7 +31,14 @@ import torch
 from curvlinops.kfac_utils import extract_patches
 from torch import nn
 
-__all__ = ["GroupKfacSums", "group_kfac_sums", "loss_hessian_sqrt", "zero_sums"]
+__all__ = [
+    "GroupKfacSums",
+    "group_kfac_sums",
+    "loss_hessian_sqrt",
+    "loss_hessian_sqrt_columns",
+    "output_rows",
+    "zero_sums",
+]
 
 
 @dataclass
@@ -58,20 +65,33 @@ class GroupKfacSums:
         return [*self.output, *(A for A in self.input if A is not None), self.loss]
 
 
-def loss_hessian_sqrt(f: torch.Tensor, likelihood: str) -> torch.Tensor:
-    """A square root ``S_n`` (``S_n S_nᵀ = Λ_n``) of the Hessian of laplace-torch's summed
-    loss w.r.t. each output row, ``(n, C, C)``.
+def loss_hessian_sqrt_columns(f: torch.Tensor, likelihood: str) -> Iterator[torch.Tensor]:
+    """The columns ``S_n[:, c]``, ``c = 0, ..., C-1``, of a square root ``S_n`` (``S_n S_nᵀ =
+    Λ_n``) of the Hessian of laplace-torch's summed loss w.r.t. each output row, one ``(n, C)``
+    tensor at a time (never the ``(n, C, C)`` matrix: ``n`` counts every token of token outputs).
 
     Cross-entropy: ``Λ = diag(p) - ppᵀ = (diag(√p) - p√pᵀ)(diag(√p) - √p pᵀ)`` (uses
-    ``Σ p = 1``). ``MSELoss(reduction="sum")``: ``Λ = 2 I``, ``S = √2 I``.
+    ``Σ p = 1``), column ``c``: ``√p_c (e_c - p)``. ``MSELoss(reduction="sum")``: ``Λ = 2 I``,
+    ``S = √2 I``.
     """
     n, C = f.shape
     if likelihood == "classification":
         p = torch.softmax(f.detach(), dim=-1)
         sp = p.sqrt()
-        return torch.diag_embed(sp) - p.unsqueeze(-1) * sp.unsqueeze(-2)
-    eye = torch.eye(C, dtype=f.dtype, device=f.device)
-    return (2.0**0.5 * eye).expand(n, C, C)
+        for c in range(C):
+            column = -p * sp[:, c : c + 1]
+            column[:, c] += sp[:, c]
+            yield column
+        return
+    for c in range(C):
+        column = torch.zeros(n, C, dtype=f.dtype, device=f.device)
+        column[:, c] = 2.0**0.5
+        yield column
+
+
+def loss_hessian_sqrt(f: torch.Tensor, likelihood: str) -> torch.Tensor:
+    """The square root ``S_n`` of :func:`loss_hessian_sqrt_columns` as ``(n, C, C)``."""
+    return torch.stack(list(loss_hessian_sqrt_columns(f, likelihood)), dim=-1)
 
 
 def _rows(t: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -161,32 +181,36 @@ def group_kfac_sums(
     try:
         with torch.enable_grad():
             f = model(X)
-            rows, targets = _output_rows(f, y)
+            rows, targets = output_rows(f, y)
             if fisher == "empirical":
                 torch.autograd.grad(lossfunc(rows, targets), params)
             else:
-                S = loss_hessian_sqrt(rows, likelihood)
-                C = S.shape[-1]
-                for c in range(C):
-                    torch.autograd.grad(
-                        (rows * S[:, :, c]).sum(), params, retain_graph=c < C - 1
-                    )
+                C = rows.shape[-1]
+                for c, column in enumerate(loss_hessian_sqrt_columns(rows, likelihood)):
+                    torch.autograd.grad((rows * column).sum(), params, retain_graph=c < C - 1)
     finally:
         for h in handles:
             h.remove()
     f = f.detach()
     for start, stop, group in segments:
-        into.loss[group] += factor * lossfunc(*_output_rows(f[start:stop], y[start:stop]))
+        into.loss[group] += factor * lossfunc(*output_rows(f[start:stop], y[start:stop]))
     return into
 
 
-def _output_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def output_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs ``(n, [tokens, ...,] C)`` as rows ``(n·tokens, C)``, each token an output (as
     laplace-torch's ASDL backend and LLM examples treat them), with the targets to match:
-    class labels ``(n, [tokens])`` or regression targets shaped like the outputs."""
+    class labels ``(n, [tokens])`` or targets shaped like the outputs (regression, class
+    probabilities). Other target shapes raise a ``ValueError``."""
     if f.ndim < 2:
         raise ValueError(
             f"the model output has shape {tuple(f.shape)}; K-FAC needs (batch, [tokens,] outputs)."
+        )
+    if y.shape not in (f.shape, f.shape[:-1]):
+        raise ValueError(
+            f"the targets have shape {tuple(y.shape)} but the model outputs {tuple(f.shape)}: "
+            f"give class labels of shape {tuple(f.shape[:-1])} (one per token) or targets of "
+            f"shape {tuple(f.shape)}."
         )
     rows = f.reshape(-1, f.shape[-1])
     return rows, y.reshape(rows.shape[0], *y.shape[f.ndim - 1 :])

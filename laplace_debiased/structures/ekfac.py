@@ -6,6 +6,11 @@ GGN / empirical-Fisher curvature of the independent batch B̃ along them, scaled
 points like every debiased structure (``N/|B̃|`` times the sum over B̃; maths in
 :mod:`laplace_debiased.curvature.ekfac`).  With B̃ = B this is plain EKFAC on B.
 
+Outputs may be ``(n, tokens, C)``, every token an output with its own loss term (targets
+``(n, tokens)``): the K-FAC basis comes from ``debiased_kron``'s shared pass, and the
+eigenvalues of each token position are measured and added up
+(:func:`~laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues`).
+
 Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
 B̃, curvature measured on B) and uses the equal-weight mixture of the two Gaussians as the
 posterior (:mod:`laplace_debiased.structures.cross_fit`, shared with ``debiased_kron``).
@@ -252,15 +257,12 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
     ) -> Tensor:
         self._check_supported(direction_batches)
-        loss, direction = self._kfac(direction_batches, N)
         same = magnitude_batches is direction_batches
-        magnitude = None
-        if same:
-            pass
-        elif self._cross_fit:
-            magnitude_loss, magnitude = self._kfac(magnitude_batches, N)
-            loss = loss + magnitude_loss
-        else:
+        swap = self._cross_fit and not same  # the swapped component needs B̃'s K-FAC too
+        groups = [direction_batches, magnitude_batches] if swap else [direction_batches]
+        loss, krons = self._kfacs(groups, N)
+        direction, magnitude = krons[0], (krons[1] if swap else None)
+        if not (same or swap):
             loss = loss + self._summed_loss(magnitude_batches)
         H = self._ekfac(direction, magnitude_batches, N)
         if magnitude is not None:

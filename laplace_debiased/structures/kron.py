@@ -150,17 +150,7 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         self._check_supported(direction_batches)
         same = magnitude_batches is direction_batches
         groups = [direction_batches] if same else [direction_batches, magnitude_batches]
-        if self._single_pass_fisher() is not None:
-            loss, krons = self._kfac_single_pass(groups, N)
-        elif is_distributed():
-            raise ValueError(
-                f"a distributed debiased K-FAC fit needs the CurvlinopsGGN (stochastic=False) "
-                f"or CurvlinopsEF backend without asdl_fisher_kwargs; got "
-                f"{type(self.backend).__name__}. Use one of them or fit in one process."
-            )
-        else:
-            fits = [self._kfac(batches, N) for batches in groups]
-            loss, krons = sum(f[0] for f in fits), [f[1] for f in fits]
+        loss, krons = self._kfacs(groups, N)
         direction, magnitude = krons[0], krons[-1]
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             n_old = self.n_data
@@ -169,6 +159,21 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         self.H_facs, self.H_facs_magnitude = direction, magnitude
         self._decompose()
         return loss
+
+    def _kfacs(self, groups: list[list[Batch]], N: int) -> tuple[torch.Tensor, list[Kron]]:
+        """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of
+        them: one shared pass (:meth:`_kfac_single_pass`) where the backend allows, else one
+        backend call per batch (:meth:`_kfac`)."""
+        if self._single_pass_fisher() is not None:
+            return self._kfac_single_pass(groups, N)
+        if is_distributed():
+            raise ValueError(
+                f"a distributed debiased K-FAC fit needs the CurvlinopsGGN (stochastic=False) "
+                f"or CurvlinopsEF backend without asdl_fisher_kwargs; got "
+                f"{type(self.backend).__name__}. Use one of them or fit in one process."
+            )
+        fits = [self._kfac(batches, N) for batches in groups]
+        return sum(f[0] for f in fits), [f[1] for f in fits]
 
     def _decompose(self) -> None:
         """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
@@ -267,6 +272,13 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         """K-FAC of the batch set by one backend call per batch (backends that
         :meth:`_single_pass_fisher` does not reproduce), scaled to ``N`` points (module
         docstring convention), and the summed loss the backend evaluates with it."""
+        if len(self.fit_output_shape) > 1:
+            raise ValueError(
+                f"outputs of shape (batch, {', '.join(map(str, self.fit_output_shape))}) "
+                f"(every token an output) need the CurvlinopsGGN (stochastic=False) or "
+                f"CurvlinopsEF backend without asdl_fisher_kwargs; got "
+                f"{type(self.backend).__name__}, whose K-FAC does not treat tokens as outputs."
+            )
         m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
         loss = torch.zeros((), device=self._device, dtype=self._dtype)
         total: Kron | None = None

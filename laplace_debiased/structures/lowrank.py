@@ -31,7 +31,9 @@ gives the same result (the backend's loss function scales the training loss). In
 tensors or mappings (a dict or a Hugging Face ``BatchEncoding`` that the model consumes whole,
 with laplace-torch's ``dict_key_x``/``dict_key_y``), for all weights and for the last layer;
 the weights are the parameters with ``requires_grad`` (e.g. LoRA adapters on a frozen
-backbone). ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
+backbone). Outputs may be ``(n, tokens, C)``, every token an output with its own loss term
+(targets ``(n, tokens)`` or ``(n, tokens, C)``; last layer: features ``(n, tokens, D)``), as in
+:mod:`laplace_debiased.curvature.eigen`. ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
 preference pairs) and predicts as regression, as laplace-torch does.
 """
 
@@ -89,18 +91,14 @@ class _EigenCurvatureMixin:
 
     @torch.no_grad()
     def _module_batches(self, batches: list[Batch]) -> list[eigen.Batch]:
-        """``(input of the curvature module, y)`` per batch: features for a last layer."""
+        """``(input of the curvature module, y)`` per batch: features for a last layer
+        (``(n, tokens, D)`` for token outputs)."""
         out = []
         for b in batches:
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             if isinstance(self, LLLaplace):
+                # features (n, D), or (n, tokens, D) for token outputs (each token an output)
                 _, X = self.model.forward_with_features(X)
-                pairs = self.likelihood == "reward_modeling" and X.ndim == 3 and X.shape[1] == 2
-                if X.ndim != 2 and not pairs:
-                    raise ValueError(
-                        f"last-layer features have shape {tuple(X.shape)}; pass "
-                        "feature_reduction= so that they are (batch, features)."
-                    )
             out.append((X, y))
         return out
 
