@@ -403,8 +403,9 @@ def dense_curvature(
     _check_curvature(curvature)
     if isinstance(model, nn.Linear) and not any(is_mapping(X) for X, _ in batches):
         return _linear_dense_curvature(model, batches, likelihood, curvature)
-    n_params = sum(p.numel() for p in trainable_parameters(model).values())
-    G = torch.zeros(n_params, n_params, dtype=torch.float64)
+    params = list(trainable_parameters(model).values())
+    n_params = sum(p.numel() for p in params)
+    G = torch.zeros(n_params, n_params, dtype=torch.float64, device=params[0].device)
     for batch in batches:
         V = curvature_factor(model, [batch], likelihood, curvature).double()
         G += V @ V.T

@@ -257,7 +257,7 @@ def ekfac_to_dense(
 ) -> Tensor:
     """Block-diagonal dense matrix of EKFAC blocks (for tests and tiny models only)."""
     if deltas is None:
-        deltas = torch.zeros(len(eigenvalues), dtype=eigenvalues[0].dtype)
+        deltas = torch.zeros(len(eigenvalues), dtype=eigenvalues[0].dtype, device=eigenvalues[0].device)
     return torch.block_diag(
         *[ekfac_block_dense(Qs, lam, d, exponent) for Qs, lam, d in zip(eigenvectors, eigenvalues, deltas)]
     )
