@@ -254,6 +254,14 @@ def _paired(res: dict) -> list[tuple[int, tuple[float, float], tuple[float, floa
     return [(k, stat(gaps("ekfac", k) - gaps("kfac", k)), stat(gaps("cross", k) - gaps("ekfac", k))) for k in KS]
 
 
+def _command(s: dict) -> str:
+    """The command line that reproduces a result with setting ``s``."""
+    if s["model"] == "cifar_cnn":
+        return (f"python benchmarks/frontier.py --setting cifar10 --draws {s['draws']} --batch {s['batch']} "
+                f"--n-test {s['n_test']}")
+    return f"python benchmarks/frontier.py --setting digits --draws {s['draws']} --batch {s['batch']}"
+
+
 def markdown(res: dict) -> str:
     s = res["setting"]
     L = [
@@ -262,6 +270,7 @@ def markdown(res: dict) -> str:
         f"{s['draws']} draws per method; tracking error = max over the {len(s['grid'])}-point prior grid of the "
         "relative test-NLL gap of the probit-linearized predictive to the full-batch reference of the same family "
         "(K-FAC or EKFAC); fit time = median wall-clock seconds of `fit`, one thread, on a shared loaded CPU.", "",
+        f"Made by `{_command(s)}`.", "",
         "| method | images touched | fit time (s) | tracking error, mean ± s.e. (worst) | vs the other family's reference |",
         "|---|---|---|---|---|",
     ]
@@ -317,6 +326,9 @@ def plot(res: dict, path: Path) -> None:
         if r["k"] == 0:
             color = "tab:blue" if r["family"] == "kfac" else "tab:red"
             ax.scatter([r["seconds_median"]], [100 * r["gap_own_mean"]], marker="x", color=color, label=r["name"] + " (B̃ = B)")
+    for fam, color in (("kfac", "tab:blue"), ("ekfac", "tab:red")):
+        ax.axvline(res["references"][fam]["seconds"], color=color, linestyle=":", linewidth=1.2,
+                   label=f"full-batch {'K-FAC' if fam == 'kfac' else 'EKFAC'} fit (reference: error 0)")
     front = _pareto(res["summary"])
     ax.step([r["seconds_median"] for r in front], [100 * r["gap_own_mean"] for r in front], where="post",
             color="black", linestyle="--", linewidth=1, label="Pareto front (all methods)")
@@ -344,7 +356,7 @@ def write(res: dict, out: Path, stem: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setting", choices=tuple(OUTPUT_STEM), default="digits")
-    ap.add_argument("--draws", type=int, default=None, help="draws per method (default: digits 5, cifar10 5)")
+    ap.add_argument("--draws", type=int, default=5, help="draws per method")
     ap.add_argument("--batch", type=int, default=None, help="|B| (default: digits 32, cifar10 256)")
     ap.add_argument("--n-test", type=int, default=1000, help="cifar10: test images (default 1000)")
     ap.add_argument("--data", default=None, help="cifar10: CIFAR-10 root (as python -m benchmarks.cifar10 --data)")
@@ -360,9 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         cifar = args.setting == "cifar10"
         setting = cifar10_setting(args.data, args.n_test, args.epochs) if cifar else digits_setting()
         batch = args.batch or (256 if cifar else 32)
-        draws = args.draws or 5
         log = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True)  # noqa: E731
-        res = run(setting, draws, batch, log, on_draw=lambda r: write(r, args.out, stem))
+        res = run(setting, args.draws, batch, log, on_draw=lambda r: write(r, args.out, stem))
     write(res, args.out, stem)
     print(markdown(res))
     return 0
