@@ -72,7 +72,7 @@ def test_cifar10_setting_smoke(tiny_cifar, tmp_path, monkeypatch):
         for d in row["draws"]:
             assert d["gap"][row["family"]] == pytest.approx(max(abs(a - b) / b for a, b in zip(d["nll"], ref)))
     md = (out / "frontier_cifar10.md").read_text()
-    assert "cifar_cnn" in md and "Pareto" in md and "δ of the max" in md
+    assert "cifar_cnn" in md and "Pareto" in md and "δ of the max" in md and "at each prior precision" in md
     assert "`python benchmarks/frontier.py --setting cifar10 --draws 1 --batch 4 --n-test 20`" in md
     assert (out / "frontier_cifar10.png").stat().st_size > 0
     # --replot rewrites the table from the JSON alone
