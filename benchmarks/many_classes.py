@@ -27,7 +27,6 @@ import argparse
 import json
 import platform
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._children import run_children  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GRID = [float(f"{v:.6g}") for v in [*torch.logspace(-4, 0, 13).tolist(), 10.0]]
@@ -107,13 +108,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args)))
         return
-    rows = []
-    for which in ("ours", "stock"):
-        cmd = [sys.executable, __file__, "--child", which, *sys.argv[1:]]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-        rows.append(json.loads(lines[-1]) if lines else {"which": which, "failed": proc.stderr[-500:]})
-        print(rows[-1], flush=True)
+    rows = run_children(__file__, ("ours", "stock"), sys.argv[1:])
     meta = {"torch": torch.__version__, "threads": args.threads, "machine": platform.machine(),
             "features": N_FEATURES, "classes": N_CLASSES, "last_layer_params": (N_FEATURES + 1) * N_CLASSES,
             "fit_samples": 2 * args.fit_batch, "grid": GRID, "chunk_size": args.chunk_size}

@@ -36,7 +36,6 @@ import argparse
 import json
 import platform
 import resource
-import subprocess
 import sys
 import time
 import warnings
@@ -47,6 +46,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._children import run_children  # noqa: E402
 
 from examples.adapter_sequence import ShiftConcat  # noqa: E402
 
@@ -230,13 +231,7 @@ def main() -> None:
         warnings.filterwarnings("ignore")
         print(json.dumps(child_ours(args) if args.child == "ours" else child_stock(args)))
         return
-    results = []
-    for which in ("ours", "stock"):
-        cmd = [sys.executable, __file__, "--child", which, *sys.argv[1:]]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-        results.append(json.loads(lines[-1]) if lines else {"which": which, "failed": proc.stderr[-500:]})
-        print(results[-1], flush=True)
+    results = run_children(__file__, ("ours", "stock"), sys.argv[1:])
     meta = {"torch": torch.__version__, "threads": args.threads, "machine": platform.machine(),
             "vocab": args.vocab, "features": args.features, "tokens": args.tokens,
             "last_layer_params": (args.features + 1) * args.vocab,
