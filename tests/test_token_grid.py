@@ -23,7 +23,7 @@ from laplace_debiased.evaluation.predictive import (
     grid_validation_scores,
 )
 
-T, C, N_SEQ, BATCH = 3, 3, 30, 6
+T, C, N_SEQ, BATCH = 4, 3, 30, 6  # T ≠ C: token and class axes cannot be confused
 STRUCTURES = ["debiased_lowrank", "debiased_full", "debiased_ekfac", "debiased_kron"]
 CTOR = {"debiased_lowrank": {"rank": 10, "method": "gram"}}
 GRID = [1e-3, 0.1, 1.0, 30.0]
