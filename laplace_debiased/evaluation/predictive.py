@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from laplace_debiased.curvature.kfac import output_rows
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 
 #: links of the sweeps and reports
@@ -221,15 +222,23 @@ def _owners(model: nn.Module, params: Sequence[Tensor]) -> list[tuple[nn.Module,
     return [owner.get(id(p)) for p in params]
 
 
+def logit_rows(f: Tensor) -> Tensor:
+    """Outputs ``(n, [tokens, ...,] C)`` as rows ``(n·tokens, C)``, one per token
+    (:func:`laplace_debiased.curvature.kfac.output_rows`, which also checks ``f.ndim ≥ 2``)."""
+    return output_rows(f, f[..., 0])[0]
+
+
 def _layer_jacobians(
     model: nn.Module, params: Sequence[Tensor], x: Tensor
 ) -> tuple[Tensor, list[LayerJacobian]]:
     """Closed-form per-example Jacobians from captured activations and output gradients.
 
-    One forward pass with hooks on the owning modules, then one batched backward pass per class
-    (``is_grads_batched``) for the modules before the output; the output module's output
-    gradient is the identity, kept as one shared ``(1, C, C)``.  Assumes examples do not
-    interact (no BatchNorm in train mode).
+    One forward pass with hooks on the owning modules, then one batched backward pass per
+    output row and class (``is_grads_batched``; ``T·C`` cotangents for ``T`` tokens) for the
+    modules before the output; the output ``Linear``'s output gradient is the identity, kept as
+    one shared ``(1, C, C)``, with its input of each token as that row's input.  Returns the
+    outputs ``(n, [tokens,] C)`` and Jacobians of the rows ``(n·tokens, C, ·)``.  Assumes
+    examples do not interact (no BatchNorm in train mode); tokens may.
     """
     owners = _owners(model, params)
     modules = list({id(m): m for m, _ in owners}.values())
@@ -248,17 +257,21 @@ def _layer_jacobians(
         with torch.enable_grad():
             x_in = x.detach().requires_grad_(True) if x.is_floating_point() else x
             f = model(x_in)
-            if f.ndim != 2:
-                raise ValueError(f"model output must be (batch, classes), got {tuple(f.shape)}")
-            n, C = f.shape
+            n, C = len(f), f.shape[-1]
+            tokens = len(logit_rows(f)) // n
             eye = torch.eye(C, dtype=f.dtype, device=f.device)
-            out_grad = {id(m): eye[None] for m in modules if captured[id(m)][1] is f}  # shared
+            shared = eye[None]
+            out_grad = {id(m): shared for m in modules if captured[id(m)][1] is f and isinstance(m, nn.Linear)}
             inner = [m for m in modules if id(m) not in out_grad]
-            if inner:
-                cot = eye[:, None, :].expand(C, n, C)
+            if inner:  # cotangent (t, c): one-hot at token t, class c of every example
+                cot = torch.eye(tokens * C, dtype=f.dtype, device=f.device)
+                cot = cot.reshape(tokens * C, 1, *f.shape[1:]).expand(-1, n, *f.shape[1:])
                 outs = [captured[id(m)][1] for m in inner]
                 grads = torch.autograd.grad(f, outs, grad_outputs=cot, is_grads_batched=True)
-                out_grad.update({id(m): g.movedim(0, 1).detach() for m, g in zip(inner, grads)})  # (n, C, ...)
+                out_grad.update({  # (n·tokens, C, ...)
+                    id(m): g.unflatten(0, (tokens, C)).movedim(2, 0).flatten(0, 1).detach()
+                    for m, g in zip(inner, grads)
+                })
     finally:
         for h in handles:
             h.remove()
@@ -267,6 +280,10 @@ def _layer_jacobians(
     for mod, name in owners:
         a, _ = captured[id(mod)]
         g = out_grad[id(mod)]
+        if g is shared:  # the output Linear: each token's input is its row's input
+            a = a.flatten(0, -2)
+        elif tokens > 1:  # an inner module: every row of an example sees the example's input
+            a = a.repeat_interleave(tokens, dim=0)
         if isinstance(mod, nn.Conv2d):
             g = g.flatten(3)  # (n, C, out, T)
             if name == "bias":
@@ -304,13 +321,15 @@ def _func_jacobians(
 
     theta = {k: p.detach() for k, p in zip(keys, params)}
     jac, f = torch.func.vmap(torch.func.jacrev(single, has_aux=True), in_dims=(None, 0))(theta, x)
-    return f, [LayerJacobian(dense=jac[k].flatten(2)) for k in keys]
+    C = f.shape[-1]
+    return f, [LayerJacobian(dense=jac[k].reshape(-1, C, theta[k].numel())) for k in keys]
 
 
 def logit_jacobians(
     model: nn.Module, params: Sequence[Tensor], x: Tensor
 ) -> tuple[Tensor, list[LayerJacobian]]:
-    """Logits ``(n, C)`` and per-parameter Jacobians of ``model`` at ``x`` (closed form for
+    """Logits ``(n, [tokens,] C)`` and per-parameter Jacobians of the logit rows
+    (:func:`logit_rows`, ``(n·tokens, C, ·)``) of ``model`` at ``x`` (closed form for
     Linear/Conv2d, ``torch.func`` otherwise)."""
     if all(o is not None for o in _owners(model, params)):
         return _layer_jacobians(model, params, x)
@@ -699,6 +718,8 @@ class GridPredictive:
 
         ``data``: a tensor of inputs ``(N, ...)`` or an iterable of batches.  Returns a dict
         ``link -> (G, N, C)`` for ``G = len(prior_precisions)``, plus ``"map"`` ``(N, C)``.
+        Outputs ``(N, tokens, C)``: every token's predictive is the predictive of its own row
+        (:func:`logit_rows`), returned as ``(G, N, tokens, C)`` and ``"map"`` ``(N, tokens, C)``.
         MC draws come from ``generator``, or, with ``cell_generators``, from the generator of
         each cell ``(prior precision, link)`` (carried across chunks; resumable sweeps use it).
         """
@@ -717,16 +738,17 @@ class GridPredictive:
         try:
             for x in tqdm(_batches(data, self.chunk_size), disable=not progress, desc="predictive", leave=False):
                 f, jacs = logit_jacobians(self.model, self.params, x)
-                probs = self._chunk(f, jacs, prior_precisions, links, n_samples, generator, cell_generators)
-                for link in links:
-                    out[link].append(probs[link].to(f.dtype))
+                probs = self._chunk(logit_rows(f), jacs, prior_precisions, links, n_samples, generator, cell_generators)
+                for link in links:  # rows back in the token shape
+                    out[link].append(probs[link].to(f.dtype).reshape(-1, *f.shape))
                 out["map"].append(torch.softmax(f, -1))
         finally:
             self.model.train(was_training)
         return {k: torch.cat(v, dim=0 if k == "map" else 1) for k, v in out.items()}
 
     def _chunk(self, f: Tensor, jacs, prior_precisions, links, n_samples, generator, cell_generators=None) -> dict[str, Tensor]:
-        """``link -> (G, n, C)`` probabilities for one chunk of inputs.  The probits use the
+        """``link -> (G, n, C)`` probabilities for one chunk of logit rows ``f`` ``(n, C)``
+        (tokens as rows) and their Jacobians.  The probits use the
         structure's variances (never the ``(n, C, C)`` covariance); mc and the bridge need ``Σ``."""
         rotated = self.structure.rotate(jacs)
         f64 = f.double()
@@ -748,7 +770,8 @@ class GridPredictive:
         return probs
 
     def __call__(self, x: Tensor, link: str = "probit_projected", prior_precision=None, **kw) -> Tensor:
-        """Probabilities ``(N, C)`` at ``prior_precision`` (default: ``la.prior_precision``)."""
+        """Probabilities ``(N, [tokens,] C)`` at ``prior_precision`` (default:
+        ``la.prior_precision``)."""
         delta = self.la.prior_precision if prior_precision is None else prior_precision
         return self.grid(x, [delta], links=(link,), **kw)[link][0]
 
@@ -829,6 +852,9 @@ def grid_validation_scores(
     ``loss`` is a torchmetrics ``Metric`` (one reset copy per grid point, updated batch by batch
     and ``compute().sum()``, as ``validate`` does) or a callable ``loss(probs, targets)`` on the
     concatenated predictions.  Batches are ``(X, y)`` tensors (else :class:`UnsupportedBatches`).
+    Outputs ``(n, tokens, C)`` are scored with every token as one row (``y`` ``(n, tokens)``;
+    other target shapes raise a ``ValueError``), so a mean metric such as laplace-torch's
+    ``RunningNLLMetric`` is averaged over all tokens, as laplace-torch's LLM examples do.
     ``"mc"`` draws its own samples, so its scores are a different Monte-Carlo estimate of the
     same predictive than laplace-torch's.
     """
@@ -852,13 +878,14 @@ def grid_validation_scores(
             raise UnsupportedBatches("grid_validation_scores needs (X, y) tensor batches")
         X, y = batch[0].to(la._device), batch[1].to(la._device)
         probs = pred.grid(X, grid, links=(link,), n_samples=n_samples)[link]
-        for g in range(len(grid)):
+        rows = [output_rows(p, y) for p in probs]  # tokens as rows; checks the targets' shape
+        for g, (p, y_rows) in enumerate(rows):
             if online:
-                metrics[g].update(probs[g], y)
+                metrics[g].update(p, y_rows)
             else:
-                outputs[g].append(probs[g])
+                outputs[g].append(p)
         if not online:
-            targets.append(y)
+            targets.append(rows[0][1])
     if online:
         return [m.compute().sum().item() for m in metrics]
     y_all = torch.cat(targets)
