@@ -73,26 +73,26 @@ def _overview() -> str:
 
 def _launched_world() -> int:
     """The number of processes ``torchrun`` started (``$WORLD_SIZE``; 1 when not launched)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 @contextmanager
 def _process_group() -> Iterator[None]:
     """A gloo process group from torchrun's environment while the command runs (nothing if
     there is one already, or a single process)."""
-    import torch.distributed as dist
-
-    if _launched_world() <= 1 or dist.is_initialized():
+    if _launched_world() <= 1:  # torch stays unimported until the command imports it
         yield
         return
-    dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
