@@ -1,7 +1,9 @@
 """``laplace-debiased [main]``: the whole pipeline (train or load a model, fit, sweep, report).
 
 With no options it runs on the embedded scikit-learn 8x8 digits in a few minutes on 2 CPU cores
-and prints where the report is.  Rerunning resumes an interrupted sweep.
+and prints where the report is.  Rerunning resumes an interrupted sweep.  Under
+``torchrun --nproc-per-node W -m laplace_debiased ...`` the ranks share the work and rank 0 writes
+(:mod:`laplace_debiased.evaluation.pipeline`).
 """
 
 from __future__ import annotations
