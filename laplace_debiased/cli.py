@@ -11,14 +11,22 @@ Only the chosen command's module is imported, and command modules import torch o
 (``laplace-debiased`` == ``laplace-debiased main``).  The CLI adds ``--threads`` to the commands
 that compute (:mod:`laplace_debiased._threads`) and applies it, with OpenMP's passive wait policy
 unless ``OMP_WAIT_POLICY`` is set, before the command imports torch.
+
+Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the commands in
+:data:`DISTRIBUTED` run under a gloo process group that the CLI initialises from torchrun's
+variables and destroys at the end (:mod:`laplace_debiased.evaluation.pipeline` says who does
+what); the others refuse.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
 
 from laplace_debiased._threads import add_threads_argument, apply_threads, set_openmp_defaults
 
@@ -30,6 +38,10 @@ COMMANDS: dict[str, str] = {
 }
 #: commands that run torch work and so take ``--threads``
 THREADED = ("main", "sweep", "diagnose")
+#: commands that run under ``torchrun`` (one process group over all ranks)
+DISTRIBUTED = ("main", "sweep")
+#: how long a rank waits in a collective: rank 0 trains the MAP model while the others wait
+DIST_TIMEOUT = timedelta(hours=24)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -59,6 +71,30 @@ def _overview() -> str:
     return "commands:\n" + "\n".join(lines)
 
 
+def _launched_world() -> int:
+    """The number of processes ``torchrun`` started (``$WORLD_SIZE``; 1 when not launched)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@contextmanager
+def _process_group() -> Iterator[None]:
+    """A gloo process group from torchrun's environment while the command runs (nothing if
+    there is one already, or a single process)."""
+    if _launched_world() <= 1:  # torch stays unimported until the command imports it
+        yield
+        return
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
+    try:
+        yield
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``laplace-debiased`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -77,8 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     parser, module = build_parser(name)
     args = parser.parse_args(argv)
+    if _launched_world() > 1 and name not in DISTRIBUTED:
+        print(f"laplace-debiased: error: {name!r} runs in one process; launch it without torchrun "
+              f"(commands that run under torchrun: {', '.join(DISTRIBUTED)})", file=sys.stderr)
+        return 2
     if name in THREADED:
         set_openmp_defaults()  # before torch is imported: libgomp reads it once, at load
         apply_threads(args.threads)
         del args.threads
-    return int(module.run(args) or 0)
+    if name not in DISTRIBUTED:
+        return int(module.run(args) or 0)
+    with _process_group():
+        return int(module.run(args) or 0)

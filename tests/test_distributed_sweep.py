@@ -164,7 +164,7 @@ def test_distributed_sweep_failure_on_one_rank_raises_on_every_rank(runs):
     _, ranks, out = runs
     # job 1 ("broken") runs on rank 1
     assert ranks[1]["error"] == ("ValueError", "no fit for you")
-    assert ranks[0]["error"][0] == "RuntimeError"
+    assert ranks[0]["error"][0] == "PeerRankError"  # a RuntimeError
     assert "rank 1 failed" in ranks[0]["error"][1] and "no fit for you" in ranks[0]["error"][1]
     assert all(ranks[r]["barrier_passed"] for r in range(WORLD))
     assert not (out / "fail" / "r.jsonl").exists()  # the round failed: nothing written

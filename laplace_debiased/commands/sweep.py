@@ -20,11 +20,14 @@ def run(args: argparse.Namespace) -> int:
     """Run the sweep (no report); exit status 2 on bad options or an output folder held by another run."""
     from laplace_debiased.evaluation.pipeline import run_pipeline
     from laplace_debiased.evaluation.sweep import OutputLockedError
+    from laplace_debiased.structures.distributed import PeerRankError, rank_world
 
     try:
         paths = run_pipeline(resolve_options(args), report=False)
-    except (ValueError, FileNotFoundError, OutputLockedError) as err:
+    except (ValueError, FileNotFoundError, OutputLockedError, PeerRankError) as err:
         print(f"laplace-debiased: error: {err}", file=sys.stderr)
         return 2
+    if rank_world()[0] != 0:  # under torchrun rank 0 reports the paths
+        return 0
     print(f"results: {paths['results']}")
     return 0

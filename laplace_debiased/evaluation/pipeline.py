@@ -29,14 +29,23 @@ The output folder is locked while a run writes into it (a second run refuses, or
 ``--lock-timeout`` seconds).  ``options.json`` records every setting that changes the numbers
 (:data:`SETTINGS_KEYS` and the MAP training configuration); resuming with other values, or into
 a folder that has results but no ``options.json``, is refused.
+
+Under an initialised ``torch.distributed`` group (``torchrun --nproc-per-node W -m
+laplace_debiased ...``; every rank runs :func:`run_pipeline` with the same options) rank 0 alone
+locks the folder, checks ``options.json``, trains (or loads) the MAP model and sends its weights
+to the other ranks; the sweep shards its (method, repeat) jobs over the ranks
+(:func:`~laplace_debiased.evaluation.sweep.run_sweep`), rank 0 writes every row and the report.
+The rows equal a single-process run's bitwise in every metric field.  A failure on any rank
+raises on every rank (:func:`~laplace_debiased.structures.distributed.gather_results`).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, replace
 from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +56,7 @@ from laplace_debiased.evaluation.options import (  # noqa: F401
     DEFAULTS, METHODS, add_pipeline_arguments, check_grid, load_config, resolve_options,
 )
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
+from laplace_debiased.structures.distributed import gather_results, rank_world
 
 #: grid extensions at most, so that every method's validation choice of δ is interior
 MAX_EXTENSIONS = 4
@@ -195,26 +205,43 @@ def _grid_extension(rows: list[dict], link: str) -> list[float]:
 
 def run_pipeline(opts: dict, *, report: bool = True) -> dict[str, Path]:
     """Train/load, fit, sweep (resumable, grid extended until the chosen δ is interior) and
-    optionally report.  Returns the output paths."""
+    optionally report.  Returns the output paths.
+
+    Collective under a process group (module docstring): call it on every rank."""
     out = Path(opts["out"])
-    with output_lock(out, opts["lock_timeout"]):
+    with ExitStack() as stack:
+        # rank 0 alone holds the lock (the others would be refused); a refusal raises everywhere
+        gather_results(lambda: stack.enter_context(output_lock(out, opts["lock_timeout"]))
+                       if rank_world()[0] == 0 else None)
         return _run_locked(out, opts, report)
 
 
 def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
     from laplace_debiased.evaluation.training import DIGITS_CONFIG, TrainConfig, train_map
 
-    quiet = opts["quiet"]
-    log = None if quiet else (lambda msg: print(msg, flush=True))
+    rank, world = rank_world()
+    log = None if opts["quiet"] or rank != 0 else (lambda msg: print(msg, flush=True))
     torch.manual_seed(opts["seed"])
     train, eval_sets, arch, tag = _cifar(opts) if opts["data"] != "digits" else _digits(opts)
     if opts["train_size"]:
         train = torch.utils.data.Subset(train, range(min(opts["train_size"], len(train))))
     base = DIGITS_CONFIG if opts["data"] == "digits" else TrainConfig()
     config = replace(base, seed=opts["seed"], epochs=opts["epochs"] or base.epochs)
-    check_settings(out, opts, {"train_config": asdict(config)})
     start = time.perf_counter()
-    model, _ = train_map(arch(), train, config, tag=tag, log=log)
+    model = arch()
+
+    def prepare() -> dict | None:
+        """Rank 0: check the settings, train (or load) the MAP model in place; its weights for
+        the other ranks."""
+        if rank != 0:
+            return None
+        check_settings(out, opts, {"train_config": asdict(config)})
+        train_map(model, train, config, tag=tag, log=log)
+        return model.state_dict() if world > 1 else None
+
+    state = gather_results(prepare)[0]
+    if rank != 0:
+        model.load_state_dict(state)
     model.eval()
     if log:
         log(f"MAP model ready ({time.perf_counter() - start:.1f} s); N = {len(train)}")
@@ -225,7 +252,7 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
     while True:
         rows = run_sweep(methods, eval_sets, results, prior_precisions=grid, links=opts["links"],
                          n_samples=opts["n_samples"], seed=opts["seed"], chunk_size=opts["chunk_size"],
-                         progress=not quiet, log=log, map_model=model)
+                         progress=not opts["quiet"], log=log, map_model=model)
         ours = [r for r in rows if r["method"] in opts["methods"] or r["method"] == "map"]
         # a resumed run starts from the grid an earlier run already grew (counted from the rows)
         grid = sorted({*grid, *(r["prior_precision"] for r in ours if r["method"] != "map")})
@@ -240,5 +267,8 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
     if report:
         from laplace_debiased.evaluation.report import write_report
 
-        paths["report"] = write_report(results, out / "report", title=f"Calibration report ({tag})")
+        # rank 0 writes it; every rank returns its path
+        paths["report"] = gather_results(
+            lambda: write_report(results, out / "report", title=f"Calibration report ({tag})")
+            if rank == 0 else None)[0]
     return paths

@@ -28,6 +28,7 @@ __all__ = [
     "is_distributed",
     "local_fits",
     "gather_results",
+    "PeerRankError",
     "shard_batch",
     "all_reduce_sum_",
     "broadcast_",
@@ -65,12 +66,17 @@ def is_distributed() -> bool:
     return rank_world()[1] > 1
 
 
+class PeerRankError(RuntimeError):
+    """Raised by :func:`gather_results` on the ranks where ``fn`` succeeded when another rank's
+    ``fn`` failed (that rank raises its own exception)."""
+
+
 def gather_results(fn: Callable[[], T]) -> list[T]:
     """Call ``fn()`` on this rank and all-gather the results: ``[result of rank 0, ...]``.
 
     Collective (every rank must call it, in the same order); results must pickle. If ``fn``
     raises on any rank, every rank raises (the failing rank its own exception, the others a
-    ``RuntimeError`` naming it), so no rank waits forever in a later collective. Without a
+    :class:`PeerRankError`, a ``RuntimeError``, naming it), so no rank waits forever in a later collective. Without a
     group: ``[fn()]``.
     """
     if not is_distributed():
@@ -86,7 +92,7 @@ def gather_results(fn: Callable[[], T]) -> list[T]:
     failed = [(r, e) for r, (_, e) in enumerate(parts) if e is not None]
     if failed:
         rank, message = failed[0]
-        raise RuntimeError(f"rank {rank} failed: {message}")
+        raise PeerRankError(f"rank {rank} failed: {message}")
     return [r for r, _ in parts]
 
 

@@ -1,0 +1,178 @@
+"""The command-line pipeline under ``torchrun --nproc-per-node 2`` (gloo on CPU) against the
+single-process run, and a cross-fitted ``debiased_kron`` fit on 2 local gloo processes against
+the single-process fit in float64.
+
+The pipeline runs are subprocesses (``python -m torch.distributed.run --standalone``, the module
+behind ``torchrun``) on the tiny setup of ``tests/test_cli.py``, each with its own model cache,
+so that rank 0 trains the MAP model and sends it to rank 1.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from _models import loader, tiny_mlp, toy_data
+from laplace_debiased import cli
+from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+
+WORLD = 2
+ROOT = Path(__file__).resolve().parents[1]
+#: the tiny pipeline of tests/test_cli.py, with 2 repeats: 4 (method, repeat) jobs over 2 ranks
+TINY = {
+    "train-size": 200, "epochs": 2, "subset": "last_layer", "methods": ["kron_single", "kron_debiased"],
+    "repeats": 2, "batch-size": 32, "prior-precisions": [0.1, 10.0], "links": ["probit", "mc"],
+    "n-samples": 16, "quiet": True,
+}
+TIMINGS = ("fit_seconds", "eval_seconds")
+
+
+def _cli(tmp: Path, cache: str, out: str, *args: str, world: int = 1) -> subprocess.CompletedProcess:
+    """``python -m laplace_debiased --config tiny.json --out OUT ARGS``, under torchrun if
+    ``world`` > 1, in a fresh environment (one thread, the given model cache)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LAPLACE_DEBIASED_CACHE=str(tmp / cache))
+    launch = [sys.executable, "-m"]
+    if world > 1:
+        launch += ["torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m"]
+    cfg = tmp / "tiny.json"
+    cfg.write_text(json.dumps(TINY))
+    cmd = [*launch, "laplace_debiased", *args, "--config", str(cfg), "--out", str(tmp / out)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS}
+            for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    single = _cli(tmp, "cache-single", "single", "--seed", "1")
+    multi = _cli(tmp, "cache-multi", "multi", "--seed", "1", world=WORLD)
+    for res in (single, multi):
+        assert res.returncode == 0, res.stderr[-3000:]
+    return tmp, single, multi
+
+
+@pytest.mark.slow
+def test_distributed_pipeline_rows_equal_the_single_process_run(runs):
+    """Same rows, same order, bitwise in every field but the timings; none written twice."""
+    tmp, _, _ = runs
+    single, multi = _metrics(tmp / "single" / "results.jsonl"), _metrics(tmp / "multi" / "results.jsonl")
+    assert multi == single
+    keys = [(r["method"], r["repeat"], r["prior_precision"], r["eval_set"], r["link"]) for r in multi]
+    assert len(set(keys)) == len(keys)
+    assert {r["repeat"] for r in multi if r["method"] != "map"} == {0, 1}
+    assert json.loads((tmp / "multi" / "options.json").read_text()) == json.loads(
+        (tmp / "single" / "options.json").read_text())
+
+
+@pytest.mark.slow
+def test_distributed_pipeline_rank_zero_trains_writes_and_reports_once(runs):
+    tmp, _, multi = runs
+    assert multi.stdout.count("results: ") == 1 and multi.stdout.count("report:  ") == 1
+    assert (tmp / "multi" / "report" / "report.md").is_file()
+    assert (tmp / "multi" / "report" / "report.html").is_file()
+    assert len(list((tmp / "cache-multi" / "models").glob("*.pt"))) == 1  # one trained model
+
+
+@pytest.mark.slow
+def test_distributed_pipeline_resumes_and_refuses_other_settings_on_every_rank(runs):
+    tmp, _, _ = runs
+    results = tmp / "multi" / "results.jsonl"
+    before = results.read_bytes()
+    again = _cli(tmp, "cache-multi", "multi", "sweep", "--seed", "1", world=WORLD)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert results.read_bytes() == before  # loaded from the cache, nothing left to compute
+    other = _cli(tmp, "cache-multi", "multi", "sweep", "--seed", "2", world=WORLD)
+    assert other.returncode != 0
+    # rank 0's error, in its own words or in rank 1's (which stops instead of waiting; torchrun
+    # may end the other worker once one has exited)
+    assert "holds results of a different setup" in other.stderr
+    assert results.read_bytes() == before
+
+
+def test_distributed_refusal_of_single_process_commands_under_torchrun(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["report", str(tmp_path / "results.jsonl")]) == 2
+    assert "launch it without torchrun" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- cross-fitting on 2 ranks
+
+CROSS_FIT = {"all": DebiasedKronLaplace, "last_layer": DebiasedKronLLLaplace}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cross_fit(subset: str):
+    """Cross-fitted debiased K-FAC (float64): 3 direction batches and 2 magnitude batches."""
+    direction = loader(toy_data(30, (4,), 3, "classification", seed=1), 10)
+    magnitude = loader(toy_data(16, (4,), 3, "classification", seed=2), 8)
+    la = CROSS_FIT[subset](tiny_mlp(), "classification", prior_precision=0.5)
+    la.fit(direction, magnitude_loader=magnitude, cross_fit=True)
+    return la
+
+
+def _cross_fit_state(la) -> dict[str, torch.Tensor]:
+    """Both mixture components' factors, eigenbases and eigenvalues, the mixture covariance."""
+    state = {"loss": torch.as_tensor(la.loss), "n_data": torch.as_tensor(la.n_data),
+             "covariance": la.posterior_precision.to_matrix(-1)}
+    for key, facs in (("direction", la.H_facs), ("magnitude", la.H_facs_magnitude)):
+        state.update({f"{key} {i} {j}": F for i, block in enumerate(facs.kfacs) for j, F in enumerate(block)})
+    for c, comp in enumerate(la.H.components):
+        for what in ("eigenvectors", "eigenvalues"):
+            state.update({f"component {c} {what} {i} {j}": t
+                          for i, block in enumerate(getattr(comp, what)) for j, t in enumerate(block)})
+    return state
+
+
+def _cross_fit_worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        states = {subset: _cross_fit_state(_cross_fit(subset)) for subset in CROSS_FIT}
+        torch.save(states, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cross_fit_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cross_fit")
+    mp.spawn(_cross_fit_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("subset", list(CROSS_FIT))
+def test_distributed_cross_fit_equals_single_process(cross_fit_ranks, subset):
+    torch.set_num_threads(1)
+    single = _cross_fit_state(_cross_fit(subset))
+    for r in range(WORLD):
+        state = cross_fit_ranks[r][subset]
+        assert state.keys() == single.keys()
+        for key, want in single.items():
+            torch.testing.assert_close(state[key], want, rtol=1e-6, atol=1e-9, msg=f"rank {r} {key}")
+    assert single["covariance"].dtype == torch.float64
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
