@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _env import pythonpath
 from _models import loader, tiny_mlp, toy_data
 from laplace_debiased import cli
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
@@ -40,7 +41,7 @@ def _cli(tmp: Path, cache: str, out: str, *args: str, world: int = 1) -> subproc
     ``world`` > 1, in a fresh environment (one thread, the given model cache)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LAPLACE_DEBIASED_CACHE=str(tmp / cache))
+    env.update(PYTHONPATH=pythonpath(ROOT), OMP_NUM_THREADS="1", LAPLACE_DEBIASED_CACHE=str(tmp / cache))
     launch = [sys.executable, "-m"]
     if world > 1:
         launch += ["torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m"]

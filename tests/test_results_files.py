@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _env import pythonpath
 from laplace_debiased.commands import report as report_cmd
 from laplace_debiased.evaluation import pipeline
 from laplace_debiased.evaluation.sweep import (
@@ -103,7 +104,7 @@ _HOLDER = textwrap.dedent("""
 
 def _hold(folder: Path, seconds: float) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), str(seconds)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+                            stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": pythonpath(ROOT), "PATH": ""})
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -151,7 +152,7 @@ _SWEEPER = textwrap.dedent("""
 def test_two_concurrent_sweeps_write_every_row_once(tmp_path):
     path = tmp_path / "results.jsonl"
     procs = [subprocess.Popen([sys.executable, "-c", _SWEEPER, str(path)], cwd=ROOT,
-                              env={"PYTHONPATH": str(ROOT), "PATH": "", "OMP_NUM_THREADS": "1"},
+                              env={"PYTHONPATH": pythonpath(ROOT), "PATH": "", "OMP_NUM_THREADS": "1"},
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=300)
