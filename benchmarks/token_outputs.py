@@ -102,13 +102,10 @@ def child_ours(args) -> dict:
     probs = la(x_test, pred_type="nn", link_approx="mc", n_samples=args.samples)
     clock.record(out, "nn_predict")
     out["nn_shape"], clock = list(probs.shape), Clock()
-    pred = GridPredictive(la, chunk_size=args.chunk_size)
-    pred.model = la.model.last_layer  # the per-token GLM: the last layer on the token features
-    with torch.no_grad():
-        feats = la.model.forward_with_features(x_test)[1].reshape(-1, args.features)
-    grid = pred.grid(feats, GRID, links=("probit_projected", "probit"))
+    grid = GridPredictive(la, chunk_size=args.chunk_size).grid(x_test, GRID, links=("probit_projected", "probit"))
     clock.record(out, "glm_grid")
-    out.update(glm_rows=len(feats), grid_points=len(GRID),
+    out.update(glm_rows=len(x_test) * args.tokens, grid_points=len(GRID),
+               glm_shape=list(next(iter(grid.values())).shape),
                finite=bool(all(torch.isfinite(p).all() for p in grid.values())))
     out["peak_rss_gb"] = vm_hwm_gb()
     return out
