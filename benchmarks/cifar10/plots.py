@@ -74,8 +74,10 @@ def reliability_figure(chosen: dict, map_probs, y, out: Path) -> str:
     n = len(chosen)
     cols = 3
     rows = -(-n // cols)
-    fig = plt.figure(figsize=(4.6 * cols, 5.2 * rows))
-    gs = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows, hspace=0.65)
+    height = 5.2 * rows
+    fig = plt.figure(figsize=(4.6 * cols, height))
+    # the top margin in inches, not a fraction: room for the title whatever the number of rows
+    gs = fig.add_gridspec(2 * rows, cols, height_ratios=[3, 1] * rows, hspace=0.65, wspace=0.3, top=1 - 0.8 / height)
     ref = M.reliability_bins(map_probs, y)
     centers = (np.array(ref["edges"][:-1]) + np.array(ref["edges"][1:])) / 2
     width = 1 / len(centers)
@@ -93,6 +95,7 @@ def reliability_figure(chosen: dict, map_probs, y, out: Path) -> str:
         axc.bar(centers - width / 4, ref["count"], width / 2, color="gray", label="MAP")
         axc.bar(centers + width / 4, rb["count"], width / 2, color="tab:blue", label="LA")
         axc.set(xlim=(0, 1), yscale="log", xlabel="confidence (top-class probability)", ylabel="images")
+        axc.yaxis.set_minor_formatter("")  # decades only: minor labels overlap
     fig.suptitle(f"Reliability on the CIFAR-10 test set ({len(y):,} images, 15 bins)")
     p = out / "reliability.png"
     fig.savefig(p, dpi=90, bbox_inches="tight")
