@@ -140,3 +140,30 @@ def test_gridsearch_token_targets_of_the_wrong_shape_get_a_clear_error():
     for bad in (y[:, 0], y[:, :2]):  # one label per sequence; too few tokens
         with pytest.raises(ValueError, match=r"targets .*shape"):
             grid_validation_scores(la, RunningNLLMetric(), grid, loader(TensorDataset(X, bad), 4), "probit")
+
+
+def test_sweep_on_token_outputs_equals_the_sweep_on_flattened_tokens(tmp_path):
+    """``run_sweep`` scores every token as one row: the metrics of a sweep over sequences equal
+    those of the same posterior swept over the tokens flattened into inputs (deterministic link;
+    the MAP rows too)."""
+    from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
+
+    la = _fit("debiased_kron", "all")
+    X, y = _tokens(6, seed=7)
+    Xo, _ = _tokens(4, seed=8)
+    methods = [Method("kron", lambda repeat: la, links=["probit"])]
+
+    def sweep(x, labels, x_ood, name):
+        sets = [EvalSet("test", x, labels), EvalSet("ood", x_ood, kind="ood")]
+        return run_sweep(methods, sets, tmp_path / name / "r.jsonl", prior_precisions=GRID,
+                         links=["probit"], progress=False, map_model=la.model)
+
+    rows = sweep(X, y, Xo, "tokens")
+    flat = sweep(X.flatten(0, 1), y.flatten(), Xo.flatten(0, 1), "flat")
+    assert len(rows) == len(flat) > 0
+    assert any("auroc" in r for r in rows) and any("nll" in r for r in rows)  # both kinds compared
+    for a, b in zip(rows, flat):
+        assert a["method"] == b["method"] and a["eval_set"] == b["eval_set"]
+        for key in ("nll", "accuracy", "ece", "brier", "auroc"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), key

@@ -50,7 +50,8 @@ from torch import Tensor
 
 from laplace_debiased.evaluation import metrics
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, check_grid  # noqa: F401
-from laplace_debiased.evaluation.predictive import GridPredictive
+from laplace_debiased.curvature.kfac import output_rows
+from laplace_debiased.evaluation.predictive import GridPredictive, logit_rows
 from laplace_debiased.structures.distributed import gather_results, local_fits, rank_world
 
 KINDS = ("test", "validation", "corrupted", "ood")
@@ -245,15 +246,20 @@ def cell_seed(*, seed: int, method: str, repeat: int, eval_set: str, prior_preci
 def _metric_rows(
     probs: dict[str, Tensor], eval_sets: Sequence[EvalSet], reference: EvalSet | None
 ) -> dict[str, dict]:
-    """Metrics per eval set for one (method, prior, link): ``{eval name: metrics}``."""
+    """Metrics per eval set for one (method, prior, link): ``{eval name: metrics}``.
+
+    Probabilities ``(N, [tokens, ...,] C)``: every token is one row (labels ``(N, [tokens])``),
+    as for the fit (:func:`~laplace_debiased.curvature.kfac.output_rows`).
+    """
     out = {}
-    ref = probs.get(reference.name) if reference is not None else None
+    ref = logit_rows(probs[reference.name]) if reference is not None and reference.name in probs else None
     for es in eval_sets:
-        p = probs[es.name]
+        p = logit_rows(probs[es.name])
         m: dict = {}
         if es.y is not None:
-            m.update(metrics.classification_metrics(p, es.y))
-            m["reliability"] = metrics.reliability_bins(p, es.y)
+            p, y = output_rows(probs[es.name], es.y)
+            m.update(metrics.classification_metrics(p, y))
+            m["reliability"] = metrics.reliability_bins(p, y)
         if es.kind in ("corrupted", "ood") and ref is not None:
             m.update(metrics.ood_metrics(ref, p))
         out[es.name] = m
