@@ -691,11 +691,19 @@ def top_eigenpairs(
             model, batches, likelihood, curvature, rank, lanczos_tol, n_out, fallback=method == "auto"
         )
     if pairs is None and isinstance(model, nn.Linear) and n_params <= n_columns and not is_mapping(batches[0][0]):
-        dense = eigh_descending(dense_curvature(model, batches, likelihood, curvature))
-        pairs = EigenPairs(dense.values[:rank], dense.vectors[:, :rank], "gram")
-    elif pairs is None:
+        return dense_top_eigenpairs(dense_curvature(model, batches, likelihood, curvature), rank, rtol, "gram")
+    if pairs is None:
         pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), rank)
     return threshold_eigenpairs(pairs, rtol)
+
+
+def dense_top_eigenpairs(G: Tensor, rank: int, rtol: float = 0.0, method: str = "dense") -> EigenPairs:
+    """Top-``rank`` eigenpairs of a dense symmetric ``G`` (``P × P``), float64, descending, with
+    eigenvalue ``> rtol · λ_max`` and ``> 0`` (:func:`threshold_eigenpairs`); ``method`` labels
+    the route. The dense route of :func:`top_eigenpairs`, and the one a distributed fit takes
+    on the all-reduced ``G_B``."""
+    dense = eigh_descending(G)
+    return threshold_eigenpairs(EigenPairs(dense.values[:rank], dense.vectors[:, :rank], method), rtol)
 
 
 def range_eigenpairs(
@@ -713,9 +721,15 @@ def range_eigenpairs(
     n_columns = count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
     if n_columns < n_params:
         pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), n_columns)
-    else:
-        pairs = eigh_descending(dense_curvature(model, batches, likelihood, curvature))
-    return threshold_eigenpairs(pairs, n_params * torch.finfo(torch.float64).eps)
+        return threshold_eigenpairs(pairs, n_params * torch.finfo(torch.float64).eps)
+    return dense_range_eigenpairs(dense_curvature(model, batches, likelihood, curvature))
+
+
+def dense_range_eigenpairs(G: Tensor) -> EigenPairs:
+    """Eigenpairs of a dense symmetric ``G`` (``P × P``) with eigenvalue above round-off
+    (``> P · eps · λ_max``), float64, descending: the dense route of :func:`range_eigenpairs`,
+    and the one a distributed fit takes on the all-reduced ``G_B``."""
+    return dense_top_eigenpairs(G, G.shape[0], G.shape[0] * torch.finfo(torch.float64).eps)
 
 
 def eigenbasis_debiased_curvature(U: Tensor, remeasured: Tensor, G_magnitude: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from laplace_debiased.structures.batches import Batch
+from laplace_debiased.structures.batches import Batch, batch_size
 
 __all__ = [
     "rank_world",
@@ -32,6 +32,8 @@ __all__ = [
     "shard_batch",
     "all_reduce_sum_",
     "broadcast_",
+    "local_shards",
+    "broadcast_computed",
 ]
 
 T = TypeVar("T")
@@ -150,3 +152,54 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> int:
     dist.broadcast(flat, src=src)
     _unflat_(flat, tensors)
     return flat.numel() * flat.element_size()
+
+
+def local_shards(batches: Sequence[Batch], dict_key_x: str, dict_key_y: str) -> list[Batch]:
+    """This rank's rows of every batch (:func:`shard_batch`), empty shards left out, so a sum
+    over the shards of all ranks is the sum over ``batches``. Without a group: ``batches``."""
+    rank, world = rank_world()
+    if world == 1:
+        return list(batches)
+    shards = []
+    for b in batches:
+        n = batch_size(b, dict_key_x, dict_key_y)
+        bounds = torch.tensor_split(torch.arange(n), world)[rank]
+        if len(bounds):
+            shards.append(shard_batch(b, n, rank, world))
+    return shards
+
+
+def broadcast_computed(
+    compute: Callable[[], Sequence[torch.Tensor]], device: torch.device | str, src: int = 0
+) -> list[torch.Tensor]:
+    """Call ``compute()`` on rank ``src`` only and send its tensors (one dtype) to every rank.
+
+    Collective. The shapes travel first (``broadcast_object_list``), then the values in one
+    :func:`broadcast_`; the other ranks receive into tensors on ``device``. If ``compute``
+    raises on ``src``, ``src`` re-raises it and the other ranks raise :class:`PeerRankError`.
+    Without a group: ``list(compute())``.
+    """
+    if not is_distributed():
+        return list(compute())
+    rank, _ = rank_world()
+    tensors: list[torch.Tensor] = []
+    meta: list = [None]
+    error: Exception | None = None
+    if rank == src:
+        try:
+            tensors = [t.contiguous() for t in compute()]
+            meta = [([tuple(t.shape) for t in tensors], tensors[0].dtype if tensors else None, None)]
+        except Exception as err:  # re-raised below, after every rank knows
+            error = err
+            meta = [(None, None, repr(err))]
+    dist.broadcast_object_list(meta, src=src)
+    shapes, dtype, message = meta[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise PeerRankError(f"rank {src} failed: {message}")
+    if rank != src:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+    if tensors:
+        broadcast_(tensors, src=src)
+    return tensors

@@ -1,0 +1,144 @@
+"""Debiased eigen-structured fits (``debiased_full``, ``debiased_lowrank``) under
+torch.distributed: 2 local gloo processes (127.0.0.1) against the single-process fit in float64.
+
+Each rank computes the dense curvature of its rows of B and B̃ (or, for ``debiased_lowrank``,
+B̃'s directional curvatures), the shares are all-reduced, rank 0 decomposes and broadcasts.
+One spawn runs every case; each test checks one case.
+"""
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import laplace_debiased  # noqa: F401  (registers the debiased structures in spawned processes)
+from _models import loader, tiny_cnn, tiny_mlp, toy_data
+
+WORLD = 2
+CASES = {
+    # name: (model, input shape, n data, batch size, subset, structure, fit kwargs, init kwargs)
+    "full_mlp_batches": (tiny_mlp, (4,), 60, 10, "all", "debiased_full", {"n_direction_batches": 2}, {}),
+    "full_cnn_halves": (tiny_cnn, (1, 5, 5), 40, 10, "all", "debiased_full", {"split": "halves"}, {}),
+    "full_mlp_regression": (tiny_mlp, (4,), 48, 16, "all", "debiased_full", {}, {}),
+    "full_last_layer": (tiny_mlp, (4,), 48, 16, "last_layer", "debiased_full", {}, {}),
+    "full_same_batches": (tiny_mlp, (4,), 48, 16, "all", "debiased_full", {"magnitude_loader": True}, {}),
+    "full_odd_rows": (tiny_mlp, (4,), 21, 7, "all", "debiased_full", {}, {}),
+    "lowrank_mlp_batches": (tiny_mlp, (4,), 60, 10, "all", "debiased_lowrank", {"n_direction_batches": 2}, {"rank": 8}),
+    "lowrank_cnn": (tiny_cnn, (1, 5, 5), 40, 10, "all", "debiased_lowrank", {}, {"rank": 6}),
+    "lowrank_last_layer": (tiny_mlp, (4,), 48, 16, "last_layer", "debiased_lowrank", {}, {"rank": 5}),
+    "lowrank_same_batches": (tiny_mlp, (4,), 48, 16, "all", "debiased_lowrank", {"magnitude_loader": True}, {"rank": 8}),
+}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fit(name: str):
+    from laplace import Laplace
+
+    make, shape, n, bs, subset, structure, kw, init = CASES[name]
+    likelihood = "regression" if "regression" in name else "classification"
+    data = loader(toy_data(n, shape, 3, likelihood), bs)
+    kw = {k: (data if k == "magnitude_loader" else v) for k, v in kw.items()}
+    la = Laplace(make(), likelihood, subset_of_weights=subset, hessian_structure=structure, **init)
+    la.fit(data, **kw)
+    return la
+
+
+def _state(la) -> dict:
+    if isinstance(la.H, tuple):  # debiased_lowrank: (U, λ̃); U's column signs are arbitrary
+        U, lam = la.H
+        H = (U * lam) @ U.T
+        basis = [U.abs(), lam]
+    else:
+        H, basis = la.H, [la.eigenvalues]
+    la.prior_precision = 0.5
+    return {
+        "H": H,
+        "basis": basis,
+        "direction_eigenvalues": la.direction_eigenvalues,
+        "posterior_covariance": _covariance(la),
+        "loss": torch.as_tensor(la.loss),
+        "n_data": la.n_data,
+    }
+
+
+def _covariance(la) -> torch.Tensor:
+    if isinstance(la.H, tuple):
+        U, lam = la.H
+        return torch.linalg.inv((U * lam) @ U.T + torch.diag(la.prior_precision_diag))
+    return la.posterior_covariance
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        results = {name: _state(_fit(name)) for name in CASES}
+        from laplace import Laplace
+
+        try:
+            la = Laplace(tiny_mlp(), "classification", hessian_structure="debiased_lowrank", method="lanczos")
+            la.fit(loader(toy_data(32, (4,), 3, "classification"), 8))
+        except ValueError as err:
+            results["lanczos_error"] = str(err)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed_eigen")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _flat(state: dict) -> list:
+    return [
+        ("H", state["H"]),
+        *[("basis", t) for t in state["basis"]],
+        ("direction_eigenvalues", state["direction_eigenvalues"]),
+        ("posterior_covariance", state["posterior_covariance"]),
+        ("loss", state["loss"]),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed_eigen_fit_equals_single_process(ranks, name):
+    torch.set_num_threads(1)
+    single = _state(_fit(name))
+    for r in range(WORLD):
+        state = ranks[r][name]
+        assert state["n_data"] == single["n_data"]
+        for (key, got), (_, want) in zip(_flat(state), _flat(single)):
+            assert got.shape == want.shape, f"rank {r} {key}"
+            atol = 1e-6 * float(want.abs().max()) if want.numel() else 0.0
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=atol, msg=f"rank {r} {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed_eigen_ranks_hold_identical_posteriors(ranks, name):
+    """The decomposition is computed on rank 0 and broadcast, so every rank's curvature is
+    bitwise rank 0's."""
+    for (key, a), (_, b) in zip(_flat(ranks[0][name])[:-2], _flat(ranks[1][name])[:-2]):
+        assert torch.equal(a, b), key
+
+
+@pytest.mark.slow
+def test_distributed_eigen_lowrank_lanczos_refused(ranks):
+    for r in range(WORLD):
+        assert "method='lanczos'" in ranks[r]["lanczos_error"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
