@@ -35,6 +35,13 @@ backbone). Outputs may be ``(n, tokens, C)``, every token an output with its own
 (targets ``(n, tokens)`` or ``(n, tokens, C)``; last layer: features ``(n, tokens, D)``), as in
 :mod:`laplace_debiased.curvature.eigen`. ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
 preference pairs) and predicts as regression, as laplace-torch does.
+
+Under an initialised ``torch.distributed`` group (:mod:`laplace_debiased.structures.distributed`)
+every rank computes the dense curvature of its rows of every batch of B (and, for
+``debiased_full``, of B̃; for ``debiased_lowrank`` B̃'s directional curvatures), the shares are
+added with ``all_reduce``, and rank 0 decomposes (float64) and broadcasts, so every rank holds
+the identical posterior. ``debiased_lowrank`` then takes the dense route on the ``P × P`` sum
+(refused above 1 GiB, and for ``method="lanczos"``).
 """
 
 from __future__ import annotations
