@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures in spawned processes)
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
+from laplace_debiased.structures.distributed import broadcast_computed
 
 WORLD = 2
 CASES = {
@@ -102,6 +103,14 @@ def _worker(rank: int, port: int, out: str) -> None:
             la.fit(loader(toy_data(32, (4,), 3, "classification"), 8))
         except ValueError as err:
             results["lanczos_error"] = str(err)
+
+        def fail() -> list:
+            raise ValueError("decomposition failed")
+
+        try:
+            broadcast_computed(fail, "cpu")
+        except Exception as err:
+            results["broadcast_error"] = (type(err).__name__, str(err))
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -151,6 +160,15 @@ def test_distributed_eigen_ranks_hold_identical_posteriors(ranks, name):
 def test_distributed_eigen_lowrank_lanczos_refused(ranks):
     for r in range(WORLD):
         assert "method='lanczos'" in ranks[r]["lanczos_error"]
+
+
+@pytest.mark.slow
+def test_distributed_broadcast_computed_raises_on_every_rank(ranks):
+    """An error on rank 0, the only rank that computes, reaches every rank instead of leaving
+    the others waiting for tensors."""
+    assert ranks[0]["broadcast_error"] == ("ValueError", "decomposition failed")
+    name, message = ranks[1]["broadcast_error"]
+    assert name == "PeerRankError" and "rank 0 failed" in message and "decomposition failed" in message
 
 
 if __name__ == "__main__":  # pragma: no cover
