@@ -40,8 +40,9 @@ Under an initialised ``torch.distributed`` group (:mod:`laplace_debiased.structu
 every rank computes the dense curvature of its rows of every batch of B (and, for
 ``debiased_full``, of B̃; for ``debiased_lowrank`` B̃'s directional curvatures), the shares are
 added with ``all_reduce``, and rank 0 decomposes (float64) and broadcasts, so every rank holds
-the identical posterior. ``debiased_lowrank`` then takes the dense route on the ``P × P`` sum
-(refused above 1 GiB, and for ``method="lanczos"``).
+the identical posterior. ``debiased_lowrank`` then takes the dense route on the ``P × P`` sum,
+or (``method="lanczos"``, or ``"auto"`` above 1 GiB) Lanczos on rank 0 with every product
+``G_B v`` summed over the ranks.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from laplace_debiased.structures.distributed import (
     broadcast_computed,
     is_distributed,
     local_shards,
+    run_with_reduced_operator,
 )
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
 from laplace_debiased.evaluation.predictive import dense_posterior_scale, lowrank_functional_covariance
@@ -235,28 +237,51 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
 
     def _direction_pairs(self, module: nn.Module, batches: list[Batch], curvature: eigen.Curvature) -> eigen.EigenPairs:
-        """Top-``rank`` eigenpairs of ``G_B`` (not rescaled). Under a process group: the dense
-        route on the all-reduced ``G_B``, decomposed on rank 0 and broadcast (the Lanczos route,
-        whose products would need a collective each, is refused)."""
+        """Top-``rank`` eigenpairs of ``G_B`` (not rescaled). Under a process group either the
+        dense route on the all-reduced ``G_B``, decomposed on rank 0 and broadcast, or
+        (``method="lanczos"``, or ``"auto"`` when the dense ``G_B`` would exceed 1 GiB) Lanczos
+        on rank 0 with every product ``G_B v`` summed over the ranks' rows."""
         if not is_distributed():
             return eigen.top_eigenpairs(
                 module, self._module_batches(batches), self._fit_likelihood, self.rank, curvature,
                 self.method, self.eigval_rtol,
             )
-        n_params = sum(p.numel() for p in eigen.trainable_parameters(module).values())
-        if self.method == "lanczos" or 8 * n_params**2 > _MAX_DISTRIBUTED_DENSE_BYTES:
+        n_params = eigen.parameter_count(module)
+        dense_fits = 8 * n_params**2 <= _MAX_DISTRIBUTED_DENSE_BYTES
+        if self.method == "lanczos" or (self.method == "auto" and not dense_fits):
+            return self._distributed_lanczos_pairs(module, batches, curvature, n_params)
+        if not dense_fits:
             raise ValueError(
-                f"a distributed debiased_lowrank fit all-reduces the dense {n_params} x {n_params} "
-                "curvature of B and decomposes it on rank 0; method='lanczos' "
-                f"{'is not supported there' if self.method == 'lanczos' else 'is too large for it'}. "
-                "Use method='auto' or 'gram' on a smaller parameter set, "
-                "hessian_structure='debiased_kron', or fit in one process."
+                f"a distributed debiased_lowrank fit with method='gram' all-reduces the dense "
+                f"{n_params} x {n_params} curvature of B, over 1 GiB here; use method='lanczos' "
+                "(or 'auto')."
             )
         G_B = self._dense_curvature(module, batches, curvature)
         values, vectors = broadcast_computed(
             lambda: _pair_tensors(eigen.dense_top_eigenpairs(G_B, self.rank, self.eigval_rtol)), self._device
         )
         return eigen.EigenPairs(values, vectors, "dense")
+
+    def _distributed_lanczos_pairs(
+        self, module: nn.Module, batches: list[Batch], curvature: eigen.Curvature, n_params: int
+    ) -> eigen.EigenPairs:
+        """Lanczos (:func:`~laplace_debiased.curvature.eigen.lanczos_top_k`) on rank 0 over
+        ``v ↦ G_B v``, each product summed over the ranks' rows
+        (:func:`~laplace_debiased.structures.distributed.run_with_reduced_operator`); the
+        eigenpairs are broadcast."""
+        product = eigen.summed_curvature_product(
+            module, self._module_batches(local_shards(batches, self.dict_key_x, self.dict_key_y)),
+            self._fit_likelihood, curvature, self.n_outputs,
+        )
+        first = next(iter(eigen.trainable_parameters(module).values()))
+        k = min(self.rank, n_params)
+
+        def lanczos(operator: Any) -> tuple[Tensor, Tensor]:
+            pairs = eigen.lanczos_top_k(operator, n_params, k, dtype=first.dtype, device=first.device)
+            return _pair_tensors(eigen.threshold_eigenpairs(pairs, self.eigval_rtol))
+
+        values, vectors = run_with_reduced_operator(product, lanczos, n_params, first.dtype, first.device)
+        return eigen.EigenPairs(values, vectors, "lanczos")
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
