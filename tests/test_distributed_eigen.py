@@ -53,7 +53,7 @@ def _free_port() -> int:
 def _fit(name: str):
     from laplace import Laplace
 
-    make, shape, n, bs, subset, structure, kw, init = CASES[name]
+    make, shape, n, bs, subset, structure, kw, init = CASES_ALL[name]
     likelihood = "regression" if "regression" in name else "classification"
     data = loader(toy_data(n, shape, 3, likelihood), bs)
     kw = {k: (data if k == "magnitude_loader" else v) for k, v in kw.items()}
@@ -94,6 +94,28 @@ def _covariance(la) -> torch.Tensor:
     return la.posterior_covariance
 
 
+#: 3 ranks on batches of 2 rows: rank 2 gets no rows and adds nothing (3 batches each for B
+#: and B̃, so that B's K-FAC input factors have full rank and EKFAC's basis is determined)
+_THREE = {"n_direction_batches": 3, "n_magnitude_batches": 3}
+EMPTY_RANK_CASES = {
+    "full_empty_rank": (tiny_mlp, (4,), 16, 2, "all", "debiased_full", _THREE, {}),
+    "lowrank_empty_rank": (tiny_mlp, (4,), 16, 2, "all", "debiased_lowrank", _THREE, {"rank": 4}),
+    "lowrank_lanczos_empty_rank": (tiny_mlp, (4,), 16, 2, "all", "debiased_lowrank", _THREE, {"rank": 4, "method": "lanczos"}),
+    "ekfac_empty_rank": (tiny_mlp, (4,), 16, 2, "all", "debiased_ekfac", _THREE, {}),
+}
+CASES_ALL = {**CASES, **EMPTY_RANK_CASES}
+
+
+def _empty_rank_worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    try:
+        results = {name: _state(_fit(name)) for name in EMPTY_RANK_CASES}
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -125,6 +147,13 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed_eigen")
     mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def empty_rank(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed_eigen_empty_rank")
+    mp.spawn(_empty_rank_worker, args=(_free_port(), str(out)), nprocs=3, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(3)]
 
 
 def _flat(state: dict) -> list:
@@ -166,6 +195,22 @@ def test_distributed_eigen_lowrank_lanczos_error_reaches_every_rank(ranks):
     assert "Lanczos needs 0 < k < dim" in ranks[0]["lanczos_error"][1]
     assert ranks[1]["lanczos_error"][0] == "PeerRankError"
     assert "Lanczos needs 0 < k < dim" in ranks[1]["lanczos_error"][1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EMPTY_RANK_CASES))
+def test_distributed_eigen_rank_without_rows(empty_rank, name):
+    """3 ranks, batches of 2 rows: the third rank has no rows of any batch, contributes zeros
+    and still ends with rank 0's posterior, equal to the single-process one."""
+    torch.set_num_threads(1)
+    single = _state(_fit(name))
+    for r in range(3):
+        for (key, got), (_, want) in zip(_flat(empty_rank[r][name]), _flat(single)):
+            assert got.shape == want.shape, f"rank {r} {key}"
+            atol = 1e-6 * float(want.abs().max()) if want.numel() else 0.0
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=atol, msg=f"rank {r} {key}")
+    for (key, a), (_, b) in zip(_flat(empty_rank[0][name])[:-2], _flat(empty_rank[2][name])[:-2]):
+        assert torch.equal(a, b), key
 
 
 @pytest.mark.slow
