@@ -562,17 +562,35 @@ def lanczos_top_k(
 def _topk_lanczos(
     model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float, n_outputs: int
 ) -> EigenPairs:
-    """Top-k eigenpairs by :func:`lanczos_top_k` on curvlinops' GGN/EF operator of the batches.
+    """Top-k eigenpairs by :func:`lanczos_top_k` on :func:`summed_curvature_product`."""
+    product = summed_curvature_product(model, batches, likelihood, curvature, n_outputs)
+    first = next(iter(trainable_parameters(model).values()))
+    return lanczos_top_k(product, parameter_count(model), k, tol=tol, dtype=first.dtype, device=first.device)
 
-    The operator is :func:`laplace_debiased.curvature.operators.curvature_linop`, the curvature of the
+
+def parameter_count(model: nn.Module) -> int:
+    """Number ``P`` of trainable parameters (the dimension of the curvature)."""
+    return sum(p.numel() for p in trainable_parameters(model).values())
+
+
+def summed_curvature_product(
+    model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, n_outputs: int
+) -> Callable[[Tensor], Tensor]:
+    """``v ↦ G_B v`` (``(P,)`` in the model's dtype; the summed loss over ``batches``, the
+    scaling of :func:`dense_curvature`), matrix-free: each product is one pass over the batches.
+    No batches: the zero map.
+
+    Built on :func:`laplace_debiased.curvature.operators.curvature_linop`, the curvature of the
     **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` output rows (samples,
     or every token of every sample for token outputs, :class:`_TokenRows`); the summed
     loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
     ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
-    entries). Eigenvectors are unchanged by the scale.
+    entries), ``C = n_outputs``.
     """
     from laplace_debiased.curvature.operators import curvature_linop
 
+    if not batches:
+        return torch.zeros_like
     rows = [target_rows(model, X, y) for X, y in batches]
     if all(len(shape) == 1 for _, shape in rows):
         op_model, data, n = model, list(batches), count_samples(batches)
@@ -587,8 +605,12 @@ def _topk_lanczos(
         lossfunc, scale = nn.MSELoss(), loss_factor(likelihood) * n * n_outputs
     with backward_hooks_detached(model):
         op = curvature_linop(op_model, lossfunc, data, curvature, num_data=n, batch_size_fn=batch_size_fn)
-        pairs = lanczos_top_k(op.__matmul__, op.shape[0], k, tol=tol, dtype=op.dtype, device=op.device)
-    return EigenPairs(scale * pairs.values, pairs.vectors, "lanczos")
+
+    def product(v: Tensor) -> Tensor:
+        with backward_hooks_detached(model):
+            return scale * (op @ v)
+
+    return product
 
 
 def _rows_of(inputs: Mapping[str, Any]) -> int:
@@ -691,11 +713,19 @@ def top_eigenpairs(
             model, batches, likelihood, curvature, rank, lanczos_tol, n_out, fallback=method == "auto"
         )
     if pairs is None and isinstance(model, nn.Linear) and n_params <= n_columns and not is_mapping(batches[0][0]):
-        dense = eigh_descending(dense_curvature(model, batches, likelihood, curvature))
-        pairs = EigenPairs(dense.values[:rank], dense.vectors[:, :rank], "gram")
-    elif pairs is None:
+        return dense_top_eigenpairs(dense_curvature(model, batches, likelihood, curvature), rank, rtol, "gram")
+    if pairs is None:
         pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), rank)
     return threshold_eigenpairs(pairs, rtol)
+
+
+def dense_top_eigenpairs(G: Tensor, rank: int, rtol: float = 0.0, method: str = "dense") -> EigenPairs:
+    """Top-``rank`` eigenpairs of a dense symmetric ``G`` (``P × P``), float64, descending, with
+    eigenvalue ``> rtol · λ_max`` and ``> 0`` (:func:`threshold_eigenpairs`); ``method`` labels
+    the route. The dense route of :func:`top_eigenpairs`, and the one a distributed fit takes
+    on the all-reduced ``G_B``."""
+    dense = eigh_descending(G)
+    return threshold_eigenpairs(EigenPairs(dense.values[:rank], dense.vectors[:, :rank], method), rtol)
 
 
 def range_eigenpairs(
@@ -713,9 +743,15 @@ def range_eigenpairs(
     n_columns = count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
     if n_columns < n_params:
         pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), n_columns)
-    else:
-        pairs = eigh_descending(dense_curvature(model, batches, likelihood, curvature))
-    return threshold_eigenpairs(pairs, n_params * torch.finfo(torch.float64).eps)
+        return threshold_eigenpairs(pairs, n_params * torch.finfo(torch.float64).eps)
+    return dense_range_eigenpairs(dense_curvature(model, batches, likelihood, curvature))
+
+
+def dense_range_eigenpairs(G: Tensor) -> EigenPairs:
+    """Eigenpairs of a dense symmetric ``G`` (``P × P``) with eigenvalue above round-off
+    (``> P · eps · λ_max``), float64, descending: the dense route of :func:`range_eigenpairs`,
+    and the one a distributed fit takes on the all-reduced ``G_B``."""
+    return dense_top_eigenpairs(G, G.shape[0], G.shape[0] * torch.finfo(torch.float64).eps)
 
 
 def eigenbasis_debiased_curvature(U: Tensor, remeasured: Tensor, G_magnitude: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from laplace_debiased.structures.batches import Batch
+from laplace_debiased.structures.batches import Batch, batch_size
 
 __all__ = [
     "rank_world",
@@ -32,6 +32,9 @@ __all__ = [
     "shard_batch",
     "all_reduce_sum_",
     "broadcast_",
+    "local_shards",
+    "broadcast_computed",
+    "run_with_reduced_operator",
 ]
 
 T = TypeVar("T")
@@ -150,3 +153,134 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> int:
     dist.broadcast(flat, src=src)
     _unflat_(flat, tensors)
     return flat.numel() * flat.element_size()
+
+
+def local_shards(batches: Sequence[Batch], dict_key_x: str, dict_key_y: str) -> list[Batch]:
+    """This rank's rows of every batch (:func:`shard_batch`), empty shards left out, so a sum
+    over the shards of all ranks is the sum over ``batches``. Without a group: ``batches``."""
+    rank, world = rank_world()
+    if world == 1:
+        return list(batches)
+    shards = []
+    for b in batches:
+        n = batch_size(b, dict_key_x, dict_key_y)
+        bounds = torch.tensor_split(torch.arange(n), world)[rank]
+        if len(bounds):
+            shards.append(shard_batch(b, n, rank, world))
+    return shards
+
+
+def broadcast_computed(
+    compute: Callable[[], Sequence[torch.Tensor]], device: torch.device | str, src: int = 0
+) -> list[torch.Tensor]:
+    """Call ``compute()`` on rank ``src`` only and send its tensors (one dtype) to every rank.
+
+    Collective. The shapes travel first (``broadcast_object_list``), then the values in one
+    :func:`broadcast_`; the other ranks receive into tensors on ``device``. If ``compute``
+    raises on ``src``, ``src`` re-raises it and the other ranks raise :class:`PeerRankError`.
+    Without a group: ``list(compute())``.
+    """
+    if not is_distributed():
+        return list(compute())
+    rank, _ = rank_world()
+    tensors: list[torch.Tensor] = []
+    meta: list = [None]
+    error: Exception | None = None
+    if rank == src:
+        try:
+            tensors = [t.contiguous() for t in compute()]
+            meta = [([tuple(t.shape) for t in tensors], tensors[0].dtype if tensors else None, None)]
+        except Exception as err:  # re-raised below, after every rank knows
+            error = err
+            meta = [(None, None, repr(err))]
+    dist.broadcast_object_list(meta, src=src)
+    shapes, dtype, message = meta[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise PeerRankError(f"rank {src} failed: {message}")
+    if rank != src:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+    if tensors:
+        broadcast_(tensors, src=src)
+    return tensors
+
+
+def run_with_reduced_operator(
+    local_product: Callable[[torch.Tensor], torch.Tensor],
+    run: Callable[[Callable[[torch.Tensor], torch.Tensor]], Sequence[torch.Tensor]],
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    src: int = 0,
+) -> list[torch.Tensor]:
+    """``run(operator)`` on rank ``src`` with ``operator(v) = Σ_ranks local_product(v)``, its
+    tensors sent to every rank (:func:`broadcast_computed`). Collective.
+
+    Rank ``src`` alone drives ``run`` (e.g. an iterative eigensolver, which then takes one path
+    whatever the round-off elsewhere); for every product it broadcasts ``v`` (``(dim,)``,
+    ``dtype``), each rank applies its ``local_product`` and one ``all_reduce`` adds them. The
+    other ranks serve products until ``src`` signals the end. A failing ``local_product`` on any
+    rank makes every rank raise (its own exception, or :class:`PeerRankError`). Without a group:
+    ``list(run(local_product))``.
+    """
+    if not is_distributed():
+        return list(run(local_product))
+    rank, _ = rank_world()
+    own_error: list[Exception] = []
+
+    def reduced(v: torch.Tensor) -> torch.Tensor:
+        try:
+            out = local_product(v).reshape(-1).to(dtype)
+            failed = 0.0
+        except Exception as err:  # reported to every rank through the sum below
+            own_error.append(err)
+            out, failed = torch.zeros(dim, dtype=dtype, device=device), 1.0
+        flat = torch.cat([out, out.new_full((1,), failed)])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        if flat[-1] > 0:
+            raise own_error[0] if own_error else PeerRankError("a rank failed computing a product")
+        return flat[:-1]
+
+    def signal(go: bool) -> None:
+        dist.broadcast(torch.full((1,), float(go), dtype=dtype, device=device), src=src)
+
+    result: list[torch.Tensor] = []
+    error: Exception | None = None
+    if rank == src:
+
+        def operator(v: torch.Tensor) -> torch.Tensor:
+            signal(True)
+            v = v.reshape(-1).to(device=device, dtype=dtype).contiguous()
+            dist.broadcast(v, src=src)
+            return reduced(v)
+
+        try:
+            result = list(run(operator))
+        except Exception as err:  # re-raised on every rank below
+            error = err
+        signal(False)
+    else:
+        while True:
+            go = torch.empty(1, dtype=dtype, device=device)
+            dist.broadcast(go, src=src)
+            if go.item() == 0:
+                break
+            v = torch.empty(dim, dtype=dtype, device=device)
+            dist.broadcast(v, src=src)
+            try:
+                reduced(v)
+            except Exception:  # src stops the iteration and reports the failure
+                pass
+
+    def finish() -> list[torch.Tensor]:
+        if error is not None:
+            raise error
+        return result
+
+    try:
+        return broadcast_computed(finish, device, src)
+    except PeerRankError:
+        if own_error:
+            raise own_error[0] from None
+        raise

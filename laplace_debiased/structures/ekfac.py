@@ -14,6 +14,10 @@ eigenvalues of each token position are measured and added up
 Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
 B̃, curvature measured on B) and uses the equal-weight mixture of the two Gaussians as the
 posterior (:mod:`laplace_debiased.structures.cross_fit`, shared with ``debiased_kron``).
+
+Under an initialised ``torch.distributed`` group the K-FAC sums come from ``debiased_kron``'s
+sharded pass, rank 0 broadcasts their eigenbasis, every rank measures the eigenvalue sums on its
+rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.structures.distributed`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ from laplace_debiased.curvature.ekfac import (
 from laplace_debiased.evaluation.predictive import KronStructure
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
+from laplace_debiased.structures.distributed import (
+    all_reduce_sum_,
+    broadcast_,
+    broadcast_computed,
+    local_shards,
+)
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 __all__ = [
@@ -276,22 +286,44 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         return FisherType.MC if getattr(self.backend, "stochastic", False) else FisherType.TYPE2
 
     def _ekfac(self, kron: Kron, batches: list[Batch], N: int) -> EKFACDecomposed:
-        """EKFAC with the eigenbasis of ``kron`` and the curvature of ``batches``, scaled to N."""
-        data = [batch_inputs_targets(b, self.dict_key_x, self.dict_key_y) for b in batches]
+        """EKFAC with the eigenbasis of ``kron`` and the curvature of ``batches``, scaled to N.
+
+        Under a process group (``kron`` already all-reduced) rank 0 decomposes ``kron`` and
+        broadcasts the basis, every rank measures the eigenvalue sums on its rows of
+        ``batches`` and the sums are all-reduced; rank 0 (which always has rows) broadcasts
+        the basis the measurement used (bias blocks share their layer's ``Q_G``)."""
         m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
-        basis = kron_eigenbasis(kron.kfacs)
-        dict_inputs = not isinstance(data[0][0], Tensor)
-        basis, lams = measure_ekfac_eigenvalues(
-            self.backend.model,
-            self.backend.lossfunc,
-            self.backend.params,
-            data,
-            basis,
-            fisher_type=self._fisher_type(),
-            batch_size_fn=(lambda x: x[self.dict_key_x].shape[0]) if dict_inputs else None,
-        )
+        basis = self._broadcast_basis(kron.kfacs)
+        shards = local_shards(batches, self.dict_key_x, self.dict_key_y)
+        if shards:
+            data = [batch_inputs_targets(b, self.dict_key_x, self.dict_key_y) for b in shards]
+            dict_inputs = not isinstance(data[0][0], Tensor)
+            basis, lams = measure_ekfac_eigenvalues(
+                self.backend.model,
+                self.backend.lossfunc,
+                self.backend.params,
+                data,
+                basis,
+                fisher_type=self._fisher_type(),
+                batch_size_fn=(lambda x: x[self.dict_key_x].shape[0]) if dict_inputs else None,
+            )
+        else:  # fewer rows than ranks: this rank adds nothing
+            basis = [[Q.to(self._dtype) for Q in Qs] for Qs in basis]
+            lams = [Qs[0].new_zeros([Q.shape[0] for Q in Qs]) for Qs in basis]
+        broadcast_([Q for Qs in basis for Q in Qs])
+        all_reduce_sum_(lams)
         scale = N / m * self.backend.factor
         return EKFACDecomposed(basis, [scale * lam for lam in lams])
+
+    @staticmethod
+    def _broadcast_basis(kfacs: list[list[Tensor]]) -> list[list[Tensor]]:
+        """:func:`kron_eigenbasis` of ``kfacs``, computed on rank 0 and broadcast."""
+        flat = iter(
+            broadcast_computed(
+                lambda: [Q for Qs in kron_eigenbasis(kfacs) for Q in Qs], kfacs[0][0].device
+            )
+        )
+        return [[next(flat) for _ in block] for block in kfacs]
 
     def state_dict(self) -> dict[str, Any]:
         state = super(DebiasedKronLaplace, self).state_dict()  # KronLaplace: "H" = B's K-FAC

@@ -35,6 +35,14 @@ backbone). Outputs may be ``(n, tokens, C)``, every token an output with its own
 (targets ``(n, tokens)`` or ``(n, tokens, C)``; last layer: features ``(n, tokens, D)``), as in
 :mod:`laplace_debiased.curvature.eigen`. ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
 preference pairs) and predicts as regression, as laplace-torch does.
+
+Under an initialised ``torch.distributed`` group (:mod:`laplace_debiased.structures.distributed`)
+every rank computes the dense curvature of its rows of every batch of B (and, for
+``debiased_full``, of B̃; for ``debiased_lowrank`` B̃'s directional curvatures), the shares are
+added with ``all_reduce``, and rank 0 decomposes (float64) and broadcasts, so every rank holds
+the identical posterior. ``debiased_lowrank`` then takes the dense route on the ``P × P`` sum,
+or (``method="lanczos"``, or ``"auto"`` above 1 GiB) Lanczos on rank 0 with every product
+``G_B v`` summed over the ranks.
 """
 
 from __future__ import annotations
@@ -50,7 +58,14 @@ from torch.utils.data import DataLoader
 
 from laplace_debiased.curvature import eigen
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets
+from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.structures.distributed import (
+    all_reduce_sum_,
+    broadcast_computed,
+    is_distributed,
+    local_shards,
+    run_with_reduced_operator,
+)
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
 from laplace_debiased.evaluation.predictive import dense_posterior_scale, lowrank_functional_covariance
 
@@ -88,6 +103,26 @@ class _EigenCurvatureMixin:
         if self.likelihood == "reward_modeling":
             return _PairHead(self.model.last_layer)
         return self.model.last_layer
+
+    def _n_samples(self, batches: list[Batch]) -> int:
+        return sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
+
+    def _summed_over_ranks(self, fn: Any, module: nn.Module, batches: list[Batch]) -> Tensor:
+        """``fn(module, this rank's shards of batches)`` (a float64 sum over samples, such as
+        :func:`~laplace_debiased.curvature.eigen.dense_curvature`) added over the ranks with
+        one ``all_reduce``: the value of ``fn`` on all of ``batches``, on every rank. Without
+        a process group: ``fn(module, batches)``."""
+        shards = local_shards(batches, self.dict_key_x, self.dict_key_y)
+        total = fn(module, self._module_batches(shards))
+        all_reduce_sum_([total])
+        return total
+
+    def _dense_curvature(self, module: nn.Module, batches: list[Batch], curvature: eigen.Curvature) -> Tensor:
+        """Dense ``G`` (float64 ``P × P``, summed loss, not rescaled) of ``batches``; under a
+        process group each rank computes its rows' share and the shares are all-reduced."""
+        return self._summed_over_ranks(
+            lambda m, data: eigen.dense_curvature(m, data, self._fit_likelihood, curvature), module, batches
+        )
 
     @torch.no_grad()
     def _module_batches(self, batches: list[Batch]) -> list[eigen.Batch]:
@@ -139,6 +174,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
     """
 
     _key = ("all", "debiased_lowrank")
+    _fits_distributed = True
 
     def __init__(
         self,
@@ -179,18 +215,18 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         curvature = self._curvature_type()
         module = self._curvature_module()
-        direction = self._module_batches(direction_batches)
-        pairs = eigen.top_eigenpairs(
-            module, direction, self._fit_likelihood, self.rank, curvature, self.method, self.eigval_rtol
-        )
-        scale_B = N / eigen.count_samples(direction)
+        pairs = self._direction_pairs(module, direction_batches, curvature)
+        scale_B = N / self._n_samples(direction_batches)
         if magnitude_batches is direction_batches:  # B̃ = B: plain low-rank Laplace on B
             remeasured = pairs.values * scale_B
         else:
-            magnitude = self._module_batches(magnitude_batches)
-            remeasured = eigen.directional_curvatures(
-                module, magnitude, pairs.vectors, self._fit_likelihood, curvature
-            ) * (N / eigen.count_samples(magnitude))
+            remeasured = self._summed_over_ranks(
+                lambda m, data: eigen.directional_curvatures(
+                    m, data, pairs.vectors, self._fit_likelihood, curvature
+                ),
+                module,
+                magnitude_batches,
+            ) * (N / self._n_samples(magnitude_batches))
         keep = eigen.curved_directions(remeasured, self.remeasured_rtol)
         self.direction_eigenvalues = (pairs.values[keep] * scale_B).to(self._dtype)
         self.eigen_method = pairs.method
@@ -199,6 +235,53 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
             remeasured[keep].to(self._device, self._dtype),
         )
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
+
+    def _direction_pairs(self, module: nn.Module, batches: list[Batch], curvature: eigen.Curvature) -> eigen.EigenPairs:
+        """Top-``rank`` eigenpairs of ``G_B`` (not rescaled). Under a process group either the
+        dense route on the all-reduced ``G_B``, decomposed on rank 0 and broadcast, or
+        (``method="lanczos"``, or ``"auto"`` when the dense ``G_B`` would exceed 1 GiB) Lanczos
+        on rank 0 with every product ``G_B v`` summed over the ranks' rows."""
+        if not is_distributed():
+            return eigen.top_eigenpairs(
+                module, self._module_batches(batches), self._fit_likelihood, self.rank, curvature,
+                self.method, self.eigval_rtol,
+            )
+        n_params = eigen.parameter_count(module)
+        dense_fits = 8 * n_params**2 <= _MAX_DISTRIBUTED_DENSE_BYTES
+        if self.method == "lanczos" or (self.method == "auto" and not dense_fits):
+            return self._distributed_lanczos_pairs(module, batches, curvature, n_params)
+        if not dense_fits:
+            raise ValueError(
+                f"a distributed debiased_lowrank fit with method='gram' all-reduces the dense "
+                f"{n_params} x {n_params} curvature of B, over 1 GiB here; use method='lanczos' "
+                "(or 'auto')."
+            )
+        G_B = self._dense_curvature(module, batches, curvature)
+        values, vectors = broadcast_computed(
+            lambda: _pair_tensors(eigen.dense_top_eigenpairs(G_B, self.rank, self.eigval_rtol)), self._device
+        )
+        return eigen.EigenPairs(values, vectors, "dense")
+
+    def _distributed_lanczos_pairs(
+        self, module: nn.Module, batches: list[Batch], curvature: eigen.Curvature, n_params: int
+    ) -> eigen.EigenPairs:
+        """Lanczos (:func:`~laplace_debiased.curvature.eigen.lanczos_top_k`) on rank 0 over
+        ``v ↦ G_B v``, each product summed over the ranks' rows
+        (:func:`~laplace_debiased.structures.distributed.run_with_reduced_operator`); the
+        eigenpairs are broadcast."""
+        product = eigen.summed_curvature_product(
+            module, self._module_batches(local_shards(batches, self.dict_key_x, self.dict_key_y)),
+            self._fit_likelihood, curvature, self.n_outputs,
+        )
+        first = next(iter(eigen.trainable_parameters(module).values()))
+        k = min(self.rank, n_params)
+
+        def lanczos(operator: Any) -> tuple[Tensor, Tensor]:
+            pairs = eigen.lanczos_top_k(operator, n_params, k, dtype=first.dtype, device=first.device)
+            return _pair_tensors(eigen.threshold_eigenpairs(pairs, self.eigval_rtol))
+
+        values, vectors = run_with_reduced_operator(product, lanczos, n_params, first.dtype, first.device)
+        return eigen.EigenPairs(values, vectors, "lanczos")
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
@@ -242,6 +325,14 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
         }
 
 
+_MAX_DISTRIBUTED_DENSE_BYTES = 2**30
+"""Largest dense float64 ``G_B`` a distributed ``debiased_lowrank`` fit all-reduces."""
+
+
+def _pair_tensors(pairs: eigen.EigenPairs) -> tuple[Tensor, Tensor]:
+    return pairs.values, pairs.vectors
+
+
 class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
     """Last-layer two-batch debiased low-rank Laplace (``Laplace(..., "last_layer",
     hessian_structure="debiased_lowrank")``): :class:`DebiasedLowRankLaplace` on the last
@@ -267,25 +358,32 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
     """
 
     _key = ("all", "debiased_full")
+    _fits_distributed = True
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
+        """Debiased dense curvature (:func:`_debiased_full`). Under a process group every rank
+        computes the dense curvature of its rows of B and B̃, the shares are all-reduced, and
+        rank 0 decomposes and broadcasts the result."""
         curvature = self._curvature_type()
         module = self._curvature_module()
-        direction = self._module_batches(direction_batches)
-        pairs = eigen.range_eigenpairs(module, direction, self._fit_likelihood, curvature)
-        scale_B = N / eigen.count_samples(direction)
-        U = pairs.vectors
-        if magnitude_batches is direction_batches:  # B̃ = B: H = G_B (FullLaplace on B)
-            lam = pairs.values * scale_B
-            H = (U * lam) @ U.T
+        scale_B = N / self._n_samples(direction_batches)
+        scale_mag = N / self._n_samples(magnitude_batches)
+        G_mag = None
+        if magnitude_batches is not direction_batches:  # B̃ = B: H = G_B (FullLaplace on B)
+            G_mag = self._dense_curvature(module, magnitude_batches, curvature)
+        if is_distributed():
+            G_B = self._dense_curvature(module, direction_batches, curvature)
+            values, lam, H = broadcast_computed(
+                lambda: _debiased_full(eigen.dense_range_eigenpairs(G_B), G_mag, scale_B, scale_mag),
+                self._device,
+            )
         else:
-            magnitude = self._module_batches(magnitude_batches)
-            G_mag = eigen.dense_curvature(module, magnitude, self._fit_likelihood, curvature)
-            G_mag *= N / eigen.count_samples(magnitude)
-            lam = remeasure_eigenvalues(U, G_mag)
-            H = eigen.eigenbasis_debiased_curvature(U, lam, G_mag)
-        self.H = self.H + (0.5 * (H + H.T)).to(self._device, self._dtype)
-        self.direction_eigenvalues = (pairs.values * scale_B).to(self._dtype)
+            pairs = eigen.range_eigenpairs(
+                module, self._module_batches(direction_batches), self._fit_likelihood, curvature
+            )
+            values, lam, H = _debiased_full(pairs, G_mag, scale_B, scale_mag)
+        self.H = self.H + H.to(self._device, self._dtype)
+        self.direction_eigenvalues = values.to(self._dtype)
         self.eigenvalues = lam.to(self._dtype)
         self._posterior_scale = None
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
@@ -326,6 +424,24 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
         self.direction_eigenvalues = state_dict["direction_eigenvalues"]
         self.eigenvalues = state_dict["eigenvalues"]
         self._posterior_scale = None
+
+
+def _debiased_full(
+    pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float, scale_magnitude: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """B's range eigenvalues ``(r,)``, their re-measured ``λ̃`` ``(r,)`` and the symmetric debiased
+    curvature ``(P, P)`` (:func:`~laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`),
+    all float64 and rescaled: ``pairs`` (range of ``G_B``) times ``scale_B``, ``G_magnitude``
+    (``G_B̃``) times ``scale_magnitude``; ``G_magnitude=None`` means B̃ = B (``H = G_B``)."""
+    U = pairs.vectors.double()
+    values = pairs.values.double() * scale_B
+    if G_magnitude is None:
+        lam, H = values, (U * values) @ U.T
+    else:
+        G = G_magnitude.double() * scale_magnitude
+        lam = remeasure_eigenvalues(U, G).double()
+        H = eigen.eigenbasis_debiased_curvature(U, lam, G)
+    return values, lam, 0.5 * (H + H.T)
 
 
 class DebiasedFullLLLaplace(DebiasedFullLaplace, FullLLLaplace):
