@@ -137,7 +137,6 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
     """
 
     _key = ("all", "debiased_kron")
-    _fits_distributed = True
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()

@@ -174,7 +174,6 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
     """
 
     _key = ("all", "debiased_lowrank")
-    _fits_distributed = True
 
     def __init__(
         self,
@@ -358,7 +357,6 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
     """
 
     _key = ("all", "debiased_full")
-    _fits_distributed = True
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         """Debiased dense curvature (:func:`_debiased_full`). Under a process group every rank

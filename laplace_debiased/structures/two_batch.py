@@ -58,7 +58,6 @@ from laplace_debiased.structures.batches import (
     split_batches,
 )
 from laplace_debiased.curvature.kfac import output_rows
-from laplace_debiased.structures.distributed import is_distributed
 
 __all__ = ["TwoBatchLaplaceMixin"]
 
@@ -70,9 +69,6 @@ _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._Batch
 class TwoBatchLaplaceMixin:
     """Two-batch ``fit`` (B picks directions, B̃ measures magnitudes) for laplace-torch
     ``ParametricLaplace`` subclasses, plus a grid search that resets its metric."""
-
-    #: whether ``_fit_two_batch`` shards its work over an initialised torch.distributed group
-    _fits_distributed: bool = False
 
     def fit(
         self,
@@ -115,7 +111,6 @@ class TwoBatchLaplaceMixin:
             draw the batches at random (reproducibly) instead of in loader order.
         """
         del progress_bar
-        self._check_distributed()
         self._check_override(override)
         self._check_model_mode()
         batches = split_batches(
@@ -203,14 +198,6 @@ class TwoBatchLaplaceMixin:
         self.fit_batches: tuple[BatchChoice, ...] = ()
 
     # ------------------------------------------------------------------ checks
-    def _check_distributed(self) -> None:
-        if is_distributed() and not self._fits_distributed:
-            raise ValueError(
-                f"{type(self).__name__} cannot fit under an initialised torch.distributed "
-                "process group yet; fit it in one process or use "
-                "hessian_structure='debiased_kron'."
-            )
-
     def _check_override(self, override: bool) -> None:
         if isinstance(self, LLLaplace) and not override:
             raise ValueError(
