@@ -4,15 +4,14 @@ the single-process fit in float64.
 One spawn runs every case (starting processes costs seconds); each test checks one case.
 """
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from _env import spawn_ranks
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
 from laplace_debiased.structures.distributed import shard_batch
 
@@ -25,12 +24,6 @@ CASES = {
     "kron_last_layer": (tiny_mlp, (4,), 48, 16, "last_layer", {}),
     "kron_same_batches": (tiny_cnn, (1, 5, 5), 60, 20, "all", {"magnitude_loader": True}),
 }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fit(name: str):
@@ -72,8 +65,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, out, WORLD)
 
 
 def _flat(state: dict) -> list:

@@ -8,16 +8,15 @@ shares are all-reduced, rank 0 decomposes and broadcasts.
 One spawn runs every case; each test checks one case.
 """
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures in spawned processes)
+from _env import spawn_ranks
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
 from laplace_debiased.structures.distributed import broadcast_computed
 
@@ -42,12 +41,6 @@ CASES = {
     "lowrank_lanczos_last_layer": (tiny_mlp, (4,), 48, 16, "last_layer", "debiased_lowrank", {}, {"rank": 4, "method": "lanczos"}),
     "lowrank_same_batches": (tiny_mlp, (4,), 48, 16, "all", "debiased_lowrank", {"magnitude_loader": True}, {"rank": 8}),
 }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fit(name: str):
@@ -145,15 +138,13 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed_eigen")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, out, WORLD)
 
 
 @pytest.fixture(scope="module")
 def empty_rank(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed_eigen_empty_rank")
-    mp.spawn(_empty_rank_worker, args=(_free_port(), str(out)), nprocs=3, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    return spawn_ranks(_empty_rank_worker, out, 3)
 
 
 def _flat(state: dict) -> list:

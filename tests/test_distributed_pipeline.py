@@ -9,7 +9,6 @@ so that rank 0 trains the MAP model and sends it to rank 1.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -18,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _env import pythonpath
+from _env import pythonpath, spawn_ranks
 from _models import loader, tiny_mlp, toy_data
 from laplace_debiased import cli
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
@@ -116,12 +114,6 @@ def test_distributed_refusal_of_single_process_commands_under_torchrun(monkeypat
 CROSS_FIT = {"all": DebiasedKronLaplace, "last_layer": DebiasedKronLLLaplace}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cross_fit(subset: str):
     """Cross-fitted debiased K-FAC (float64): 3 direction batches and 2 magnitude batches."""
     direction = loader(toy_data(30, (4,), 3, "classification", seed=1), 10)
@@ -158,8 +150,7 @@ def _cross_fit_worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def cross_fit_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("cross_fit")
-    mp.spawn(_cross_fit_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return spawn_ranks(_cross_fit_worker, out, WORLD, weights_only=True)
 
 
 @pytest.mark.slow

@@ -5,9 +5,7 @@ bitwise in every metric field.
 One spawn runs every case (starting processes costs seconds); each test checks one aspect.
 """
 
-import json
 import os
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -15,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from laplace import Laplace
 
+from _env import spawn_ranks
 from _models import loader, tiny_mlp, toy_data
 from laplace_debiased.evaluation.sweep import LOCK_NAME, EvalSet, Method, load_rows, row_key, run_sweep
 from laplace_debiased.structures.distributed import local_fits, rank_world
@@ -26,12 +24,6 @@ WORLD = 2
 SWEEP = dict(prior_precisions=(0.1, 1.0), links=("probit", "mc"), n_samples=16, seed=3,
              chunk_size=5, progress=False)
 TIMINGS = ("fit_seconds", "eval_seconds")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data():
@@ -108,8 +100,7 @@ def runs(tmp_path_factory):
     single = run_sweep(_methods(), _eval_sets(), out / "single" / "r.jsonl", map_model=tiny_mlp(), **SWEEP)
     # a resumed sweep: repeat 0 of "kron" is already in the distributed sweep's file
     run_sweep([Method("kron", _fit_kron)], _eval_sets(), out / "dist" / "r.jsonl", **SWEEP)
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = spawn_ranks(_worker, out, WORLD)
     return single, ranks, out
 
 
