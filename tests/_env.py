@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -24,9 +26,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(worker: Callable[[int, int, str], None], out: Path, nprocs: int, *,
-                weights_only: bool = False) -> list:
-    """Run ``worker(rank, port, str(out))`` in ``nprocs`` processes (``torch.multiprocessing``),
-    each of which saves its result as ``out/rank<r>.pt``; return those results by rank."""
-    mp.spawn(worker, args=(free_port(), str(out)), nprocs=nprocs, join=True)
+def _rank_main(rank: int, job: Callable[[int, Path], object], port: int, out: str, nprocs: int,
+               timeout_s: float) -> None:
+    """One spawned rank: one torch thread, a gloo group of ``nprocs``, ``job(rank, out)`` saved
+    as ``out/rank<rank>.pt``, the group destroyed whatever happens."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        torch.save(job(rank, Path(out)), Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(job: Callable[[int, Path], object], out: Path, nprocs: int, *, weights_only: bool = False,
+                timeout_s: float = 300.0) -> list:
+    """Run ``job(rank, out)`` on ``nprocs`` local gloo ranks (``torch.multiprocessing``; a
+    collective that waits longer than ``timeout_s`` fails instead of hanging) and return each
+    rank's result, by rank (saved as ``out/rank<r>.pt`` and loaded here).  ``job`` must be a
+    module-level function (it is pickled)."""
+    mp.spawn(_rank_main, args=(job, free_port(), str(out), nprocs, timeout_s), nprocs=nprocs, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=weights_only) for r in range(nprocs)]

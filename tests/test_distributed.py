@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from _env import spawn_ranks
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
@@ -50,22 +49,14 @@ def _state(la) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        results = {name: _state(_fit(name)) for name in CASES}
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _job(rank: int, out: Path) -> dict:
+    return {name: _state(_fit(name)) for name in CASES}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    return spawn_ranks(_worker, out, WORLD)
+    return spawn_ranks(_job, out, WORLD)
 
 
 def _flat(state: dict) -> list:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures in spawned processes)
 from _env import spawn_ranks
@@ -99,52 +98,41 @@ EMPTY_RANK_CASES = {
 CASES_ALL = {**CASES, **EMPTY_RANK_CASES}
 
 
-def _empty_rank_worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+def _empty_rank_job(rank: int, out: Path) -> dict:
+    return {name: _state(_fit(name)) for name in EMPTY_RANK_CASES}
+
+
+def _job(rank: int, out: Path) -> dict:
+    results = {name: _state(_fit(name)) for name in CASES}
+    from laplace import Laplace
+
+    try:  # k = P: Lanczos cannot, rank 0 raises inside the iteration
+        la = Laplace(tiny_mlp(), "classification", subset_of_weights="all",
+                     hessian_structure="debiased_lowrank", method="lanczos", rank=27)
+        la.fit(loader(toy_data(32, (4,), 3, "classification"), 8))
+    except Exception as err:
+        results["lanczos_error"] = (type(err).__name__, str(err))
+
+    def fail() -> list:
+        raise ValueError("decomposition failed")
+
     try:
-        results = {name: _state(_fit(name)) for name in EMPTY_RANK_CASES}
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        results = {name: _state(_fit(name)) for name in CASES}
-        from laplace import Laplace
-
-        try:  # k = P: Lanczos cannot, rank 0 raises inside the iteration
-            la = Laplace(tiny_mlp(), "classification", subset_of_weights="all",
-                         hessian_structure="debiased_lowrank", method="lanczos", rank=27)
-            la.fit(loader(toy_data(32, (4,), 3, "classification"), 8))
-        except Exception as err:
-            results["lanczos_error"] = (type(err).__name__, str(err))
-
-        def fail() -> list:
-            raise ValueError("decomposition failed")
-
-        try:
-            broadcast_computed(fail, "cpu")
-        except Exception as err:
-            results["broadcast_error"] = (type(err).__name__, str(err))
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        broadcast_computed(fail, "cpu")
+    except Exception as err:
+        results["broadcast_error"] = (type(err).__name__, str(err))
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed_eigen")
-    return spawn_ranks(_worker, out, WORLD)
+    return spawn_ranks(_job, out, WORLD)
 
 
 @pytest.fixture(scope="module")
 def empty_rank(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed_eigen_empty_rank")
-    return spawn_ranks(_empty_rank_worker, out, 3)
+    return spawn_ranks(_empty_rank_job, out, 3)
 
 
 def _flat(state: dict) -> list:

@@ -7,7 +7,6 @@ One spawn runs every case (starting processes costs seconds); each test checks o
 
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -64,33 +63,26 @@ def _eval_sets() -> list[EvalSet]:
     ]
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))  # a mismatched collective fails, not hangs
-    out = Path(out)
+def _job(rank: int, out: Path) -> dict:
+    result = {"pid": os.getpid(), "rank_world": rank_world()}
+    with local_fits():
+        result["local_rank_world"] = rank_world()
+    result["rows"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
+                               map_model=tiny_mlp(), **SWEEP)
+    result["file_after_first"] = (out / "dist" / "r.jsonl").read_bytes()
+    result["rows_again"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
+                                     map_model=tiny_mlp(), **SWEEP)
+    # collective debiased_kron fits on every rank, eval sets sharded
+    result["cells"] = run_sweep([Method("kron", _fit_kron, repeats=2)], _eval_sets(),
+                                out / "cells" / "r.jsonl", shard_jobs=False, **SWEEP)
     try:
-        result = {"pid": os.getpid(), "rank_world": rank_world()}
-        with local_fits():
-            result["local_rank_world"] = rank_world()
-        result["rows"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
-                                   map_model=tiny_mlp(), **SWEEP)
-        result["file_after_first"] = (out / "dist" / "r.jsonl").read_bytes()
-        result["rows_again"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
-                                         map_model=tiny_mlp(), **SWEEP)
-        # collective debiased_kron fits on every rank, eval sets sharded
-        result["cells"] = run_sweep([Method("kron", _fit_kron, repeats=2)], _eval_sets(),
-                                    out / "cells" / "r.jsonl", shard_jobs=False, **SWEEP)
-        try:
-            run_sweep([Method("kron", _fit_kron), Method("broken", _fail)], _eval_sets(),
-                      out / "fail" / "r.jsonl", **SWEEP)
-        except Exception as err:  # noqa: BLE001 - recorded for the test
-            result["error"] = (type(err).__name__, str(err))
-        dist.barrier()  # the group still works after the failed sweep
-        result["barrier_passed"] = True
-        torch.save(result, out / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        run_sweep([Method("kron", _fit_kron), Method("broken", _fail)], _eval_sets(),
+                  out / "fail" / "r.jsonl", **SWEEP)
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        result["error"] = (type(err).__name__, str(err))
+    dist.barrier()  # the group still works after the failed sweep
+    result["barrier_passed"] = True
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +92,7 @@ def runs(tmp_path_factory):
     single = run_sweep(_methods(), _eval_sets(), out / "single" / "r.jsonl", map_model=tiny_mlp(), **SWEEP)
     # a resumed sweep: repeat 0 of "kron" is already in the distributed sweep's file
     run_sweep([Method("kron", _fit_kron)], _eval_sets(), out / "dist" / "r.jsonl", **SWEEP)
-    ranks = spawn_ranks(_worker, out, WORLD)
+    ranks = spawn_ranks(_job, out, WORLD, timeout_s=60)  # a mismatched collective fails, not hangs
     return single, ranks, out
 
 
