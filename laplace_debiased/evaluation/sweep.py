@@ -254,9 +254,10 @@ def _metric_rows(
     out = {}
     ref = logit_rows(probs[reference.name]) if reference is not None and reference.name in probs else None
     for es in eval_sets:
-        p = logit_rows(probs[es.name])
         m: dict = {}
-        if es.y is not None:
+        if es.y is None:
+            p = logit_rows(probs[es.name])
+        else:
             p, y = output_rows(probs[es.name], es.y)
             m.update(metrics.classification_metrics(p, y))
             m["reliability"] = metrics.reliability_bins(p, y)
