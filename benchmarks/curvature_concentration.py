@@ -6,7 +6,7 @@ For the converged CIFAR-10 MAP of the headline benchmark (``cifar_cnn``, 60 epoc
 10k training subset, loaded from its cache; trained first if missing) this computes, for every
 training point, the trace of its GGN ``tr(J_nᵀ Λ_n J_n)`` over all 56,714 weights
 (:func:`laplace_debiased.diagnostics.concentration.softmax_ggn_traces`; exact per-sample logit
-Jacobians from ``torch.func``), then
+Jacobians of the predictive, in float64), then
 
 * the share of the full-batch GGN trace held by the top 0.1 / 1 / 5 / 10 % of the points;
 * the training NLL and accuracy of those points against the rest;
@@ -24,33 +24,29 @@ import time
 from pathlib import Path
 
 import torch
-from torch.func import functional_call, jacrev, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cifar10.data import load_data  # noqa: E402
 from benchmarks.cifar10.train import MapConfig, train  # noqa: E402
 from laplace_debiased.diagnostics.concentration import batch_coverage, softmax_ggn_traces, top_shares  # noqa: E402
+from laplace_debiased.evaluation.predictive import logit_jacobians  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FRACTIONS = (0.001, 0.01, 0.05, 0.1)
 
 
 def per_sample(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, chunk: int) -> dict[str, torch.Tensor]:
-    """GGN trace, NLL and correctness of every sample ``(N,)``."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def logits(p, x):
-        return functional_call(model, p, (x[None],))[0]
-
-    jac_fn = vmap(jacrev(logits), in_dims=(None, 0))
+    """GGN trace, NLL and correctness of every sample ``(N,)``; the logit Jacobians are the
+    predictive's (:func:`~laplace_debiased.evaluation.predictive.logit_jacobians`), summed into one
+    ``(n, C, C)`` Gram matrix per chunk."""
+    params = list(model.parameters())
     traces, nll, correct = [], [], []
-    with torch.no_grad():
-        for xb, yb in zip(X.split(chunk), y.split(chunk)):
-            f = model(xb)
-            J = torch.cat([j.flatten(2) for j in jac_fn(params, xb).values()], -1)
-            traces.append(softmax_ggn_traces(J, torch.softmax(f.double(), -1)))
-            nll.append(torch.nn.functional.cross_entropy(f, yb, reduction="none").double())
-            correct.append(f.argmax(-1) == yb)
+    for xb, yb in zip(X.split(chunk), y.split(chunk)):
+        f, jacs = logit_jacobians(model, params, xb)
+        gram = sum(j.gram().expand(len(xb), -1, -1) for j in jacs)
+        traces.append(softmax_ggn_traces(gram, torch.softmax(f.detach().double(), -1)))
+        nll.append(torch.nn.functional.cross_entropy(f.detach().double(), yb, reduction="none"))
+        correct.append(f.detach().argmax(-1) == yb)
     return {"trace": torch.cat(traces), "nll": torch.cat(nll), "correct": torch.cat(correct)}
 
 
@@ -97,7 +93,7 @@ def main() -> None:
     cfg = MapConfig()
     X, y = (t[: cfg.n_train] for t in data.train.tensors)
     model, _ = train(cfg, X, y, *data.val.tensors)
-    r = summarise(per_sample(model.eval(), X, y, args.chunk), args.batch)
+    r = summarise(per_sample(model.eval().double(), X.double(), y, args.chunk), args.batch)
     r["seconds"] = time.perf_counter() - start
     command = "OMP_NUM_THREADS=1 python benchmarks/curvature_concentration.py" + "".join(f" {a}" for a in sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,23 +17,23 @@ from torch import Tensor
 __all__ = ["softmax_ggn_traces", "top_shares", "batch_coverage"]
 
 
-def softmax_ggn_traces(jacobians: Tensor, probs: Tensor) -> Tensor:
+def softmax_ggn_traces(gram: Tensor, probs: Tensor) -> Tensor:
     """``tr(J_nᵀ Λ_n J_n)`` per sample: the trace of sample ``n``'s GGN of the summed softmax
-    cross-entropy, Λ_n = diag(p_n) − p_n p_nᵀ.
+    cross-entropy, Λ_n = diag(p_n) − p_n p_nᵀ, from the logit Gram matrices ``G_n = J_n J_nᵀ``.
 
-    ``jacobians``: logit Jacobians ``(n, C, P)``; ``probs``: softmax outputs ``(n, C)``.  Returns
-    ``(n,)`` in float64, as ``½ Σ_{c,d} p_c p_d ‖J_c − J_d‖²`` (equal to ``Σ_c p_c ‖J_c‖² −
-    ‖Σ_c p_c J_c‖²`` for Σ p = 1, but non-negative term by term: no cancellation for the
-    near-one-hot ``p`` of a converged network).  ``p`` is renormalised in float64.
+    ``gram``: ``(n, C, C)`` (summed over parameter blocks, e.g.
+    :meth:`~laplace_debiased.evaluation.predictive.LayerJacobian.gram`); ``probs``: softmax
+    outputs ``(n, C)``.  Returns ``(n,)`` in float64, as ``½ Σ_{c,d} p_c p_d ‖J_c − J_d‖²`` with
+    ``‖J_c − J_d‖² = G_cc + G_dd − 2 G_cd`` (equal to ``Σ_c p_c G_cc − pᵀ G p`` for Σ p = 1, but
+    non-negative term by term: no cancellation for the near-one-hot ``p`` of a converged
+    network).  ``p`` is renormalised in float64.
     """
-    if jacobians.ndim != 3 or probs.shape != jacobians.shape[:2]:
-        raise ValueError(f"need jacobians (n, C, P) and probs (n, C), got {tuple(jacobians.shape)} "
-                         f"and {tuple(probs.shape)}")
-    J = jacobians.double()
+    if gram.ndim != 3 or gram.shape[1:] != (probs.shape[-1],) * 2 or probs.shape[0] != gram.shape[0]:
+        raise ValueError(f"need gram (n, C, C) and probs (n, C), got {tuple(gram.shape)} and {tuple(probs.shape)}")
+    G = gram.double()
     p = probs.double() / probs.double().sum(-1, keepdim=True)
-    gram = torch.einsum("ncp,ndp->ncd", J, J)
-    sq = gram.diagonal(dim1=1, dim2=2)
-    dist = (sq[:, :, None] + sq[:, None, :] - 2 * gram).clamp_min(0)  # ‖J_c − J_d‖², round-off clamped
+    sq = G.diagonal(dim1=1, dim2=2)
+    dist = (sq[:, :, None] + sq[:, None, :] - 2 * G).clamp_min(0)  # ‖J_c − J_d‖², round-off clamped
     return 0.5 * torch.einsum("nc,nd,ncd->n", p, p, dist)
 
 

@@ -53,8 +53,8 @@ def rank_world() -> tuple[int, int]:
 def local_fits() -> Iterator[None]:
     """Fit in this process alone while a process group is initialised.
 
-    Inside the block :func:`rank_world` is ``(0, 1)``: ``debiased_kron`` neither shards its
-    batches nor communicates, and the eigen structures do not refuse. Use it where the ranks do
+    Inside the block :func:`rank_world` is ``(0, 1)``: no debiased structure shards its batches
+    or communicates. Use it where the ranks do
     different work (one fit each); a collective fit instead needs every rank to call ``fit``.
     """
     token = _local.set(True)

@@ -58,6 +58,7 @@ from laplace_debiased.structures.batches import (
     split_batches,
 )
 from laplace_debiased.curvature.kfac import output_rows
+from laplace_debiased.structures.distributed import all_reduce_sum_, local_shards
 
 __all__ = ["TwoBatchLaplaceMixin"]
 
@@ -271,14 +272,16 @@ class TwoBatchLaplaceMixin:
         return tuple(out.shape[1:])
 
     @torch.no_grad()
+    @torch.no_grad()
     def _summed_loss(self, batches: list[Batch]) -> torch.Tensor:
         """``sum over batches of factor * lossfunc(model(X), y)`` (laplace-torch's loss), each
-        token its own loss term for outputs ``(n, tokens, C)`` (:func:`output_rows`)."""
+        token its own loss term for outputs ``(n, tokens, C)`` (:func:`output_rows`).  Under a
+        process group each rank forwards its rows only and the sums are all-reduced."""
         total = torch.zeros((), device=self._device, dtype=self._dtype)
-        for b in batches:
+        for b in local_shards(batches, self.dict_key_x, self.dict_key_y):
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
-            f = self.model(X)
-            total = total + self.backend.factor * self.backend.lossfunc(*output_rows(f, y))
+            total = total + self.backend.factor * self.backend.lossfunc(*output_rows(self.model(X), y))
+        all_reduce_sum_([total])
         return total
 
     def _glm_functional_samples(
