@@ -31,6 +31,14 @@ import torch
 from curvlinops.kfac_utils import extract_patches
 from torch import nn
 
+from laplace_debiased.curvature.dense_blocks import (
+    NORM_LAYERS,
+    block_dims,
+    embedding_input_sums,
+    norm_sample_grads,
+    normalised_input,
+)
+
 __all__ = [
     "GroupKfacSums",
     "group_kfac_sums",
@@ -141,8 +149,11 @@ def group_kfac_sums(
         maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output
         (its own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once,
         in its current mode.
-    modules : sequence of nn.Linear / nn.Conv2d
-        the layers with trainable parameters, in ``Kron`` block order.
+    modules : sequence of nn.Linear / nn.Conv2d / nn.Embedding / normalisation layers
+        the layers with trainable parameters, in ``Kron`` block order; an ``Embedding``'s
+        input side is its diagonal token-frequency sum, a normalisation layer's output side is
+        its exact dense GGN block and it has no input side
+        (:mod:`laplace_debiased.curvature.dense_blocks`).
     X, y : Tensor
         stacked inputs and targets of all rows of this pass.
     segments : sequence of (start, stop, group)
@@ -165,13 +176,23 @@ def group_kfac_sums(
         into = zero_sums(modules, n_groups, params[0])
     handles = []
 
+    x_hats: dict[int, torch.Tensor] = {}  # normalisation layers: x̂ of this pass
+
     def on_output_grad(grad: torch.Tensor, i: int) -> None:
-        _segment_sums(_rows(grad.detach(), modules[i]), segments, into.output[i], 1.0)
+        if i in x_hats:  # dense block: per-sample affine gradients as one row per sample
+            rows = norm_sample_grads(modules[i], x_hats[i], grad.detach()).unsqueeze(1)
+        else:
+            rows = _rows(grad.detach(), modules[i])
+        _segment_sums(rows, segments, into.output[i], 1.0)
 
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
     ) -> None:
-        if into.input[i] is not None:
+        if isinstance(module, NORM_LAYERS):
+            x_hats[i] = normalised_input(module, inputs[0].detach())
+        elif isinstance(module, nn.Embedding):
+            embedding_input_sums(module, inputs[0], segments, into.input[i])
+        elif into.input[i] is not None:
             a = _patches(inputs[0].detach(), module)
             _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
         output.register_hook(partial(on_output_grad, i=i))
@@ -223,7 +244,8 @@ def zero_sums(modules: Sequence[nn.Module], n_groups: int, like: torch.Tensor) -
 
     output, inputs = [], []
     for m in modules:
-        output.append(z(m.weight.shape[0]))
-        inputs.append(z(m.weight[0].numel()) if m.weight.requires_grad else None)
+        d_out, d_in = block_dims(m)
+        output.append(z(d_out))
+        inputs.append(None if d_in is None else z(d_in))
     loss = torch.zeros(n_groups, dtype=like.dtype, device=like.device)
     return GroupKfacSums(output, inputs, loss)

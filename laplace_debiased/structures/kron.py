@@ -38,6 +38,15 @@ from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.kfac import group_kfac_sums, zero_sums
 from laplace_debiased.curvature.linalg import debiased_kron
+from laplace_debiased.structures.mixed import (
+    Spanned,
+    SpannedKronStructure,
+    block_spans,
+    curvature_modules,
+    expected_block_shapes,
+    is_extra,
+    module_blocks,
+)
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     broadcast_,
@@ -73,6 +82,17 @@ class DebiasedKronDecomposed(KronDecomposed):
 
     __radd__ = __add__
     __rmul__ = __mul__
+
+
+class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
+    """:class:`DebiasedKronDecomposed` whose blocks may span several parameter tensors (a
+    normalisation layer's dense block; :mod:`laplace_debiased.structures.mixed`)."""
+
+    _structure = SpannedKronStructure
+
+    def __init__(self, eigenvectors, eigenvalues, spans: list[int], deltas=None, damping: bool = False) -> None:
+        super().__init__(eigenvectors, eigenvalues, deltas, damping=damping)
+        self.spans = list(spans)
 
 
 def _combine(old: Kron, new: Kron, n_old: int, n_new: int) -> Kron:
@@ -193,6 +213,14 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
             eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]
             eigenvalues = [[F.new_empty(F.shape[0]) for F in block] for block in direction.kfacs]
         broadcast_([t for blocks in (eigenvectors, eigenvalues) for b in blocks for t in b])
+        return self._decomposed(eigenvectors, eigenvalues)
+
+    def _decomposed(self, eigenvectors: list, eigenvalues: list) -> DebiasedKronDecomposed:
+        """The decomposed curvature; a :class:`SpannedKronDecomposed` where a dense
+        normalisation block spans several parameter tensors."""
+        spans = block_spans(self._kfac_modules())
+        if any(span > 1 for span in spans):
+            return SpannedKronDecomposed(eigenvectors, eigenvalues, spans, damping=self.damping)
         return DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping)
 
     def _single_pass_fisher(self) -> str | None:
@@ -209,13 +237,9 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         return None
 
     def _kfac_modules(self) -> list[nn.Module]:
-        """The layers with trainable parameters, in ``Kron`` block order."""
-        return [
-            m
-            for m in self._layers().modules()
-            if isinstance(m, _KFAC_LAYERS)
-            and any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
+        """The layers with trainable parameters, in ``Kron`` block order (K-FAC layers,
+        embeddings, normalisation layers: :func:`~laplace_debiased.structures.mixed.curvature_modules`)."""
+        return curvature_modules(self._layers())
 
     def _kfac_single_pass(
         self, groups: list[list[Batch]], N: int
@@ -257,10 +281,7 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         for g, m in enumerate(sum(s) for s in sizes):
             kfacs = []
             for module, G, A in zip(modules, sums.output, sums.input):
-                if A is not None:
-                    kfacs.append([G[g], A[g] / m])
-                if module.bias is not None and module.bias.requires_grad:
-                    kfacs.append([G[g]])
+                kfacs.extend(module_blocks(module, G[g], None if A is None else A[g], m))
             kron = Kron(kfacs) * self.backend.factor
             kfacs = [[F[0] * (N / m), *F[1:]] for F in kron.kfacs]
             self._check_blocks(kfacs)
@@ -323,15 +344,9 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
                 "modules of a model that is called with one tensor. Use the default "
                 "CurvlinopsGGN backend (or AsdlGGN) for dict batches."
             )
+        self._check_extra_layers(curvature_modules(self._layers()))
         for name, module in self._layers().named_modules():
             owns = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if owns and not isinstance(module, _KFAC_LAYERS):
-                raise ValueError(
-                    f"layer '{name}' ({type(module).__name__}) has trainable parameters but "
-                    "debiased K-FAC supports only nn.Linear and nn.Conv2d. Freeze it "
-                    "(p.requires_grad_(False) for its parameters) or use "
-                    "subset_of_weights='last_layer'."
-                )
             if (
                 isinstance(self.backend, BackPackInterface)
                 and isinstance(module, nn.Conv2d)
@@ -348,11 +363,30 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
                 "debiased K-FAC needs positive semi-definite curvature."
             )
 
+    def _check_extra_layers(self, modules: list[nn.Module]) -> None:
+        """Embedding and normalisation blocks come from the shared K-FAC pass only, and a
+        normalisation block is exact only for one output row per sample."""
+        extra = [type(m).__name__ for m in modules if is_extra(m)]
+        if not extra:
+            return
+        if self._single_pass_fisher() is None:
+            raise ValueError(
+                f"layers {sorted(set(extra))} get their curvature blocks from the CurvlinopsGGN "
+                f"(stochastic=False) or CurvlinopsEF backend without asdl_fisher_kwargs; got "
+                f"{type(self.backend).__name__}. Use one of them, or freeze these layers."
+            )
+        if len(self.fit_output_shape) > 1 and any(not isinstance(m, nn.Embedding) for m in modules if is_extra(m)):
+            raise ValueError(
+                f"outputs of shape (batch, {', '.join(map(str, self.fit_output_shape))}) (every "
+                "token an output): the dense normalisation blocks of debiased_kron/debiased_ekfac "
+                "need one output row per sample. Use hessian_structure='debiased_full' or "
+                "'debiased_lowrank', or freeze the normalisation layers."
+            )
+
     def _check_blocks(self, kfacs: list[list[torch.Tensor]]) -> None:
         """Every trainable parameter tensor must have its own block (none dropped)."""
-        expected = Kron.init_from_model(self.backend.params, self._device, self._dtype).kfacs
         shapes = [[tuple(F.shape) for F in block] for block in kfacs]
-        wanted = [[tuple(F.shape) for F in block] for block in expected]
+        wanted = expected_block_shapes(self._kfac_modules())
         if shapes != wanted:
             raise ValueError(
                 f"the backend returned K-FAC blocks {shapes} but the trainable parameters "
@@ -374,12 +408,10 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
-        H = DebiasedKronDecomposed(
-            state_dict["H_eigenvectors"], state_dict["H_eigenvalues"], damping=self.damping
-        )
+        H = self._decomposed(state_dict["H_eigenvectors"], state_dict["H_eigenvalues"])
         if "H_swapped" in state_dict:
             vecs, vals = state_dict["H_swapped"]
-            H = CrossFitDecomposed(H, DebiasedKronDecomposed(vecs, vals, damping=self.damping))
+            H = CrossFitDecomposed(H, self._decomposed(vecs, vals))
         self.H = H
 
 
