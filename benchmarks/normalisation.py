@@ -51,7 +51,7 @@ from laplace_debiased.evaluation.metrics import accuracy, ece, nll
 from laplace_debiased.evaluation.predictive import GridPredictive, logit_jacobians, logit_rows
 
 MAP = MapConfig(n_train=10000, epochs=12, model="resnet20_w8")
-GRID = [float(d) for d in np.logspace(-1, 4, 11)]
+GRID = [float(d) for d in np.logspace(-1, 6, 15)]
 ALL_WEIGHTS = ("debiased", "single batch", "full batch")
 LINKS = ("probit_projected",)
 
