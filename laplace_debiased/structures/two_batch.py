@@ -293,10 +293,10 @@ class TwoBatchLaplaceMixin:
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """laplace-torch's GLM functional samples (``link_approx="mc"``) from a float64 square
-        root of ``f_var`` (:func:`laplace_debiased.evaluation.predictive.normal_samples`);
+        root of ``f_var`` (:func:`laplace_debiased.posterior.links.normal_samples`);
         laplace-torch's float32 Cholesky fails at small prior precision. Token outputs:
         ``(S, n, tokens, C)``."""
-        from laplace_debiased.evaluation.predictive import normal_samples
+        from laplace_debiased.posterior.links import normal_samples
 
         if diagonal_output:
             f_var = torch.diagonal(f_var, dim1=1, dim2=2)
@@ -400,16 +400,16 @@ class TwoBatchLaplaceMixin:
 
         Classification with the GLM predictive and a probit/bridge/mc link scores the whole
         grid from one predictive pass over ``val_loader``
-        (:func:`laplace_debiased.evaluation.predictive.grid_validation_scores`); other
+        (:func:`laplace_debiased.posterior.grid.grid_validation_scores`); other
         settings (and dict batches) evaluate ``validate`` once per grid point."""
-        from laplace_debiased.evaluation import predictive
+        from laplace_debiased.posterior.grid import UnsupportedBatches, grid_validation_scores, gridsearch_supported
 
-        if predictive.gridsearch_supported(self, pred_type, link_approx):
+        if gridsearch_supported(self, pred_type, link_approx):
             try:
-                scores = predictive.grid_validation_scores(
+                scores = grid_validation_scores(
                     self, loss, interval, val_loader, link_approx, n_samples
                 )
-            except predictive.UnsupportedBatches:
+            except UnsupportedBatches:
                 pass
             else:
                 return interval[int(np.argmin(scores))]

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.evaluation import predictive
+from laplace_debiased.posterior import grams
 from laplace_debiased.evaluation.predictive import (
     EigenStructure,
     GridPredictive,
@@ -100,11 +101,11 @@ def test_low_rank_structure_equals_dense_formula():
     torch.testing.assert_close(cov, cov_ref)
 
 
-@pytest.mark.parametrize("buffer", [predictive.PAIR_BUFFER, 7])
+@pytest.mark.parametrize("buffer", [grams.PAIR_BUFFER, 7])
 def test_weighted_grams_equal_explicit_formula(monkeypatch, buffer):
     """Pair-product path (G >= 3, also in pieces over inputs and columns) and the per-point path
     (G <= 2) against ``A diag(w_g) Aᵀ`` written out."""
-    monkeypatch.setattr(predictive, "PAIR_BUFFER", buffer)
+    monkeypatch.setattr(grams, "PAIR_BUFFER", buffer)
     gen = torch.Generator().manual_seed(3)
     A = torch.randn(5, 4, 9, dtype=torch.float64, generator=gen)
     W = torch.rand(4, 9, dtype=torch.float64, generator=gen)
