@@ -258,13 +258,13 @@ def test_optimize_prior_precision_gridsearch_uses_one_pass(structure, monkeypatc
     ``validate`` is never called."""
     from laplace.utils.metrics import RunningNLLMetric
 
-    from laplace_debiased.structures import two_batch
+    from laplace_debiased.structures import gridsearch
 
     la, val = _fit_debiased(structure, "all")
     interval = torch.logspace(-4, 4, 13)
     ref = _brute_force_scores(la, RunningNLLMetric, interval, val, "probit")
     calls = []
-    monkeypatch.setattr(two_batch, "validate", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(gridsearch, "validate", lambda *a, **k: calls.append(1))
     la.optimize_prior_precision(
         pred_type="glm", method="gridsearch", val_loader=val, log_prior_prec_min=-4,
         log_prior_prec_max=4, grid_size=13, link_approx="probit",
