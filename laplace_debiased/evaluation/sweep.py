@@ -321,6 +321,33 @@ def _map_rows(map_model: torch.nn.Module, eval_sets: Sequence[EvalSet], referenc
     return [{**_row_base("map", 0, None, es, "map", False), **mets[es.name]} for es in todo]
 
 
+def _checked_sweep(
+    methods: Sequence[Method], eval_sets: Sequence[EvalSet], prior_precisions: Sequence[float], links: Sequence[str]
+) -> tuple[list[float], list[str], EvalSet | None]:
+    """The checked grid, the eval set names (unique) and the reference (first test) set."""
+    grid = check_grid(prior_precisions, links)
+    for m in methods:
+        check_grid(grid, tuple(m.links or links))
+    names = [es.name for es in eval_sets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval set names must be unique, got {names}")
+    refs = [es for es in eval_sets if es.kind == "test"]
+    return grid, names, refs[0] if refs else None
+
+
+def _resume(
+    out_path: Path, map_model: torch.nn.Module | None, eval_sets: Sequence[EvalSet], reference: EvalSet | None
+) -> set[str]:
+    """The keys of the rows already in ``out_path`` (a partial last line cut), after appending
+    the missing MAP rows of ``map_model``; the writer calls it holding the output lock."""
+    _cut_partial_line(out_path)
+    done = {row_key(r) for r in load_rows(out_path)}
+    if map_model is not None:
+        for row in _map_rows(map_model, eval_sets, reference, done):
+            append_row(out_path, row)
+    return done
+
+
 def run_sweep(
     methods: Sequence[Method],
     eval_sets: Sequence[EvalSet],
@@ -359,14 +386,7 @@ def run_sweep(
     """
     from laplace_debiased._progress import progress_bar
 
-    grid = check_grid(prior_precisions, links)
-    for m in methods:
-        check_grid(grid, tuple(m.links or links))
-    names = [es.name for es in eval_sets]
-    if len(set(names)) != len(names):
-        raise ValueError(f"eval set names must be unique, got {names}")
-    refs = [es for es in eval_sets if es.kind == "test"]
-    reference = refs[0] if refs else None
+    grid, names, reference = _checked_sweep(methods, eval_sets, prior_precisions, links)
     out_path = Path(out_path)
     rank, world = rank_world()
     writer = rank == 0
@@ -377,12 +397,7 @@ def run_sweep(
             if not writer:
                 return None
             stack.enter_context(output_lock(out_path.parent, lock_timeout))
-            _cut_partial_line(out_path)
-            done = {row_key(r) for r in load_rows(out_path)}
-            if map_model is not None:
-                for row in _map_rows(map_model, eval_sets, reference, done):
-                    append_row(out_path, row)
-            return done
+            return _resume(out_path, map_model, eval_sets, reference)
 
         done = gather_results(start)[0]
 

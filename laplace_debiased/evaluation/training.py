@@ -76,6 +76,37 @@ def evaluate_loss(model: nn.Module, loader: DataLoader, likelihood: str = "class
     return stats
 
 
+def _load_cached(model: nn.Module, path: Path, log: Callable[[str], None] | None) -> list[dict[str, float]] | None:
+    """Load the cached weights at ``path`` into ``model`` and return their history, or ``None``
+    (with a warning) for a file that cannot be read: a truncated or foreign file is never used."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(blob["state_dict"])
+        model.eval()
+        if log:
+            log(f"loaded cached MAP model {path}")
+        return list(blob["history"])
+    except Exception as err:  # a truncated or foreign file: retrain, never use it
+        warnings.warn(f"ignoring unreadable model cache {path} ({err}); retraining")
+        return None
+
+
+def _optimizer(params: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.lr)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {config.optimizer!r}")
+
+
+def _epoch_losses(model: nn.Module, train: DataLoader, val: DataLoader | None, likelihood: str) -> dict[str, float]:
+    """``train_<stat>`` (and ``val_<stat>``) of :func:`evaluate_loss` after an epoch."""
+    row = {f"train_{k}": v for k, v in evaluate_loss(model, train, likelihood).items()}
+    if val is not None:
+        row.update({f"val_{k}": v for k, v in evaluate_loss(model, val, likelihood).items()})
+    return row
+
+
 def train_map(
     model: nn.Module,
     train_set: Dataset,
@@ -97,16 +128,9 @@ def train_map(
         raise ValueError(f"likelihood must be 'classification' or 'regression', got {config.likelihood!r}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
     path = cache_dir / f"{tag}-{cache_key(model, train_set, config)}.pt"
-    if use_cache and path.exists():
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-            model.load_state_dict(blob["state_dict"])
-            model.eval()
-            if log:
-                log(f"loaded cached MAP model {path}")
-            return model, list(blob["history"])
-        except Exception as err:  # a truncated or foreign file: retrain, never use it
-            warnings.warn(f"ignoring unreadable model cache {path} ({err}); retraining")
+    history = _load_cached(model, path, log) if use_cache and path.exists() else None
+    if history is not None:
+        return model, history
 
     torch.manual_seed(config.seed)
     loader = DataLoader(
@@ -117,12 +141,7 @@ def train_map(
     eval_val = DataLoader(val_set, batch_size=1024) if val_set is not None else None
     loss_fn = nn.CrossEntropyLoss() if config.likelihood == "classification" else nn.MSELoss()
     params = list(model.parameters())
-    if config.optimizer == "adam":
-        opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=config.lr)
-    elif config.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    else:
-        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {config.optimizer!r}")
+    opt = _optimizer(params, config)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(config.epochs, 1))
 
     history: list[dict[str, float]] = []
@@ -141,9 +160,7 @@ def train_map(
             loss.backward()
             opt.step()
         sched.step()
-        row = {"epoch": epoch + 1, **{f"train_{k}": v for k, v in evaluate_loss(model, eval_train, config.likelihood).items()}}
-        if eval_val is not None:
-            row.update({f"val_{k}": v for k, v in evaluate_loss(model, eval_val, config.likelihood).items()})
+        row = {"epoch": epoch + 1, **_epoch_losses(model, eval_train, eval_val, config.likelihood)}
         row["seconds"] = time.perf_counter() - start
         history.append(row)
         if log:
