@@ -107,6 +107,25 @@ def _epoch_losses(model: nn.Module, train: DataLoader, val: DataLoader | None, l
     return row
 
 
+def _train_epoch(model: nn.Module, loader: DataLoader, opt: torch.optim.Optimizer, loss_fn: nn.Module,
+                 weight_decay: float, epoch: int) -> None:
+    """One pass over ``loader``: mean loss plus ``weight_decay/2 · ||θ||²`` per step; refuses a
+    non-finite loss (training diverged)."""
+    model.train()
+    params = list(model.parameters())
+    for X, y in loader:
+        opt.zero_grad()
+        loss = loss_fn(model(X), y)
+        if weight_decay:
+            loss = loss + 0.5 * weight_decay * sum(p.square().sum() for p in params)
+        if not torch.isfinite(loss.detach()):
+            raise FloatingPointError(
+                f"training diverged at epoch {epoch} (loss {loss.item()}); lower the learning rate"
+            )
+        loss.backward()
+        opt.step()
+
+
 def train_map(
     model: nn.Module,
     train_set: Dataset,
@@ -128,9 +147,9 @@ def train_map(
         raise ValueError(f"likelihood must be 'classification' or 'regression', got {config.likelihood!r}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
     path = cache_dir / f"{tag}-{cache_key(model, train_set, config)}.pt"
-    history = _load_cached(model, path, log) if use_cache and path.exists() else None
-    if history is not None:
-        return model, history
+    cached = _load_cached(model, path, log) if use_cache and path.exists() else None
+    if cached is not None:
+        return model, cached
 
     torch.manual_seed(config.seed)
     loader = DataLoader(
@@ -140,25 +159,13 @@ def train_map(
     eval_train = DataLoader(train_set, batch_size=1024)
     eval_val = DataLoader(val_set, batch_size=1024) if val_set is not None else None
     loss_fn = nn.CrossEntropyLoss() if config.likelihood == "classification" else nn.MSELoss()
-    params = list(model.parameters())
-    opt = _optimizer(params, config)
+    opt = _optimizer(list(model.parameters()), config)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(config.epochs, 1))
 
     history: list[dict[str, float]] = []
     for epoch in progress_bar(range(config.epochs), desc="MAP training", unit="epoch", quiet=log is None):
         start = time.perf_counter()
-        model.train()
-        for X, y in loader:
-            opt.zero_grad()
-            loss = loss_fn(model(X), y)
-            if config.weight_decay:
-                loss = loss + 0.5 * config.weight_decay * sum(p.square().sum() for p in params)
-            if not torch.isfinite(loss.detach()):
-                raise FloatingPointError(
-                    f"training diverged at epoch {epoch} (loss {loss.item()}); lower the learning rate"
-                )
-            loss.backward()
-            opt.step()
+        _train_epoch(model, loader, opt, loss_fn, config.weight_decay, epoch)
         sched.step()
         row = {"epoch": epoch + 1, **_epoch_losses(model, eval_train, eval_val, config.likelihood)}
         row["seconds"] = time.perf_counter() - start
