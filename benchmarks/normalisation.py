@@ -48,7 +48,8 @@ from benchmarks.cifar10.models import MODELS
 from benchmarks.cifar10.train import MapConfig, map_dir
 from laplace_debiased.data import resolve_eval_set
 from laplace_debiased.evaluation.metrics import accuracy, ece, nll
-from laplace_debiased.evaluation.predictive import GridPredictive, logit_jacobians, logit_rows
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
 
 MAP = MapConfig(n_train=10000, epochs=12, model="resnet20_w8")
 GRID = [float(d) for d in np.logspace(-1, 6, 15)]

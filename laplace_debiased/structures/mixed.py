@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
-from laplace_debiased.evaluation.predictive import KronStructure, LayerJacobian
+from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.kron import KronStructure
 
 __all__ = [
     "CURVATURE_LAYERS",

@@ -20,7 +20,8 @@ from torch.utils.data import TensorDataset
 
 from _models import exact_ggn, loader
 from laplace_debiased.curvature.dense_blocks import embedding_input_sums, norm_sample_grads, normalised_input
-from laplace_debiased.evaluation.predictive import GridPredictive, probit
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.links import probit
 from laplace_debiased.structures.mixed import SpannedStructure
 
 RTOL = 1e-10
