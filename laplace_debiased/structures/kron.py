@@ -163,7 +163,7 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
     def _decompose(self) -> None:
         """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
         and the role-swapped one."""
-        rows = self._factor_rows or [None]
+        rows = getattr(self, "_factor_rows", None) or [None]
         H = self._debiased(self.H_facs, self.H_facs_magnitude, rows[0], rows[-1])
         if self._cross_fit and self.H_facs_magnitude is not self.H_facs:
             swapped = self._debiased(self.H_facs_magnitude, self.H_facs, rows[-1], rows[0])
