@@ -121,11 +121,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "fit_cost")
     parser.add_argument("--model", choices=sorted(MODELS), default="cifar_cnn")
     parser.add_argument("--predictive", action="store_true", help="also time fit + first GLM predictive")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="fit methods timed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = MODELS[args.model][0]().eval()
-    methods = [*METHODS, *(PREDICTIVE if args.predictive else [])]
+    if not {"debiased", "single"} <= set(args.methods):
+        parser.error("--methods must include debiased and single (the ratio's terms)")
+    methods = [*args.methods, *(PREDICTIVE if args.predictive else [])]
     start = time.perf_counter()
     for b in args.batch_sizes[:1]:  # warm-up (allocator, lazy imports), not recorded
         for method in methods:
@@ -141,6 +144,7 @@ def main() -> None:
     rows = []
     for b in args.batch_sizes:
         med = {m: statistics.median(ts) for m, ts in times[b].items()}
+        med.update({m: float("nan") for m in METHODS if m not in med})
         paired = [d / s for d, s in zip(times[b]["debiased"], times[b]["single"])]
         rows.append(
             {
@@ -173,9 +177,17 @@ def main() -> None:
         "times": {str(b): t for b, t in times.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    finite = [{k: _finite(v) for k, v in r.items()} for r in rows]  # methods not timed: null
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": finite}, indent=1))
     args.out.with_suffix(".md").write_text(_markdown(meta, rows))
     print(_markdown(meta, rows))
+
+
+def _finite(v):
+    """``None`` for NaN (a method not timed), recursively through dicts."""
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    return None if isinstance(v, float) and v != v else v
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
@@ -218,7 +230,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
                 f"| {r['b']} | {s['debiased+predictive']:.3f} | {s['single+predictive']:.3f} | "
                 f"**{r['ratio_with_predictive']:.2f}** |"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines).replace("nan", "–") + "\n"
 
 
 if __name__ == "__main__":

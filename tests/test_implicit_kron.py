@@ -21,7 +21,7 @@ from laplace_debiased.curvature.kfac import group_kfac_sums, input_factor_rows
 from laplace_debiased.curvature.linalg import debiased_factor, gram_eigenpairs, lowrank_debiased_factor
 from laplace_debiased.evaluation.predictive import GridPredictive, KronStructure, LayerJacobian
 from laplace_debiased.structures.implicit_kron import ImplicitKronDecomposed, complete_basis
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
 from tests._models import loader, toy_data
 
 F64 = dict(rtol=1e-10, atol=1e-12)
@@ -116,6 +116,28 @@ def test_implicit_decomposed_equals_completed_basis(damping, delta):
     torch.testing.assert_close(cov, torch.linalg.inv(ref.to_matrix(1)), rtol=1e-10, atol=1e-10 * float(cov.abs().max()))
 
 
+@SETTINGS
+@given(
+    d1=st.integers(1, 6), r1=st.integers(0, 6), d2=st.integers(1, 8), r2=st.integers(0, 8),
+    log_delta=st.floats(-4, 2), damping=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_implicit_block_properties(d1, r1, d2, r2, log_delta, damping, seed):
+    """Any block with implicit factors on either side (``r ≤ d``, ``r = 0`` included): the
+    posterior covariance and log determinant equal the completed bases', and ``bmm(·, -1)``
+    inverts ``bmm(·, 1)``."""
+    g = torch.Generator().manual_seed(seed)
+    r1, r2 = min(r1, d1), min(r2, d2)
+    Qs = [torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q[:, :r] for d, r in ((d1, r1), (d2, r2))]
+    ls = [torch.rand(r, generator=g, dtype=torch.float64) * 2 for r in (r1, r2)]
+    P = ImplicitKronDecomposed([Qs], [ls], damping=damping) + torch.tensor(10.0**log_delta, dtype=torch.float64)
+    ref = P.completed()
+    W = torch.randn(3, 2, d1 * d2, generator=g, dtype=torch.float64)
+    scale = float(ref.to_matrix(-1).abs().max())
+    torch.testing.assert_close(P.bmm(W, -1), ref.bmm(W, -1), rtol=1e-10, atol=1e-10 * scale * float(W.abs().max()))
+    torch.testing.assert_close(P.logdet(), ref.logdet(), **F64)
+    torch.testing.assert_close(P.bmm(P.bmm(W, 1), -1), W, rtol=1e-10, atol=1e-10 * float(W.abs().max()))
+
+
 @pytest.mark.parametrize("damping", [False, True])
 def test_grid_structure_factored_and_dense_jacobians(damping):
     """The implicit grid structure's covariances and variances equal ``KronStructure`` on the
@@ -151,11 +173,11 @@ def _wide_mlp(dtype=torch.float64) -> nn.Module:
     return nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 4)).to(dtype)
 
 
-def _pair(likelihood="classification", dtype=torch.float64, b=8, **fit_kw):
+def _pair(likelihood="classification", dtype=torch.float64, b=8, cls=DebiasedKronLaplace, **fit_kw):
     """A debiased fit at 2 × b (wide factors implicit) and the same object decomposed densely."""
     data = toy_data(2 * b, (40,), 4, likelihood, seed=1)
     data = type(data)(*(t.to(dtype) if t.is_floating_point() else t for t in data.tensors))
-    la = DebiasedKronLaplace(_wide_mlp(dtype), likelihood, damping=fit_kw.pop("damping", False))
+    la = cls(_wide_mlp(dtype), likelihood, damping=fit_kw.pop("damping", False))
     la.fit(loader(data, b), **fit_kw)
     ref = copy.copy(la)
     ref._factor_rows = None
@@ -244,3 +266,25 @@ def test_group_kfac_sums_drops_rows_once_as_many_as_inputs():
     first, second = input_factor_rows(sums, 1, 1.0)
     assert second is None  # 35 rows ≥ 30 inputs of the second layer
     torch.testing.assert_close(first.T @ first, sums.input[0][1], **F64)
+
+
+def test_state_dict_round_trip_keeps_the_implicit_factors():
+    la, _ = _pair(cross_fit=True)
+    new = DebiasedKronLaplace(la.model, "classification")
+    new.load_state_dict(la.state_dict())
+    for a, b in zip(_components(new), _components(la)):
+        assert [[tuple(Q.shape) for Q in Qs] for Qs in a.eigenvectors] == [
+            [tuple(Q.shape) for Q in Qs] for Qs in b.eigenvectors
+        ]
+    torch.testing.assert_close(new.posterior_precision.to_matrix(-1), la.posterior_precision.to_matrix(-1), **F64)
+
+
+def test_last_layer_fit_equals_dense_route():
+    """Last layer ``Linear(30, 4)`` at 2 × 8: its 30-dimensional input factor is implicit."""
+    la, ref = _pair(cls=DebiasedKronLLLaplace)
+    assert tuple(la.H.eigenvectors[0][1].shape) == (30, 16)
+    for obj in (la, ref):
+        obj.prior_precision = 1e-2
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    torch.testing.assert_close(la._glm_predictive_distribution(x), ref._glm_predictive_distribution(x), **F64)
+    torch.testing.assert_close(la.log_marginal_likelihood(), ref.log_marginal_likelihood(), **F64)
