@@ -18,7 +18,13 @@ from laplace.utils.matrix import KronDecomposed
 from torch import nn
 
 from laplace_debiased.curvature.kfac import group_kfac_sums, input_factor_rows
-from laplace_debiased.curvature.linalg import debiased_factor, gram_eigenpairs, lowrank_debiased_factor
+from laplace_debiased.curvature.linalg import (
+    debiased_factor,
+    degenerate_groups,
+    gram_eigenpairs,
+    lowrank_debiased_factor,
+    roundoff_tolerance,
+)
 from laplace_debiased.evaluation.predictive import GridPredictive, KronStructure, LayerJacobian
 from laplace_debiased.structures.implicit_kron import ImplicitKronDecomposed, complete_basis
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
@@ -29,7 +35,23 @@ SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[Healt
 
 
 def _dense(Q: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    return (Q.double() * lam.double()) @ Q.double().T
+    """``Q diag(λ[:r]) Qᵀ + λ[r] (I - QQᵀ)`` (the last term only with ``r + 1`` eigenvalues)."""
+    Q, lam, r = Q.double(), lam.double(), Q.shape[1]
+    M = (Q * lam[:r]) @ Q.T
+    if len(lam) > r:
+        M = M + lam[r] * (torch.eye(len(Q), dtype=torch.float64) - Q @ Q.T)
+    return M
+
+
+def _isotropic_dense(G: torch.Tensor, C: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reference of ``null_space="isotropic"`` (widequal's definition): eigenvectors of ``G``,
+    every degenerate group of its eigenvalues (dense tolerance) given the mean Rayleigh quotient
+    of ``C`` over the group."""
+    L, U = torch.linalg.eigh(G)
+    q = ((C @ U) * U).sum(0)
+    for g in degenerate_groups(L, roundoff_tolerance(G.to(dtype))):
+        q[g] = q[g].mean()
+    return (U * q) @ U.T
 
 
 def _rows(n: int, d: int, seed: int, duplicate: bool = False) -> torch.Tensor:
@@ -63,9 +85,12 @@ def test_lowrank_factor_equals_dense_route(n, m, extra, seed, duplicate):
     Xd, Xm = _rows(n, d, seed, duplicate), _rows(m, d, seed + 1)
     Q, mu = lowrank_debiased_factor(Xd, Xm, torch.float64)
     U, lam = debiased_factor(Xd.T @ Xd, Xm.T @ Xm)
-    assert Q.shape[1] <= n + m < d
+    assert Q.shape[1] <= n + m < d and len(mu) == Q.shape[1] + 1 and mu[-1] == 0
     torch.testing.assert_close(_dense(Q, mu), _dense(U, lam), **F64)
     torch.testing.assert_close(Q.T @ Q, torch.eye(Q.shape[1], dtype=torch.float64), **F64)
+    Q, mu = lowrank_debiased_factor(Xd, Xm, torch.float64, null_space="isotropic")
+    assert Q.shape[1] <= n and len(mu) == Q.shape[1] + 1  # B's directions only, ν on the rest
+    torch.testing.assert_close(_dense(Q, mu), _isotropic_dense(Xd.T @ Xd, Xm.T @ Xm, torch.float64), **F64)
 
 
 def test_lowrank_factor_rotates_tied_eigenvalues_like_the_dense_route():
@@ -77,11 +102,15 @@ def test_lowrank_factor_rotates_tied_eigenvalues_like_the_dense_route():
     Q, mu = lowrank_debiased_factor(Xd, Xm, torch.float64)
     U, lam = debiased_factor(Xd.T @ Xd, Xm.T @ Xm)
     torch.testing.assert_close(_dense(Q, mu), _dense(U, lam), **F64)
+    Q, mu = lowrank_debiased_factor(Xd, Xm, torch.float64, null_space="isotropic")
+    torch.testing.assert_close(_dense(Q, mu), _isotropic_dense(Xd.T @ Xd, Xm.T @ Xm, torch.float64), **F64)
 
 
 def test_lowrank_factor_rejects_mismatched_rows():
     with pytest.raises(ValueError, match="same d"):
         lowrank_debiased_factor(torch.ones(2, 5), torch.ones(2, 6), torch.float64)
+    with pytest.raises(ValueError, match="'aligned' or 'isotropic'"):
+        lowrank_debiased_factor(torch.ones(2, 5), torch.ones(2, 5), torch.float64, null_space="zero")
 
 
 # ---------------------------------------------------------------- the decomposed posterior
@@ -119,16 +148,18 @@ def test_implicit_decomposed_equals_completed_basis(damping, delta):
 @SETTINGS
 @given(
     d1=st.integers(1, 6), r1=st.integers(0, 6), d2=st.integers(1, 8), r2=st.integers(0, 8),
-    log_delta=st.floats(-4, 2), damping=st.booleans(), seed=st.integers(0, 2**16),
+    log_delta=st.floats(-4, 2), damping=st.booleans(), seed=st.integers(0, 2**16), null=st.booleans(),
 )
-def test_implicit_block_properties(d1, r1, d2, r2, log_delta, damping, seed):
-    """Any block with implicit factors on either side (``r ≤ d``, ``r = 0`` included): the
+def test_implicit_block_properties(d1, r1, d2, r2, log_delta, damping, seed, null):
+    """Any block with implicit factors on either side (``r ≤ d``, ``r = 0`` included, null
+    eigenvalue 0 or not): the
     posterior covariance and log determinant equal the completed bases', and ``bmm(·, -1)``
     inverts ``bmm(·, 1)``."""
     g = torch.Generator().manual_seed(seed)
     r1, r2 = min(r1, d1), min(r2, d2)
     Qs = [torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q[:, :r] for d, r in ((d1, r1), (d2, r2))]
-    ls = [torch.rand(r, generator=g, dtype=torch.float64) * 2 for r in (r1, r2)]
+    # null: a nonzero eigenvalue ν on each complement (r + 1 eigenvalues), else ν = 0 implicit
+    ls = [torch.rand(r + (null and r < d), generator=g, dtype=torch.float64) * 2 for d, r in ((d1, r1), (d2, r2))]
     P = ImplicitKronDecomposed([Qs], [ls], damping=damping) + torch.tensor(10.0**log_delta, dtype=torch.float64)
     ref = P.completed()
     W = torch.randn(3, 2, d1 * d2, generator=g, dtype=torch.float64)

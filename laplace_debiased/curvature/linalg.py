@@ -336,47 +336,60 @@ def _null_group_eigenpairs(V: torch.Tensor, Xm: torch.Tensor) -> tuple[torch.Ten
 
 
 def lowrank_debiased_factor(
-    direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, dtype: torch.dtype
+    direction_rows: torch.Tensor,
+    magnitude_rows: torch.Tensor,
+    dtype: torch.dtype,
+    null_space: str = "aligned",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`debiased_factor` of ``G = XdᵀXd`` and ``C = XmᵀXm`` from the rows, without a
-    ``d × d`` matrix: ``(Q (d, r), μ (r,))`` with ``Q`` orthonormal and ``Q diag(μ) Qᵀ`` equal
-    to ``U diag(diag(Uᵀ C U)) Uᵀ`` of :func:`debiased_factor` (``U`` :func:`aligned_eigenbasis`);
-    on the complement of ``Q`` the debiased factor is exactly 0.
+    """The debiased factor of ``G = XdᵀXd`` and ``C = XmᵀXm`` from their rows, without a
+    ``d × d`` matrix: ``(Q (d, r), λ)``, ``Q`` orthonormal, the factor being
+    ``Q diag(λ[:r]) Qᵀ + λ[r] (I - QQᵀ)`` (``λ`` has ``r + 1`` entries, the last the eigenvalue
+    of the implicit null space, when ``r < d``; ``r`` entries when ``r = d``).
 
-    ``direction_rows`` (n, d) and ``magnitude_rows`` (m, d) are the factors' rows (``G = XdᵀXd``
-    with the caller's scaling); ``dtype`` is the dtype the dense factors would have (it sets the
+    ``direction_rows`` (n, d) and ``magnitude_rows`` (m, d) are the factors' rows (with the
+    caller's scaling); ``dtype`` is the dtype the dense factors would have (it sets the
     degeneracy tolerance of :func:`roundoff_tolerance`, with ``‖G‖_F = ‖XdXdᵀ‖_F``). B's
-    spectrum is the Gram eigenvalues plus ``d - k`` zeros; it is grouped by
-    :func:`degenerate_groups` as in the dense route. Groups of nonzero eigenvalues are rotated
-    to B̃'s compression (:func:`_ritz`); the group holding the zeros (with every eigenvalue
-    chained to it) is replaced by the nonzero eigenpairs of B̃'s factor compressed onto the
-    complement of the other directions (:func:`_null_group_eigenpairs`), which is what the
-    dense route's rotation and remeasurement of that group give. Cost ``O(d (n + m)²)``.
-    Results in ``dtype``.
+    spectrum is the Gram eigenvalues (:func:`gram_eigenpairs`) plus ``d - k`` zeros, grouped by
+    :func:`degenerate_groups` as in the dense route; the group holding the zeros (with every
+    eigenvalue chained to it) is B's null group, of dimension ``d - r_B``.
+
+    * ``null_space="aligned"`` (:func:`debiased_factor`, to round-off): tied nonzero groups are
+      rotated to B̃'s compression (:func:`_ritz`); the null group carries the nonzero eigenpairs
+      of B̃'s factor compressed onto it (:func:`_null_group_eigenpairs`), 0 on the rest.
+    * ``null_space="isotropic"``: every degenerate group gets the mean Rayleigh quotient of
+      B̃ over it, ``tr(PCP)/dim P``; on the null group ``‖Xm (I - QQᵀ)‖_F² / (d - r_B)``.
+
+    Cost ``O(d (n + m)²)``; results in ``dtype``.
     """
     if direction_rows.ndim != 2 or direction_rows.shape[1:] != magnitude_rows.shape[1:]:
         raise ValueError(
             f"direction rows {tuple(direction_rows.shape)} and magnitude rows "
             f"{tuple(magnitude_rows.shape)} must be (n, d) and (m, d) with the same d."
         )
+    if null_space not in ("aligned", "isotropic"):
+        raise ValueError(f"null_space must be 'aligned' or 'isotropic', got {null_space!r}.")
     d = direction_rows.shape[1]
     Xd, Xm = direction_rows.double(), magnitude_rows.double()
     L, E = gram_eigenpairs(Xd)
     tol = _tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T)))
     zeros = d - L.numel()
-    groups = degenerate_groups(torch.cat([L.new_zeros(min(zeros, 1)), L]), tol)
-    null = groups[0] if zeros else slice(0, 0)
-    shift = min(zeros, 1)  # position of L[i] in the grouped spectrum is i + shift
-    kept = [slice(g.start - shift, g.stop - shift) for g in groups if g != null]
-    singles = [g.start for g in kept if g.stop - g.start == 1]
-    Qs, mus = [E[:, singles]], [(Xm @ E[:, singles]).square().sum(0)]
-    for g in kept:
-        if g.stop - g.start > 1:
-            Qg, mug = _ritz(E[:, g], Xm)
-            Qs.append(Qg)
-            mus.append(mug)
-    Q = torch.cat(Qs, dim=1)
-    if null.stop > null.start:
-        Wn, mun = _null_group_eigenpairs(Q, Xm)
-        Q, mus = torch.cat([Q, Wn], dim=1), [*mus, mun]
-    return Q.to(dtype), torch.cat(mus).to(dtype)
+    shift = min(zeros, 1)  # a single 0 stands for the d - k zeros; L[i] sits at i + shift
+    groups = degenerate_groups(torch.cat([L.new_zeros(shift), L]), tol)
+    first = groups[0].stop - shift if shift else 0  # B's directions outside its null group
+    Q = E[:, first:].clone()
+    mu = (Xm @ Q).square().sum(0)
+    for g in groups[shift:]:
+        tied = slice(g.start - shift - first, g.stop - shift - first)
+        if tied.stop - tied.start > 1 and null_space == "isotropic":
+            mu[tied] = mu[tied].mean()
+        elif tied.stop - tied.start > 1:
+            Q[:, tied], mu[tied] = _ritz(Q[:, tied], Xm)
+    mus = [mu]
+    null_value = L.new_zeros(1)
+    if shift and null_space == "aligned":
+        W, mu_w = _null_group_eigenpairs(Q, Xm)
+        Q, mus = torch.cat([Q, W], dim=1), [*mus, mu_w]
+    elif shift:
+        null_value += (Xm - (Xm @ Q) @ Q.T).square().sum() / (d - Q.shape[1])
+    lam = torch.cat([*mus, *([null_value] if Q.shape[1] < d else [])])
+    return Q.to(dtype), lam.to(dtype)

@@ -2,17 +2,20 @@
 
 A K-FAC factor of a batch narrower than the layer (``d`` inputs, ``n < d`` rows) has rank
 ``≤ n``. :func:`laplace_debiased.curvature.linalg.lowrank_debiased_factor` returns its
-debiased eigenpairs as ``Q`` (d, r) orthonormal and ``μ`` (r,), the factor being 0 on the
-complement ``N = I - QQᵀ``. :class:`ImplicitKronDecomposed` is laplace-torch's
-``KronDecomposed`` for such factors, never forming a ``d × d`` basis except in ``to_matrix``:
+debiased eigenpairs as ``Q`` (d, r) orthonormal and ``λ`` (r + 1,): ``λ[:r]`` along ``Q`` and
+``ν = λ[r]`` on the whole complement ``N = I - QQᵀ`` (0 for B's null space compressed onto B̃,
+the "aligned" treatment; a mean Rayleigh quotient for the "isotropic" one).
+:class:`ImplicitKronDecomposed` is laplace-torch's ``KronDecomposed`` for such factors, never
+forming a ``d × d`` basis except in ``to_matrix``:
 
-* a factor is ``Σ_k μ_k q_k q_kᵀ + 0 · N``, i.e. eigenvalues ``μ`` and, with multiplicity
-  ``d - r``, the eigenvalue 0 on ``N`` (the *extended* spectrum ``[μ, 0]``);
+* a factor is ``Σ_k λ_k q_k q_kᵀ + ν N``: the *extended* spectrum ``[λ_1, ..., λ_r, ν]`` with
+  multiplicities ``[1, ..., 1, d - r]`` (``r`` eigenvalues only: ``ν = 0``; ``Q`` square: no
+  null space, laplace-torch's layout);
 * a block ``F_1 ⊗ F_2`` plus prior ``δ`` has, on ``range(P_a ⊗ P_b)`` for the eigenprojections
   ``P_a`` of ``F_1`` and ``P_b`` of ``F_2`` (the ``q q ᵀ`` and ``N``), the eigenvalue
   ``g(l_a, l_b) = l_a l_b + δ`` (laplace-torch's ``damping=True``: ``(l_a + √δ)(l_b + √δ)``).
-  On the null space of ``F_2`` that is ``δ`` (damped: ``(l_a + √δ)√δ``), exactly what the dense
-  route gives its zero eigenvalues;
+  On the null space of ``F_2`` that is ``l_a ν + δ`` (``δ`` for ``ν = 0``; damped
+  ``(l_a + √δ)(ν + √δ)``), exactly what the dense route gives those eigenvalues;
 * so ``(F + δ)^e W = Σ_ab g(l_a, l_b)^e P_a W P_b`` with ``W`` (d_1, d_2) the block of a
   parameter vector, ``log det = Σ_ab mult_a mult_b log g(l_a, l_b)`` and
   ``diag = Σ_ab g^e diag(P_a) ⊗ diag(P_b)`` (``diag N = 1 - Σ_k q_k²``).
@@ -37,24 +40,33 @@ __all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
 
 
 def complete_basis(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
-    """``(Q_full (d, d), [eigenvalues, 0, ..., 0])``: ``Q`` (d, r) completed to an orthonormal
-    basis by a complete QR (``O(d² r)``; the complement's basis is arbitrary)."""
-    if Q.shape[1] == Q.shape[0]:
+    """``(Q_full (d, d), [λ_1, ..., λ_r, ν, ..., ν])``: ``Q`` (d, r) completed to an orthonormal
+    basis by a complete QR (``O(d² r)``; the complement's basis is arbitrary), the null
+    eigenvalue ``ν`` (module docstring) repeated ``d - r`` times."""
+    r, d = Q.shape[1], Q.shape[0]
+    if r == d:
         return Q, eigenvalues
-    Q64 = Q.double()
-    full = torch.linalg.qr(Q64, mode="complete").Q
-    full = torch.cat([Q64, full[:, Q.shape[1] :]], dim=1).to(Q.dtype)
-    return full, torch.cat([eigenvalues, eigenvalues.new_zeros(Q.shape[0] - Q.shape[1])])
+    ext, _ = _extended(Q, eigenvalues)
+    full = torch.linalg.qr(Q.double(), mode="complete").Q
+    full = torch.cat([Q.double(), full[:, r:]], dim=1).to(Q.dtype)
+    return full, torch.cat([ext[:r], ext[r:].expand(d - r)])
 
 
 def _extended(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
-    """Extended spectrum ``[μ, 0]`` and multiplicities ``[1, ..., 1, d - r]`` of a factor (no
-    extra entry when ``Q`` is square)."""
-    null = Q.shape[0] - Q.shape[1]
-    ones = torch.ones_like(eigenvalues)
+    """Extended spectrum ``[λ_1, ..., λ_r, ν]`` and multiplicities ``[1, ..., 1, d - r]`` of a
+    factor (module docstring; no extra entry when ``Q`` is square)."""
+    r, null = Q.shape[1], Q.shape[0] - Q.shape[1]
+    if len(eigenvalues) not in (r, r + 1) or (not null and len(eigenvalues) != r):
+        raise ValueError(
+            f"eigenvectors {tuple(Q.shape)} need {r} eigenvalues"
+            + (f" (or {r + 1}, the last on their complement)" if null else "")
+            + f"; got {len(eigenvalues)}."
+        )
+    ones = torch.ones(r, dtype=eigenvalues.dtype, device=eigenvalues.device)
     if not null:
         return eigenvalues, ones
-    return torch.cat([eigenvalues, eigenvalues.new_zeros(1)]), torch.cat([ones, ones.new_full((1,), null)])
+    ext = eigenvalues if len(eigenvalues) == r + 1 else torch.cat([eigenvalues, eigenvalues.new_zeros(1)])
+    return ext, torch.cat([ones, ones.new_full((1,), null)])
 
 
 def _block_eigenvalues(ls: Sequence[Tensor], delta: Tensor, damping: bool) -> Tensor:
@@ -104,7 +116,8 @@ def _diag_weights(Q: Tensor) -> Tensor:
 
 class ImplicitKronDecomposed(KronDecomposed):
     """laplace-torch ``KronDecomposed`` whose eigenvector matrices may be ``(d, r)``, ``r ≤ d``,
-    the factor being 0 on their complement (module docstring). All of laplace-torch's uses
+    with ``r`` or ``r + 1`` eigenvalues, the last then the factor's eigenvalue on the whole
+    complement (else 0; module docstring). All of laplace-torch's uses
     (``logdet``, ``bmm``, ``inv_square_form``, ``diag``; ``to_matrix`` completes the bases) and
     the grid predictive (:meth:`grid_structure`) keep the null space implicit."""
 
@@ -181,7 +194,8 @@ class ImplicitKronStructure(KronStructure):
     :class:`ImplicitKronDecomposed` whose input-side factors may be implicit (``Q_A`` (d, r)).
 
     For such a block the complement ``N`` of ``Q_A`` is one more eigen-direction of the input
-    factor with eigenvalue 0 (weights ``1/(s λ_G · 0 + δ)``, damped ``1/((√s λ_G + √δ)√δ)``):
+    factor, with its eigenvalue ``ν`` (weights ``1/(s λ_G ν + δ)``, damped
+    ``1/((√s λ_G + √δ)(√s ν + √δ))``):
     a factored Jacobian ``g ⊗ a`` rotates to ``(Q_Gᵀ g) ⊗ [(Q_Aᵀ a)², ‖N a‖²]`` (``‖N a‖²`` from
     ``a - Q_A Q_Aᵀ a``, no cancellation); a dense one ``J`` to ``[Q_Gᵀ J Q_A, Q_Gᵀ J N]`` (``d``
     columns sharing the null weight, so the cross terms of the covariance stay exact). Blocks
@@ -194,9 +208,9 @@ class ImplicitKronStructure(KronStructure):
             implicit = len(Qs) == 2 and Qs[0].shape[0] == Qs[0].shape[1] and Qs[1].shape[1] < Qs[1].shape[0]
             if not implicit:
                 Qs, ls = zip(*[complete_basis(Q, l) for Q, l in zip(Qs, ls)])
-            ls = [l.double().clamp_min(0.0) for l in ls]
             if implicit:
-                ls[1] = torch.cat([ls[1], ls[1].new_zeros(1)])
+                ls = [ls[0], _extended(Qs[1], ls[1])[0]]
+            ls = [l.double().clamp_min(0.0) for l in ls]
             self.Qs.append([Q.double() for Q in Qs])
             self.ls.append(ls)
             self.implicit.append(implicit)
