@@ -24,6 +24,7 @@ from laplace_debiased.curvature.linalg import (
     gram_eigenpairs,
     lowrank_debiased_factor,
     roundoff_tolerance,
+    row_rank,
 )
 from laplace_debiased.evaluation.predictive import GridPredictive, KronStructure, LayerJacobian
 from laplace_debiased.structures.implicit_kron import ImplicitKronDecomposed, complete_basis
@@ -104,6 +105,15 @@ def test_lowrank_factor_rotates_tied_eigenvalues_like_the_dense_route():
     torch.testing.assert_close(_dense(Q, mu), _dense(U, lam), **F64)
     Q, mu = lowrank_debiased_factor(Xd, Xm, torch.float64, null_space="isotropic")
     torch.testing.assert_close(_dense(Q, mu), _isotropic_dense(Xd.T @ Xd, Xm.T @ Xm, torch.float64), **F64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_row_rank_counts_the_factor_eigenvalues_above_round_off(dtype):
+    X = _rows(9, 30, 4, duplicate=True)
+    X[1] = X[3] + 1e-5 * X[1]  # a direction below float32's resolution of F, above float64's
+    F = (X.T @ X).to(dtype)
+    dense = int((torch.linalg.eigvalsh(F.double()) > roundoff_tolerance(F)).sum())
+    assert row_rank(X, dtype) == dense == (7 if dtype == torch.float32 else 8)
 
 
 def test_lowrank_factor_rejects_mismatched_rows():

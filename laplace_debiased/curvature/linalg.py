@@ -42,6 +42,7 @@ __all__ = [
     "debiased_kron",
     "gram_eigenpairs",
     "lowrank_debiased_factor",
+    "row_rank",
 ]
 
 #: the rows ``(direction_rows (n, d), magnitude_rows (m, d))`` of a factor pair, ``F = XᵀX``
@@ -316,6 +317,14 @@ def gram_eigenpairs(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     L, V = L[keep], V[:, keep]
     E = torch.linalg.qr((X64.T @ V) / L.sqrt()).Q
     return L, E
+
+
+def row_rank(X: torch.Tensor, dtype: torch.dtype) -> int:
+    """Number of eigenvalues of ``F = XᵀX`` above :func:`roundoff_tolerance` ``(F)`` (``F``
+    held in ``dtype``), from the Gram matrix ``XXᵀ`` (same nonzero spectrum, ``O(d n²)``)."""
+    K = X.double() @ X.double().T
+    tol = _tolerance(X.shape[1], dtype, float(torch.linalg.matrix_norm(K)))
+    return int((torch.linalg.eigvalsh(K) > tol).sum())
 
 
 def _ritz(V: torch.Tensor, Xm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
