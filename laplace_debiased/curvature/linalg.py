@@ -278,21 +278,26 @@ def debiased_kron(
                 f"K-FAC block {i}: B has {len(F_dir)} factors, B̃ has {len(F_mag)}; "
                 "expected the same number, 1 or 2."
             )
-        Us, lams = [], []
         block_rows = rows[i] if rows is not None else [None] * len(F_dir)
+        pairs = []
         for j, (Hd, Hm, r) in enumerate(zip(F_dir, F_mag, block_rows)):
             try:
-                if r is not None and len(r[0]) + len(r[1]) < Hd.shape[0]:
-                    U, lam = lowrank_debiased_factor(*r, dtype=Hd.dtype)
-                else:
-                    U, lam = debiased_factor(Hd, Hm)
+                pairs.append(_debiased_factor_route(Hd, Hm, r))
             except ValueError as err:
                 raise ValueError(f"K-FAC block {i}, factor {j}: {err}") from err
-            Us.append(U)
-            lams.append(lam)
-        eigenvectors.append(Us)
-        eigenvalues.append(lams)
+        eigenvectors.append([p[0] for p in pairs])
+        eigenvalues.append([p[1] for p in pairs])
     return eigenvectors, eigenvalues
+
+
+def _debiased_factor_route(
+    direction: torch.Tensor, magnitude: torch.Tensor, rows: FactorRows | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lowrank_debiased_factor` if the rows are known and fewer than the dimension,
+    else :func:`debiased_factor`."""
+    if rows is not None and len(rows[0]) + len(rows[1]) < direction.shape[0]:
+        return lowrank_debiased_factor(*rows, dtype=direction.dtype)
+    return debiased_factor(direction, magnitude)
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from laplace_debiased.evaluation.predictive import KronStructure, LayerJacobian, _jacobian_float64
 
-__all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
+__all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis", "extended_spectrum"]
 
 
 def complete_basis(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
@@ -46,13 +46,13 @@ def complete_basis(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
     r, d = Q.shape[1], Q.shape[0]
     if r == d:
         return Q, eigenvalues
-    ext, _ = _extended(Q, eigenvalues)
+    ext, _ = extended_spectrum(Q, eigenvalues)
     full = torch.linalg.qr(Q.double(), mode="complete").Q
     full = torch.cat([Q.double(), full[:, r:]], dim=1).to(Q.dtype)
     return full, torch.cat([ext[:r], ext[r:].expand(d - r)])
 
 
-def _extended(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
+def extended_spectrum(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
     """Extended spectrum ``[λ_1, ..., λ_r, ν]`` and multiplicities ``[1, ..., 1, d - r]`` of a
     factor (module docstring; no extra entry when ``Q`` is square)."""
     r, null = Q.shape[1], Q.shape[0] - Q.shape[1]
@@ -137,7 +137,7 @@ class ImplicitKronDecomposed(KronDecomposed):
     def _blocks(self):
         """Per block: eigenvectors, extended spectra, multiplicities and the prior."""
         for Qs, ls, delta in zip(self.eigenvectors, self.eigenvalues, self.deltas):
-            ext = [_extended(Q, l) for Q, l in zip(Qs, ls)]
+            ext = [extended_spectrum(Q, l) for Q, l in zip(Qs, ls)]
             yield Qs, [e[0] for e in ext], [e[1] for e in ext], delta
 
     def logdet(self) -> Tensor:
@@ -209,7 +209,7 @@ class ImplicitKronStructure(KronStructure):
             if not implicit:
                 Qs, ls = zip(*[complete_basis(Q, l) for Q, l in zip(Qs, ls)])
             if implicit:
-                ls = [ls[0], _extended(Qs[1], ls[1])[0]]
+                ls = [ls[0], extended_spectrum(Qs[1], ls[1])[0]]
             ls = [l.double().clamp_min(0.0) for l in ls]
             self.Qs.append([Q.double() for Q in Qs])
             self.ls.append(ls)
