@@ -329,3 +329,15 @@ def test_last_layer_fit_equals_dense_route():
     x = torch.randn(6, 40, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     torch.testing.assert_close(la._glm_predictive_distribution(x), ref._glm_predictive_distribution(x), **F64)
     torch.testing.assert_close(la.log_marginal_likelihood(), ref.log_marginal_likelihood(), **F64)
+
+
+@pytest.mark.parametrize("method", ["marglik", "gridsearch"])
+def test_prior_tuning_equals_dense_route(method):
+    """laplace-torch's prior tuning (marginal likelihood by gradient steps on log δ, or the grid
+    search on a validation loader through the grid predictive) picks the same δ."""
+    la, ref = _pair()
+    val = loader(toy_data(12, (40,), 4, "classification", seed=3), 6)
+    kw = {"n_steps": 30} if method == "marglik" else {"val_loader": val, "grid_size": 9}
+    for obj in (la, ref):
+        obj.optimize_prior_precision(pred_type="glm", method=method, link_approx="probit", **kw)
+    torch.testing.assert_close(la.prior_precision, ref.prior_precision, **F64)
