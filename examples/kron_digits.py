@@ -16,7 +16,7 @@ tunes each (scalar) prior precision by validation NLL over a log grid 1e-2 ... 1
 linearized predictive with the probit on the logit-difference subspace
 (:class:`laplace_debiased.evaluation.predictive.GridPredictive`).
 
-Why the prior precision must be chosen on validation data over a wide grid: with N = 1,000 the
+Why the prior precision must be chosen on validation data over a wide grid: with N = 300 the
 likelihood curvature is ~50x smaller than on CIFAR-10, so the best δ is ~1e3, far above the
 paper's grid (1e-4 ... 10, tuned to N = 50,000), and the marginal likelihood of this overfit
 network picks δ ≈ 3.  At δ ≤ 10 every LA is worse than the MAP network (NLL 0.3-0.6 against

@@ -30,6 +30,7 @@ REFERENCE = "reference"
 REPO_PREFIX = "repo"
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
 ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):(?=<code>)")
+TOC_ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):(?=\S)")
 
 
 def _root(config) -> Path:
@@ -139,7 +140,14 @@ def on_page_markdown(markdown: str, page, config, files):
     return LINK.sub(rewrite, markdown)
 
 
+def _strip_roles(items) -> None:
+    for item in items:
+        item.title = TOC_ROLE.sub("", item.title)
+        _strip_roles(item.children)
+
+
 def on_page_content(html: str, page, config, files):
+    _strip_roles(page.toc)
     return ROLE.sub("", html)
 
 
