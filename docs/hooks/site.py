@@ -77,7 +77,8 @@ def _reference_pages(config) -> dict[str, str]:
         for module in groups[group]:
             body += [f"::: {module}", ""]
         pages[_page_name(group)] = "\n".join(body)
-        index.append(f"- [{title}]({group or 'package'}.md): " + ", ".join(f"`{m}`" for m in groups[group]))
+        page = f"{group or 'package'}.md"
+        index.append(f"- [{title}]({page}): " + ", ".join(f"[`{m}`]({page}#{m})" for m in groups[group]))
     pages[f"{REFERENCE}/index.md"] = "\n".join(index) + "\n"
     return pages
 
