@@ -27,7 +27,7 @@ from laplace_debiased.curvature.linalg import (
     row_rank,
 )
 from laplace_debiased.evaluation.predictive import GridPredictive, KronStructure, LayerJacobian
-from laplace_debiased.structures.implicit_kron import ImplicitKronDecomposed, complete_basis
+from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed, complete_basis
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
 from tests._models import loader, toy_data
 

@@ -13,15 +13,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the structures
-from laplace_debiased.evaluation.predictive import (
-    EigenStructure,
-    GridPredictive,
-    KronStructure,
-    LayerJacobian,
-    lowrank_functional_covariance,
-    normal_samples,
-    project_logits,
-)
+from laplace_debiased.posterior.eigen import EigenStructure
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.links import normal_samples, project_logits
+from laplace_debiased.posterior.lowrank import lowrank_functional_covariance
 
 DELTAS = [1e-8, 1e-5, 1e-2, 1.0, 1e4, 1e8]
 SUBSETS = ["all", "last_layer"]
@@ -317,10 +314,10 @@ def test_kron_variances_equal_diagonal_of_explicit_projected_covariance(damping,
 
 @pytest.mark.parametrize("buffer", [None, 7])
 def test_eigen_variances_equal_diagonal_of_explicit_projected_covariance(buffer, monkeypatch):
-    from laplace_debiased.evaluation import predictive
+    from laplace_debiased.posterior import grams
 
     if buffer is not None:  # the residual Gram in many small pieces
-        monkeypatch.setattr(predictive, "PAIR_BUFFER", buffer)
+        monkeypatch.setattr(grams, "PAIR_BUFFER", buffer)
     g = torch.Generator().manual_seed(4)
     P, k, C, n = 15, 6, 4, 5
     U = torch.linalg.qr(torch.randn(P, k, generator=g, dtype=torch.float64))[0]

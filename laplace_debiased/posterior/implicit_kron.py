@@ -34,7 +34,9 @@ from laplace.utils.matrix import KronDecomposed
 from laplace.utils.utils import _is_valid_scalar
 from torch import Tensor
 
-from laplace_debiased.evaluation.predictive import KronStructure, LayerJacobian, _jacobian_float64
+from laplace_debiased.posterior.grams import _jacobian_float64
+from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.kron import KronStructure
 
 __all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis", "extended_spectrum"]
 
@@ -183,14 +185,14 @@ class ImplicitKronDecomposed(KronDecomposed):
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> KronStructure:
         """The grid predictive's structure: :class:`ImplicitKronStructure` if a factor is
-        implicit, else :class:`~laplace_debiased.evaluation.predictive.KronStructure`."""
+        implicit, else :class:`~laplace_debiased.posterior.kron.KronStructure`."""
         if all(Q.shape[0] == Q.shape[1] for Qs in self.eigenvectors for Q in Qs):
             return KronStructure(self, h_factor, numels)
         return ImplicitKronStructure(self, h_factor, numels)
 
 
 class ImplicitKronStructure(KronStructure):
-    """:class:`~laplace_debiased.evaluation.predictive.KronStructure` of an
+    """:class:`~laplace_debiased.posterior.kron.KronStructure` of an
     :class:`ImplicitKronDecomposed` whose input-side factors may be implicit (``Q_A`` (d, r)).
 
     For such a block the complement ``N`` of ``Q_A`` is one more eigen-direction of the input
