@@ -29,7 +29,7 @@ from laplace_debiased.curvature.linalg import (
 from laplace_debiased.evaluation.predictive import GridPredictive, KronStructure, LayerJacobian
 from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed, complete_basis
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
-from tests._models import loader, toy_data
+from _models import loader, toy_data
 
 F64 = dict(rtol=1e-10, atol=1e-12)
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
