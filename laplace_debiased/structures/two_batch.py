@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torchmetrics
 import tqdm
+from laplace.curvature import CurvatureInterface
 from laplace.lllaplace import LLLaplace
 from laplace.utils.enums import LinkApprox, PredType
 from laplace.utils.utils import validate
@@ -57,6 +58,7 @@ from laplace_debiased.structures.batches import (
     check_targets,
     split_batches,
 )
+from laplace_debiased.curvature.eigen import backward_hooks_detached
 from laplace_debiased.curvature.kfac import output_rows
 from laplace_debiased.structures.distributed import all_reduce_sum_, local_shards
 
@@ -272,7 +274,6 @@ class TwoBatchLaplaceMixin:
         return tuple(out.shape[1:])
 
     @torch.no_grad()
-    @torch.no_grad()
     def _summed_loss(self, batches: list[Batch]) -> torch.Tensor:
         """``sum over batches of factor * lossfunc(model(X), y)`` (laplace-torch's loss), each
         token its own loss term for outputs ``(n, tokens, C)`` (:func:`output_rows`).  Under a
@@ -344,7 +345,10 @@ class TwoBatchLaplaceMixin:
         """Jacobians ``(n·tokens, C, P)`` and outputs ``(n·tokens, C)`` of the token rows, with
         ``(n, tokens)`` kept for :meth:`_token_shaped`. Last layer: ``J = I_C ⊗ φᵀ`` (and
         ``I_C`` for a bias) per token feature ``φ``, laplace-torch's ``last_layer_jacobians``
-        per row; all weights: laplace-torch's ``backend.jacobians`` reshaped."""
+        per row; all weights: laplace-torch's ``torch.func`` Jacobians
+        (``CurvatureInterface.jacobians``, over every output entry) reshaped, whatever the
+        backend: ASDL's and BackPack's ``jacobians`` differentiate ``f[:, i]`` for
+        ``i < output_size``, which for outputs ``(n, tokens, C)`` is token ``i``, not class ``i``."""
         if isinstance(self, LLLaplace):
             f, phi = self.model.forward_with_features(X)
             phi = phi.reshape(-1, phi.shape[-1])
@@ -353,7 +357,8 @@ class TwoBatchLaplaceMixin:
             if self.model.last_layer.bias is not None:
                 Js = torch.cat([Js, eye.expand(len(phi), -1, -1)], dim=2)
         else:
-            Js, f = self.backend.jacobians(X, enable_backprop=self.enable_backprop)
+            with backward_hooks_detached(self.model):  # BackPACK's hooks defeat torch.func
+                Js, f = CurvatureInterface.jacobians(self.backend, X, enable_backprop=self.enable_backprop)
         self._glm_token_shape = tuple(f.shape[:-1])
         C = f.shape[-1]
         return Js.reshape(-1, C, Js.shape[-1]), f.reshape(-1, C)
