@@ -165,6 +165,11 @@ class Spanned:
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> Any:
         """The grid predictive's structure (:class:`SpannedStructure`)."""
+        if any(Q.shape[0] != Q.shape[1] for Qs in self.eigenvectors for Q in Qs):
+            raise NotImplementedError(
+                "implicit (low-rank) K-FAC input factors together with dense normalisation "
+                "blocks have no grid structure yet; use laplace-torch's predictive (la(x))."
+            )
         return self._structure(self, h_factor, numels, self.spans)
 
 
