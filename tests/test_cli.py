@@ -32,7 +32,48 @@ def test_each_command_has_its_own_help_with_its_defaults(capsys, monkeypatch):
     assert "(default: 50)" in texts["diagnose"] and "(default: ggn)" in texts["diagnose"]
     assert "cifar100" in texts["main"] and "cifar100" in texts["sweep"]
     for cmd in cli.THREADED:
-        assert "--threads THREADS" in texts[cmd] and "(default: 7)" in texts[cmd]
+        assert "--threads THREADS" in texts[cmd] and "(default: 7, from $OMP_NUM_THREADS)" in texts[cmd]
+
+
+def _option_blocks(text: str) -> dict[str, str]:
+    """``--flag`` -> its help, whitespace joined, from a rendered ``--help``."""
+    blocks: dict[str, str] = {}
+    name = None
+    for line in text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = line
+        elif name is not None:
+            blocks[name] += " " + line.strip()
+    return blocks
+
+
+@pytest.mark.parametrize("omp", ["3", None])
+def test_help_has_no_markup_and_each_default_once(capsys, monkeypatch, omp):
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    for cmd in cli.COMMANDS:
+        text = _help(cmd, capsys)
+        for markup in ("``", ":mod:", ":func:", ":class:", ":data:", ":meth:"):
+            assert markup not in text, (cmd, markup)
+        for flag, block in _option_blocks(text).items():
+            assert block.count("(default") <= 1, (cmd, flag, block)
+    assert cli.plain_text("see :func:`~a.b.run` and :mod:`a.b`, or ``x = 1``") == "see run and a.b, or x = 1"
+
+
+def test_quiet_is_one_flag_with_one_meaning_across_commands(capsys, tmp_path):
+    helps = {}
+    for cmd in cli.THREADED:
+        blocks = _option_blocks(_help(cmd, capsys))
+        assert "--no-progress" not in blocks, cmd
+        helps[cmd] = blocks["--quiet"]
+    assert len(set(helps.values())) == 1, helps
+    # diagnose's old spelling still works, sets the same switch and says which name to use
+    parser, _ = cli.build_parser("diagnose")
+    assert parser.parse_args(["--no-progress"]).quiet and not parser.parse_args([]).quiet
+    assert "--no-progress is deprecated; use --quiet" in capsys.readouterr().err
 
 
 def test_cli_and_every_help_import_no_torch():
