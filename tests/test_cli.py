@@ -13,6 +13,7 @@ import pytest
 from laplace_debiased import _threads, cli
 from laplace_debiased.evaluation.options import resolve_options
 from laplace_debiased.evaluation.pipeline import load_config
+from laplace_debiased.evaluation.sweep import LOCK_NAME
 
 
 def _help(cmd: str, capsys) -> str:
@@ -197,6 +198,14 @@ def test_tiny_end_to_end_run_and_resume(tmp_path, monkeypatch):
     n_grid = len({json.loads(r)["prior_precision"] for r in rows} - {None})
     assert n_grid >= 2 and len(rows) == 6 + 2 * n_grid * 6 * 2
     assert (out / "report" / "report.md").is_file() and (out / "report" / "report.html").is_file()
+    # the report states the setting: N, the batch sizes, what each evaluation set is
+    setting = (out / "report" / "report.md").read_text().split("## MAP vs LA")[0]
+    assert "N = 200 training points" in setting and "digits_cnn" in setting
+    assert "| K-FAC, single batch of 32 | K-FAC from one batch of 32 training points" in setting
+    assert "| K-FAC, debiased 16 + 16 | debiased K-FAC: directions (eigenvectors) from a batch B of 16" in setting
+    assert "| noise-3 | the test images with Gaussian pixel noise σ = 0.4" in setting
+    assert "| inverted (OOD) | the test images inverted, 1 − x: out of distribution" in setting
+    assert not (out / LOCK_NAME).exists()  # a finished run leaves no lock file behind
     # rerun: nothing new; a different setup in the same folder is refused
     assert cli.main(["sweep", "--config", str(cfg), "--out", str(out), "--seed", "1"]) == 0
     assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
