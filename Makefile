@@ -10,7 +10,7 @@ PY = $(VENV)/bin/python
 INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
 STAMP = $(VENV)/.installed-$(INTERPRETER)
 
-.PHONY: install run test bench clean-venv
+.PHONY: install run test bench examples clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
 	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
@@ -37,6 +37,13 @@ test: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Runs every example with one thread and writes its printed table to examples/outputs/NAME.txt;
+# the docs quote these files (tests/test_example_outputs.py checks that the quotes match).
+examples: $(STAMP)
+	@mkdir -p examples/outputs
+	@for f in examples/*.py; do echo "$$f"; \
+	  OMP_NUM_THREADS=1 $(PY) $$f > examples/outputs/$$(basename $$f .py).txt || exit 1; done
 
 # Benchmarks (not tests) need real CIFAR-10. Give its folder with CIFAR10_DIR=DIR (holding
 # cifar-10-batches-bin/ or cifar-10-batches-py/), or CIFAR10_SOURCE=DIR holding the project's
