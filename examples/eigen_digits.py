@@ -17,8 +17,8 @@ ECE and accuracy are reported as mean ± std over ``--seeds`` random batch draws
 The prior precision is searched over 1e-1 ... 1e4: with N = 300 the best δ lies far above
 the paper's CIFAR-10 grid.  What it shows (``examples/outputs/eigen_digits.txt``): this MLP MAP
 is trained with weight decay and is not overconfident, so the validation NLL picks a large δ and
-every LA stays within a few 1e-4 of the MAP's test NLL; the single-batch and debiased rows are
-then equal to the printed digits.  It is an API example for ``debiased_lowrank`` and
+every LA stays within a few 1e-4 of the MAP's test NLL; the single-batch and debiased rows then
+differ by less than the draws do.  It is an API example for ``debiased_lowrank`` and
 ``debiased_full``, not evidence for debiasing (see ``prior_sweep.py`` and the main job).
 
 Run: ``python examples/eigen_digits.py`` (``--quick`` for a smoke run).
