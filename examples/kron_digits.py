@@ -14,7 +14,7 @@ Trains (or loads from the cache) a MAP ``digits_cnn``, then fits over all weight
 tunes each (scalar) prior precision by validation NLL over a log grid 1e-2 ... 1e4 (or, with
 ``--select marglik``, by the Laplace marginal likelihood), and prints test NLL and ECE (15 bins, l1) of the
 linearized predictive with the probit on the logit-difference subspace
-(:class:`laplace_debiased.evaluation.predictive.GridPredictive`).
+(:class:`laplace_debiased.posterior.grid.GridPredictive`).
 
 Why the prior precision must be chosen on validation data over a wide grid: with N = 300
 training digits the likelihood curvature is far smaller than on CIFAR-10, so the best δ lies far
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 import laplace_debiased  # noqa: F401  registers 'debiased_kron'
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.evaluation.metrics import ece, nll
-from laplace_debiased.evaluation.predictive import GridPredictive
+from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.evaluation.training import default_digits_model
 
 

@@ -1,7 +1,7 @@
 """Prior-precision sweep: single-batch, debiased and full-batch K-FAC Laplace on the digits.
 
 For each prior precision δ of a log grid, the test NLL of the linearized predictive (probit on
-the logit differences, :class:`laplace_debiased.evaluation.predictive.GridPredictive`, which
+the logit differences, :class:`laplace_debiased.posterior.grid.GridPredictive`, which
 computes the whole grid from one pass of Jacobians) for
 
 * ``single``: K-FAC of one batch of 64 images, scaled to N (B̃ = B: laplace-torch's ``kron``);
@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 import laplace_debiased  # noqa: F401  registers the debiased structures
 from laplace_debiased.evaluation.metrics import nll
-from laplace_debiased.evaluation.predictive import GridPredictive
+from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.evaluation.training import default_digits_model
 
