@@ -13,7 +13,7 @@ validation NLL of the same sampled predictive over a log grid 1e-2 ... 1e4:
 * ``kron (full batch)``: K-FAC over all training sequences.
 
 The table lists token-level test NLL, accuracy and mean confidence of the sampled ("nn")
-predictive, and the fit time.  What it shows (``examples/outputs/adapter_sequence.txt``): the
+predictive, and the fit time.  What it shows (``docs/tutorials/output/adapter_sequence.txt``): the
 API for adapters and token outputs, not a gain.  These adapters are barely overconfident (mean
 confidence close to accuracy), so the validation NLL picks the grid's largest δ and every LA
 stays at the MAP's NLL; with δ from the marginal likelihood (an earlier version of this example)

@@ -10,7 +10,7 @@ test split): the LA is better calibrated than the MAP network as the noise grows
 debiased approximation from 2 x 32 images stays close to the full-batch one.
 
 Run: ``python examples/calibration_report.py [--out DIR]``.  Committed output:
-``examples/outputs/calibration_report.txt``.
+``docs/tutorials/output/calibration_report.txt``.
 """
 
 from __future__ import annotations

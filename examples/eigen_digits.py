@@ -15,7 +15,7 @@ by grid search on the validation NLL (MC link, laplace-torch's GLM predictive), 
 ECE and accuracy are reported as mean ± std over ``--seeds`` random batch draws.
 
 The prior precision is searched over 1e-1 ... 1e4: with N = 300 the best δ lies far above
-the paper's CIFAR-10 grid.  What it shows (``examples/outputs/eigen_digits.txt``): this MLP MAP
+the paper's CIFAR-10 grid.  What it shows (``docs/tutorials/output/eigen_digits.txt``): this MLP MAP
 is trained with weight decay and is not overconfident, so the validation NLL picks a large δ and
 every LA stays within a few 1e-4 of the MAP's test NLL; the single-batch and debiased rows then
 differ by less than the draws do.  It is an API example for ``debiased_lowrank`` and

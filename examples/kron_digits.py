@@ -20,7 +20,7 @@ Why the prior precision must be chosen on validation data over a wide grid: with
 training digits the likelihood curvature is far smaller than on CIFAR-10, so the best δ lies far
 above the paper's grid (1e-4 ... 10, tuned to N = 50,000), and the marginal likelihood of this
 interpolating network picks a δ at which every LA is worse than the MAP network
-(``--select marglik`` shows it).  The committed output is ``examples/outputs/kron_digits.txt``.
+(``--select marglik`` shows it).  The committed output is ``docs/tutorials/output/kron_digits.txt``.
 Run: ``python examples/kron_digits.py``.
 """
 

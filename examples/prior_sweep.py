@@ -11,7 +11,7 @@ computes the whole grid from one pass of Jacobians) for
   both approximate.
 
 Mean over ``--draws`` random batch draws.  The last columns are the distances to the full-batch
-curve.  What it shows in the default setting (``examples/outputs/prior_sweep.txt``): the
+curve.  What it shows in the default setting (``docs/tutorials/output/prior_sweep.txt``): the
 debiased curve does **not** track the full-batch one better than the single batch here.  The
 batches are a fifth of N, so the single batch's same-batch bias is small, and ``digits_cnn``'s
 dense layer (input dimension 256) is wider than a batch of 32, so B's factor leaves directions

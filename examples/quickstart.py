@@ -13,7 +13,7 @@ validation NLL (log grid 1e-4 ... 1e4).  For comparison the table also shows
 
 Columns: δ, and NLL and ECE on the test split and on the test split with Gaussian pixel noise
 (σ = 0.4, clipped to [0, 1]), all with laplace-torch's GLM predictive and probit link.
-The committed output is ``examples/outputs/quickstart.txt`` (``make examples`` regenerates it).
+The committed output is ``docs/tutorials/output/quickstart.txt`` (``make examples`` regenerates it).
 
 Run: ``python examples/quickstart.py``.
 """
