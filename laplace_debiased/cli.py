@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,10 +55,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
+#: a Sphinx cross-reference role, ``:mod:`~a.b```: group 1 is the ``~`` (show the last name only)
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+
+
+def plain_text(doc: str) -> str:
+    """A reStructuredText docstring as a terminal shows it: ``:mod:`a.b``` -> ``a.b``,
+    ``:func:`~a.b``` -> ``b``, ````code```` -> ``code``."""
+    doc = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], doc)
+    return doc.replace("``", "")
+
+
 def build_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     """The parser of command ``name`` and its module (imported here, which must stay cheap)."""
     module = importlib.import_module(f"laplace_debiased.commands.{name}")
-    parser = argparse.ArgumentParser(prog=f"laplace-debiased {name}", description=module.__doc__,
+    parser = argparse.ArgumentParser(prog=f"laplace-debiased {name}", description=plain_text(module.__doc__),
                                      formatter_class=_HelpFormatter)
     module.add_arguments(parser)
     if name in THREADED:
