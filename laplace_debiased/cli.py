@@ -92,7 +92,10 @@ def _process_group() -> Iterator[None]:
 
     owned = not dist.is_initialized()
     if owned:
+        from laplace_debiased.structures.rank_failures import announce
+
         dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
+        announce()  # so that a rank killed before its first collective can be named
     try:
         yield
     finally:
