@@ -79,16 +79,18 @@ def is_distributed() -> bool:
     return rank_world()[1] > 1
 
 
-_announced: list = [None]  # the process group this rank last announced itself in
+#: the store of the group this rank last announced itself in (not the group: a reference to it
+#: would keep its connections open after :func:`fail_together` destroys it)
+_announced: list = [None]
 
 
 def _comm(collective: Callable[..., object], /, *args: object, **kwargs: object) -> None:
     """Run ``collective(*args, **kwargs)``; a backend error (a peer gone, a closed connection, a timeout)
     becomes a :class:`PeerRankError` naming the rank that failed (:func:`peer_failure`)."""
-    group = dist.group.WORLD
-    if _announced[0] is not group:
+    store = dist.distributed_c10d._get_default_store()
+    if _announced[0] is not store:
         announce()
-        _announced[0] = group
+        _announced[0] = store
     try:
         collective(*args, **kwargs)
     except RuntimeError as err:  # DistBackendError and gloo's errors are RuntimeErrors
