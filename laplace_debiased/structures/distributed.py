@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 _local: ContextVar[bool] = ContextVar("laplace_debiased_local_fits", default=False)
 
 
@@ -97,12 +98,24 @@ def _comm(collective: Callable[..., object], /, *args: object, **kwargs: object)
         raise peer_failure(err, collective.__name__) from err
 
 
+#: attribute set on an exception raised on every rank at the same collective step
+_EVERY_RANK = "laplace_debiased_on_every_rank"
+
+
+def _on_every_rank(err: E) -> E:
+    """Mark ``err`` as raised by every rank at the same collective step (each rank raising its
+    own error or a :class:`PeerRankError`): :func:`fail_together` then keeps the group."""
+    setattr(err, _EVERY_RANK, True)
+    return err
+
+
 @contextmanager
 def fail_together(what: str) -> Iterator[None]:
     """Run a collective section (every rank runs it) so that a failure on one rank ends it on
     every rank at once, instead of leaving the others blocked in their next collective.
 
-    On an exception other than :class:`RankMismatchError` (raised by every rank alike) this
+    On an exception that the other ranks do not raise at the same step (those that the helpers
+    here raise everywhere, :class:`RankMismatchError` included, keep the group usable) this
     rank records its error in the group's store (:func:`report_failure`; not for a
     :class:`PeerRankError`, which is a consequence) and destroys its process group, which closes
     its connections: a peer in a collective with it gets an error at once and raises a
@@ -114,9 +127,9 @@ def fail_together(what: str) -> Iterator[None]:
         return
     try:
         yield
-    except RankMismatchError:
-        raise
     except Exception as err:
+        if getattr(err, _EVERY_RANK, False):  # the others raise at the same step: keep the group
+            raise
         if not isinstance(err, PeerRankError):
             report_failure(err, what)
         dist.destroy_process_group()
@@ -186,7 +199,8 @@ def check_same_fit_inputs(model: torch.nn.Module, direction: Sequence[Batch],
             differing.setdefault(fix, []).append(f"{what} on rank(s) {ranks}")
     problems = [f"{' and '.join(whats)} differ from rank 0's; {fix}" for fix, whats in differing.items()]
     if problems:
-        raise RankMismatchError("the ranks of this distributed fit disagree: " + ". ".join(problems) + ".")
+        raise _on_every_rank(RankMismatchError(
+            "the ranks of this distributed fit disagree: " + ". ".join(problems) + "."))
 
 
 def gather_results(fn: Callable[[], T]) -> list[T]:
@@ -206,11 +220,11 @@ def gather_results(fn: Callable[[], T]) -> list[T]:
     parts: list = [None] * dist.get_world_size()
     _comm(dist.all_gather_object, parts, (result, None if error is None else repr(error)))
     if error is not None:
-        raise error
+        raise _on_every_rank(error)
     failed = [(r, e) for r, (_, e) in enumerate(parts) if e is not None]
     if failed:
         rank, message = failed[0]
-        raise PeerRankError(f"rank {rank} failed: {message}")
+        raise _on_every_rank(PeerRankError(f"rank {rank} failed: {message}"))
     return [r for r, _ in parts]
 
 
@@ -311,9 +325,9 @@ def broadcast_computed(
     _comm(dist.broadcast_object_list, meta, src=src)
     shapes, dtype, message = meta[0]
     if error is not None:
-        raise error
+        raise _on_every_rank(error)
     if message is not None:
-        raise PeerRankError(f"rank {src} failed: {message}")
+        raise _on_every_rank(PeerRankError(f"rank {src} failed: {message}"))
     if rank != src:
         tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
     if tensors:
@@ -411,5 +425,5 @@ def run_with_reduced_operator(
         return broadcast_computed(finish, device, src)
     except PeerRankError:
         if operator.own_error:
-            raise operator.own_error[0] from None
+            raise _on_every_rank(operator.own_error[0]) from None
         raise
