@@ -103,6 +103,8 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         generator : torch.Generator, optional
             draw the batches at random (reproducibly) instead of in loader order.
 
+        Notes
+        -----
         Under a ``torch.distributed`` group (collective: every rank calls ``fit``) the ranks
         first compare digests of their model and of the selected B and B̃ and refuse, on every
         rank, to fit if they differ (:func:`~laplace_debiased.structures.distributed.check_same_fit_inputs`);
