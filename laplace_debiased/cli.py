@@ -152,15 +152,16 @@ def _run_rank(module: object, args: argparse.Namespace) -> int:
     traceback, exit status 1) and wait for the other ranks to report their own errors (or to be
     gone; at most :data:`PEER_REPORT_TIMEOUT`) before exiting, so that a launcher stopping the
     rest when one rank exits cannot cut their messages."""
-    import torch.distributed as dist
-
     try:
         status = int(module.run(args) or 0)
     except Exception:  # noqa: BLE001 - reported here, as the interpreter would, then waited on
         traceback.print_exc()
         status = 1
-    if status and dist.is_initialized():
-        from laplace_debiased.structures.rank_failures import wait_for_peers
+    if status and _launched_world() > 1:  # one process: torch may still be unimported here
+        import torch.distributed as dist
 
-        wait_for_peers(PEER_REPORT_TIMEOUT.total_seconds())
+        if dist.is_initialized():
+            from laplace_debiased.structures.rank_failures import wait_for_peers
+
+            wait_for_peers(PEER_REPORT_TIMEOUT.total_seconds())
     return status
