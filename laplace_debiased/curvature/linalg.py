@@ -27,7 +27,7 @@ All computations run in float64; results are cast back to the dtype of the input
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -222,6 +222,7 @@ def debiased_factor(
 def debiased_kron(
     direction_kfacs: Sequence[Sequence[torch.Tensor]],
     magnitude_kfacs: Sequence[Sequence[torch.Tensor]],
+    factor: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Debiased eigendecomposition of a layer-wise K-FAC approximation.
 
@@ -236,6 +237,10 @@ def debiased_kron(
     direction_kfacs, magnitude_kfacs : sequence of blocks
         one entry per parameter block in laplace-torch ``Kron.kfacs`` order; each block is
         a list of one or two dense square factors.
+    factor : callable, optional
+        ``(direction, magnitude) -> (U, lam)`` for one factor; default :func:`debiased_factor`
+        (the isotropic null-space treatment is
+        :func:`laplace_debiased.curvature.completion.isotropic_factor`).
 
     Returns
     -------
@@ -263,7 +268,7 @@ def debiased_kron(
         Us, lams = [], []
         for j, (Hd, Hm) in enumerate(zip(F_dir, F_mag)):
             try:
-                U, lam = debiased_factor(Hd, Hm)
+                U, lam = (factor or debiased_factor)(Hd, Hm)
             except ValueError as err:
                 raise ValueError(f"K-FAC block {i}, factor {j}: {err}") from err
             Us.append(U)

@@ -37,7 +37,9 @@ from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMi
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.kfac import group_kfac_sums, zero_sums
+from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
 from laplace_debiased.curvature.linalg import debiased_kron
+from laplace_debiased.diagnostics.coverage import Coverage, coverage_record, report_coverage
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     broadcast_,
@@ -137,11 +139,33 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
     """
 
     _key = ("all", "debiased_kron")
+    _null_space: str = "isotropic"
+
+    def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False, *,
+            null_space: str = "isotropic", **kwargs: Any) -> None:
+        """Fit as :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`
+        (and ``cross_fit``), plus ``null_space``: how directions that B's factors do not
+        distinguish (their null space, where a factor is wider than B) get their magnitude.
+
+        ``"isotropic"`` (default): each such eigenspace gets B̃'s mean curvature over it,
+        ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased, P chosen by B alone); ``"aligned"``: B̃'s own
+        eigenbasis there, measured by B̃ (same-batch bias, exact zeros where B ∪ B̃ does not
+        reach). See :mod:`laplace_debiased.curvature.completion` and docs/wide-layers.md.
+        After the fit ``self.coverage`` (:class:`~laplace_debiased.diagnostics.coverage.Coverage`)
+        records per layer and factor what the curvature covers; it is logged, and a warning
+        names the layers where a share of the weights keeps only the prior.
+        """
+        if null_space not in NULL_SPACE_MODES:
+            raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
+        self._null_space = null_space
+        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()
         self.H_facs = None
         self.H_facs_magnitude: Kron | None = None
+        self.coverage: Coverage | None = None
+        self._fit_sizes = (0, 0)
 
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
@@ -156,8 +180,35 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
             direction = _combine(self.H_facs, direction, n_old, N)
             magnitude = _combine(self.H_facs_magnitude, magnitude, n_old, N)
         self.H_facs, self.H_facs_magnitude = direction, magnitude
+        sizes = [sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in g) for g in groups]
+        self._fit_sizes = (self._fit_sizes[0] + sizes[0], self._fit_sizes[1] + sizes[-1])
         self._decompose()
+        self._record_coverage()
         return loss
+
+    def _record_coverage(self) -> None:
+        """``self.coverage`` of B's eigenbasis (the first component when cross-fitted),
+        logged; warns once naming the layers with prior-only weights."""
+        H = self.H.components[0] if isinstance(self.H, CrossFitDecomposed) else self.H
+        self.coverage = coverage_record(
+            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, H.eigenvalues, self._block_names(),
+            null_space=self._null_space, direction_size=self._fit_sizes[0],
+            magnitude_size=self._fit_sizes[1],
+        )
+        report_coverage(self.coverage)
+
+    def _block_names(self) -> list[tuple[str, str]]:
+        """``(layer name, "weight"/"bias")`` per ``Kron`` block, in block order."""
+        names = [
+            (name or type(m).__name__, p)
+            for name, m in self._layers().named_modules()
+            if isinstance(m, _KFAC_LAYERS)
+            for p in ("weight", "bias")
+            if getattr(m, p) is not None and getattr(m, p).requires_grad
+        ]
+        if len(names) != len(self.H_facs.kfacs):
+            return [(f"block {i}", "") for i in range(len(self.H_facs.kfacs))]
+        return names
 
     def _kfacs(self, groups: list[list[Batch]], N: int) -> tuple[torch.Tensor, list[Kron]]:
         """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of
@@ -188,7 +239,10 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
         rank, _ = rank_world()
         if rank == 0:
-            eigenvectors, eigenvalues = debiased_kron(direction.kfacs, magnitude.kfacs)
+            eigenvectors, eigenvalues = debiased_kron(
+                direction.kfacs, magnitude.kfacs,
+                factor=lambda D, M: debiased_factor_mode(D, M, self._null_space),
+            )
         else:
             eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]
             eigenvalues = [[F.new_empty(F.shape[0]) for F in block] for block in direction.kfacs]
@@ -372,7 +426,9 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a saved fit (``self.coverage`` is not saved: it is ``None`` after loading)."""
         super().load_state_dict(state_dict)
+        self.coverage = None
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
         H = DebiasedKronDecomposed(
             state_dict["H_eigenvectors"], state_dict["H_eigenvalues"], damping=self.damping
