@@ -187,7 +187,7 @@ def coverage_record(
         factors = []
         for name, Fd, Fm, lam in zip(_FACTOR_NAMES[len(Fds)], Fds, Fms, lams):
             factor = _factor(name, Fd, Fm, lam, 0)
-            if null_space == "isotropic":
+            if null_space == "isotropic" and Fm is not Fd:  # B̃ = B: its null space stays 0
                 factor = replace(factor, completed=factor.dimension - factor.rank_direction)
             factors.append(factor)
         n = math.prod(f.dimension for f in factors)
