@@ -29,7 +29,8 @@ import torch
 from laplace_debiased.data import CORRUPTIONS, cifar_splits, corrupt
 from laplace_debiased.data.images import ImageDataset
 from laplace_debiased.evaluation.models import cifar_cnn
-from laplace_debiased.evaluation.training import TrainConfig, default_cache_dir, train_map
+from laplace_debiased.evaluation.training import TrainConfig, train_map
+from laplace_debiased.paths import default_cache_dir
 
 
 @torch.no_grad()

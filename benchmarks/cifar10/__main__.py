@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from laplace_debiased.evaluation import metrics as M
-from laplace_debiased.evaluation.training import default_cache_dir
+from laplace_debiased.paths import default_cache_dir
 
 from . import evaluate as E
 from .config import BASE_GRID, N_DOWN_MAX, N_UP_MAX, Config, extended_grid, grid_index

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from laplace_debiased.evaluation.training import default_cache_dir
+from laplace_debiased.paths import default_cache_dir
 
 from .models import MODELS
 

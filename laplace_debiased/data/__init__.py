@@ -5,7 +5,8 @@ the digits, as ``TensorDataset``.  Evaluation sets are chosen with one string th
 :func:`resolve_eval_set` (e.g. ``"cifar10-test"``, ``"cifar10-c-generated:3"``).
 """
 
-from .cifar import DataIntegrityError, cifar_splits, default_data_root, load_cifar10, load_cifar100
+from ..paths import default_data_root
+from .cifar import DataIntegrityError, cifar_splits, load_cifar10, load_cifar100
 from .cifar_c import CifarC
 from .corruptions import CORRUPTIONS, EXTRA_CORRUPTIONS, corrupt
 from .digits import digits_splits, load_digits_tensors

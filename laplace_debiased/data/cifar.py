@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..evaluation.training import default_cache_dir
+from ..paths import default_data_root  # noqa: F401  (re-exported: moved to paths.py)
 from .images import CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, ImageDataset
 
 Verify = Literal["official", "structure"]
@@ -64,12 +63,6 @@ class DataIntegrityError(ValueError):
 
 class RefusedPickleContent(pickle.UnpicklingError):
     """The pickle asks for something the CIFAR files never contain (a global, a dtype)."""
-
-
-def default_data_root() -> Path:
-    """``$LAPLACE_DEBIASED_DATA`` if set, else ``<cache dir>/data``."""
-    env = os.environ.get("LAPLACE_DEBIASED_DATA")
-    return Path(env) if env else default_cache_dir() / "data"
 
 
 def file_digest(path: Path, algorithm: str, chunk: int = 1 << 22) -> str:

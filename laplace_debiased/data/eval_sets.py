@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..evaluation.training import default_cache_dir
-from .cifar import Verify, cifar_splits, default_data_root, file_digest, load_cifar10, load_cifar100
+from ..paths import default_cache_dir, default_data_root
+from .cifar import Verify, cifar_splits, file_digest, load_cifar10, load_cifar100
 from .cifar_c import CifarC, RowView, mixed_choice, open_npy, parse_corruptions
 from .corruptions import CORRUPTIONS, corrupt
 from .images import ImageDataset

@@ -22,7 +22,7 @@ def softmax_ggn_traces(gram: Tensor, probs: Tensor) -> Tensor:
     cross-entropy, Λ_n = diag(p_n) − p_n p_nᵀ, from the logit Gram matrices ``G_n = J_n J_nᵀ``.
 
     ``gram``: ``(n, C, C)`` (summed over parameter blocks, e.g.
-    :meth:`~laplace_debiased.evaluation.predictive.LayerJacobian.gram`); ``probs``: softmax
+    :meth:`~laplace_debiased.posterior.jacobians.LayerJacobian.gram`); ``probs``: softmax
     outputs ``(n, C)``.  Returns ``(n,)`` in float64, as ``½ Σ_{c,d} p_c p_d ‖J_c − J_d‖²`` with
     ``‖J_c − J_d‖² = G_cc + G_dd − 2 G_cd`` (equal to ``Σ_c p_c G_cc − pᵀ G p`` for Σ p = 1, but
     non-negative term by term: no cancellation for the near-one-hot ``p`` of a converged

@@ -143,7 +143,7 @@ def check_grid(prior_precisions: Sequence[float], links: Sequence[str]) -> list[
     Refuses an empty grid, values that are not finite and positive, unknown links, and repeated
     prior precisions or links (they would give duplicated or misaligned rows).
     """
-    from laplace_debiased.evaluation.predictive import LINKS  # imports torch: only when validating
+    from laplace_debiased.posterior.links import LINKS  # imports torch: only when validating
 
     for link in links:
         if link not in LINKS:

@@ -51,7 +51,8 @@ from torch import Tensor
 from laplace_debiased.evaluation import metrics
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, check_grid  # noqa: F401
 from laplace_debiased.curvature.kfac import output_rows
-from laplace_debiased.evaluation.predictive import GridPredictive, logit_rows
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import logit_rows
 from laplace_debiased.structures.distributed import gather_results, local_fits, rank_world
 
 KINDS = ("test", "validation", "corrupted", "ood")

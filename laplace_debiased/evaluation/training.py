@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -24,11 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from laplace_debiased._progress import progress_bar
-
-
-def default_cache_dir() -> Path:
-    """``$LAPLACE_DEBIASED_CACHE`` if set, else ``~/.cache/laplace-debiased``."""
-    return Path(os.environ.get("LAPLACE_DEBIASED_CACHE", Path.home() / ".cache" / "laplace-debiased"))
+from laplace_debiased.paths import default_cache_dir  # noqa: F401  (re-exported: moved to paths.py)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The Laplace classes, registered with laplace-torch's ``Laplace(...)`` factory.
 
 * :mod:`.batches` -- the choice and validation of the direction batch B and the magnitude batch B̃;
-* :mod:`.two_batch` -- the two-batch ``fit`` shared by every debiased class;
+* :mod:`.two_batch` -- the two-batch ``fit`` shared by every debiased class, with its bases
+  :mod:`.fit_checks` (input checks), :mod:`.token_outputs` (GLM predictive of token outputs)
+  and :mod:`.gridsearch` (prior-precision grid search);
 * :mod:`.kron` -- ``DebiasedKron(LL)Laplace`` (``hessian_structure="debiased_kron"``);
 * :mod:`.lowrank` -- ``DebiasedLowRank(LL)Laplace`` and ``DebiasedFull(LL)Laplace``.
 """

@@ -10,7 +10,7 @@ instead would be a single Gaussian, but ``P₁ + P₂`` is diagonal in no Kronec
 
 * GLM predictive: the mixture's exact function-space mean and covariance,
   ``f(x)`` and ``½ J (P₁⁻¹ + P₂⁻¹) Jᵀ`` (laplace-torch's ``functional_variance``, and
-  :class:`~laplace_debiased.evaluation.predictive.GridPredictive`);
+  :class:`~laplace_debiased.posterior.grid.GridPredictive`);
 * ``sample``: exact mixture samples (each sample from a component drawn with probability ½);
 * marginal likelihood: the average of the two components' Laplace log evidences
   (``log_det_posterior_precision`` and ``square_norm`` are component averages).
@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from laplace_debiased.evaluation.predictive import KronStructure, LayerJacobian
+from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.kron import KronStructure
 
 __all__ = ["CrossFitDecomposed", "CrossFitStructure", "CrossFitMixin"]
 

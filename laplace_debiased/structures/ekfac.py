@@ -39,7 +39,7 @@ from laplace_debiased.curvature.ekfac import (
     kron_eigenbasis,
     measure_ekfac_eigenvalues,
 )
-from laplace_debiased.evaluation.predictive import KronStructure
+from laplace_debiased.posterior.kron import KronStructure
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
 from laplace_debiased.structures.distributed import (
@@ -194,12 +194,12 @@ class EKFACDecomposed:
         )
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> EKFACStructure:
-        """The :class:`~laplace_debiased.evaluation.predictive.GridPredictive` structure."""
+        """The :class:`~laplace_debiased.posterior.grid.GridPredictive` structure."""
         return EKFACStructure(self, h_factor, numels)
 
 
 class EKFACStructure(KronStructure):
-    """:class:`~laplace_debiased.evaluation.predictive.GridPredictive` structure of an
+    """:class:`~laplace_debiased.posterior.grid.GridPredictive` structure of an
     :class:`EKFACDecomposed` curvature: same eigenbasis rotation as K-FAC, eigenvalues per
     basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held and computed
     in float64 like :class:`KronStructure` (round-off negative eigenvalues clamped to 0)."""

@@ -67,7 +67,7 @@ from laplace_debiased.structures.distributed import (
     run_with_reduced_operator,
 )
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
-from laplace_debiased.evaluation.predictive import dense_posterior_scale, lowrank_functional_covariance
+from laplace_debiased.posterior.lowrank import dense_posterior_scale, lowrank_functional_covariance
 
 __all__ = [
     "DebiasedLowRankLaplace",
@@ -285,7 +285,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
         "prior term minus low-rank correction" cancellation
-        (:func:`laplace_debiased.evaluation.predictive.lowrank_functional_covariance`)."""
+        (:func:`laplace_debiased.posterior.lowrank.lowrank_functional_covariance`)."""
         (U, lam), prior = self.posterior_precision
         return lowrank_functional_covariance(Js, U, lam, prior)
 
@@ -389,7 +389,7 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
     def _compute_scale(self) -> None:
         """Posterior scale from a float64 eigendecomposition (laplace-torch's Cholesky fails or
         turns non-finite in float32 at small prior precision); the float64 scale is kept for
-        :meth:`functional_variance` (:func:`laplace_debiased.evaluation.predictive.dense_posterior_scale`)."""
+        :meth:`functional_variance` (:func:`laplace_debiased.posterior.lowrank.dense_posterior_scale`)."""
         self._check_H_init()
         self._posterior_scale64 = dense_posterior_scale(self.H, self._H_factor, self.prior_precision_diag)
         self._posterior_scale = self._posterior_scale64.to(self._dtype)

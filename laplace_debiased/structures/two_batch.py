@@ -20,34 +20,20 @@ After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.fit_ba
 unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
-Token outputs ``(n, tokens, C)`` (``self.fit_output_shape`` has more than one entry), every
-token an output: laplace-torch's GLM predictive takes ``(n, C)`` outputs, so the mixin hands
-it the token rows ``(n·tokens, C)`` with their Jacobians (:meth:`_token_jacobians`) and gives
-the results the token shape back: ``la(x)`` ``(n, tokens, C)`` (regression: mean and
-covariance ``(n, tokens, C, C)``; ``joint=True`` stays flat over the rows), GLM samples
-``(S, n, tokens, C)``. Tokens of one input are independent under this predictive only in the
-sense laplace-torch's LLM examples use: each token's marginal ``N(f_t, J_t P⁻¹ J_tᵀ)``.
+The input checks live in :mod:`.fit_checks`, the token-output GLM overrides in
+:mod:`.token_outputs` and the grid search in :mod:`.gridsearch` (bases of the mixin).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import MutableMapping
-from typing import Any, Callable
 
-import numpy as np
 import torch
-import torchmetrics
-import tqdm
 from laplace.lllaplace import LLLaplace
-from laplace.utils.enums import LinkApprox, PredType
-from laplace.utils.utils import validate
-from torch import nn
-from torch.linalg import LinAlgError
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
+from laplace_debiased.curvature.kfac import output_rows
 from laplace_debiased.structures.batches import (
     Batch,
     BatchChoice,
@@ -57,17 +43,17 @@ from laplace_debiased.structures.batches import (
     check_targets,
     split_batches,
 )
-from laplace_debiased.curvature.kfac import output_rows
 from laplace_debiased.structures.distributed import all_reduce_sum_, local_shards
+from laplace_debiased.structures.fit_checks import FitChecksMixin
+from laplace_debiased.structures.gridsearch import GridSearchMixin
+from laplace_debiased.structures.token_outputs import TokenOutputsMixin
 
 __all__ = ["TwoBatchLaplaceMixin"]
 
 logger = logging.getLogger(__name__)
 
-_STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 
-
-class TwoBatchLaplaceMixin:
+class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
     """Two-batch ``fit`` (B picks directions, B̃ measures magnitudes) for laplace-torch
     ``ParametricLaplace`` subclasses, plus a grid search that resets its metric."""
 
@@ -198,60 +184,6 @@ class TwoBatchLaplaceMixin:
         self.n_data = 0
         self.fit_batches: tuple[BatchChoice, ...] = ()
 
-    # ------------------------------------------------------------------ checks
-    def _check_override(self, override: bool) -> None:
-        if isinstance(self, LLLaplace) and not override:
-            raise ValueError(
-                "Last-layer Laplace approximations do not support `override=False`."
-            )
-
-    def _check_model_mode(self) -> None:
-        """Refuse Dropout/BatchNorm layers left in train mode.
-
-        The layers' own ``training`` flags decide, not the wrapper's: laplace-torch's
-        last-layer ``FeatureExtractor`` is created in train mode around a model the user put
-        in eval mode, and that model must fit (as ``LLLaplace`` does).
-        """
-        stochastic = [
-            f"'{name}' ({type(m).__name__})"
-            for name, m in self.model.named_modules()
-            if isinstance(m, _STOCHASTIC_LAYERS) and m.training
-        ]
-        if stochastic:
-            raise ValueError(
-                "the model is in train mode and has layers that behave differently "
-                f"in train mode: {', '.join(stochastic)}. Call model.eval() before "
-                "fitting the Laplace approximation."
-            )
-
-    def _check_trainable(self) -> None:
-        """Refuse a fit with nothing to approximate (every parameter frozen)."""
-        if isinstance(self, LLLaplace):
-            if not any(p.requires_grad for p in self.model.last_layer.parameters()):
-                raise ValueError(
-                    "the last layer's parameters all have requires_grad=False; a last-layer "
-                    "Laplace approximation is over them, so unfreeze them "
-                    "(p.requires_grad_(True))."
-                )
-        elif not any(p.requires_grad for p in self.model.parameters()):
-            raise ValueError(
-                "every parameter of the model has requires_grad=False, so there is nothing "
-                "to approximate; unfreeze the parameters the posterior should cover."
-            )
-
-    def _check_batch_matches_model(self, batch: Batch) -> None:
-        X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
-        x = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
-        if x.is_floating_point() and x.dtype != self._dtype:
-            raise ValueError(
-                f"inputs have dtype {x.dtype} but the model has {self._dtype}; convert "
-                f"the data (e.g. X.to({self._dtype})) or the model."
-            )
-        if self.likelihood == "regression" and y.dtype != self._dtype:
-            raise ValueError(
-                f"regression targets have dtype {y.dtype} but the model has {self._dtype}."
-            )
-
     # ------------------------------------------------------------------ helpers
     @torch.no_grad()
     def _setup_last_layer(self, batch: Batch) -> None:
@@ -283,156 +215,3 @@ class TwoBatchLaplaceMixin:
             total = total + self.backend.factor * self.backend.lossfunc(*output_rows(self.model(X), y))
         all_reduce_sum_([total])
         return total
-
-    def _glm_functional_samples(
-        self,
-        f_mu: torch.Tensor,
-        f_var: torch.Tensor,
-        n_samples: int,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """laplace-torch's GLM functional samples (``link_approx="mc"``) from a float64 square
-        root of ``f_var`` (:func:`laplace_debiased.evaluation.predictive.normal_samples`);
-        laplace-torch's float32 Cholesky fails at small prior precision. Token outputs:
-        ``(S, n, tokens, C)``."""
-        from laplace_debiased.evaluation.predictive import normal_samples
-
-        if diagonal_output:
-            f_var = torch.diagonal(f_var, dim1=1, dim2=2)
-        samples = normal_samples(f_mu, f_var, n_samples, generator)
-        return self._token_shaped(samples, leading=1)
-
-    # ------------------------------------------------------------------ token outputs
-    def _has_token_outputs(self) -> bool:
-        return len(getattr(self, "fit_output_shape", ())) > 1
-
-    @property
-    def log_likelihood(self) -> torch.Tensor:
-        """laplace-torch's log likelihood; for token outputs in regression its Gaussian
-        normaliser counts all ``n_data · tokens · C`` outputs (laplace-torch's counts
-        ``n_data · C``): ``- (tokens - 1) · n_data · C · log(σ √(2π))`` more."""
-        ll = super().log_likelihood
-        if self.likelihood == "regression" and self._has_token_outputs():
-            tokens = math.prod(self.fit_output_shape[:-1])
-            sigma = torch.as_tensor(self.sigma_noise, device=self._device, dtype=self._dtype)
-            ll = ll - (tokens - 1) * self.n_data * self.n_outputs * torch.log(sigma * math.sqrt(2 * math.pi))
-        return ll
-
-    @torch.enable_grad()
-    def _glm_predictive_distribution(
-        self, X: Any, joint: bool = False, diagonal_output: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """laplace-torch's GLM predictive ``(f, J P⁻¹ Jᵀ)``; for token outputs over the token
-        rows: ``f`` ``(n·tokens, C)``, covariance ``(n·tokens, C, C)`` (``joint``: flat mean and
-        ``(n·tokens·C)²`` covariance; ``diagonal_output``: ``(n·tokens, C)``)."""
-        self._glm_token_shape = None
-        if not self._has_token_outputs():
-            return super()._glm_predictive_distribution(X, joint, diagonal_output)
-        Js, f_mu = self._token_jacobians(X)
-        if joint:
-            f_mu, f_var = f_mu.flatten(), self.functional_covariance(Js)
-        else:
-            f_var = self.functional_variance(Js)
-            if diagonal_output:
-                f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
-        if not self.enable_backprop:
-            f_mu, f_var = f_mu.detach(), f_var.detach()
-        return f_mu, f_var
-
-    def _token_jacobians(self, X: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Jacobians ``(n·tokens, C, P)`` and outputs ``(n·tokens, C)`` of the token rows, with
-        ``(n, tokens)`` kept for :meth:`_token_shaped`. Last layer: ``J = I_C ⊗ φᵀ`` (and
-        ``I_C`` for a bias) per token feature ``φ``, laplace-torch's ``last_layer_jacobians``
-        per row; all weights: laplace-torch's ``backend.jacobians`` reshaped."""
-        if isinstance(self, LLLaplace):
-            f, phi = self.model.forward_with_features(X)
-            phi = phi.reshape(-1, phi.shape[-1])
-            eye = torch.eye(f.shape[-1], device=f.device, dtype=f.dtype)
-            Js = torch.einsum("kp,ij->kijp", phi, eye).flatten(2)
-            if self.model.last_layer.bias is not None:
-                Js = torch.cat([Js, eye.expand(len(phi), -1, -1)], dim=2)
-        else:
-            Js, f = self.backend.jacobians(X, enable_backprop=self.enable_backprop)
-        self._glm_token_shape = tuple(f.shape[:-1])
-        C = f.shape[-1]
-        return Js.reshape(-1, C, Js.shape[-1]), f.reshape(-1, C)
-
-    def _token_shaped(self, t: torch.Tensor, leading: int = 0) -> torch.Tensor:
-        """``t`` with its row dimension (after ``leading`` dimensions) back in the token shape
-        ``(n, tokens)`` of the last GLM predictive; unchanged for ``(n, C)`` outputs and for
-        ``t`` already in token shape (laplace-torch's mc link averages shaped samples)."""
-        shape = getattr(self, "_glm_token_shape", None)
-        if shape is None or t.shape[leading] != math.prod(shape):
-            return t
-        return t.reshape(*t.shape[:leading], *shape, *t.shape[leading + 1 :])
-
-    def _glm_forward_call(
-        self,
-        x: Any,
-        likelihood: str,
-        joint: bool = False,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """laplace-torch's GLM ``la(x)``; token outputs come back as ``(n, tokens, C)``
-        (regression: ``(n, tokens, C)`` and ``(n, tokens, C[, C])``; ``joint`` stays flat)."""
-        out = super()._glm_forward_call(x, likelihood, joint, link_approx, n_samples, diagonal_output)
-        if joint and likelihood == "regression":
-            return out
-        if isinstance(out, tuple):
-            return tuple(self._token_shaped(t) for t in out)
-        return self._token_shaped(out)
-
-    def _gridsearch(
-        self,
-        loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float],
-        interval: torch.Tensor,
-        val_loader: DataLoader,
-        pred_type: PredType | str,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        progress_bar: bool = False,
-    ) -> torch.Tensor:
-        """Grid search over prior precisions; unlike laplace-torch 0.3 the running metric
-        is reset before every grid point, so each point is scored on its own predictions.
-
-        Classification with the GLM predictive and a probit/bridge/mc link scores the whole
-        grid from one predictive pass over ``val_loader``
-        (:func:`laplace_debiased.evaluation.predictive.grid_validation_scores`); other
-        settings (and dict batches) evaluate ``validate`` once per grid point."""
-        from laplace_debiased.evaluation import predictive
-
-        if predictive.gridsearch_supported(self, pred_type, link_approx):
-            try:
-                scores = predictive.grid_validation_scores(
-                    self, loss, interval, val_loader, link_approx, n_samples
-                )
-            except predictive.UnsupportedBatches:
-                pass
-            else:
-                return interval[int(np.argmin(scores))]
-        results: list[float] = []
-        for prior_prec in tqdm.tqdm(interval, disable=not progress_bar):
-            self.prior_precision = prior_prec
-            if isinstance(loss, torchmetrics.Metric):
-                loss.reset()
-            try:
-                result = validate(
-                    self,
-                    val_loader,
-                    loss,
-                    pred_type=pred_type,
-                    link_approx=link_approx,
-                    n_samples=n_samples,
-                    dict_key_y=self.dict_key_y,
-                )
-            except LinAlgError:
-                result = np.inf
-            except RuntimeError as err:
-                if "not positive definite" not in str(err):
-                    raise
-                result = np.inf
-            results.append(result)
-        return interval[int(np.argmin(results))]

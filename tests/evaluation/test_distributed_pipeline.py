@@ -23,7 +23,7 @@ from laplace_debiased import cli
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
 
 WORLD = 2
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: the tiny pipeline of tests/test_cli.py, with 2 repeats: 4 (method, repeat) jobs over 2 ranks
 TINY = {
     "train-size": 200, "epochs": 2, "subset": "last_layer", "methods": ["kron_single", "kron_debiased"],

@@ -23,7 +23,7 @@ from laplace_debiased.evaluation.sweep import (
     row_key,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"method": "map", "repeat": 0, "prior_precision": None, "eval_set": "test", "kind": "test",
         "severity": None, "link": "map", "full_batch": False, "accuracy": 1.0, "nll": 0.1, "ece": 0.0,
         "brier": 0.0}

@@ -3,7 +3,7 @@ precision δ ∈ [1e-8, 1e8] (log-uniform) × dtype: the probabilities are finit
 and a float32 model agrees with the float64 model carrying the same curvature to 1e-3.
 
 The fitted posteriors are built once per (structure, subset) on a tiny overfit MLP
-(:func:`tests.test_variance_precision.overfit_mlp`); hypothesis draws the rest.  Examples are
+(:func:`tests.posterior.test_variance_precision.overfit_mlp`); hypothesis draws the rest.  Examples are
 derandomised so CI is deterministic.
 """
 
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from laplace_debiased.evaluation.predictive import GridPredictive
-from tests.test_variance_precision import _cast_curvature, fit_pair
+from tests.posterior.test_variance_precision import _cast_curvature, fit_pair
 
 STRUCTURES = ("debiased_kron", "debiased_lowrank", "debiased_full")
 SUBSETS = ("all", "last_layer")

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.evaluation import predictive
+from laplace_debiased.posterior import grams
 from laplace_debiased.evaluation.predictive import (
     EigenStructure,
     GridPredictive,
@@ -100,11 +101,11 @@ def test_low_rank_structure_equals_dense_formula():
     torch.testing.assert_close(cov, cov_ref)
 
 
-@pytest.mark.parametrize("buffer", [predictive.PAIR_BUFFER, 7])
+@pytest.mark.parametrize("buffer", [grams.PAIR_BUFFER, 7])
 def test_weighted_grams_equal_explicit_formula(monkeypatch, buffer):
     """Pair-product path (G >= 3, also in pieces over inputs and columns) and the per-point path
     (G <= 2) against ``A diag(w_g) Aᵀ`` written out."""
-    monkeypatch.setattr(predictive, "PAIR_BUFFER", buffer)
+    monkeypatch.setattr(grams, "PAIR_BUFFER", buffer)
     gen = torch.Generator().manual_seed(3)
     A = torch.randn(5, 4, 9, dtype=torch.float64, generator=gen)
     W = torch.rand(4, 9, dtype=torch.float64, generator=gen)
@@ -257,13 +258,13 @@ def test_optimize_prior_precision_gridsearch_uses_one_pass(structure, monkeypatc
     ``validate`` is never called."""
     from laplace.utils.metrics import RunningNLLMetric
 
-    from laplace_debiased.structures import two_batch
+    from laplace_debiased.structures import gridsearch
 
     la, val = _fit_debiased(structure, "all")
     interval = torch.logspace(-4, 4, 13)
     ref = _brute_force_scores(la, RunningNLLMetric, interval, val, "probit")
     calls = []
-    monkeypatch.setattr(two_batch, "validate", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(gridsearch, "validate", lambda *a, **k: calls.append(1))
     la.optimize_prior_precision(
         pred_type="glm", method="gridsearch", val_loader=val, log_prior_prec_min=-4,
         log_prior_prec_max=4, grid_size=13, link_approx="probit",

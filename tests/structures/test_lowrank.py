@@ -21,7 +21,7 @@ from laplace_debiased.structures.lowrank import (
     DebiasedLowRankLaplace,
     DebiasedLowRankLLLaplace,
 )
-from tests.test_eigen import DictMLP, explicit_curvature, make_batch, tiny_mlp
+from tests.curvature.test_eigen import DictMLP, explicit_curvature, make_batch, tiny_mlp
 
 N_PARAMS = {"all": 51, "last_layer": 21}
 N_PARAMS_REWARD = {"all": 37, "last_layer": 7}  # RewardMLP
@@ -457,7 +457,7 @@ def test_reward_modeling_matches_stock(subset, structure):
 @pytest.mark.parametrize("structure", ["debiased_full", "debiased_lowrank"])
 def test_multihead_attention_model_fits_and_matches_dense_formula(structure):
     """Its eval fast path has no forward-mode AD (used to raise NotImplementedError)."""
-    from tests.test_eigen import AttentionClassifier
+    from tests.curvature.test_eigen import AttentionClassifier
 
     model = AttentionClassifier().eval()
     g = torch.Generator().manual_seed(0)

@@ -317,10 +317,10 @@ def test_kron_variances_equal_diagonal_of_explicit_projected_covariance(damping,
 
 @pytest.mark.parametrize("buffer", [None, 7])
 def test_eigen_variances_equal_diagonal_of_explicit_projected_covariance(buffer, monkeypatch):
-    from laplace_debiased.evaluation import predictive
+    from laplace_debiased.posterior import grams
 
     if buffer is not None:  # the residual Gram in many small pieces
-        monkeypatch.setattr(predictive, "PAIR_BUFFER", buffer)
+        monkeypatch.setattr(grams, "PAIR_BUFFER", buffer)
     g = torch.Generator().manual_seed(4)
     P, k, C, n = 15, 6, 4, 5
     U = torch.linalg.qr(torch.randn(P, k, generator=g, dtype=torch.float64))[0]

@@ -1,0 +1,127 @@
+"""Lanczos route of the eigen-structured curvature (:mod:`laplace_debiased.curvature.eigen`):
+ARPACK's implicitly restarted Lanczos on any symmetric operator (:func:`lanczos_top_k`, the one
+Lanczos routine of the package, also used by the diagnostics) and the matrix-free summed-loss
+curvature product it runs on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+from torch import Tensor, nn
+
+from laplace_debiased.curvature.inputs import (
+    Batch,
+    Curvature,
+    _rows_of,
+    _TokenRows,
+    backward_hooks_detached,
+    count_samples,
+    is_mapping,
+    loss_factor,
+    mapping_rows,
+    parameter_count,
+    target_rows,
+    trainable_parameters,
+)
+from laplace_debiased.curvature.thresholds import EigenPairs
+
+
+def lanczos_top_k(
+    operator: Callable[[Tensor], Tensor],
+    dim: int,
+    k: int,
+    *,
+    tol: float = 0.0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+    max_iterations: int | None = None,
+) -> EigenPairs:
+    """Top-k eigenpairs of a symmetric operator by implicitly restarted Lanczos (ARPACK ``eigsh``).
+
+    ``operator`` maps a flat ``(dim,)`` tensor of ``dtype`` on ``device`` to ``(dim,)`` (e.g. a
+    :class:`laplace_debiased.curvature.operators.CountingOperator`, or ``linop.__matmul__`` of a
+    curvlinops operator); the Lanczos recurrence itself runs in float64. The start vector is
+    drawn from ``seed``, so results are reproducible. ``tol``: ``eigsh``'s relative accuracy
+    (0 = machine precision). Returns float64 :class:`EigenPairs` (``(k,)`` eigenvalues
+    descending, ``(dim, k)`` orthonormal eigenvectors, method ``"lanczos"``) on ``device``;
+    no sign convention. Needs ``0 < k < dim`` (ARPACK's limit; form small operators densely).
+    """
+    if not 0 < k < dim:
+        raise ValueError(
+            f"Lanczos needs 0 < k < dim={dim}, got k={k}; solve such a small problem densely "
+            "(top_eigenpairs: method='gram')."
+        )
+
+    def matvec(x: np.ndarray) -> np.ndarray:
+        v = torch.from_numpy(np.ascontiguousarray(x.reshape(-1))).to(device=device, dtype=dtype)
+        return operator(v).detach().double().cpu().numpy()
+
+    linop = LinearOperator((dim, dim), matvec=matvec, dtype=np.float64)
+    v0 = np.random.default_rng(seed).standard_normal(dim)
+    try:
+        values, vectors = eigsh(linop, k=k, which="LA", tol=tol, v0=v0, maxiter=max_iterations)
+    except ArpackNoConvergence as err:
+        raise RuntimeError(
+            f"Lanczos did not converge to {k} eigenpairs ({len(err.eigenvalues)} converged); "
+            "ask for fewer eigenpairs or loosen the tolerance"
+        ) from err
+    order = np.argsort(values)[::-1].copy()
+    return EigenPairs(
+        torch.as_tensor(values[order], device=device),
+        torch.as_tensor(vectors[:, order].copy(), device=device),
+        "lanczos",
+    )
+
+
+def _topk_lanczos(
+    model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float, n_outputs: int
+) -> EigenPairs:
+    """Top-k eigenpairs by :func:`lanczos_top_k` on :func:`summed_curvature_product`."""
+    product = summed_curvature_product(model, batches, likelihood, curvature, n_outputs)
+    first = next(iter(trainable_parameters(model).values()))
+    return lanczos_top_k(product, parameter_count(model), k, tol=tol, dtype=first.dtype, device=first.device)
+
+
+def summed_curvature_product(
+    model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, n_outputs: int
+) -> Callable[[Tensor], Tensor]:
+    """``v ↦ G_B v`` (``(P,)`` in the model's dtype; the summed loss over ``batches``, the
+    scaling of :func:`dense_curvature`), matrix-free: each product is one pass over the batches.
+    No batches: the zero map.
+
+    Built on :func:`laplace_debiased.curvature.operators.curvature_linop`, the curvature of the
+    **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` output rows (samples,
+    or every token of every sample for token outputs, :class:`_TokenRows`); the summed
+    loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
+    ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
+    entries), ``C = n_outputs``.
+    """
+    from laplace_debiased.curvature.operators import curvature_linop
+
+    if not batches:
+        return torch.zeros_like
+    rows = [target_rows(model, X, y) for X, y in batches]
+    if all(len(shape) == 1 for _, shape in rows):
+        op_model, data, n = model, list(batches), count_samples(batches)
+        batch_size_fn = mapping_rows if any(is_mapping(X) for X, _ in batches) else None
+    else:  # token outputs: one row per token
+        op_model = _TokenRows(model)
+        data = [({"x": X, "rows": len(t)}, t) for (X, _), (t, _) in zip(batches, rows)]
+        n, batch_size_fn = sum(len(t) for t, _ in rows), _rows_of
+    if likelihood == "classification":
+        lossfunc, scale = nn.CrossEntropyLoss(), float(n)
+    else:
+        lossfunc, scale = nn.MSELoss(), loss_factor(likelihood) * n * n_outputs
+    with backward_hooks_detached(model):
+        op = curvature_linop(op_model, lossfunc, data, curvature, num_data=n, batch_size_fn=batch_size_fn)
+
+    def product(v: Tensor) -> Tensor:
+        with backward_hooks_detached(model):
+            return scale * (op @ v)
+
+    return product

@@ -1,0 +1,57 @@
+"""Which posterior structure a fitted laplace-torch object has (``KronStructure`` or
+``EigenStructure``) and which parameters it is over.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from laplace_debiased.posterior.eigen import EigenStructure
+from laplace_debiased.posterior.kron import KronStructure
+
+
+def laplace_params(la) -> list[Tensor]:
+    """The parameters a laplace-torch object's posterior is over (last layer for LL variants)."""
+    last = getattr(getattr(la, "model", None), "last_layer", None)
+    if last is not None and la.n_params == sum(p.numel() for p in last.parameters()):
+        return list(last.parameters())
+    return list(la.params)
+
+
+def _curvature_kind(la) -> str | None:
+    """``"own"`` (a curvature with a ``grid_structure`` method), ``"kron"``, ``"dense"``,
+    ``"low_rank"`` for the curvatures :func:`posterior_structure` reads, else ``None`` (cheap:
+    no decomposition)."""
+    from laplace.utils.matrix import KronDecomposed
+
+    H = getattr(la, "H", None)
+    if callable(getattr(H, "grid_structure", None)):
+        return "own"
+    if isinstance(H, KronDecomposed):
+        return "kron"
+    if isinstance(H, Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] == la.n_params:
+        return "dense"
+    if isinstance(H, (tuple, list)) and len(H) == 2 and isinstance(H[0], Tensor) and H[0].ndim == 2:
+        return "low_rank"
+    return None
+
+
+def posterior_structure(la) -> KronStructure | EigenStructure:
+    """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
+
+    ``KronDecomposed`` -> :class:`KronStructure`; a dense ``(P, P)`` tensor ->
+    :class:`EigenStructure` (full); a pair ``(U, λ)`` -> :class:`EigenStructure` (low rank).
+    """
+    kind, H, s = _curvature_kind(la), getattr(la, "H", None), la._H_factor
+    if kind == "own":  # a curvature that knows its basis (debiased EKFAC)
+        return H.grid_structure(s, [p.numel() for p in laplace_params(la)])
+    if kind == "kron":
+        return KronStructure(H, s, [p.numel() for p in laplace_params(la)])
+    if kind == "dense":
+        return EigenStructure.from_dense(H, s)
+    if kind == "low_rank":
+        return EigenStructure(H[0], H[1], s)
+    raise TypeError(
+        f"no eigenbasis for curvature of type {type(H).__name__} (fit the Laplace object first; "
+        "for other structures use sampled_linearized_predictive)"
+    )

@@ -1,0 +1,185 @@
+"""Per-example Jacobians of the logits, one entry per parameter tensor.
+
+Per-example Jacobians are closed-form for ``nn.Linear``/``nn.Conv2d`` parameters (captured input
+activations and output gradients, one batched backward pass per class) and come from
+``torch.func`` (``vmap`` over ``jacrev``) otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from laplace_debiased.curvature.kfac import output_rows
+
+
+@dataclass
+class LayerJacobian:
+    """Jacobian of the ``C`` logits w.r.t. one parameter tensor for a chunk of ``n`` inputs.
+
+    Either *factored*, ``J[n, c, :] = vec(g[n, c, :] ⊗ a[n, :])`` (a ``Linear`` weight with 2-D
+    input; ``g`` ``(n, C, out)`` output gradients, ``a`` ``(n, in)`` inputs; row-major like
+    ``weight.flatten()``), or *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order.
+    A leading size 1 of ``g`` or ``dense`` means the same for every input (broadcast): the
+    output layer's ``g`` is the identity, which is then never materialised per input.
+    """
+
+    g: Tensor | None = None
+    a: Tensor | None = None
+    dense: Tensor | None = None
+
+    def full(self) -> Tensor:
+        """The dense ``(n, C, numel)`` Jacobian (leading size 1 if shared, see above)."""
+        if self.dense is not None:
+            return self.dense
+        return (self.g.unsqueeze(-1) * self.a[:, None, None, :]).flatten(2)
+
+    def gram(self) -> Tensor:
+        """``J Jᵀ`` of shape ``(n, C, C)``."""
+        if self.dense is not None:
+            return self.dense @ self.dense.transpose(1, 2)
+        return (self.g @ self.g.transpose(1, 2)) * self.a.square().sum(-1)[:, None, None]
+
+    def matmul(self, V: Tensor) -> Tensor:
+        """``J V`` for ``V`` of shape ``(numel, k)`` -> ``(n, C, k)``."""
+        if self.dense is not None:
+            return self.dense @ V
+        o, i = self.g.shape[-1], self.a.shape[-1]
+        return self.g @ torch.einsum("ni,oik->nok", self.a, V.reshape(o, i, -1))
+
+
+def _owners(model: nn.Module, params: Sequence[Tensor]) -> list[tuple[nn.Module, str] | None]:
+    """For each parameter, its ``(module, 'weight' | 'bias')`` if the module is a supported
+    ``Linear``/``Conv2d`` (closed-form Jacobian), else ``None``."""
+    owner: dict[int, tuple[nn.Module, str]] = {}
+    for mod in model.modules():
+        supported = isinstance(mod, nn.Linear) or (
+            isinstance(mod, nn.Conv2d)
+            and mod.groups == 1
+            and mod.padding_mode == "zeros"
+            and not isinstance(mod.padding, str)
+        )
+        if supported:
+            for name in ("weight", "bias"):
+                p = getattr(mod, name)
+                if p is not None:
+                    owner[id(p)] = (mod, name)
+    return [owner.get(id(p)) for p in params]
+
+
+def logit_rows(f: Tensor) -> Tensor:
+    """Outputs ``(n, [tokens, ...,] C)`` as rows ``(n·tokens, C)``, one per token
+    (:func:`laplace_debiased.curvature.kfac.output_rows`, which also checks ``f.ndim ≥ 2``)."""
+    return output_rows(f, f[..., 0])[0]
+
+
+def _layer_jacobians(
+    model: nn.Module, params: Sequence[Tensor], x: Tensor
+) -> tuple[Tensor, list[LayerJacobian]]:
+    """Closed-form per-example Jacobians from captured activations and output gradients.
+
+    One forward pass with hooks on the owning modules, then one batched backward pass per
+    output row and class (``is_grads_batched``; ``T·C`` cotangents for ``T`` tokens) for the
+    modules before the output; the output ``Linear``'s output gradient is the identity, kept as
+    one shared ``(1, C, C)``, with its input of each token as that row's input.  Returns the
+    outputs ``(n, [tokens,] C)`` and Jacobians of the rows ``(n·tokens, C, ·)``.  Assumes
+    examples do not interact (no BatchNorm in train mode); tokens may.
+    """
+    owners = _owners(model, params)
+    modules = list({id(m): m for m, _ in owners}.values())
+    captured: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def hook(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if id(mod) in captured:
+            raise ValueError(
+                f"module {mod} is called twice per forward pass (weight sharing); use "
+                "sampled_linearized_predictive for such models"
+            )
+        captured[id(mod)] = (inputs[0].detach(), output)
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(True) if x.is_floating_point() else x
+            f = model(x_in)
+            n, C = len(f), f.shape[-1]
+            tokens = len(logit_rows(f)) // n
+            eye = torch.eye(C, dtype=f.dtype, device=f.device)
+            shared = eye[None]
+            out_grad = {id(m): shared for m in modules if captured[id(m)][1] is f and isinstance(m, nn.Linear)}
+            inner = [m for m in modules if id(m) not in out_grad]
+            if inner:  # cotangent (t, c): one-hot at token t, class c of every example
+                cot = torch.eye(tokens * C, dtype=f.dtype, device=f.device)
+                cot = cot.reshape(tokens * C, 1, *f.shape[1:]).expand(-1, n, *f.shape[1:])
+                outs = [captured[id(m)][1] for m in inner]
+                grads = torch.autograd.grad(f, outs, grad_outputs=cot, is_grads_batched=True)
+                out_grad.update({  # (n·tokens, C, ...)
+                    id(m): g.unflatten(0, (tokens, C)).movedim(2, 0).flatten(0, 1).detach()
+                    for m, g in zip(inner, grads)
+                })
+    finally:
+        for h in handles:
+            h.remove()
+
+    jacs: list[LayerJacobian] = []
+    for mod, name in owners:
+        a, _ = captured[id(mod)]
+        g = out_grad[id(mod)]
+        if g is shared:  # the output Linear: each token's input is its row's input
+            a = a.flatten(0, -2)
+        elif tokens > 1:  # an inner module: every row of an example sees the example's input
+            a = a.repeat_interleave(tokens, dim=0)
+        if isinstance(mod, nn.Conv2d):
+            g = g.flatten(3)  # (n, C, out, T)
+            if name == "bias":
+                jacs.append(LayerJacobian(dense=g.sum(-1)))
+            else:
+                unf = F.unfold(a, mod.kernel_size, mod.dilation, mod.padding, mod.stride)
+                jacs.append(LayerJacobian(dense=torch.einsum("ncot,nkt->ncok", g, unf).flatten(2)))
+        elif a.ndim == 2:  # Linear on (n, in): rank-one per class
+            jacs.append(LayerJacobian(dense=g) if name == "bias" else LayerJacobian(g=g, a=a))
+        else:  # Linear applied to (n, ..., in): sum over the extra positions
+            g = g.flatten(2, -2)  # (n, C, T, out)
+            if name == "bias":
+                jacs.append(LayerJacobian(dense=g.sum(2)))
+            else:
+                jacs.append(
+                    LayerJacobian(dense=torch.einsum("ncto,nti->ncoi", g, a.flatten(1, -2)).flatten(2))
+                )
+    return f.detach(), jacs
+
+
+def _func_jacobians(
+    model: nn.Module, params: Sequence[Tensor], x: Tensor
+) -> tuple[Tensor, list[LayerJacobian]]:
+    """Per-example Jacobians via ``torch.func.vmap(jacrev(...))`` (any differentiable model)."""
+    names = {id(p): k for k, p in model.named_parameters()}
+    if any(id(p) not in names for p in params):
+        raise ValueError("every Laplace parameter must be a parameter of the model")
+    keys = [names[id(p)] for p in params]
+    fixed = {k: v.detach() for k, v in model.named_parameters() if k not in keys}
+    fixed.update(dict(model.named_buffers()))
+
+    def single(theta: dict[str, Tensor], xi: Tensor) -> tuple[Tensor, Tensor]:
+        out = torch.func.functional_call(model, {**fixed, **theta}, (xi.unsqueeze(0),)).squeeze(0)
+        return out, out
+
+    theta = {k: p.detach() for k, p in zip(keys, params)}
+    jac, f = torch.func.vmap(torch.func.jacrev(single, has_aux=True), in_dims=(None, 0))(theta, x)
+    C = f.shape[-1]
+    return f, [LayerJacobian(dense=jac[k].reshape(-1, C, theta[k].numel())) for k in keys]
+
+
+def logit_jacobians(
+    model: nn.Module, params: Sequence[Tensor], x: Tensor
+) -> tuple[Tensor, list[LayerJacobian]]:
+    """Logits ``(n, [tokens,] C)`` and per-parameter Jacobians of the logit rows
+    (:func:`logit_rows`, ``(n·tokens, C, ·)``) of ``model`` at ``x`` (closed form for
+    Linear/Conv2d, ``torch.func`` otherwise)."""
+    if all(o is not None for o in _owners(model, params)):
+        return _layer_jacobians(model, params, x)
+    return _func_jacobians(model, params, x)
