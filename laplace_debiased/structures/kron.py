@@ -154,6 +154,8 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         After the fit ``self.coverage`` (:class:`~laplace_debiased.diagnostics.coverage.Coverage`)
         records per layer and factor what the curvature covers; it is logged, and a warning
         names the layers where a share of the weights keeps only the prior.
+        ``debiased_ekfac`` (a subclass with its own eigenbasis and eigenvalues) does not use
+        ``null_space`` and records no coverage.
         """
         if null_space not in NULL_SPACE_MODES:
             raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
