@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cifar10.data import load_data  # noqa: E402
 from benchmarks.cifar10.train import MapConfig, train  # noqa: E402
 from laplace_debiased.diagnostics.concentration import batch_coverage, softmax_ggn_traces, top_shares  # noqa: E402
-from laplace_debiased.evaluation.predictive import logit_jacobians  # noqa: E402
+from laplace_debiased.posterior.jacobians import logit_jacobians  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FRACTIONS = (0.001, 0.01, 0.05, 0.1)

@@ -57,7 +57,9 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the debiased structures
 from laplace_debiased.evaluation.metrics import nll
-from laplace_debiased.evaluation.predictive import logit_jacobians, posterior_structure, probit_from_variances
+from laplace_debiased.posterior.from_laplace import posterior_structure
+from laplace_debiased.posterior.jacobians import logit_jacobians
+from laplace_debiased.posterior.links import probit_from_variances
 from laplace_debiased.evaluation.training import default_digits_model
 from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace
 from laplace_debiased.structures.kron import DebiasedKronLaplace

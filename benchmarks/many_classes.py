@@ -63,7 +63,7 @@ def child(which: str, args) -> dict:
     from laplace import Laplace
 
     import laplace_debiased  # noqa: F401  registers debiased_kron
-    from laplace_debiased.evaluation.predictive import GridPredictive
+    from laplace_debiased.posterior.grid import GridPredictive
 
     torch.set_num_threads(args.threads)
     model, train, X_test = problem(args.fit_batch, args.n_test)

@@ -59,7 +59,7 @@ def _big_model() -> nn.Module:
 def child(which: str, n_inputs: int, limit_gb: float) -> None:
     """Run one predictive on the 1M-parameter model under an address-space limit; print JSON."""
     resource.setrlimit(resource.RLIMIT_AS, (int(limit_gb * 2**30), int(limit_gb * 2**30)))
-    from laplace_debiased.evaluation.predictive import GridPredictive
+    from laplace_debiased.posterior.grid import GridPredictive
 
     model = _big_model()
     la = _kfac(model, 100)
@@ -113,7 +113,7 @@ def main() -> None:
         return
 
     from laplace_debiased.evaluation.models import cifar_cnn
-    from laplace_debiased.evaluation.predictive import GridPredictive
+    from laplace_debiased.posterior.grid import GridPredictive
 
     torch.manual_seed(0)
     model = cifar_cnn().eval()

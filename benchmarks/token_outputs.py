@@ -91,7 +91,7 @@ def child_ours(args) -> dict:
     from laplace import Laplace
 
     import laplace_debiased  # noqa: F401  registers debiased_kron
-    from laplace_debiased.evaluation.predictive import GridPredictive
+    from laplace_debiased.posterior.grid import GridPredictive
 
     model, x, y, x_test = problem(args)
     out, clock = {"which": "ours"}, Clock()

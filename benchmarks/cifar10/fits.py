@@ -29,7 +29,7 @@ import torch
 from laplace import KronLaplace
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.evaluation.predictive import posterior_structure
+from laplace_debiased.posterior.from_laplace import posterior_structure
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.structures.lowrank import DebiasedLowRankLLLaplace
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from laplace_debiased.evaluation.predictive import apply_link, logit_jacobians
+from laplace_debiased.posterior.jacobians import logit_jacobians
+from laplace_debiased.posterior.links import apply_link
 
 from .config import Config
 from .fits import Fit

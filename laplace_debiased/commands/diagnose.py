@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
 def coverage_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likelihood: str, batch_size: int,
                      seed: int) -> str:
-    """Markdown: the coverage record (:mod:`laplace_debiased.diagnostics.coverage`) of a debiased
+    """Markdown: the coverage record (:mod:`laplace_debiased.structures.coverage`) of a debiased
     K-FAC fit at 2 × b/2 with each null-space treatment, or why there is none."""
     import warnings
 

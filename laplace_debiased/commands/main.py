@@ -21,20 +21,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pipeline_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the pipeline; exit status 2 on bad options or an output folder held by another run."""
+def run_pipeline_command(args: argparse.Namespace, report: bool) -> tuple[int, dict | None]:
+    """``run_pipeline`` with the commands' error handling: ``(2, None)`` after printing a bad
+    option or an output folder held by another run, ``(0, None)`` on ranks other than 0 (under
+    torchrun rank 0 reports the paths), else ``(0, paths)``."""
     from laplace_debiased.evaluation.pipeline import run_pipeline
     from laplace_debiased.evaluation.sweep import OutputLockedError
     from laplace_debiased.structures.distributed import PeerRankError, rank_world
 
     try:
-        opts = resolve_options(args)
-        paths = run_pipeline(opts, report=True)
+        paths = run_pipeline(resolve_options(args), report=report)
     except (ValueError, FileNotFoundError, OutputLockedError, PeerRankError) as err:
         print(f"laplace-debiased: error: {err}", file=sys.stderr)
-        return 2
-    if rank_world()[0] != 0:  # under torchrun rank 0 reports the paths
-        return 0
-    print(f"results: {paths['results']}")
-    print(f"report:  {paths['report']} (and {paths['report'].with_suffix('.html')})")
-    return 0
+        return 2, None
+    return (0, paths) if rank_world()[0] == 0 else (0, None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the pipeline; exit status 2 on bad options or an output folder held by another run."""
+    status, paths = run_pipeline_command(args, report=True)
+    if paths is not None:
+        print(f"results: {paths['results']}")
+        print(f"report:  {paths['report']} (and {paths['report'].with_suffix('.html')})")
+    return status

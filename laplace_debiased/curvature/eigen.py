@@ -75,51 +75,28 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from laplace_debiased.curvature.factors import (  # noqa: F401
-    _batch_factor,
-    _batch_factor_functorch,
-    _directional_functorch,
-    _linear_dense_curvature,
-    _model_fn,
-    curvature_factor,
-    dense_curvature,
-    directional_curvatures,
-    output_curvature_factor,
-    per_sample_factor_columns,
-)
-from laplace_debiased.curvature.inputs import (  # noqa: F401
-    CURVATURES,
-    LIKELIHOODS,
+from laplace_debiased.curvature.factors import curvature_factor, dense_curvature
+from laplace_debiased.curvature.inputs import (
     Batch,
     Curvature,
-    Inputs,
     _check_curvature,
-    _check_finite,
     _check_likelihood,
     _functorch_unsupported,
     _n_outputs,
-    _rows_of,
-    _sample_output_shape,
-    _TokenRows,
-    backward_hooks_detached,
     count_rows,
-    count_samples,
     is_mapping,
-    loss_factor,
-    mapping_rows,
     parameter_count,
-    take_rows,
-    target_rows,
-    trainable_parameters,
 )
-from laplace_debiased.curvature.lanczos import _topk_lanczos, lanczos_top_k, summed_curvature_product  # noqa: F401
-from laplace_debiased.curvature.linalg import eigh_float64
-from laplace_debiased.curvature.thresholds import (  # noqa: F401
-    EigenPairs,
-    above_relative_floor,
-    curved_directions,
-    threshold_eigenpairs,
-)
+from laplace_debiased.curvature.lanczos import _topk_lanczos
+from laplace_debiased.curvature.linalg import symmetric_eigh64
+from laplace_debiased.curvature.thresholds import EigenPairs, threshold_eigenpairs
+
+# The public names of the modules split off this one, at their old path.
+from laplace_debiased.curvature.factors import directional_curvatures, output_curvature_factor, per_sample_factor_columns  # noqa: F401
+from laplace_debiased.curvature.inputs import CURVATURES, LIKELIHOODS, Inputs, backward_hooks_detached, count_samples  # noqa: F401
+from laplace_debiased.curvature.inputs import loss_factor, mapping_rows, take_rows, target_rows, trainable_parameters  # noqa: F401
+from laplace_debiased.curvature.lanczos import lanczos_top_k, summed_curvature_product  # noqa: F401
+from laplace_debiased.curvature.thresholds import above_relative_floor, curved_directions  # noqa: F401
 
 Method = Literal["auto", "gram", "lanczos"]
 
@@ -130,7 +107,7 @@ logger = logging.getLogger(__name__)
 
 def eigh_descending(G: Tensor) -> EigenPairs:
     """Full eigendecomposition of the symmetric part of ``G`` in float64, eigenvalues descending."""
-    values, vectors = eigh_float64(G.double())
+    values, vectors = symmetric_eigh64(G)
     return EigenPairs(values.flip(0), vectors.flip(1), "dense")
 
 
@@ -227,7 +204,7 @@ def top_eigenpairs(
         raise ValueError(f"rtol must be a finite number ≥ 0, got {rtol!r}.")
     if not batches:
         raise ValueError("top_eigenpairs needs at least one batch.")
-    n_params = sum(p.numel() for p in trainable_parameters(model).values())
+    n_params = parameter_count(model)
     n_samples = count_rows(model, batches)  # output rows: samples × tokens
     n_out = _n_outputs(model, batches)
     n_columns = n_samples * (n_out if curvature == "ggn" else 1)
@@ -264,7 +241,7 @@ def range_eigenpairs(
     ``≤ P · eps · λ_max`` count as zero and are left out: their eigenvectors are not determined
     by ``G_B`` (any basis of its null space is one).
     """
-    n_params = sum(p.numel() for p in trainable_parameters(model).values())
+    n_params = parameter_count(model)
     n_out = _n_outputs(model, batches)
     n_columns = count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
     if n_columns < n_params:

@@ -43,8 +43,8 @@ import torch
 from curvlinops import EKFACLinearOperator, FisherType
 from torch import Tensor, nn
 
-from laplace_debiased.curvature.eigen import target_rows
-from laplace_debiased.curvature.linalg import eigh_float64
+from laplace_debiased.curvature.inputs import target_rows
+from laplace_debiased.curvature.linalg import _check_square, symmetric_eigh64
 
 __all__ = [
     "kron_eigenbasis",
@@ -65,7 +65,9 @@ def kron_eigenbasis(kfacs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
         if len(block) not in (1, 2):
             raise ValueError(f"K-FAC block {i} has {len(block)} factors; expected 1 or 2.")
         try:
-            basis.append([eigh_float64(F)[1] for F in block])
+            for F in block:
+                _check_square(F, "K-FAC factor")
+            basis.append([symmetric_eigh64(F)[1].to(F.dtype) for F in block])
         except ValueError as err:
             raise ValueError(f"K-FAC block {i}: {err}") from err
     return basis

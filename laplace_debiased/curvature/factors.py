@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, jvp, vmap
+from torch.func import jacrev, jvp, vmap
 
 from laplace_debiased.curvature.inputs import (
     Batch,
@@ -23,8 +23,10 @@ from laplace_debiased.curvature.inputs import (
     _check_likelihood,
     _functorch_unsupported,
     backward_hooks_detached,
+    functional_model,
     is_mapping,
     loss_factor,
+    parameter_count,
     take_rows,
     trainable_parameters,
 )
@@ -60,16 +62,6 @@ def per_sample_factor_columns(
                     torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
                 )
             yield torch.stack(columns, dim=1)
-
-
-def _model_fn(model: nn.Module):
-    """``(params, X) -> logits`` as a pure function of the trainable parameters."""
-    buffers = dict(model.named_buffers())
-
-    def fn(params: dict[str, Tensor], X: Tensor) -> Tensor:
-        return functional_call(model, (params, buffers), (X,), strict=False)
-
-    return fn
 
 
 def output_curvature_factor(f: Tensor, y: Tensor, likelihood: str, curvature: Curvature = "ggn") -> Tensor:
@@ -136,9 +128,8 @@ def _batch_factor(
 def _batch_factor_functorch(
     model: nn.Module, X: Tensor, y: Tensor, likelihood: str, curvature: Curvature, max_chunk_elements: int
 ) -> list[Tensor]:
-    fn = _model_fn(model)
-    params = trainable_parameters(model)
-    n_params = sum(p.numel() for p in params.values())
+    fn, params = functional_model(model)
+    n_params = parameter_count(model)
 
     def single(p: dict[str, Tensor], x: Tensor) -> Tensor:
         return fn(p, x.unsqueeze(0)).squeeze(0)
@@ -207,7 +198,7 @@ def dense_curvature(
     if isinstance(model, nn.Linear) and not any(is_mapping(X) for X, _ in batches):
         return _linear_dense_curvature(model, batches, likelihood, curvature)
     params = list(trainable_parameters(model).values())
-    n_params = sum(p.numel() for p in params)
+    n_params = parameter_count(model)
     G = torch.zeros(n_params, n_params, dtype=torch.float64, device=params[0].device)
     for batch in batches:
         V = curvature_factor(model, [batch], likelihood, curvature).double()
@@ -234,7 +225,7 @@ def directional_curvatures(
     _check_likelihood(likelihood)
     _check_curvature(curvature)
     params = trainable_parameters(model)
-    n_params = sum(p.numel() for p in params.values())
+    n_params = parameter_count(model)
     if directions.ndim != 2 or directions.shape[0] != n_params:
         raise ValueError(f"directions must have shape (P={n_params}, k), got {tuple(directions.shape)}.")
     U = directions.to(next(iter(params.values())).dtype)
@@ -265,7 +256,7 @@ def _directional_functorch(
     chunk_size: int,
 ) -> Tensor:
     """One batch of :func:`directional_curvatures` by ``vmap`` over forward-mode ``jvp``."""
-    fn = _model_fn(model)
+    fn, _ = functional_model(model)
     k = U.shape[1]
     names = list(params)
     sizes = [params[n].numel() for n in names]

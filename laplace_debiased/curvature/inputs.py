@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from laplace_debiased.curvature.kfac import output_rows
 
@@ -55,6 +56,29 @@ def trainable_parameters(model: nn.Module) -> dict[str, Tensor]:
 def count_samples(batches: Sequence[Batch]) -> int:
     """Total number of samples in a batch list (sequences for token outputs)."""
     return sum(len(y) for _, y in batches)
+
+
+def functional_model(
+    model: nn.Module, params: Sequence[Tensor] | None = None
+) -> tuple[Callable[[dict[str, Tensor], Inputs], Tensor], dict[str, Tensor]]:
+    """``(fn, θ)``: ``fn(θ, X) = model(X)`` as a pure function (``torch.func.functional_call``)
+    of the parameters ``params`` by name (default: the trainable ones, :func:`trainable_parameters`),
+    the other parameters and the buffers held at their current values; ``θ`` the detached
+    current values of ``params``, in their order."""
+    if params is None:
+        theta = trainable_parameters(model)
+    else:
+        names = {id(p): k for k, p in model.named_parameters()}
+        if any(id(p) not in names for p in params):
+            raise ValueError("every Laplace parameter must be a parameter of the model")
+        theta = {names[id(p)]: p.detach() for p in params}
+    fixed = {k: v.detach() for k, v in model.named_parameters() if k not in theta}
+    fixed.update(dict(model.named_buffers()))
+
+    def fn(th: dict[str, Tensor], X: Inputs) -> Tensor:
+        return functional_call(model, {**fixed, **th}, (X,))
+
+    return fn, theta
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -119,6 +119,49 @@ def _segment_sums(
         out[group].addmm_(r.T, r, alpha=scale)
 
 
+def _install_sum_hooks(
+    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums
+) -> list:
+    """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input`` and
+    hook the outputs so that every backward pass adds its output-gradient sums to
+    ``into.output``; returns the handles (remove them after the passes)."""
+    handles = []
+
+    def on_output_grad(grad: torch.Tensor, i: int) -> None:
+        _segment_sums(_rows(grad.detach(), modules[i]), segments, into.output[i], 1.0)
+
+    def on_forward(
+        module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
+    ) -> None:
+        if into.input[i] is not None:
+            a = _patches(inputs[0].detach(), module)
+            _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
+        output.register_hook(partial(on_output_grad, i=i))
+
+    for i, m in enumerate(modules):
+        handles.append(m.register_forward_hook(partial(on_forward, i=i)))
+    return handles
+
+
+def _backward_passes(
+    model: nn.Module, X: torch.Tensor, y: torch.Tensor, params: list[torch.Tensor], likelihood: str,
+    lossfunc: nn.Module, fisher: str,
+) -> torch.Tensor:
+    """One forward pass, then the backward passes whose output gradients the hooks sum: one per
+    column of the loss-Hessian square root (``"type2"``) or the loss gradient (``"empirical"``).
+    Returns the detached outputs."""
+    with torch.enable_grad():
+        f = model(X)
+        rows, targets = output_rows(f, y)
+        if fisher == "empirical":
+            torch.autograd.grad(lossfunc(rows, targets), params)
+        else:
+            C = rows.shape[-1]
+            for c, column in enumerate(loss_hessian_sqrt_columns(rows, likelihood)):
+                torch.autograd.grad((rows * column).sum(), params, retain_graph=c < C - 1)
+    return f.detach()
+
+
 def group_kfac_sums(
     model: nn.Module,
     modules: Sequence[nn.Module],
@@ -163,35 +206,12 @@ def group_kfac_sums(
     params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     if into is None:
         into = zero_sums(modules, n_groups, params[0])
-    handles = []
-
-    def on_output_grad(grad: torch.Tensor, i: int) -> None:
-        _segment_sums(_rows(grad.detach(), modules[i]), segments, into.output[i], 1.0)
-
-    def on_forward(
-        module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
-    ) -> None:
-        if into.input[i] is not None:
-            a = _patches(inputs[0].detach(), module)
-            _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
-        output.register_hook(partial(on_output_grad, i=i))
-
-    for i, m in enumerate(modules):
-        handles.append(m.register_forward_hook(partial(on_forward, i=i)))
+    handles = _install_sum_hooks(modules, segments, into)
     try:
-        with torch.enable_grad():
-            f = model(X)
-            rows, targets = output_rows(f, y)
-            if fisher == "empirical":
-                torch.autograd.grad(lossfunc(rows, targets), params)
-            else:
-                C = rows.shape[-1]
-                for c, column in enumerate(loss_hessian_sqrt_columns(rows, likelihood)):
-                    torch.autograd.grad((rows * column).sum(), params, retain_graph=c < C - 1)
+        f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher)
     finally:
         for h in handles:
             h.remove()
-    f = f.detach()
     for start, stop, group in segments:
         into.loss[group] += factor * lossfunc(*output_rows(f[start:stop], y[start:stop]))
     return into

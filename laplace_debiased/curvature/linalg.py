@@ -35,6 +35,7 @@ __all__ = [
     "remeasure_eigenvalues",
     "clamp_roundoff_negatives",
     "roundoff_tolerance",
+    "symmetric_eigh64",
     "eigh_float64",
     "degenerate_groups",
     "aligned_eigenbasis",
@@ -131,21 +132,17 @@ def remeasure_eigenvalues(U: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
 
 
 def symmetric_eigh64(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(L (n,), V (n, n))`` of the symmetric part ½(M + Mᵀ) of ``M`` (n, n), in float64,
-    ascending order: the one float64 eigendecomposition every variance formula uses."""
+    """``(L (..., n), V (..., n, n))`` of the symmetric part ½(M + Mᵀ) of ``M`` (..., n, n), in
+    float64, ascending order, ``½(M + Mᵀ) = V diag(L) Vᵀ``: the one eigendecomposition of the
+    package (curvature factors, variance formulas, square roots of covariances)."""
+    if M.ndim < 2 or M.shape[-1] != M.shape[-2]:
+        raise ValueError(f"symmetric_eigh64 needs square matrices (..., n, n), got shape {tuple(M.shape)}.")
     M64 = M.double()
-    return torch.linalg.eigh(0.5 * (M64 + M64.T))
+    return torch.linalg.eigh(0.5 * (M64 + M64.mT))
 
 
-def eigh_float64(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigendecomposition of the symmetric part of ``M`` (n, n) computed in float64.
-
-    Returns ``(eigenvalues (n,), eigenvectors (n, n))`` in ``M.dtype``, ascending order,
-    ``M ≈ V diag(L) Vᵀ``.
-    """
-    _check_square(M, "direction curvature")
-    L, V = symmetric_eigh64(M)
-    return L.to(M.dtype), V.to(M.dtype)
+#: Old name of :func:`symmetric_eigh64` (which returns float64).
+eigh_float64 = symmetric_eigh64
 
 
 def degenerate_groups(eigenvalues: torch.Tensor, tolerance: float) -> list[slice]:

@@ -25,7 +25,14 @@ class EigenPairs:
 
 
 def above_relative_floor(values: Tensor, rtol: float) -> Tensor:
-    """Boolean mask of ``values > rtol · max(values)`` and ``> 0`` (all False if none is positive)."""
+    """Boolean mask of ``values > rtol · max(values)`` and ``> 0`` (all False if none is positive):
+    the eigenvalues to keep, and the directions to keep after re-measuring their curvatures.
+
+    A direction with curvature ``λ̃`` adds ``λ̃ u uᵀ`` to the precision, so removing one is exact
+    for ``λ̃ = 0``, changes the precision by at most ``rtol · max λ̃`` otherwise, and keeps the
+    Woodbury inverse ``diag(1/λ̃)`` finite. Negative values can only come from round-off (a
+    GGN/EF is PSD) and are removed as well.
+    """
     if values.numel() == 0:
         return torch.zeros(0, dtype=torch.bool, device=values.device)
     return values > max(float(values.max()) * rtol, 0.0)
@@ -37,12 +44,5 @@ def threshold_eigenpairs(pairs: EigenPairs, rtol: float) -> EigenPairs:
     return EigenPairs(pairs.values[keep], pairs.vectors[:, keep], pairs.method)
 
 
-def curved_directions(curvatures: Tensor, rtol: float) -> Tensor:
-    """Mask of the directions to keep after re-measuring: ``λ̃ > rtol · max λ̃`` and ``λ̃ > 0``.
-
-    A direction with curvature ``λ̃`` adds ``λ̃ u uᵀ`` to the precision, so removing one is exact
-    for ``λ̃ = 0``, changes the precision by at most ``rtol · max λ̃`` otherwise, and keeps the
-    Woodbury inverse ``diag(1/λ̃)`` finite. Negative values can only come from round-off (a
-    GGN/EF is PSD) and are removed as well. All directions go if no ``λ̃`` is positive.
-    """
-    return above_relative_floor(curvatures, rtol)
+#: Old name of :func:`above_relative_floor` for re-measured curvatures.
+curved_directions = above_relative_floor

@@ -182,6 +182,45 @@ def planned_products(config: DiagnosisConfig, n_data: int, n_params: int) -> dic
     return plan
 
 
+def _studies(kind: str, sources: list[int], directions_of: Callable, counts: dict[int, int], label: str,
+             partition, factory, full, say: Callable[[str], None]) -> list:
+    """One :func:`measure_study` per source batch ``s`` along ``directions_of(q_s, s)``, counting
+    the curvature products into ``counts``."""
+    studies = []
+    for s in sources:
+        q = factory([partition[s]])
+        D = directions_of(q, s)
+        _count(counts, q)
+        study = measure_study(kind, s, D, partition, factory, full if s == 0 else None)
+        _merge(counts, study.n_products)
+        studies.append(study)
+        say(f"{label} of batch {s + 1}/{len(sources)}")
+    return studies
+
+
+def _ladders(model, loss_func, X: Tensor, y: Tensor, config: DiagnosisConfig, K: int, gen: torch.Generator,
+             eigen: list, M: int, products: dict[str, dict[int, int]], say: Callable[[str], None]) -> tuple[list, list]:
+    """The batch-size ladder (the eigen studies' own batch size first) and the K-FAC ladder."""
+    b = config.batch_size
+    ladder = [LadderRow(b, st.source, st.batches[st.source].curvatures,
+                        st.batches[_independent(st.source, len(eigen), M)].curvatures, st.full.curvatures)
+              for st in eigen]
+    sizes = [s for s in (config.ladder or default_ladder(b, X.shape[0])) if s != b]
+    if any(s > X.shape[0] // 2 for s in sizes):
+        raise ValueError(f"ladder batch sizes must be at most N/2 = {X.shape[0] // 2}, got {sizes}")
+    for size in sizes:
+        ladder += _ladder_rows(model, loss_func, X, y, size, config, config.curvature, K, gen,
+                               products["batch_size_ladder"], exact=None)
+        say(f"batch size {size}")
+    kfac_rows: list[LadderRow] = []
+    if config.kfac:
+        for size in (b, *sizes):
+            kfac_rows += _ladder_rows(model, loss_func, X, y, size, config, "kfac", K, gen,
+                                      products["kfac_ladder"], exact=config.curvature)
+            say(f"K-FAC at batch size {size}")
+    return ladder, kfac_rows
+
+
 def diagnose_bias(
     model: nn.Module,
     loss_func: nn.Module,
@@ -213,23 +252,15 @@ def diagnose_bias(
     products: dict[str, dict[int, int]] = {"eigenvectors": {}, "cg": {}, "full_eigenvectors": {},
                                            "batch_size_ladder": {}, "kfac_ladder": {}}
 
-    eigen, cg_studies = [], []
-    for s in sources:
-        q = factory([partition[s]])
-        pairs = top_eigenpairs(q.curvature, n_params, K, dtype=dtype, tol=config.lanczos_tol, seed=config.seed + s)
-        _count(products["eigenvectors"], q)
-        study = measure_study("eigen", s, pairs.vectors, partition, factory, full if s == 0 else None)
-        _merge(products["eigenvectors"], study.n_products)
-        eigen.append(study)
-        say(f"eigenvectors of batch {s + 1}/{len(sources)}")
-    for s in sources:
-        q = factory([partition[s]])
-        D = cg_directions(q, config.cg_steps)
-        _count(products["cg"], q)
-        study = measure_study("cg", s, D, partition, factory, full if s == 0 else None)
-        _merge(products["cg"], study.n_products)
-        cg_studies.append(study)
-        say(f"CG directions of batch {s + 1}/{len(sources)}")
+    def eigenvectors(q, s: int) -> Tensor:
+        return top_eigenpairs(q.curvature, n_params, K, dtype=dtype, tol=config.lanczos_tol, seed=config.seed + s).vectors
+
+    def cg_dirs(q, s: int) -> Tensor:
+        return cg_directions(q, config.cg_steps)
+
+    studies = (partition, factory, full, say)
+    eigen = _studies("eigen", sources, eigenvectors, products["eigenvectors"], "eigenvectors", *studies)
+    cg_studies = _studies("cg", sources, cg_dirs, products["cg"], "CG directions", *studies)
 
     full_values = overlap_full = None
     overlap_batches = overlap_matrix(eigen[0].directions, eigen[1].directions) if len(eigen) > 1 else None
@@ -241,22 +272,7 @@ def diagnose_bias(
         overlap_full = overlap_matrix(eigen[0].directions, full_pairs.vectors)
         say("eigenvectors of the full data set")
 
-    ladder = [LadderRow(b, st.source, st.batches[st.source].curvatures,
-                        st.batches[_independent(st.source, len(eigen), M)].curvatures, st.full.curvatures)
-              for st in eigen]
-    sizes = [s for s in (config.ladder or default_ladder(b, X.shape[0])) if s != b]
-    if any(s > X.shape[0] // 2 for s in sizes):
-        raise ValueError(f"ladder batch sizes must be at most N/2 = {X.shape[0] // 2}, got {sizes}")
-    for size in sizes:
-        ladder += _ladder_rows(model, loss_func, X, y, size, config, config.curvature, K, gen,
-                               products["batch_size_ladder"], exact=None)
-        say(f"batch size {size}")
-    kfac_rows: list[LadderRow] = []
-    if config.kfac:
-        for size in (b, *sizes):
-            kfac_rows += _ladder_rows(model, loss_func, X, y, size, config, "kfac", K, gen,
-                                      products["kfac_ladder"], exact=config.curvature)
-            say(f"K-FAC at batch size {size}")
+    ladder, kfac_rows = _ladders(model, loss_func, X, y, config, K, gen, eigen, M, products, say)
 
     return BiasDiagnosis(config, n_params, M * b, X.shape[0] - M * b, eigen, cg_studies, full_values,
                          overlap_batches, overlap_full, ladder, kfac_rows, products)

@@ -14,7 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from laplace_debiased.curvature.eigen import EigenPairs, eigh_descending, lanczos_top_k
+from laplace_debiased.curvature.eigen import eigh_descending
+from laplace_debiased.curvature.lanczos import lanczos_top_k
+from laplace_debiased.curvature.thresholds import EigenPairs
 
 Operator = Callable[[Tensor], Tensor]
 

@@ -161,7 +161,15 @@ def _pct(x: float) -> str:
 
 def markdown_summary(s: dict[str, Any], plan: dict[str, str] | None = None) -> str:
     """The report's Markdown: what was measured, how biased, and what would fix it."""
-    e, c = s["eigen"], s["cg"]
+    lines = [*_verdict_lines(s), *_finding_lines(s), *_ladder_lines(s), *_cost_lines(s, plan)]
+    lines += ["", "## Plots", "", "![slice](slice.png)", "", "![eigenvectors](eigen.png)", "", "![overlap](overlap.png)",
+              "", "![cg](cg.png)", "", "![batch sizes](batch_sizes.png)", ""]
+    return "\n".join(lines)
+
+
+def _verdict_lines(s: dict[str, Any]) -> list[str]:
+    """Title, what was measured, and the verdict on the same-batch and independent-batch bias."""
+    e = s["eigen"]
     b, tol = s["batch_size"], s["tolerance"]
     same = e["curvature_bias_same_batch"]
     other = e["curvature_bias_other_batches"]
@@ -185,6 +193,14 @@ def markdown_summary(s: dict[str, Any], plan: dict[str, str] | None = None) -> s
         + ("**within** " if s["debiased_within_tolerance"] else "**not within** ")
         + f"the tolerance of ±{100 * tol:.0f} %.",
     ]
+    return lines
+
+
+def _finding_lines(s: dict[str, Any]) -> list[str]:
+    """The batch size that would do, CG directions, slopes, overlaps and the Eq. 5 / Eq. 7 checks."""
+    e, c = s["eigen"], s["cg"]
+    b, tol = s["batch_size"], s["tolerance"]
+    lines: list[str] = []
     need, extra = s["batch_size_within_tolerance"], s["batch_size_extrapolated"]
     if need is None:
         lines.append("* The same-batch bias does not shrink with the batch size in the measured range; use "
@@ -213,6 +229,12 @@ def markdown_summary(s: dict[str, Any], plan: dict[str, str] | None = None) -> s
     if s["eq5_max_relative_residual"] is not None:
         lines.append(f"* Eq. 5 check (average over the partition = full data): max relative deviation "
                      f"{s['eq5_max_relative_residual']:.1e}.")
+    return lines
+
+
+def _ladder_lines(s: dict[str, Any]) -> list[str]:
+    """The bias-vs-batch-size tables (exact curvature, then K-FAC)."""
+    lines: list[str] = []
     lines += ["", "## Bias vs batch size", "",
               "Relative bias of the top-k curvatures of a batch of each size (one independent batch per direction batch, so this column is noisy with few direction batches, see `--sources`; the verdict above uses all other batches).",
               "", "| batch size | same batch (median) | quartiles | independent batch (median) |",
@@ -227,15 +249,19 @@ def markdown_summary(s: dict[str, Any], plan: dict[str, str] | None = None) -> s
         for r in s["kfac_ladder"]:
             lines.append(f"| {r['batch_size']} | {_pct(r['same_batch']['median'])} | "
                          f"{_pct(r['independent_batch']['median'])} | {_pct(r['approximation_vs_exact_full']['median'])} |")
+    return lines
+
+
+def _cost_lines(s: dict[str, Any], plan: dict[str, str] | None) -> list[str]:
+    """The planned and the measured curvature-vector products."""
+    lines: list[str] = []
     lines += ["", "## Cost", ""]
     if plan:
         lines += ["Planned (stated before the run):", ""] + [f"* {k}: {v}" for k, v in plan.items()] + [""]
     lines.append("Curvature-vector products done, by data-set size: "
                  + ", ".join(f"{c:,} on {n} points" for n, c in s["products_total"].items())
                  + f" ({s['example_products_total']:,} example-vector products in all).")
-    lines += ["", "## Plots", "", "![slice](slice.png)", "", "![eigenvectors](eigen.png)", "", "![overlap](overlap.png)",
-              "", "![cg](cg.png)", "", "![batch sizes](batch_sizes.png)", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _jsonable(x: Any) -> Any:

@@ -45,16 +45,13 @@ def cifar_cnn(n_classes: int = 10) -> nn.Sequential:
     56,714 parameters for 10 classes: small enough that a full-batch K-FAC Laplace
     approximation over all of CIFAR-10 runs on a 2-core CPU, large enough to overfit.
     """
+    blocks = [
+        layer
+        for c_in, c_out in ((3, 16), (16, 32), (32, 64))
+        for layer in (nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    ]
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
+        *blocks,
         nn.Flatten(),
         nn.Linear(64 * 4 * 4, 32),
         nn.ReLU(),

@@ -12,38 +12,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from laplace_debiased.curvature.inputs import functional_model
+
+# The posterior maths' public names at their old paths (moved to laplace_debiased.posterior).
 from laplace_debiased.posterior.eigen import EigenStructure, orthonormal_eigenpairs  # noqa: F401
-from laplace_debiased.posterior.from_laplace import _curvature_kind, laplace_params, posterior_structure  # noqa: F401
-from laplace_debiased.posterior.grams import PAIR_BUFFER, _as_prior, _jacobian_float64, _residual_gram, weighted_grams  # noqa: F401
+from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure  # noqa: F401
+from laplace_debiased.posterior.grams import PAIR_BUFFER, weighted_grams  # noqa: F401
 from laplace_debiased.posterior.grid import (  # noqa: F401
     GRIDSEARCH_LINKS,
     GridPredictive,
     UnsupportedBatches,
-    _batches,
     grid_validation_scores,
     gridsearch_supported,
 )
-from laplace_debiased.posterior.jacobians import (  # noqa: F401
-    LayerJacobian,
-    _func_jacobians,
-    _layer_jacobians,
-    _owners,
-    logit_jacobians,
-    logit_rows,
-)
+from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians, logit_rows  # noqa: F401
 from laplace_debiased.posterior.kron import KronStructure  # noqa: F401
 from laplace_debiased.posterior.links import (  # noqa: F401
-    ALL_LINKS,
-    LINKS,
-    apply_link,
-    laplace_bridge,
-    mc_softmax,
-    normal_samples,
-    probit,
-    probit_from_variances,
-    probit_projected,
-    project_classes,
-    project_logits,
+    ALL_LINKS, LINKS, apply_link, laplace_bridge, mc_softmax, normal_samples, probit, probit_from_variances,
+    probit_projected, project_classes, project_logits,
 )
 from laplace_debiased.posterior.lowrank import dense_posterior_scale, lowrank_functional_covariance  # noqa: F401
 
@@ -61,23 +47,18 @@ def linearized_logit_samples(
     ``J(x)(θ_s - θ*)`` is one forward-mode JVP per sample (``torch.func.jvp``), so no Jacobian is
     formed; works for any laplace-torch posterior with a ``sample`` method.  Returns ``(S, N, C)``.
     """
-    model, params = la.model, laplace_params(la)
-    names = {id(p): k for k, p in model.named_parameters()}
-    keys = [names[id(p)] for p in params]
-    fixed = {k: v.detach() for k, v in model.named_parameters() if k not in keys}
-    fixed.update(dict(model.named_buffers()))
-    theta = {k: p.detach() for k, p in zip(keys, params)}
+    fn, theta = functional_model(la.model, laplace_params(la))
     steps = la.sample(n_samples, generator=generator) - la.mean
+    sizes = [p.numel() for p in theta.values()]
     tangents = [
-        {k: t.view_as(p).to(p.dtype) for k, t, p in zip(keys, s.split([p.numel() for p in params]), params)}
-        for s in steps
+        {k: t.view_as(p).to(p.dtype) for (k, p), t in zip(theta.items(), s.split(sizes))} for s in steps
     ]
     chunks = []
     for xc in x.split(chunk_size):
-        def fn(th: dict[str, Tensor]) -> Tensor:
-            return torch.func.functional_call(model, {**fixed, **th}, (xc,))
+        def at_xc(th: dict[str, Tensor], xc: Tensor = xc) -> Tensor:
+            return fn(th, xc)
 
-        chunks.append(torch.stack([sum(torch.func.jvp(fn, (theta,), (t,))) for t in tangents]))
+        chunks.append(torch.stack([sum(torch.func.jvp(at_xc, (theta,), (t,))) for t in tangents]))
     return torch.cat(chunks, dim=1)
 
 

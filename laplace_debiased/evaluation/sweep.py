@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from laplace_debiased._progress import progress_bar
 from laplace_debiased.evaluation import metrics
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, check_grid  # noqa: F401
 from laplace_debiased.curvature.kfac import output_rows
@@ -321,6 +322,35 @@ def _map_rows(map_model: torch.nn.Module, eval_sets: Sequence[EvalSet], referenc
     return [{**_row_base("map", 0, None, es, "map", False), **mets[es.name]} for es in todo]
 
 
+def _checked_sweep(
+    methods: Sequence[Method], eval_sets: Sequence[EvalSet], prior_precisions: Sequence[float], links: Sequence[str]
+) -> tuple[list[float], list[str], EvalSet | None]:
+    """The checked grid, the eval set names (unique) and the reference (first test) set."""
+    grid = check_grid(prior_precisions, links)
+    for m in methods:
+        check_grid(grid, tuple(m.links or links))
+    names = [es.name for es in eval_sets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval set names must be unique, got {names}")
+    refs = [es for es in eval_sets if es.kind == "test"]
+    return grid, names, refs[0] if refs else None
+
+
+def _resume(
+    stack: ExitStack, out_path: Path, lock_timeout: float, map_model: torch.nn.Module | None,
+    eval_sets: Sequence[EvalSet], reference: EvalSet | None,
+) -> set[str]:
+    """The writer's start: take the output lock for the rest of ``stack``, cut a partial last
+    line, append the missing MAP rows of ``map_model``; returns the keys of the rows done."""
+    stack.enter_context(output_lock(out_path.parent, lock_timeout))
+    _cut_partial_line(out_path)
+    done = {row_key(r) for r in load_rows(out_path)}
+    if map_model is not None:
+        for row in _map_rows(map_model, eval_sets, reference, done):
+            append_row(out_path, row)
+    return done
+
+
 def run_sweep(
     methods: Sequence[Method],
     eval_sets: Sequence[EvalSet],
@@ -357,58 +387,45 @@ def run_sweep(
     single-process sweep's to the round-off of the distributed fit. Without a group (or with one
     rank) both modes are the single-process sweep.
     """
-    from laplace_debiased._progress import progress_bar
-
-    grid = check_grid(prior_precisions, links)
-    for m in methods:
-        check_grid(grid, tuple(m.links or links))
-    names = [es.name for es in eval_sets]
-    if len(set(names)) != len(names):
-        raise ValueError(f"eval set names must be unique, got {names}")
-    refs = [es for es in eval_sets if es.kind == "test"]
-    reference = refs[0] if refs else None
+    grid, names, reference = _checked_sweep(methods, eval_sets, prior_precisions, links)
     out_path = Path(out_path)
     rank, world = rank_world()
     writer = rank == 0
     jobs = [(m, r) for m in methods for r in range(m.repeats)]
+    part = (0, 1) if shard_jobs else (rank, world)
     with ExitStack() as stack:
-
-        def start() -> set[str] | None:
-            if not writer:
-                return None
-            stack.enter_context(output_lock(out_path.parent, lock_timeout))
-            _cut_partial_line(out_path)
-            done = {row_key(r) for r in load_rows(out_path)}
-            if map_model is not None:
-                for row in _map_rows(map_model, eval_sets, reference, done):
-                    append_row(out_path, row)
-            return done
-
-        done = gather_results(start)[0]
-
-        def compute(k: int) -> list[dict]:
-            if k >= len(jobs):
-                return []
-            method, repeat = jobs[k]
-            with local_fits() if shard_jobs else nullcontext():
-                return _sweep_one(method, repeat, eval_sets, reference, grid, done, n_samples=n_samples,
-                                  seed=seed, chunk_size=chunk_size, log=log, links=links,
-                                  part=(0, 1) if shard_jobs else (rank, world))
-
+        done = gather_results(
+            lambda: _resume(stack, out_path, lock_timeout, map_model, eval_sets, reference) if writer else None
+        )[0]
+        args = (eval_sets, reference, grid, done)
+        kw = dict(n_samples=n_samples, seed=seed, chunk_size=chunk_size, log=log, links=links, part=part)
         step = world if shard_jobs else 1
         for first in progress_bar(range(0, len(jobs), step), desc="fit + sweep",
                                   unit="round" if step > 1 else "fit", quiet=not progress or not writer):
             k = first + rank if shard_jobs else first
-            rows = [row for part in gather_results(lambda: compute(k)) for row in part]
+            rows = [row for got in gather_results(lambda: _job_rows(jobs, k, shard_jobs, args, kw)) for row in got]
             if not shard_jobs:  # one job's cells from every rank: back to the single-process order
-                mlinks = tuple(jobs[first][0].links or links)
-                rows.sort(key=lambda r: (grid.index(r["prior_precision"]), mlinks.index(r["link"]),
-                                         names.index(r["eval_set"])))
+                rows = _single_process_order(rows, grid, tuple(jobs[first][0].links or links), names)
             for row in rows:
                 if writer:
                     append_row(out_path, row)
                 done.add(row_key(row))
         return gather_results(lambda: load_rows(out_path) if writer else None)[0]
+
+
+def _job_rows(jobs: list[tuple[Method, int]], k: int, shard_jobs: bool, args: tuple, kw: dict) -> list[dict]:
+    """The rows of job ``k`` (none past the last job): :func:`_sweep_one`, a local fit of this
+    rank alone when the jobs are sharded."""
+    if k >= len(jobs):
+        return []
+    with local_fits() if shard_jobs else nullcontext():
+        return _sweep_one(*jobs[k], *args, **kw)
+
+
+def _single_process_order(rows: list[dict], grid: list[float], links: tuple[str, ...], names: list[str]) -> list[dict]:
+    """One job's rows from every rank in the order of a single-process sweep."""
+    return sorted(rows, key=lambda r: (grid.index(r["prior_precision"]), links.index(r["link"]),
+                                       names.index(r["eval_set"])))
 
 
 def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], reference: EvalSet | None,

@@ -76,6 +76,56 @@ def evaluate_loss(model: nn.Module, loader: DataLoader, likelihood: str = "class
     return stats
 
 
+def _load_cached(model: nn.Module, path: Path, log: Callable[[str], None] | None) -> list[dict[str, float]] | None:
+    """Load the cached weights at ``path`` into ``model`` and return their history, or ``None``
+    (with a warning) for a file that cannot be read: a truncated or foreign file is never used."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(blob["state_dict"])
+        model.eval()
+        if log:
+            log(f"loaded cached MAP model {path}")
+        return list(blob["history"])
+    except Exception as err:  # a truncated or foreign file: retrain, never use it
+        warnings.warn(f"ignoring unreadable model cache {path} ({err}); retraining")
+        return None
+
+
+def _optimizer(params: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.lr)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {config.optimizer!r}")
+
+
+def _epoch_losses(model: nn.Module, train: DataLoader, val: DataLoader | None, likelihood: str) -> dict[str, float]:
+    """``train_<stat>`` (and ``val_<stat>``) of :func:`evaluate_loss` after an epoch."""
+    row = {f"train_{k}": v for k, v in evaluate_loss(model, train, likelihood).items()}
+    if val is not None:
+        row.update({f"val_{k}": v for k, v in evaluate_loss(model, val, likelihood).items()})
+    return row
+
+
+def _train_epoch(model: nn.Module, loader: DataLoader, opt: torch.optim.Optimizer, loss_fn: nn.Module,
+                 weight_decay: float, epoch: int) -> None:
+    """One pass over ``loader``: mean loss plus ``weight_decay/2 · ||θ||²`` per step; refuses a
+    non-finite loss (training diverged)."""
+    model.train()
+    params = list(model.parameters())
+    for X, y in loader:
+        opt.zero_grad()
+        loss = loss_fn(model(X), y)
+        if weight_decay:
+            loss = loss + 0.5 * weight_decay * sum(p.square().sum() for p in params)
+        if not torch.isfinite(loss.detach()):
+            raise FloatingPointError(
+                f"training diverged at epoch {epoch} (loss {loss.item()}); lower the learning rate"
+            )
+        loss.backward()
+        opt.step()
+
+
 def train_map(
     model: nn.Module,
     train_set: Dataset,
@@ -97,16 +147,9 @@ def train_map(
         raise ValueError(f"likelihood must be 'classification' or 'regression', got {config.likelihood!r}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
     path = cache_dir / f"{tag}-{cache_key(model, train_set, config)}.pt"
-    if use_cache and path.exists():
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-            model.load_state_dict(blob["state_dict"])
-            model.eval()
-            if log:
-                log(f"loaded cached MAP model {path}")
-            return model, list(blob["history"])
-        except Exception as err:  # a truncated or foreign file: retrain, never use it
-            warnings.warn(f"ignoring unreadable model cache {path} ({err}); retraining")
+    cached = _load_cached(model, path, log) if use_cache and path.exists() else None
+    if cached is not None:
+        return model, cached
 
     torch.manual_seed(config.seed)
     loader = DataLoader(
@@ -116,34 +159,15 @@ def train_map(
     eval_train = DataLoader(train_set, batch_size=1024)
     eval_val = DataLoader(val_set, batch_size=1024) if val_set is not None else None
     loss_fn = nn.CrossEntropyLoss() if config.likelihood == "classification" else nn.MSELoss()
-    params = list(model.parameters())
-    if config.optimizer == "adam":
-        opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=config.lr)
-    elif config.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    else:
-        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {config.optimizer!r}")
+    opt = _optimizer(list(model.parameters()), config)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(config.epochs, 1))
 
     history: list[dict[str, float]] = []
     for epoch in progress_bar(range(config.epochs), desc="MAP training", unit="epoch", quiet=log is None):
         start = time.perf_counter()
-        model.train()
-        for X, y in loader:
-            opt.zero_grad()
-            loss = loss_fn(model(X), y)
-            if config.weight_decay:
-                loss = loss + 0.5 * config.weight_decay * sum(p.square().sum() for p in params)
-            if not torch.isfinite(loss.detach()):
-                raise FloatingPointError(
-                    f"training diverged at epoch {epoch} (loss {loss.item()}); lower the learning rate"
-                )
-            loss.backward()
-            opt.step()
+        _train_epoch(model, loader, opt, loss_fn, config.weight_decay, epoch)
         sched.step()
-        row = {"epoch": epoch + 1, **{f"train_{k}": v for k, v in evaluate_loss(model, eval_train, config.likelihood).items()}}
-        if eval_val is not None:
-            row.update({f"val_{k}": v for k, v in evaluate_loss(model, eval_val, config.likelihood).items()})
+        row = {"epoch": epoch + 1, **_epoch_losses(model, eval_train, eval_val, config.likelihood)}
         row["seconds"] = time.perf_counter() - start
         history.append(row)
         if log:

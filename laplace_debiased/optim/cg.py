@@ -188,24 +188,77 @@ def debiased_cg(
                      store_iterates, callback)
 
 
+def _stack(ts: list[Tensor], shape: tuple[int, ...], like: Tensor) -> Tensor:
+    return torch.stack(ts) if ts else torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+
+class _DebiasedTrack:
+    """The trajectory on B̃ (:func:`debiased_cg`): along each CG direction ``d`` of B, the step
+    ``τ̃ = -dᵀr̃ / dᵀÃd`` that minimises ``q(·; B̃)``, with its records."""
+
+    def __init__(self, At: Operator, bt: Tensor, x: Tensor, warm: bool, store_iterates: bool) -> None:
+        self.At, self.store = At, store_iterates
+        self.x = x.clone()
+        self.r = At(self.x) - bt if warm else -bt.clone()  # r̃_0 = ∇q(x̃_0; B̃)
+        self.xs, self.taus, self.curvs, self.slopes, self.rnorms = [self.x.clone()], [], [], [], [self.r.norm()]
+
+    def curvature(self, d: Tensor) -> Tensor:
+        """``dᵀÃd`` (one product with ``Ã``, kept for :meth:`step`)."""
+        self.Ad = self.At(d)
+        return d.dot(self.Ad)
+
+    def step(self, d: Tensor, curv: Tensor) -> None:
+        slope = d.dot(self.r)
+        tau = -slope / curv
+        self.x = self.x + tau * d
+        self.r = self.r + tau * self.Ad
+        self.taus.append(tau)
+        self.curvs.append(curv)
+        self.slopes.append(slope)
+        self.rnorms.append(self.r.norm())
+        if self.store:
+            self.xs.append(self.x.clone())
+
+    def result(self, cg_result: CGResult) -> DebiasedCGResult:
+        like = cg_result.x
+        return DebiasedCGResult(
+            cg=cg_result,
+            x=self.x,
+            iterates=torch.stack(self.xs) if self.store else None,
+            step_sizes=_stack(self.taus, (0,), like),
+            curvatures=_stack(self.curvs, (0,), like),
+            slopes=_stack(self.slopes, (0,), like),
+            residual_norms=torch.stack(self.rnorms),
+        )
+
+
+def _stops_at_nonpositive(k: int, curv: Tensor, curv_t: Tensor | None, on_nonpositive: str) -> bool:
+    """Whether iteration ``k`` meets non-positive curvature on B (or B̃); raises for ``"raise"``."""
+    if not (curv <= 0 or (curv_t is not None and curv_t <= 0)):
+        return False
+    if on_nonpositive == "raise":
+        which = "B" if curv <= 0 else "B̃"
+        raise NonPositiveCurvatureError(
+            f"iteration {k}: direction has non-positive curvature on {which} "
+            f"(dᵀAd = {float(curv_t if which == 'B̃' else curv):.3e}); use damping or "
+            "GGN curvature, or on_nonpositive='stop'"
+        )
+    return True
+
+
 def _joint_cg(A, b, At, bt, x0, max_iter, rtol, atol, on_nonpositive, store_iterates,
               callback):
     if on_nonpositive not in ("stop", "raise"):
         raise ValueError(f"on_nonpositive must be 'stop' or 'raise', got {on_nonpositive!r}")
     x = _check((A, b), x0, 0 if max_iter is None else max_iter)
     max_iter = b.shape[0] if max_iter is None else max_iter
-    debias = At is not None
+    track = None if At is None else _DebiasedTrack(At, bt, x, x0 is not None, store_iterates)
 
     r = A(x) - b if x0 is not None else -b.clone()   # r_0 = ∇q(x_0; B)
     p = -r
     rr = r.dot(r)
     tol = max(rtol * rr.sqrt().item(), atol)
     xs, ds, taus, curvs, rnorms = [x.clone()], [], [], [], [rr.sqrt()]
-    if debias:
-        xt = x.clone()
-        rt = At(xt) - bt if x0 is not None else -bt.clone()   # r̃_0 = ∇q(x̃_0; B̃)
-        xts, taus_t, curvs_t, slopes_t, rnorms_t = [xt.clone()], [], [], [], [rt.norm()]
-
     reason = "max_iter"
     for k in range(max_iter):
         if rr.sqrt().item() <= tol:
@@ -215,18 +268,8 @@ def _joint_cg(A, b, At, bt, x0, max_iter, rtol, atol, on_nonpositive, store_iter
         d = p / p_norm
         Ad = A(d)
         curv = d.dot(Ad)
-        if debias:
-            Atd = At(d)
-            curv_t = d.dot(Atd)
-        bad = curv <= 0 or (debias and curv_t <= 0)
-        if bad:
-            if on_nonpositive == "raise":
-                which = "B" if curv <= 0 else "B̃"
-                raise NonPositiveCurvatureError(
-                    f"iteration {k}: direction has non-positive curvature on {which} "
-                    f"(dᵀAd = {float(curv_t if which == 'B̃' else curv):.3e}); use damping or "
-                    "GGN curvature, or on_nonpositive='stop'"
-                )
+        curv_t = None if track is None else track.curvature(d)
+        if _stops_at_nonpositive(k, curv, curv_t, on_nonpositive):
             reason = "nonpositive_curvature"
             break
         # Alg. 5.2: α = rᵀr / pᵀAp; along d = p/‖p‖ the step is τ = α‖p‖ = rᵀr / (‖p‖ dᵀAd).
@@ -242,47 +285,19 @@ def _joint_cg(A, b, At, bt, x0, max_iter, rtol, atol, on_nonpositive, store_iter
         rnorms.append(rr.sqrt())
         if store_iterates:
             xs.append(x.clone())
-        if debias:
-            slope = d.dot(rt)
-            tau_t = -slope / curv_t
-            xt = xt + tau_t * d
-            rt = rt + tau_t * Atd
-            taus_t.append(tau_t)
-            curvs_t.append(curv_t)
-            slopes_t.append(slope)
-            rnorms_t.append(rt.norm())
-            if store_iterates:
-                xts.append(xt.clone())
+        if track is not None:
+            track.step(d, curv_t)
         if callback is not None and callback(
-            CGState(k, x, r, xt if debias else None, rt if debias else None)
+            CGState(k, x, r, None if track is None else track.x, None if track is None else track.r)
         ):
             reason = "callback"
             break
     else:
         if max_iter > 0 and rr.sqrt().item() <= tol:
             reason = "tol"
-
-    def stack(ts: list[Tensor], shape: tuple[int, ...]) -> Tensor:
-        return torch.stack(ts) if ts else torch.zeros(shape, dtype=b.dtype, device=b.device)
-
-    D = b.shape[0]
     result = CGResult(
-        x=x,
-        directions=stack(ds, (0, D)),
-        iterates=torch.stack(xs) if store_iterates else None,
-        step_sizes=stack(taus, (0,)),
-        curvatures=stack(curvs, (0,)),
-        residual_norms=torch.stack(rnorms),
+        x=x, directions=_stack(ds, (0, b.shape[0]), b), iterates=torch.stack(xs) if store_iterates else None,
+        step_sizes=_stack(taus, (0,), b), curvatures=_stack(curvs, (0,), b), residual_norms=torch.stack(rnorms),
         reason=reason,
     )
-    if not debias:
-        return result
-    return DebiasedCGResult(
-        cg=result,
-        x=xt,
-        iterates=torch.stack(xts) if store_iterates else None,
-        step_sizes=stack(taus_t, (0,)),
-        curvatures=stack(curvs_t, (0,)),
-        slopes=stack(slopes_t, (0,)),
-        residual_norms=torch.stack(rnorms_t),
-    )
+    return result if track is None else track.result(result)

@@ -12,7 +12,7 @@ from torch import Tensor
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.posterior.grams import _as_prior, _jacobian_float64, _residual_gram, weighted_grams
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.links import project_classes, project_logits
+from laplace_debiased.posterior.links import project_classes
 
 
 class EigenStructure:
@@ -75,7 +75,7 @@ class EigenStructure:
         A2 = (project_classes(JU) if project else JU).square()
         var = (A2 @ (1.0 / (self.s * self.lam + d[:, None])).T).permute(2, 0, 1)
         if rest is not None:
-            r = project_logits(rest.new_zeros(rest.shape[:2]), rest)[1] if project else rest
+            r = project_classes(project_classes(rest, -1), -2) if project else rest
             var = var + r.diagonal(dim1=-2, dim2=-1) / d[:, None, None]
         return var
 

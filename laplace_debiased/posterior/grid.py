@@ -39,7 +39,7 @@ from torch import Tensor
 from laplace_debiased.curvature.kfac import output_rows
 from laplace_debiased.posterior.from_laplace import _curvature_kind, laplace_params, posterior_structure
 from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
-from laplace_debiased.posterior.links import ALL_LINKS, apply_link, probit_from_variances
+from laplace_debiased.posterior.links import ALL_LINKS, apply_link, probit_from_variances, project_classes
 
 
 def _batches(data, chunk_size: int) -> Iterable[Tensor]:
@@ -126,7 +126,7 @@ class GridPredictive:
             probs["probit"] = probit_from_variances(f64, var)
         if "probit_projected" in links:
             var = self.structure.variances(rotated, prior_precisions, project=True)
-            probs["probit_projected"] = probit_from_variances(f64 - f64.mean(-1, keepdim=True), var)
+            probs["probit_projected"] = probit_from_variances(project_classes(f64, -1), var)
         full = [link for link in links if link in ("mc", "bridge", "bridge_norm")]
         if full:
             covs = self.structure.covariances(rotated, prior_precisions)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from laplace_debiased.curvature.inputs import functional_model
 from laplace_debiased.curvature.kfac import output_rows
 
 
@@ -91,6 +92,25 @@ def _layer_jacobians(
     """
     owners = _owners(model, params)
     modules = list({id(m): m for m, _ in owners}.values())
+    f, inputs, out_grad, shared, tokens = _inputs_and_output_grads(model, modules, x)
+    jacs = []
+    for mod, name in owners:
+        a, g = inputs[id(mod)], out_grad[id(mod)]
+        if g is shared:  # the output Linear: each token's input is its row's input
+            a = a.flatten(0, -2)
+        elif tokens > 1:  # an inner module: every row of an example sees the example's input
+            a = a.repeat_interleave(tokens, dim=0)
+        jacs.append(_module_jacobian(mod, name, a, g))
+    return f.detach(), jacs
+
+
+def _inputs_and_output_grads(
+    model: nn.Module, modules: Sequence[nn.Module], x: Tensor
+) -> tuple[Tensor, dict[int, Tensor], dict[int, Tensor], Tensor, int]:
+    """One forward pass with hooks on ``modules`` and one batched backward pass per output row
+    and class: the outputs ``f``, each module's input and its output gradients ``(n·tokens, C,
+    ...)`` by ``id``, the shared ``(1, C, C)`` identity that is the output gradient of an output
+    ``Linear``, and the number of tokens per example."""
     captured: dict[int, tuple[Tensor, Tensor]] = {}
 
     def hook(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
@@ -104,12 +124,10 @@ def _layer_jacobians(
     handles = [m.register_forward_hook(hook) for m in modules]
     try:
         with torch.enable_grad():
-            x_in = x.detach().requires_grad_(True) if x.is_floating_point() else x
-            f = model(x_in)
+            f = model(x.detach().requires_grad_(True) if x.is_floating_point() else x)
             n, C = len(f), f.shape[-1]
             tokens = len(logit_rows(f)) // n
-            eye = torch.eye(C, dtype=f.dtype, device=f.device)
-            shared = eye[None]
+            shared = torch.eye(C, dtype=f.dtype, device=f.device)[None]
             out_grad = {id(m): shared for m in modules if captured[id(m)][1] is f and isinstance(m, nn.Linear)}
             inner = [m for m in modules if id(m) not in out_grad]
             if inner:  # cotangent (t, c): one-hot at token t, class c of every example
@@ -124,54 +142,39 @@ def _layer_jacobians(
     finally:
         for h in handles:
             h.remove()
+    return f, {k: a for k, (a, _) in captured.items()}, out_grad, shared, tokens
 
-    jacs: list[LayerJacobian] = []
-    for mod, name in owners:
-        a, _ = captured[id(mod)]
-        g = out_grad[id(mod)]
-        if g is shared:  # the output Linear: each token's input is its row's input
-            a = a.flatten(0, -2)
-        elif tokens > 1:  # an inner module: every row of an example sees the example's input
-            a = a.repeat_interleave(tokens, dim=0)
-        if isinstance(mod, nn.Conv2d):
-            g = g.flatten(3)  # (n, C, out, T)
-            if name == "bias":
-                jacs.append(LayerJacobian(dense=g.sum(-1)))
-            else:
-                unf = F.unfold(a, mod.kernel_size, mod.dilation, mod.padding, mod.stride)
-                jacs.append(LayerJacobian(dense=torch.einsum("ncot,nkt->ncok", g, unf).flatten(2)))
-        elif a.ndim == 2:  # Linear on (n, in): rank-one per class
-            jacs.append(LayerJacobian(dense=g) if name == "bias" else LayerJacobian(g=g, a=a))
-        else:  # Linear applied to (n, ..., in): sum over the extra positions
-            g = g.flatten(2, -2)  # (n, C, T, out)
-            if name == "bias":
-                jacs.append(LayerJacobian(dense=g.sum(2)))
-            else:
-                jacs.append(
-                    LayerJacobian(dense=torch.einsum("ncto,nti->ncoi", g, a.flatten(1, -2)).flatten(2))
-                )
-    return f.detach(), jacs
+
+def _module_jacobian(mod: nn.Module, name: str, a: Tensor, g: Tensor) -> LayerJacobian:
+    """Jacobian of the rows' logits w.r.t. ``mod.<name>`` from the module's input ``a`` (one per
+    row) and output gradients ``g`` ``(rows, C, out, ...)``."""
+    if isinstance(mod, nn.Conv2d):
+        g = g.flatten(3)  # (n, C, out, T)
+        if name == "bias":
+            return LayerJacobian(dense=g.sum(-1))
+        unf = F.unfold(a, mod.kernel_size, mod.dilation, mod.padding, mod.stride)
+        return LayerJacobian(dense=torch.einsum("ncot,nkt->ncok", g, unf).flatten(2))
+    if a.ndim == 2:  # Linear on (n, in): rank-one per class
+        return LayerJacobian(dense=g) if name == "bias" else LayerJacobian(g=g, a=a)
+    g = g.flatten(2, -2)  # Linear applied to (n, ..., in): sum over the extra positions; (n, C, T, out)
+    if name == "bias":
+        return LayerJacobian(dense=g.sum(2))
+    return LayerJacobian(dense=torch.einsum("ncto,nti->ncoi", g, a.flatten(1, -2)).flatten(2))
 
 
 def _func_jacobians(
     model: nn.Module, params: Sequence[Tensor], x: Tensor
 ) -> tuple[Tensor, list[LayerJacobian]]:
     """Per-example Jacobians via ``torch.func.vmap(jacrev(...))`` (any differentiable model)."""
-    names = {id(p): k for k, p in model.named_parameters()}
-    if any(id(p) not in names for p in params):
-        raise ValueError("every Laplace parameter must be a parameter of the model")
-    keys = [names[id(p)] for p in params]
-    fixed = {k: v.detach() for k, v in model.named_parameters() if k not in keys}
-    fixed.update(dict(model.named_buffers()))
+    fn, theta = functional_model(model, params)
 
-    def single(theta: dict[str, Tensor], xi: Tensor) -> tuple[Tensor, Tensor]:
-        out = torch.func.functional_call(model, {**fixed, **theta}, (xi.unsqueeze(0),)).squeeze(0)
+    def single(th: dict[str, Tensor], xi: Tensor) -> tuple[Tensor, Tensor]:
+        out = fn(th, xi.unsqueeze(0)).squeeze(0)
         return out, out
 
-    theta = {k: p.detach() for k, p in zip(keys, params)}
     jac, f = torch.func.vmap(torch.func.jacrev(single, has_aux=True), in_dims=(None, 0))(theta, x)
     C = f.shape[-1]
-    return f, [LayerJacobian(dense=jac[k].reshape(-1, C, theta[k].numel())) for k in keys]
+    return f, [LayerJacobian(dense=jac[k].reshape(-1, C, t.numel())) for k, t in theta.items()]
 
 
 def logit_jacobians(

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor
 
+from laplace_debiased.curvature.linalg import symmetric_eigh64
+
 #: links of the sweeps and reports
 LINKS = ("probit_projected", "probit", "mc")
 #: every link :func:`apply_link` and :meth:`GridPredictive.grid` evaluate (adds laplace-torch's bridge)
@@ -42,10 +44,7 @@ def project_logits(f: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
 
     Double-centring ``Σ`` cancels when ``Σ`` is dominated by the all-ones direction; the
     structures' ``variances(..., project=True)`` project the Jacobian instead."""
-    f_p = f - f.mean(-1, keepdim=True)
-    cov_p = cov - cov.mean(-1, keepdim=True)
-    cov_p = cov_p - cov_p.mean(-2, keepdim=True)
-    return f_p, cov_p
+    return project_classes(f, -1), project_classes(project_classes(cov, -1), -2)
 
 
 def probit_projected(f: Tensor, cov: Tensor) -> Tensor:
@@ -53,9 +52,10 @@ def probit_projected(f: Tensor, cov: Tensor) -> Tensor:
     return probit(*project_logits(f, cov))
 
 
-def project_classes(A: Tensor) -> Tensor:
-    """``Π A`` for ``A`` ``(n, C, ...)``: centre over the class axis (``Π = I - 11ᵀ/C``)."""
-    return A - A.mean(1, keepdim=True)
+def project_classes(A: Tensor, dim: int = 1) -> Tensor:
+    """``Π`` applied along the class axis ``dim`` of ``A`` (``Π = I - 11ᵀ/C``: centre over the
+    classes); the default ``dim=1`` is that of Jacobians ``(n, C, ...)``."""
+    return A - A.mean(dim, keepdim=True)
 
 
 def mc_softmax(
@@ -64,7 +64,7 @@ def mc_softmax(
     """Monte-Carlo predictive ``1/S Σ_s softmax(f + L ε_s)``, ``L Lᵀ = Σ`` (symmetric square root
     from a float64 eigendecomposition, so rank-deficient ``Σ`` is fine).  f ``(n, C)``, cov
     ``(n, C, C)`` -> ``(n, C)`` in ``f.dtype``."""
-    evals, evecs = torch.linalg.eigh(cov.double())
+    evals, evecs = symmetric_eigh64(cov)
     root = evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)
     eps = torch.randn(n_samples, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
     logits = f.double() + torch.einsum("nij,snj->sni", root, eps.double())
@@ -102,7 +102,7 @@ def normal_samples(
     if var.shape == mean.shape:
         scaled = var.double().clamp_min(0.0).sqrt().unsqueeze(-1) * eps
     elif var.shape == (n, C, C):
-        evals, evecs = torch.linalg.eigh(var.double())
+        evals, evecs = symmetric_eigh64(var)
         scaled = (evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)) @ (evecs.transpose(-1, -2) @ eps)
     else:
         raise ValueError(f"var must be (n, C) or (n, C, C) for mean {tuple(mean.shape)}, got {tuple(var.shape)}")

@@ -427,6 +427,21 @@ def split_batches(
     n_mag = 1 if n_magnitude_batches is None else n_magnitude_batches
     if n_dir < 1 or n_mag < 1:
         raise ValueError("n_direction_batches and n_magnitude_batches must be >= 1.")
+    return _choose_batches(train_loader, magnitude_loader, n_dir, n_mag, generator, n_data, keys, device)
+
+
+def _choose_batches(
+    train_loader: Iterable,
+    magnitude_loader: Iterable | None,
+    n_dir: int,
+    n_mag: int,
+    generator: torch.Generator | None,
+    n_data: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+) -> BatchSplit:
+    """``split="batches"``: B from ``train_loader``, B̃ from the following batches, from
+    ``magnitude_loader``, or B̃ = B when ``magnitude_loader is train_loader``."""
     how = "loader order" if generator is None else "random draw"
     if magnitude_loader is train_loader:
         if n_mag != n_dir:

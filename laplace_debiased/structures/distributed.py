@@ -206,6 +206,55 @@ def broadcast_computed(
     return tensors
 
 
+class _ReducedOperator:
+    """``v ↦ Σ_ranks local_product(v)``, driven by rank ``src`` and served by the others
+    (:func:`run_with_reduced_operator`)."""
+
+    def __init__(self, local_product: Callable[[torch.Tensor], torch.Tensor], dim: int, dtype: torch.dtype,
+                 device: torch.device | str, src: int) -> None:
+        self.local_product, self.dim, self.dtype, self.device, self.src = local_product, dim, dtype, device, src
+        self.own_error: list[Exception] = []
+
+    def reduced(self, v: torch.Tensor) -> torch.Tensor:
+        """This rank's product plus every other rank's (one ``all_reduce``, with a failure flag)."""
+        try:
+            out = self.local_product(v).reshape(-1).to(self.dtype)
+            failed = 0.0
+        except Exception as err:  # reported to every rank through the sum below
+            self.own_error.append(err)
+            out, failed = torch.zeros(self.dim, dtype=self.dtype, device=self.device), 1.0
+        flat = torch.cat([out, out.new_full((1,), failed)])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        if flat[-1] > 0:
+            raise self.own_error[0] if self.own_error else PeerRankError("a rank failed computing a product")
+        return flat[:-1]
+
+    def signal(self, go: bool) -> None:
+        """Tell the serving ranks that another product follows (``True``) or that ``run`` ended."""
+        dist.broadcast(torch.full((1,), float(go), dtype=self.dtype, device=self.device), src=self.src)
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        """The operator ``run`` sees on rank ``src``."""
+        self.signal(True)
+        v = v.reshape(-1).to(device=self.device, dtype=self.dtype).contiguous()
+        dist.broadcast(v, src=self.src)
+        return self.reduced(v)
+
+    def serve(self) -> None:
+        """On the other ranks: apply the local product to every ``v`` of ``src`` until it ends."""
+        while True:
+            go = torch.empty(1, dtype=self.dtype, device=self.device)
+            dist.broadcast(go, src=self.src)
+            if go.item() == 0:
+                break
+            v = torch.empty(self.dim, dtype=self.dtype, device=self.device)
+            dist.broadcast(v, src=self.src)
+            try:
+                self.reduced(v)
+            except Exception:  # src stops the iteration and reports the failure
+                pass
+
+
 def run_with_reduced_operator(
     local_product: Callable[[torch.Tensor], torch.Tensor],
     run: Callable[[Callable[[torch.Tensor], torch.Tensor]], Sequence[torch.Tensor]],
@@ -226,52 +275,17 @@ def run_with_reduced_operator(
     """
     if not is_distributed():
         return list(run(local_product))
-    rank, _ = rank_world()
-    own_error: list[Exception] = []
-
-    def reduced(v: torch.Tensor) -> torch.Tensor:
-        try:
-            out = local_product(v).reshape(-1).to(dtype)
-            failed = 0.0
-        except Exception as err:  # reported to every rank through the sum below
-            own_error.append(err)
-            out, failed = torch.zeros(dim, dtype=dtype, device=device), 1.0
-        flat = torch.cat([out, out.new_full((1,), failed)])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        if flat[-1] > 0:
-            raise own_error[0] if own_error else PeerRankError("a rank failed computing a product")
-        return flat[:-1]
-
-    def signal(go: bool) -> None:
-        dist.broadcast(torch.full((1,), float(go), dtype=dtype, device=device), src=src)
-
+    operator = _ReducedOperator(local_product, dim, dtype, device, src)
     result: list[torch.Tensor] = []
     error: Exception | None = None
-    if rank == src:
-
-        def operator(v: torch.Tensor) -> torch.Tensor:
-            signal(True)
-            v = v.reshape(-1).to(device=device, dtype=dtype).contiguous()
-            dist.broadcast(v, src=src)
-            return reduced(v)
-
+    if rank_world()[0] == src:
         try:
             result = list(run(operator))
         except Exception as err:  # re-raised on every rank below
             error = err
-        signal(False)
+        operator.signal(False)
     else:
-        while True:
-            go = torch.empty(1, dtype=dtype, device=device)
-            dist.broadcast(go, src=src)
-            if go.item() == 0:
-                break
-            v = torch.empty(dim, dtype=dtype, device=device)
-            dist.broadcast(v, src=src)
-            try:
-                reduced(v)
-            except Exception:  # src stops the iteration and reports the failure
-                pass
+        operator.serve()
 
     def finish() -> list[torch.Tensor]:
         if error is not None:
@@ -281,6 +295,6 @@ def run_with_reduced_operator(
     try:
         return broadcast_computed(finish, device, src)
     except PeerRankError:
-        if own_error:
-            raise own_error[0] from None
+        if operator.own_error:
+            raise operator.own_error[0] from None
         raise

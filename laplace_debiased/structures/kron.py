@@ -24,22 +24,20 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
-from laplace.curvature.backpack import BackPackInterface
-from laplace.curvature.curvature import GGNInterface, EFInterface
 from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
 from laplace.baselaplace import KronLaplace
 from laplace.lllaplace import KronLLLaplace
 from laplace.utils.matrix import Kron, KronDecomposed
 from laplace.utils.utils import _is_valid_scalar
-from torch import nn
 
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMixin
+from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.kfac import group_kfac_sums, zero_sums
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
 from laplace_debiased.curvature.linalg import debiased_kron
-from laplace_debiased.diagnostics.coverage import Coverage, coverage_record, report_coverage
+from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     broadcast_,
@@ -50,7 +48,6 @@ from laplace_debiased.structures.distributed import (
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
 
-_KFAC_LAYERS = (nn.Linear, nn.Conv2d)
 
 
 class DebiasedKronDecomposed(KronDecomposed):
@@ -123,7 +120,7 @@ def _stack(
     return torch.cat([t[0] for t in todo]), torch.cat([t[1] for t in todo]), segments
 
 
-class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
+class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 
@@ -151,7 +148,7 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased, P chosen by B alone); ``"aligned"``: B̃'s own
         eigenbasis there, measured by B̃ (same-batch bias, exact zeros where B ∪ B̃ does not
         reach). See :mod:`laplace_debiased.curvature.completion` and docs/wide-layers.md.
-        After the fit ``self.coverage`` (:class:`~laplace_debiased.diagnostics.coverage.Coverage`)
+        After the fit ``self.coverage`` (:class:`~laplace_debiased.structures.coverage.Coverage`)
         records per layer and factor what the curvature covers; it is logged, and a warning
         names the layers where a share of the weights keeps only the prior.
         ``debiased_ekfac`` (a subclass with its own eigenbasis and eigenvalues) does not use
@@ -264,15 +261,6 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
             return "empirical"
         return None
 
-    def _kfac_modules(self) -> list[nn.Module]:
-        """The layers with trainable parameters, in ``Kron`` block order."""
-        return [
-            m
-            for m in self._layers().modules()
-            if isinstance(m, _KFAC_LAYERS)
-            and any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
-
     def _kfac_single_pass(
         self, groups: list[list[Batch]], N: int
     ) -> tuple[torch.Tensor, list[Kron]]:
@@ -348,72 +336,6 @@ class DebiasedKronLaplace(CrossFitMixin, TwoBatchLaplaceMixin, KronLaplace):
         kfacs = [[F[0] * (N / m), *F[1:]] for F in self._trainable_blocks(total.kfacs)]
         self._check_blocks(kfacs)
         return loss, Kron(kfacs)
-
-    def _trainable_blocks(self, kfacs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Drop the blocks of frozen parameters (``requires_grad=False``).
-
-        laplace-torch's Curvlinops and ASDL backends return, for every K-FAC layer with a
-        trainable parameter, a weight block and a bias block whenever the layer has a bias,
-        frozen or not (stock ``KronLaplace`` then misaligns its blocks). Blocks in any other
-        layout are returned unchanged for :meth:`_check_blocks` to verify.
-        """
-        owners = [
-            p
-            for module in self._layers().modules()
-            if isinstance(module, _KFAC_LAYERS)
-            and any(p.requires_grad for p in module.parameters(recurse=False))
-            for p in (module.weight, module.bias)
-            if p is not None
-        ]
-        if len(owners) != len(kfacs):
-            return kfacs
-        return [block for block, p in zip(kfacs, owners) if p.requires_grad]
-
-    def _layers(self) -> nn.Module:
-        return self.backend._model
-
-    def _check_supported(self, batches: list[Batch]) -> None:
-        if isinstance(self.backend, BackPackInterface) and isinstance(batches[0], MutableMapping):
-            raise ValueError(
-                "BackPACK backends cannot take dict (mapping) inputs: BackPACK extends the "
-                "modules of a model that is called with one tensor. Use the default "
-                "CurvlinopsGGN backend (or AsdlGGN) for dict batches."
-            )
-        for name, module in self._layers().named_modules():
-            owns = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if owns and not isinstance(module, _KFAC_LAYERS):
-                raise ValueError(
-                    f"layer '{name}' ({type(module).__name__}) has trainable parameters but "
-                    "debiased K-FAC supports only nn.Linear and nn.Conv2d. Freeze it "
-                    "(p.requires_grad_(False) for its parameters) or use "
-                    "subset_of_weights='last_layer'."
-                )
-            if (
-                isinstance(self.backend, BackPackInterface)
-                and isinstance(module, nn.Conv2d)
-                and owns
-            ):
-                raise ValueError(
-                    f"BackPACK's Conv2d K-FAC (layer '{name}') is mis-scaled by the number of "
-                    "spatial positions in this laplace-torch version; use the default "
-                    "CurvlinopsGGN or AsdlGGN backend."
-                )
-        if not isinstance(self.backend, (GGNInterface, EFInterface)):
-            raise ValueError(
-                f"backend {type(self.backend).__name__} is not a GGN/Fisher/EF backend; the "
-                "debiased K-FAC needs positive semi-definite curvature."
-            )
-
-    def _check_blocks(self, kfacs: list[list[torch.Tensor]]) -> None:
-        """Every trainable parameter tensor must have its own block (none dropped)."""
-        expected = Kron.init_from_model(self.backend.params, self._device, self._dtype).kfacs
-        shapes = [[tuple(F.shape) for F in block] for block in kfacs]
-        wanted = [[tuple(F.shape) for F in block] for block in expected]
-        if shapes != wanted:
-            raise ValueError(
-                f"the backend returned K-FAC blocks {shapes} but the trainable parameters "
-                f"need {wanted}; some layer is unsupported by {type(self.backend).__name__}."
-            )
 
     def state_dict(self) -> dict[str, Any]:
         """KronLaplace's state, B̃'s factors and the decomposition (cross-fitted: also the

@@ -226,7 +226,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
                 module,
                 magnitude_batches,
             ) * (N / self._n_samples(magnitude_batches))
-        keep = eigen.curved_directions(remeasured, self.remeasured_rtol)
+        keep = eigen.above_relative_floor(remeasured, self.remeasured_rtol)
         self.direction_eigenvalues = (pairs.values[keep] * scale_B).to(self._dtype)
         self.eigen_method = pairs.method
         self.H = (

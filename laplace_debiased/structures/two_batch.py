@@ -101,15 +101,9 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         self._check_override(override)
         self._check_model_mode()
         batches = split_batches(
-            train_loader,
-            n_direction_batches=n_direction_batches,
-            n_magnitude_batches=n_magnitude_batches,
-            magnitude_loader=magnitude_loader,
-            split=split,
-            generator=generator,
-            dict_key_x=self.dict_key_x,
-            dict_key_y=self.dict_key_y,
-            device=self._device,
+            train_loader, n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches,
+            magnitude_loader=magnitude_loader, split=split, generator=generator,
+            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y, device=self._device,
         )
         logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
         used = self._distinct(batches.direction, batches.magnitude)
@@ -203,7 +197,6 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         out = self.model(X[:1] if isinstance(X, torch.Tensor) else X)
         return tuple(out.shape[1:])
 
-    @torch.no_grad()
     @torch.no_grad()
     def _summed_loss(self, batches: list[Batch]) -> torch.Tensor:
         """``sum over batches of factor * lossfunc(model(X), y)`` (laplace-torch's loss), each

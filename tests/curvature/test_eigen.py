@@ -174,13 +174,13 @@ def test_relative_threshold_drops_small_eigenvalues():
     assert len(cut.values) == int((full.values > 0.5 * full.values[0]).sum())
 
 
-def test_curved_directions_removes_nonpositive_and_tiny():
+def test_above_relative_floor_removes_nonpositive_and_tiny():
     lam = torch.tensor([2.0, 0.0, -1e-17, 1e-12, 1e-9], dtype=torch.float64)
-    assert eigen.curved_directions(lam, rtol=1e-10).tolist() == [True, False, False, False, True]
-    assert eigen.curved_directions(lam, rtol=0.0).tolist() == [True, False, False, True, True]
-    assert not eigen.curved_directions(torch.zeros(4, dtype=torch.float64), rtol=0.0).any()
-    assert not eigen.curved_directions(-torch.ones(3, dtype=torch.float64), rtol=0.5).any()
-    assert eigen.curved_directions(torch.zeros(0), rtol=0.1).shape == (0,)
+    assert eigen.above_relative_floor(lam, rtol=1e-10).tolist() == [True, False, False, False, True]
+    assert eigen.above_relative_floor(lam, rtol=0.0).tolist() == [True, False, False, True, True]
+    assert not eigen.above_relative_floor(torch.zeros(4, dtype=torch.float64), rtol=0.0).any()
+    assert not eigen.above_relative_floor(-torch.ones(3, dtype=torch.float64), rtol=0.5).any()
+    assert eigen.above_relative_floor(torch.zeros(0), rtol=0.1).shape == (0,)
 
 
 def test_choose_method_cost_rules():

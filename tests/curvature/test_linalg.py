@@ -10,9 +10,9 @@ from laplace_debiased.curvature.linalg import (
     debiased_factor,
     debiased_kron,
     degenerate_groups,
-    eigh_float64,
     remeasure_eigenvalues,
     roundoff_tolerance,
+    symmetric_eigh64,
 )
 
 
@@ -91,7 +91,7 @@ def test_bad_blocks_raise_instead_of_dropping_layers():
     with pytest.raises(ValueError, match="NaN or Inf"):
         debiased_kron([[G]], [[G * float("nan")]])
     with pytest.raises(ValueError, match="square"):
-        eigh_float64(torch.ones(3))
+        symmetric_eigh64(torch.ones(3))
 
 
 def _factor_matrix(U: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:

@@ -12,20 +12,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.evaluation import predictive
 from laplace_debiased.posterior import grams
-from laplace_debiased.evaluation.predictive import (
-    EigenStructure,
-    GridPredictive,
-    _func_jacobians,
-    apply_link,
-    laplace_params,
-    logit_jacobians,
-    mc_softmax,
-    probit,
-    probit_projected,
-    linearized_logit_samples,
-    sampled_linearized_predictive,
-    weighted_grams,
-)
+from laplace_debiased.evaluation.predictive import linearized_logit_samples, sampled_linearized_predictive
+from laplace_debiased.posterior.eigen import EigenStructure
+from laplace_debiased.posterior.from_laplace import laplace_params
+from laplace_debiased.posterior.grams import weighted_grams
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import _func_jacobians, logit_jacobians
+from laplace_debiased.posterior.links import apply_link, mc_softmax, probit, probit_projected
 
 
 def _tiny():

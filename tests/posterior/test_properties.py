@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from laplace_debiased.evaluation.predictive import GridPredictive
+from laplace_debiased.posterior.grid import GridPredictive
 from tests.posterior.test_variance_precision import _cast_curvature, fit_pair
 
 STRUCTURES = ("debiased_kron", "debiased_lowrank", "debiased_full")

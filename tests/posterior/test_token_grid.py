@@ -16,12 +16,8 @@ from torch.utils.data import TensorDataset
 
 from _models import loader, tiny_mlp
 import laplace_debiased  # noqa: F401  registers the debiased structures
-from laplace_debiased.evaluation.predictive import (
-    GridPredictive,
-    _func_jacobians,
-    _layer_jacobians,
-    grid_validation_scores,
-)
+from laplace_debiased.posterior.grid import GridPredictive, grid_validation_scores
+from laplace_debiased.posterior.jacobians import _func_jacobians, _layer_jacobians
 
 T, C, N_SEQ, BATCH = 4, 3, 30, 6  # T ≠ C: token and class axes cannot be confused
 STRUCTURES = ["debiased_lowrank", "debiased_full", "debiased_ekfac", "debiased_kron"]

@@ -13,15 +13,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the structures
-from laplace_debiased.evaluation.predictive import (
-    EigenStructure,
-    GridPredictive,
-    KronStructure,
-    LayerJacobian,
-    lowrank_functional_covariance,
-    normal_samples,
-    project_logits,
-)
+from laplace_debiased.posterior.eigen import EigenStructure
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.links import normal_samples, project_logits
+from laplace_debiased.posterior.lowrank import lowrank_functional_covariance
 
 DELTAS = [1e-8, 1e-5, 1e-2, 1.0, 1e4, 1e8]
 SUBSETS = ["all", "last_layer"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from _models import loader, tiny_mlp, toy_data
-from laplace_debiased.evaluation.predictive import (
-    GridPredictive, laplace_params, logit_jacobians, posterior_structure,
-)
+from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import logit_jacobians
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed
 from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace, EKFACDecomposed
 from laplace_debiased.structures.kron import DebiasedKronDecomposed, DebiasedKronLaplace, DebiasedKronLLLaplace

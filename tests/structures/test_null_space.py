@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.curvature.completion import debiased_factor_mode, isotropic_factor
 from laplace_debiased.curvature.linalg import debiased_factor, roundoff_tolerance
-from laplace_debiased.diagnostics.coverage import numerical_rank
+from laplace_debiased.structures.coverage import numerical_rank
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 EPS64 = torch.finfo(torch.float64).eps

@@ -1,0 +1,97 @@
+"""Which layers and K-FAC blocks a debiased K-FAC covers (:class:`KronLayersMixin`, a base of
+:class:`~laplace_debiased.structures.kron.DebiasedKronLaplace`): the supported layers, the
+blocks of frozen parameters dropped, and refusals for what a backend would get wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+from laplace.curvature.backpack import BackPackInterface
+from laplace.curvature.curvature import EFInterface, GGNInterface
+from laplace.utils.matrix import Kron
+from torch import nn
+
+from laplace_debiased.structures.batches import Batch
+
+_KFAC_LAYERS = (nn.Linear, nn.Conv2d)
+
+
+class KronLayersMixin:
+    """The layers and K-FAC blocks of the model that :class:`DebiasedKronLaplace` fits."""
+
+    def _kfac_modules(self) -> list[nn.Module]:
+        """The layers with trainable parameters, in ``Kron`` block order."""
+        return [
+            m
+            for m in self._layers().modules()
+            if isinstance(m, _KFAC_LAYERS)
+            and any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+
+    def _trainable_blocks(self, kfacs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Drop the blocks of frozen parameters (``requires_grad=False``).
+
+        laplace-torch's Curvlinops and ASDL backends return, for every K-FAC layer with a
+        trainable parameter, a weight block and a bias block whenever the layer has a bias,
+        frozen or not (stock ``KronLaplace`` then misaligns its blocks). Blocks in any other
+        layout are returned unchanged for :meth:`_check_blocks` to verify.
+        """
+        owners = [
+            p
+            for module in self._layers().modules()
+            if isinstance(module, _KFAC_LAYERS)
+            and any(p.requires_grad for p in module.parameters(recurse=False))
+            for p in (module.weight, module.bias)
+            if p is not None
+        ]
+        if len(owners) != len(kfacs):
+            return kfacs
+        return [block for block, p in zip(kfacs, owners) if p.requires_grad]
+
+    def _layers(self) -> nn.Module:
+        return self.backend._model
+
+    def _check_supported(self, batches: list[Batch]) -> None:
+        if isinstance(self.backend, BackPackInterface) and isinstance(batches[0], MutableMapping):
+            raise ValueError(
+                "BackPACK backends cannot take dict (mapping) inputs: BackPACK extends the "
+                "modules of a model that is called with one tensor. Use the default "
+                "CurvlinopsGGN backend (or AsdlGGN) for dict batches."
+            )
+        for name, module in self._layers().named_modules():
+            owns = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if owns and not isinstance(module, _KFAC_LAYERS):
+                raise ValueError(
+                    f"layer '{name}' ({type(module).__name__}) has trainable parameters but "
+                    "debiased K-FAC supports only nn.Linear and nn.Conv2d. Freeze it "
+                    "(p.requires_grad_(False) for its parameters) or use "
+                    "subset_of_weights='last_layer'."
+                )
+            if (
+                isinstance(self.backend, BackPackInterface)
+                and isinstance(module, nn.Conv2d)
+                and owns
+            ):
+                raise ValueError(
+                    f"BackPACK's Conv2d K-FAC (layer '{name}') is mis-scaled by the number of "
+                    "spatial positions in this laplace-torch version; use the default "
+                    "CurvlinopsGGN or AsdlGGN backend."
+                )
+        if not isinstance(self.backend, (GGNInterface, EFInterface)):
+            raise ValueError(
+                f"backend {type(self.backend).__name__} is not a GGN/Fisher/EF backend; the "
+                "debiased K-FAC needs positive semi-definite curvature."
+            )
+
+    def _check_blocks(self, kfacs: list[list[torch.Tensor]]) -> None:
+        """Every trainable parameter tensor must have its own block (none dropped)."""
+        expected = Kron.init_from_model(self.backend.params, self._device, self._dtype).kfacs
+        shapes = [[tuple(F.shape) for F in block] for block in kfacs]
+        wanted = [[tuple(F.shape) for F in block] for block in expected]
+        if shapes != wanted:
+            raise ValueError(
+                f"the backend returned K-FAC blocks {shapes} but the trainable parameters "
+                f"need {wanted}; some layer is unsupported by {type(self.backend).__name__}."
+            )
