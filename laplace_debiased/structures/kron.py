@@ -196,19 +196,6 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         )
         report_coverage(self.coverage)
 
-    def _block_names(self) -> list[tuple[str, str]]:
-        """``(layer name, "weight"/"bias")`` per ``Kron`` block, in block order."""
-        names = [
-            (name or type(m).__name__, p)
-            for name, m in self._layers().named_modules()
-            if isinstance(m, _KFAC_LAYERS)
-            for p in ("weight", "bias")
-            if getattr(m, p) is not None and getattr(m, p).requires_grad
-        ]
-        if len(names) != len(self.H_facs.kfacs):
-            return [(f"block {i}", "") for i in range(len(self.H_facs.kfacs))]
-        return names
-
     def _kfacs(self, groups: list[list[Batch]], N: int) -> tuple[torch.Tensor, list[Kron]]:
         """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of
         them: one shared pass (:meth:`_kfac_single_pass`) where the backend allows, else one
