@@ -10,7 +10,7 @@ PY = $(VENV)/bin/python
 INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
 STAMP = $(VENV)/.installed-$(INTERPRETER)
 
-.PHONY: install run test bench clean-venv
+.PHONY: install run test docs bench clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
 	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
@@ -36,7 +36,24 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(DOCS_VENV)
+
+# The documentation site (mkdocs-material + mkdocstrings, docs/ and mkdocs.yml) into site/, with
+# --strict: a broken link or anchor, a docstring mkdocstrings cannot parse, or a public name
+# missing from the API reference fails the build. Its tools live in their own venv, pinned in
+# requirements-docs.lock and installed with --no-deps (no torch needed: the API is read from source).
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP = $(DOCS_VENV)/.installed-$(INTERPRETER)
+
+$(DOCS_STAMP): requirements-docs.lock
+	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; run e.g. 'make docs PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
+	rm -rf $(DOCS_VENV)
+	$(PYTHON) -m venv $(DOCS_VENV) || { rm -rf $(DOCS_VENV); echo "make: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: 'sudo apt install python3-venv'" >&2; exit 1; }
+	$(DOCS_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-docs.lock
+	@touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
 
 # Benchmarks (not tests) need real CIFAR-10. Give its folder with CIFAR10_DIR=DIR (holding
 # cifar-10-batches-bin/ or cifar-10-batches-py/), or CIFAR10_SOURCE=DIR holding the project's

@@ -13,12 +13,23 @@ over repeats is reported:
   target ``debiased / single <= 1.05``);
 * ``single_same_code``: ``DebiasedKronLaplace.fit`` with B̃ = B, one batch of b;
 * ``eigh_float64`` / ``eigh_stock``: the debiased decomposition alone (float64 ``eigh`` of
-  B's factors and B̃'s Rayleigh quotients) and laplace-torch's ``Kron.decompose`` (model
-  dtype), on the factors of the b-fit.
+  B's factors and B̃'s Rayleigh quotients, or the Gram route for factors wider than B ∪ B̃)
+  and laplace-torch's ``Kron.decompose`` (model dtype), on the factors of the b-fit.
 
-Model: ``cifar_cnn()`` (56,714 weights, all weights), random CIFAR-shaped inputs and labels
-at the random initialisation (fit time does not depend on the data), float32, Curvlinops GGN
-(the default backend), ``torch.set_num_threads(--threads)``.
+With ``--predictive`` also ``debiased+predictive`` / ``single+predictive``: the fit followed by
+laplace-torch's first GLM predictive (``la(x, pred_type="glm", link_approx="probit")`` on
+``--n-test`` inputs), the target being the same ratio ``<= 1.05``.
+
+Models (``--model``): ``cifar_cnn()`` (56,714 weights, all weights; its largest factor is
+1,025), or ``wide_cnn`` (issue 23): two convolutions, then ``Linear(2048, 64)`` and
+``Linear(64, 10)`` (138,618 weights), whose 2,048-dimensional input factor has rank ``≤ b/2`` on
+each of B and B̃ and is decomposed through their Gram matrices. Random CIFAR-shaped inputs and
+labels at the random initialisation (fit time does not depend on the data), float32,
+Curvlinops GGN (the default backend), ``torch.set_num_threads(--threads)``.
+
+Issue 23's run (machine shared, so under ``nice``):
+``OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fit_cost.py --model wide_cnn --batch-sizes 64 256
+--predictive --out benchmarks/results/fit_cost_wide``
 """
 
 from __future__ import annotations
@@ -34,11 +45,36 @@ import torch
 from laplace import KronLaplace
 from torch.utils.data import DataLoader, TensorDataset
 
+from torch import nn
+
 from laplace_debiased.evaluation.models import cifar_cnn
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ["debiased", "debiased_per_batch", "single", "single_same_code"]
+PREDICTIVE = ["debiased+predictive", "single+predictive"]
+
+
+def wide_cnn(n_classes: int = 10) -> nn.Sequential:
+    """Two convolutions and a dense head ``Linear(2048, 64)`` on 32x32 RGB inputs (issue 23)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 64),
+        nn.ReLU(),
+        nn.Linear(64, n_classes),
+    )
+
+
+MODELS = {
+    "cifar_cnn": (cifar_cnn, "cifar_cnn (56,714 weights), float32, all weights, CurvlinopsGGN"),
+    "wide_cnn": (wide_cnn, "wide_cnn (Linear(2048, 64) head, 138,618 weights), float32, all weights, CurvlinopsGGN"),
+}
 
 
 def _loader(n: int, batch: int, seed: int) -> DataLoader:
@@ -48,7 +84,9 @@ def _loader(n: int, batch: int, seed: int) -> DataLoader:
     return DataLoader(TensorDataset(X, y), batch_size=batch, shuffle=False)
 
 
-def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int) -> float:
+def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int, n_test: int = 32) -> float:
+    method, predictive = method.removesuffix("+predictive"), method.endswith("+predictive")
+    x_test = torch.randn(n_test, 3, 32, 32, generator=torch.Generator().manual_seed(seed + 1))
     if method == "single":
         la, loader, kw = KronLaplace(model, "classification"), _loader(b, b, seed), {}
     elif method == "single_same_code":
@@ -60,6 +98,8 @@ def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int) -> float:
             la._single_pass_fisher = lambda: None
     t0 = time.perf_counter()
     la.fit(loader, **kw)
+    if predictive:
+        la(x_test, pred_type="glm", link_approx="probit")
     return time.perf_counter() - t0
 
 
@@ -79,42 +119,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "fit_cost")
+    parser.add_argument("--model", choices=sorted(MODELS), default="cifar_cnn")
+    parser.add_argument("--predictive", action="store_true", help="also time fit + first GLM predictive")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="fit methods timed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = cifar_cnn().eval()
+    model = MODELS[args.model][0]().eval()
+    if not {"debiased", "single"} <= set(args.methods):
+        parser.error("--methods must include debiased and single (the ratio's terms)")
+    methods = [*args.methods, *(PREDICTIVE if args.predictive else [])]
     start = time.perf_counter()
     for b in args.batch_sizes[:1]:  # warm-up (allocator, lazy imports), not recorded
-        for method in METHODS:
+        for method in methods:
             _time_fit(method, model, b, seed=0)
-    times = {b: {m: [] for m in [*METHODS, "eigh_float64", "eigh_stock"]} for b in args.batch_sizes}
+    times = {b: {m: [] for m in [*methods, "eigh_float64", "eigh_stock"]} for b in args.batch_sizes}
     for r in range(args.repeats):
         for b in args.batch_sizes:
-            order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+            order = methods[r % len(methods) :] + methods[: r % len(methods)]
             for method in order:
                 times[b][method].append(_time_fit(method, model, b, seed=r))
             for key, t in _time_eigh(model, b, seed=r).items():
                 times[b][key].append(t)
-    rows = []
-    for b in args.batch_sizes:
-        med = {m: statistics.median(ts) for m, ts in times[b].items()}
-        paired = [d / s for d, s in zip(times[b]["debiased"], times[b]["single"])]
-        rows.append(
-            {
-                "b": b,
-                "median_seconds": med,
-                "ratio_debiased_over_single": med["debiased"] / med["single"],
-                "ratio_debiased_over_single_worst_repeat": max(paired),
-                "ratio_debiased_over_single_same_code": med["debiased"] / med["single_same_code"],
-                "ratio_per_batch_over_single": med["debiased_per_batch"] / med["single"],
-                "eigh_float64_share_of_debiased_fit": med["eigh_float64"] / med["debiased"],
-                "ratio_without_decompositions": (med["debiased"] - med["eigh_float64"])
-                / (med["single"] - med["eigh_stock"]),
-                "met": med["debiased"] / med["single"] <= 1.05,
-            }
-        )
+    rows = [_row(b, times[b], args.predictive) for b in args.batch_sizes]
     meta = {
-        "model": "cifar_cnn (56,714 weights), float32, all weights, CurvlinopsGGN",
+        "model": MODELS[args.model][1],
+        "command": "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fit_cost.py "
+        + " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                   for k, v in vars(args).items() if k not in ("predictive", "out"))
+        + (" --predictive" if args.predictive else "") + f" --out {args.out}",
         "threads": args.threads,
         "repeats": args.repeats,
         "torch": torch.__version__,
@@ -123,9 +156,40 @@ def main() -> None:
         "times": {str(b): t for b, t in times.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    finite = [{k: _finite(v) for k, v in r.items()} for r in rows]  # methods not timed: null
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": finite}, indent=1))
     args.out.with_suffix(".md").write_text(_markdown(meta, rows))
     print(_markdown(meta, rows))
+
+
+def _row(b: int, times: dict[str, list[float]], predictive: bool) -> dict:
+    """The medians and ratios of one batch size (NaN for methods not timed)."""
+    med = {m: statistics.median(ts) for m, ts in times.items()}
+    med.update({m: float("nan") for m in METHODS if m not in med})
+    paired = [d / s for d, s in zip(times["debiased"], times["single"])]
+    row = {
+        "b": b,
+        "median_seconds": med,
+        "ratio_debiased_over_single": med["debiased"] / med["single"],
+        "ratio_debiased_over_single_worst_repeat": max(paired),
+        "ratio_debiased_over_single_same_code": med["debiased"] / med["single_same_code"],
+        "ratio_per_batch_over_single": med["debiased_per_batch"] / med["single"],
+        "eigh_float64_share_of_debiased_fit": med["eigh_float64"] / med["debiased"],
+        "ratio_without_decompositions": (med["debiased"] - med["eigh_float64"])
+        / (med["single"] - med["eigh_stock"]),
+        "met": med["debiased"] / med["single"] <= 1.05,
+    }
+    if predictive:
+        row["ratio_with_predictive"] = med["debiased+predictive"] / med["single+predictive"]
+        row["met_with_predictive"] = row["ratio_with_predictive"] <= 1.05
+    return row
+
+
+def _finite(v):
+    """``None`` for NaN (a method not timed), recursively through dicts."""
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    return None if isinstance(v, float) and v != v else v
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
@@ -136,8 +200,10 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['model']}; {meta['cpu']}, torch {meta['torch']}, {meta['threads']} thread(s), "
         f"median of {meta['repeats']} interleaved repeats, one run ({meta['wall_seconds']:.0f} s).",
         "",
+        f"Command: `{meta.get('command', 'OMP_NUM_THREADS=1 nice python benchmarks/fit_cost.py')}`",
+        "",
         "| b | debiased 2×b/2 (s) | single b, laplace-torch (s) | **ratio** (target ≤ 1.05) "
-        "| worst repeat | vs B̃ = B same code | per-batch calls / single | float64 eigh (s) "
+        "| worst repeat | vs B̃ = B same code | per-batch calls / single | debiased decomposition (s) "
         "| stock eigh (s) | ratio without the decompositions |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -151,7 +217,22 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['ratio_per_batch_over_single']:.2f} | {s['eigh_float64']:.3f} | "
             f"{s['eigh_stock']:.3f} | {r['ratio_without_decompositions']:.2f} |"
         )
-    return "\n".join(lines) + "\n"
+    if "ratio_with_predictive" in rows[0]:
+        lines += [
+            "",
+            "Fit + first GLM predictive (laplace-torch's `la(x, pred_type='glm', link_approx='probit')`):",
+            "",
+            "| b | debiased 2×b/2 + predictive (s) | single b + predictive, laplace-torch (s) "
+            "| **ratio** (target ≤ 1.05) |",
+            "|---|---|---|---|",
+        ]
+        for r in rows:
+            s = r["median_seconds"]
+            lines.append(
+                f"| {r['b']} | {s['debiased+predictive']:.3f} | {s['single+predictive']:.3f} | "
+                f"**{r['ratio_with_predictive']:.2f}** |"
+            )
+    return "\n".join(lines).replace("nan", "–") + "\n"
 
 
 if __name__ == "__main__":

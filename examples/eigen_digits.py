@@ -14,7 +14,7 @@ All curvatures are scaled to the training-set size. The prior precision of every
 by grid search on the validation NLL (MC link, laplace-torch's GLM predictive), then test NLL,
 ECE and accuracy are reported as mean ± std over ``--seeds`` random batch draws.
 
-The prior precision is searched over 1e-1 ... 1e4: with N = 1,000 the best δ lies far above
+The prior precision is searched over 1e-1 ... 1e4: with N = 300 the best δ lies far above
 the paper's CIFAR-10 grid, and below δ ≈ 10 every approximation is worse than the MAP network.
 
 Run: ``python examples/eigen_digits.py`` (under a minute on 2 cores once the MAP model is cached;

@@ -51,7 +51,7 @@ def test_quickstart(cache):
     lines = out.splitlines()
     assert len(lines) == 4, out  # header, MAP, debiased_kron, kron: nothing else
     rows = {line.split("  ")[0]: _numbers(line) for line in lines[1:]}
-    assert set(rows) == {"MAP", "debiased_kron, 2 x 32 images", "kron, all 1,000 images"}
+    assert set(rows) == {"MAP", "debiased_kron, 2 x 32 images", "kron, all 300 images"}
     assert rows["debiased_kron, 2 x 32 images"][-2] < rows["MAP"][-2]  # the LA helps under pixel noise
 
 

@@ -37,7 +37,7 @@ from laplace_debiased.paths import default_cache_dir
 from . import evaluate as E
 from .config import BASE_GRID, N_DOWN_MAX, N_UP_MAX, Config, extended_grid, grid_index
 from .data import eval_sets, load_data
-from .fits import Fit, run_fits
+from .fits import FIT_VERSION, Fit, run_fits
 from .plots import auroc_figure, reliability_figure, tracking_figures
 from .predict import PREDICTIVE_VERSION, predictions
 from .report import markdown
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     model_id = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()[:12]
     root = default_cache_dir() / "cifar10_laplace"
     fit_key = cfg.key("seed", "full_batch_size", "lowrank_rank", "batch_sizes", "lowrank_batch_sizes")
+    fit_key = f"v{FIT_VERSION}-{fit_key}"
     fit_cache = root / f"fits-{model_id}-{fit_key}"
     pred_cache = root / f"probs-v{PREDICTIVE_VERSION}-{model_id}-{fit_key}-{cfg.key('seed', 'n_val', 'n_test', 'n_corrupt', 'n_ood', 'mc_samples', 'chunk_size')}"
     if args.fresh:

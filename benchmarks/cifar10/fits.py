@@ -2,7 +2,9 @@
 
 Methods (all GGN curvature; K-FAC through laplace-torch's default Curvlinops backend):
 
-* ``kron-b``                  laplace-torch ``KronLaplace`` on one batch of b (all weights);
+* ``kron-b``                  K-FAC of one batch of b scaled to N (all weights): ``DebiasedKronLaplace``
+                              with B̃ = B, which is laplace-torch's ``KronLaplace`` of the b samples
+                              times N/b (``tests/test_benchmark_fits.py``);
 * ``debiased_kron-b``         ``DebiasedKronLaplace`` on the *same* b samples split 2 x b/2;
 * ``kron-full``               ``KronLaplace`` over the whole training set;
 * ``lowrank_ll-b``            last-layer rank-k eigen LA on one batch of b
@@ -112,16 +114,29 @@ def log_marglik(la) -> list[float] | None:
         return None
 
 
+#: Bumped when a fit's definition changes; part of the fit and prediction cache keys. 2: the
+#: single-batch K-FAC is scaled to N (version 1 was laplace-torch's ``KronLaplace.fit`` on a loader
+#: over b of the N samples, whose Curvlinops K-FAC scales each weight block's input factor by
+#: b/N for a loader that covers all N: weight blocks (b/N)² and bias blocks b/N of the N-scaled K-FAC).
+FIT_VERSION = 2
+
+
 def _loader(train: TensorDataset, idx: np.ndarray, batch_size: int) -> DataLoader:
     """Loader over the samples ``idx`` of ``train`` in that order; ``len(loader.dataset)`` is the
-    training-set size N, so every fit scales its curvature to N like laplace-torch."""
+    training-set size N, which the debiased classes scale their curvature to.  laplace-torch's
+    ``KronLaplace.fit`` does not: it assumes the loader covers all N samples."""
     return DataLoader(train, batch_size=batch_size, sampler=idx.tolist(), shuffle=False)
 
 
 def fit_kron(model, train, idx, debiased: bool):
-    """Single-batch K-FAC on ``idx`` or debiased K-FAC on ``idx`` split in halves (B, then B̃)."""
-    la = (DebiasedKronLaplace if debiased else KronLaplace)(model, "classification")
-    la.fit(_loader(train, idx, len(idx) // 2 if debiased else len(idx)))
+    """Debiased K-FAC on ``idx`` split in halves (B, then B̃), or single-batch K-FAC on all of
+    ``idx`` (B̃ = B), both scaled to ``N = len(train)``."""
+    la = DebiasedKronLaplace(model, "classification")
+    if debiased:
+        la.fit(_loader(train, idx, len(idx) // 2))
+    else:
+        loader = _loader(train, idx, len(idx))
+        la.fit(loader, magnitude_loader=loader)
     return la
 
 

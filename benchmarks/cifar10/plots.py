@@ -1,9 +1,15 @@
 """Figures of the benchmark (PNG): metric vs prior precision (paper Fig. 6), reliability diagrams
-with bin counts at the chosen δ, AUROC vs corruption severity (and the OOD set)."""
+with bin counts at the chosen δ, AUROC vs corruption severity (and the OOD set).
+
+``python -m benchmarks.cifar10.plots DIR`` redraws the Fig. 6 tracking figures of a finished run
+from its ``DIR/results.json`` (the curves of every fit are stored there), without refitting."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -11,6 +17,11 @@ from laplace_debiased.evaluation import metrics as M
 
 COLORS = {"kron": "tab:red", "debiased_kron": "tab:blue", "kron-full": "black",
           "lowrank_ll": "tab:orange", "debiased_lowrank_ll": "tab:green", "lowrank_ll-full": "tab:purple"}
+#: several batch sizes of one method: one colour map, lighter and dotted for smaller b
+SHADES = {"kron": "Reds", "debiased_kron": "Blues", "lowrank_ll": "Oranges", "debiased_lowrank_ll": "Greens"}
+STYLES = (":", "--", "-")
+YLABELS = {"nll": "NLL (nats per image)", "ece": "ECE (fraction)", "accuracy": "accuracy (fraction)",
+           "auroc": "AUROC (entropy score)"}
 FAMILIES = {"kron": ("kron", "debiased_kron", "kron-full"),
             "lowrank_ll": ("lowrank_ll", "debiased_lowrank_ll", "lowrank_ll-full")}
 
@@ -25,6 +36,22 @@ def _plt():
     return plt
 
 
+def _line_styles(plt, fits: list) -> dict:
+    """Colour and line style per mini-batch group: the method's colour when it has one batch
+    size, else shades of its colour map and dotted/dashed/solid from the smallest b up."""
+    out = {}
+    for method in dict.fromkeys(f.method for f in fits):
+        members = sorted((f for f in fits if f.method == method), key=lambda f: f.b or 0)
+        for i, f in enumerate(members):
+            name = f.name
+            if len(members) == 1:
+                out[name] = (COLORS[method], "-")
+            else:
+                shade = plt.get_cmap(SHADES[method])(0.45 + 0.5 * i / (len(members) - 1))
+                out[name] = (shade, STYLES[max(0, len(STYLES) - len(members) + i)] if len(members) <= 3 else "-")
+    return out
+
+
 def tracking_figures(groups: dict, fulls: dict, res: dict, grid: list[float], out: Path) -> list[str]:
     """Per family: test NLL / ECE / accuracy, severity-3 and -5 NLL and OOD AUROC against δ;
     mini-batch methods as mean with min/max band over draws, full batch as markers (its second
@@ -33,18 +60,20 @@ def tracking_figures(groups: dict, fulls: dict, res: dict, grid: list[float], ou
     panels = [("test", "nll"), ("test", "ece"), ("test", "accuracy"), ("c3", "nll"), ("c5", "nll"), ("ood", "auroc")]
     paths = []
     for fam, members in FAMILIES.items():
-        names = [n for n, fits in groups.items() if fits[0].method in members]
+        names = sorted((n for n, fits in groups.items() if fits[0].method in members),
+                       key=lambda n: (members.index(groups[n][0].method), groups[n][0].b or 0))
         full = fulls.get(f"{fam}-full")
         if not names or full is None:
             continue
         fig, axes = plt.subplots(2, 3, figsize=(14, 8))
+        styles = _line_styles(plt, [groups[n][0] for n in names])
         for ax, (s, m) in zip(axes.flat, panels):
             for n in names:
                 fits = groups[n]
                 Y = np.array([res[f.key][s][m] for f in fits])
-                c = COLORS[fits[0].method]
-                ax.plot(grid, Y.mean(0), color=c, label=fits[0].extra["label"])
-                ax.fill_between(grid, Y.min(0), Y.max(0), color=c, alpha=0.2)
+                c, ls = styles[n]
+                ax.plot(grid, Y.mean(0), color=c, ls=ls, label=fits[0].extra["label"])
+                ax.fill_between(grid, Y.min(0), Y.max(0), color=c, alpha=0.15)
             ax.plot(grid, res[full.key][s][m], "x", color=COLORS[full.method], ms=7, label=full.extra["label"])
             if f"{full.key}@mc1" in res:
                 ax.plot(grid, res[f"{full.key}@mc1"][s][m], "o", mfc="none", color="gray", ms=7,
@@ -54,6 +83,7 @@ def tracking_figures(groups: dict, fulls: dict, res: dict, grid: list[float], ou
             if m == "nll":
                 ax.set_yscale("log")
             ax.set_xlabel("prior precision δ")
+            ax.set_ylabel(YLABELS[m])
             where = {"test": "test", "ood": "OOD (scrambled) vs test"}.get(s, f"corrupted, severity {s[1:]}")
             ax.set_title(f"{m.upper() if m != 'accuracy' else m} — {where}")
         handles, labels = axes.flat[0].get_legend_handles_labels()
@@ -122,3 +152,22 @@ def auroc_figure(rows: dict, map_row: list[float], out: Path) -> str:
     fig.savefig(p, dpi=90)
     plt.close(fig)
     return p.name
+
+
+def replot_tracking(folder: Path) -> list[str]:
+    """Redraw ``fig6_*.png`` in ``folder`` from its ``results.json``."""
+    run = json.loads((folder / "results.json").read_text())
+    groups, fulls = {}, {}
+    for name, entry in run["methods"].items():
+        fits = [SimpleNamespace(name=name, method=entry["method"], b=entry["b"], key=key,
+                                extra={"label": entry["label"]}) for key in entry["keys"]]
+        if entry["method"].endswith("-full"):
+            fulls[entry["method"]] = fits[0]
+        else:
+            groups[name] = fits
+    return tracking_figures(groups, fulls, run["curves"], run["meta"]["grid"], folder)
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:] or ["benchmarks/results"]:
+        print(arg, replot_tracking(Path(arg)))

@@ -18,12 +18,17 @@ the convention of laplace-torch's default backend):
 Both are *sums over the samples of a group*: dividing the input side by the group size gives
 the factor a backend call over that group returns, and sums from disjoint shards of a group
 (other passes, other processes) simply add up.
+
+With ``keep_rows=True`` the input side's rows ``a_nt / √T`` of each group are kept as well,
+while a layer has fewer rows than inputs ``d_in`` (:func:`input_factor_rows`): a factor of
+rank ``< d_in`` is then decomposed through its Gram matrix instead of its ``d_in × d_in`` sum
+(:func:`laplace_debiased.curvature.linalg.lowrank_debiased_factor`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
@@ -31,9 +36,18 @@ import torch
 from curvlinops.kfac_utils import extract_patches
 from torch import nn
 
+from laplace_debiased.curvature.dense_blocks import (
+    NORM_LAYERS,
+    block_dims,
+    embedding_input_sums,
+    norm_sample_grads,
+    normalised_input,
+)
+
 __all__ = [
     "GroupKfacSums",
     "group_kfac_sums",
+    "input_factor_rows",
     "loss_hessian_sqrt",
     "loss_hessian_sqrt_columns",
     "output_rows",
@@ -54,11 +68,15 @@ class GroupKfacSums:
         (input-side sums), ``None`` for modules with only a trainable bias.
     loss : Tensor
         ``(n_groups,)`` summed loss ``factor * lossfunc`` of each group.
+    input_rows : list
+        per hooked module, ``None`` (rows not kept, or as many rows as inputs reached) or per
+        group the list of row chunks ``a_nt / √T`` whose ``XᵀX`` is the group's input-side sum.
     """
 
     output: list[torch.Tensor]
     input: list[torch.Tensor | None]
     loss: torch.Tensor
+    input_rows: list[list[list[torch.Tensor]] | None] = field(default_factory=list)
 
     def tensors(self) -> list[torch.Tensor]:
         """All sums as one flat list (for in-place collectives such as ``all_reduce``)."""
@@ -119,23 +137,46 @@ def _segment_sums(
         out[group].addmm_(r.T, r, alpha=scale)
 
 
+def _keep_rows(
+    rows: list[list[torch.Tensor]], a: torch.Tensor, segments: Sequence[tuple[int, int, int]]
+) -> bool:
+    """Append each segment's rows ``a / √T`` (``a`` ``(n, T, d)``) to its group's chunks; return
+    whether the kept rows are still fewer than ``d`` (else they are no cheaper than the sum)."""
+    scaled = a / a.shape[1] ** 0.5
+    for start, stop, group in segments:
+        rows[group].append(scaled[start:stop].reshape(-1, a.shape[-1]))
+    return sum(len(c) for chunks in rows for c in chunks) < a.shape[-1]
+
+
 def _install_sum_hooks(
     modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums
 ) -> list:
-    """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input`` and
-    hook the outputs so that every backward pass adds its output-gradient sums to
-    ``into.output``; returns the handles (remove them after the passes)."""
+    """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
+    (and keep its rows in ``into.input_rows`` where wanted, :func:`_keep_rows`) and hook the
+    outputs so that every backward pass adds its output-gradient sums to ``into.output``;
+    returns the handles (remove them after the passes)."""
     handles = []
+    x_hats: dict[int, torch.Tensor] = {}  # normalisation layers: x̂ of this pass
 
     def on_output_grad(grad: torch.Tensor, i: int) -> None:
-        _segment_sums(_rows(grad.detach(), modules[i]), segments, into.output[i], 1.0)
+        if i in x_hats:  # dense block: per-sample affine gradients as one row per sample
+            rows = norm_sample_grads(modules[i], x_hats[i], grad.detach()).unsqueeze(1)
+        else:
+            rows = _rows(grad.detach(), modules[i])
+        _segment_sums(rows, segments, into.output[i], 1.0)
 
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
     ) -> None:
-        if into.input[i] is not None:
+        if isinstance(module, NORM_LAYERS):
+            x_hats[i] = normalised_input(module, inputs[0].detach())
+        elif isinstance(module, nn.Embedding):
+            embedding_input_sums(module, inputs[0], segments, into.input[i])
+        elif into.input[i] is not None:
             a = _patches(inputs[0].detach(), module)
             _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
+            if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
+                into.input_rows[i] = None
         output.register_hook(partial(on_output_grad, i=i))
 
     for i, m in enumerate(modules):
@@ -175,6 +216,7 @@ def group_kfac_sums(
     factor: float,
     fisher: Literal["type2", "empirical"] = "type2",
     into: GroupKfacSums | None = None,
+    keep_rows: bool = False,
 ) -> GroupKfacSums:
     """Add the K-FAC sums of one pass over ``X`` to ``into`` (or to zeros).
 
@@ -184,8 +226,11 @@ def group_kfac_sums(
         maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output
         (its own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once,
         in its current mode.
-    modules : sequence of nn.Linear / nn.Conv2d
-        the layers with trainable parameters, in ``Kron`` block order.
+    modules : sequence of nn.Linear / nn.Conv2d / nn.Embedding / normalisation layers
+        the layers with trainable parameters, in ``Kron`` block order; an ``Embedding``'s
+        input side is its diagonal token-frequency sum, a normalisation layer's output side is
+        its exact dense GGN block and it has no input side
+        (:mod:`laplace_debiased.curvature.dense_blocks`).
     X, y : Tensor
         stacked inputs and targets of all rows of this pass.
     segments : sequence of (start, stop, group)
@@ -196,6 +241,8 @@ def group_kfac_sums(
         laplace-torch's summed loss and its factor (``backend.lossfunc``, ``backend.factor``).
     fisher : {"type2", "empirical"}
         exact GGN (loss-Hessian square root, ``C`` backward passes) or empirical Fisher.
+    keep_rows : bool
+        keep the input-side rows of a new ``into`` (module docstring).
 
     Returns
     -------
@@ -205,7 +252,7 @@ def group_kfac_sums(
     """
     params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     if into is None:
-        into = zero_sums(modules, n_groups, params[0])
+        into = zero_sums(modules, n_groups, params[0], keep_rows)
     handles = _install_sum_hooks(modules, segments, into)
     try:
         f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher)
@@ -236,14 +283,28 @@ def output_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return rows, y.reshape(rows.shape[0], *y.shape[f.ndim - 1 :])
 
 
-def zero_sums(modules: Sequence[nn.Module], n_groups: int, like: torch.Tensor) -> GroupKfacSums:
-    """Zero sums for ``modules`` and ``n_groups`` groups, dtype and device of ``like``."""
+def zero_sums(
+    modules: Sequence[nn.Module], n_groups: int, like: torch.Tensor, keep_rows: bool = False
+) -> GroupKfacSums:
+    """Zero sums for ``modules`` and ``n_groups`` groups, dtype and device of ``like`` (with
+    empty row lists for the input sides if ``keep_rows``)."""
     def z(d: int) -> torch.Tensor:
         return torch.zeros(n_groups, d, d, dtype=like.dtype, device=like.device)
 
     output, inputs = [], []
     for m in modules:
-        output.append(z(m.weight.shape[0]))
-        inputs.append(z(m.weight[0].numel()) if m.weight.requires_grad else None)
+        d_out, d_in = block_dims(m)
+        output.append(z(d_out))
+        inputs.append(None if d_in is None else z(d_in))
     loss = torch.zeros(n_groups, dtype=like.dtype, device=like.device)
-    return GroupKfacSums(output, inputs, loss)
+    rows = [[[] for _ in range(n_groups)] if keep_rows and A is not None else None for A in inputs]
+    return GroupKfacSums(output, inputs, loss, rows)
+
+
+def input_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[torch.Tensor | None]:
+    """Per module, the rows ``X`` (n, d_in) of ``group`` with ``XᵀX = scale · (input-side sum)``
+    (``scale = 1/m`` for the group's mean factor; ``None`` where no rows were kept)."""
+    return [
+        None if rows is None else torch.cat(rows[group]) * scale**0.5 if rows[group] else None
+        for rows in sums.input_rows
+    ]

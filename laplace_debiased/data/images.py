@@ -47,10 +47,12 @@ class ImageDataset(Dataset):
         images: uint8 ``(N, H, W, 3)``: an ndarray, a lazy ``np.memmap`` view, or any array-like
             with ``dtype``, ``shape`` and numpy indexing (never copied; only indexed items read).
         labels: integer array ``(N,)``.
-        mean, std: per-channel statistics in [0, 1] units, or ``None`` for plain ``pixel/255``.
+        mean: per-channel mean in [0, 1] units, or ``None`` (with ``std``) for plain ``pixel/255``.
+        std: per-channel standard deviation in [0, 1] units, or ``None`` (with ``mean``).
         classes: class names, index = label.
         info: free-form description of provenance (file, corruption, severity, seed, ...).
-        corruption_names, corruption_index: for corrupted sets, item ``i`` carries corruption
+        corruption_names: for corrupted sets, the corruption names.
+        corruption_index: for corrupted sets, item ``i`` carries corruption
             ``corruption_names[corruption_index[i]]``.
     """
 

@@ -148,7 +148,8 @@ def cg(
         b: right-hand side ``[D]``.
         x0: start (default zeros).
         max_iter: iteration budget ``K``.
-        rtol, atol: residual tolerances.
+        rtol: relative residual tolerance (times ``‖r_0‖``).
+        atol: absolute residual tolerance.
         on_nonpositive: ``"stop"`` or ``"raise"``.
         store_iterates: keep all ``x_p`` (``[K+1, D]`` memory).
         callback: called with a :class:`CGState` after every iteration.

@@ -18,6 +18,13 @@ along that Kronecker direction is the prior ``δ`` alone and their variance ``1/
   eigen-directions ``u_G ⊗ u_A`` whose eigenvalue ``λ_G · λ_A`` is zero:
   ``1 - (nonzero λ_G)(nonzero λ_A) / (d_G d_A)``.
 
+The ranks of a factor whose rows are known (the Gram route of
+:func:`~laplace_debiased.curvature.linalg.debiased_kron`, fewer rows than its dimension ``d``)
+come from the Gram matrices (:func:`~laplace_debiased.curvature.linalg.row_rank` of B's rows, B̃'s
+rows and both stacked, ``O(d (n + m)²)``), and its zero count from the extended spectrum of its
+implicit null space (:func:`~laplace_debiased.posterior.implicit_kron.extended_spectrum`): the
+record adds no ``d × d`` eigendecomposition to such a fit. Other factors use ``eigvalsh``.
+
 "Zero" is up to round-off: at most :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`
 of B̃'s factor. The fit warns (once, naming the layers) about blocks whose share is at least
 :data:`PRIOR_ONLY_WARN_SHARE` because of a factor that is sample-limited (B̃ reaches directions B
@@ -39,7 +46,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from laplace_debiased.curvature.linalg import roundoff_tolerance
+from laplace_debiased.curvature.linalg import FactorRows, roundoff_tolerance, row_rank
+from laplace_debiased.posterior.implicit_kron import extended_spectrum
 
 __all__ = ["FactorCoverage", "BlockCoverage", "Coverage", "coverage_record", "numerical_rank",
            "PRIOR_ONLY_WARN_SHARE", "report_coverage"]
@@ -151,21 +159,37 @@ class Coverage:
         )
 
 
-def _factor(name: str, Fd: torch.Tensor, Fm: torch.Tensor, lam: torch.Tensor, completed: int) -> FactorCoverage:
-    """Ranks of B's, B̃'s and the summed factor, and the zero count of ``lam``."""
+def _rank(F: torch.Tensor, X: torch.Tensor | None) -> int:
+    """:func:`numerical_rank` ``(F)``; from the rows ``X`` (``XᵀX = F``) when they are fewer than
+    ``F``'s dimension (:func:`~laplace_debiased.curvature.linalg.row_rank`, same tolerance)."""
+    if X is not None and len(X) < F.shape[0]:
+        return row_rank(X, F.dtype)
+    return numerical_rank(F)
+
+
+def _factor(
+    name: str, Fd: torch.Tensor, Fm: torch.Tensor, Q: torch.Tensor, lam: torch.Tensor, rows: FactorRows | None
+) -> FactorCoverage:
+    """Ranks of B's, B̃'s and the summed factor (from ``rows`` where known), and the zero count
+    of the debiased factor ``(Q, lam)`` (implicit null space counted ``d - r`` times)."""
+    Xd, Xm = rows if rows is not None else (None, None)
+    union = torch.cat([Xd, Xm]) if rows is not None else None
+    ext, multiplicity = extended_spectrum(Q, lam)
     return FactorCoverage(
-        factor=name, dimension=Fd.shape[0], rank_direction=numerical_rank(Fd),
-        rank_magnitude=numerical_rank(Fm), rank_union=numerical_rank(Fd + Fm),
-        zero_eigenvalues=int((lam <= roundoff_tolerance(Fm)).sum()), completed=completed,
+        factor=name, dimension=Fd.shape[0], rank_direction=_rank(Fd, Xd),
+        rank_magnitude=_rank(Fm, Xm), rank_union=_rank(Fd + Fm, union),
+        zero_eigenvalues=int(multiplicity[ext <= roundoff_tolerance(Fm)].sum()), completed=0,
     )
 
 
 def coverage_record(
     direction_kfacs: Sequence[Sequence[torch.Tensor]],
     magnitude_kfacs: Sequence[Sequence[torch.Tensor]],
+    eigenvectors: Sequence[Sequence[torch.Tensor]],
     eigenvalues: Sequence[Sequence[torch.Tensor]],
     names: Sequence[tuple[str, str]],
     *,
+    rows: Sequence[Sequence[FactorRows | None]] | None = None,
     null_space: str,
     direction_size: int,
     magnitude_size: int,
@@ -176,17 +200,23 @@ def coverage_record(
     ----------
     direction_kfacs, magnitude_kfacs : blocks of 1 or 2 square factors
         B's and B̃'s K-FAC factors (laplace-torch ``Kron.kfacs`` layout).
-    eigenvalues : blocks of 1 or 2 vectors
-        the debiased factor eigenvalues (``DebiasedKronDecomposed.eigenvalues``).
+    eigenvectors, eigenvalues : blocks of 1 or 2 matrices / vectors
+        the debiased decomposition (``DebiasedKronDecomposed.eigenvectors`` / ``.eigenvalues``;
+        an implicit factor has ``Q (d, r)`` and ``r + 1`` eigenvalues).
     names : ``(layer, parameter)`` per block.
+    rows : per block and factor ``(B's rows, B̃'s rows)`` or ``None`` (as for
+        :func:`~laplace_debiased.curvature.linalg.debiased_kron`): ranks from the Gram matrices.
     null_space : the treatment of B's null space ("isotropic" or "aligned").
     direction_size, magnitude_size : samples in B and B̃.
     """
     blocks = []
-    for Fds, Fms, lams, (layer, param) in zip(direction_kfacs, magnitude_kfacs, eigenvalues, names, strict=True):
+    rows = rows if rows is not None else [[None] * len(Fds) for Fds in direction_kfacs]
+    for Fds, Fms, Qs, lams, block_rows, (layer, param) in zip(
+        direction_kfacs, magnitude_kfacs, eigenvectors, eigenvalues, rows, names, strict=True
+    ):
         factors = []
-        for name, Fd, Fm, lam in zip(_FACTOR_NAMES[len(Fds)], Fds, Fms, lams):
-            factor = _factor(name, Fd, Fm, lam, 0)
+        for name, Fd, Fm, Q, lam, r in zip(_FACTOR_NAMES[len(Fds)], Fds, Fms, Qs, lams, block_rows):
+            factor = _factor(name, Fd, Fm, Q, lam, r)
             if null_space == "isotropic" and Fm is not Fd:  # B̃ = B: its null space stays 0
                 factor = replace(factor, completed=factor.dimension - factor.rank_direction)
             factors.append(factor)

@@ -48,7 +48,15 @@ from laplace_debiased.structures.distributed import (
     broadcast_computed,
     local_shards,
 )
+from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.structures.mixed import (
+    Spanned,
+    SpannedStructure,
+    block_modules,
+    block_spans,
+    is_extra,
+)
 
 __all__ = [
     "EKFACDecomposed",
@@ -269,15 +277,17 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         self._check_supported(direction_batches)
         same = magnitude_batches is direction_batches
         swap = self._cross_fit and not same  # the swapped component needs B̃'s K-FAC too
-        groups = [direction_batches, magnitude_batches] if swap else [direction_batches]
+        # embedding / normalisation blocks are measured from B̃'s sums of the shared pass
+        both = not same and (swap or any(map(is_extra, self._kfac_modules())))
+        groups = [direction_batches, magnitude_batches] if both else [direction_batches]
         loss, krons = self._kfacs(groups, N)
-        direction, magnitude = krons[0], (krons[1] if swap else None)
-        if not (same or swap):
+        direction, magnitude = krons[0], krons[-1]
+        if not (same or both):
             loss = loss + self._summed_loss(magnitude_batches)
-        H = self._ekfac(direction, magnitude_batches, N)
-        if magnitude is not None:
-            H = CrossFitDecomposed(H, self._ekfac(magnitude, direction_batches, N))
-        self.H_facs, self.H_facs_magnitude, self.H = direction, magnitude, H
+        H = self._ekfac(direction, magnitude, magnitude_batches, N)
+        if swap:
+            H = CrossFitDecomposed(H, self._ekfac(magnitude, direction, direction_batches, N))
+        self.H_facs, self.H_facs_magnitude, self.H = direction, (magnitude if swap else None), H
         return loss
 
     def _fisher_type(self) -> str:
@@ -285,8 +295,32 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
             return FisherType.EMPIRICAL
         return FisherType.MC if getattr(self.backend, "stochastic", False) else FisherType.TYPE2
 
-    def _ekfac(self, kron: Kron, batches: list[Batch], N: int) -> EKFACDecomposed:
-        """EKFAC with the eigenbasis of ``kron`` and the curvature of ``batches``, scaled to N.
+    def _ekfac(self, kron: Kron, measured: Kron, batches: list[Batch], N: int) -> EKFACDecomposed:
+        """EKFAC with the eigenbasis of ``kron`` and the curvature of ``batches`` (whose K-FAC
+        sums are ``measured``), scaled to N: :meth:`_ekfac_kfac_blocks` for the Linear/Conv2d
+        blocks; the embedding and normalisation blocks are the debiased K-FAC blocks of
+        ``kron`` and ``measured`` (a dense block's eigenvalues ``diag(Uᵀ G_B̃ U)`` are its exact
+        EKFAC eigenvalues; an embedding gets the Kronecker-factored ones).  Computed on every
+        rank from the all-reduced sums."""
+        modules = self._kfac_modules()
+        extra = [is_extra(m) for m in block_modules(modules)]
+        pick = lambda blocks, want: [b for b, e in zip(blocks, extra) if e == want]  # noqa: E731
+        basis, lams = iter([]), iter([])
+        if not all(extra):
+            basis, lams = map(iter, self._ekfac_kfac_blocks(Kron(pick(kron.kfacs, False)), batches, N))
+        ext_basis, ext_lams = map(iter, debiased_kron(pick(kron.kfacs, True), pick(measured.kfacs, True)))
+        out_basis, out_lams = [], []
+        for e in extra:
+            out_basis.append(next(ext_basis) if e else next(basis))
+            lam = next(ext_lams) if e else next(lams)
+            out_lams.append(torch.outer(*lam) if e and len(lam) == 2 else (lam[0] if e else lam))
+        spans = block_spans(modules)
+        if any(span > 1 for span in spans):
+            return SpannedEKFACDecomposed(out_basis, out_lams, spans)
+        return EKFACDecomposed(out_basis, out_lams)
+
+    def _ekfac_kfac_blocks(self, kron: Kron, batches: list[Batch], N: int) -> tuple[list, list]:
+        """EKFAC basis and eigenvalues of the Linear/Conv2d blocks ``kron`` on ``batches``.
 
         Under a process group (``kron`` already all-reduced) rank 0 decomposes ``kron`` and
         broadcasts the basis, every rank measures the eigenvalue sums on its rows of
@@ -301,7 +335,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
             basis, lams = measure_ekfac_eigenvalues(
                 self.backend.model,
                 self.backend.lossfunc,
-                self.backend.params,
+                [p for m in self._kfac_modules() if not is_extra(m) for p in m.parameters(recurse=False) if p.requires_grad],
                 data,
                 basis,
                 fisher_type=self._fisher_type(),
@@ -313,7 +347,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         broadcast_([Q for Qs in basis for Q in Qs])
         all_reduce_sum_(lams)
         scale = N / m * self.backend.factor
-        return EKFACDecomposed(basis, [scale * lam for lam in lams])
+        return basis, [scale * lam for lam in lams]
 
     @staticmethod
     def _broadcast_basis(kfacs: list[list[Tensor]]) -> list[list[Tensor]]:
@@ -333,7 +367,11 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super(DebiasedKronLaplace, self).load_state_dict(state_dict)
-        comps = [EKFACDecomposed(vecs, vals) for vecs, vals in state_dict["H_ekfac"]]
+        spans = block_spans(self._kfac_modules())
+        comps = [
+            SpannedEKFACDecomposed(vecs, vals, spans) if any(s > 1 for s in spans) else EKFACDecomposed(vecs, vals)
+            for vecs, vals in state_dict["H_ekfac"]
+        ]
         self.H_facs_magnitude = None
         self.H = comps[0] if len(comps) == 1 else CrossFitDecomposed(*comps)
 
@@ -343,3 +381,18 @@ class DebiasedEKFACLLLaplace(DebiasedEKFACLaplace, KronLLLaplace):
     hessian_structure="debiased_ekfac")``)."""
 
     _key = ("last_layer", "debiased_ekfac")
+
+
+class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
+    """:class:`EKFACStructure` over blocks spanning several parameter tensors."""
+
+
+class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
+    """:class:`EKFACDecomposed` whose blocks may span several parameter tensors (a
+    normalisation layer's dense block; :mod:`laplace_debiased.structures.mixed`)."""
+
+    _structure = SpannedEKFACStructure
+
+    def __init__(self, eigenvectors, eigenvalues, spans: Sequence[int], deltas: Tensor | None = None) -> None:
+        super().__init__(eigenvectors, eigenvalues, deltas)
+        self.spans = list(spans)

@@ -27,17 +27,26 @@ import torch
 from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
 from laplace.baselaplace import KronLaplace
 from laplace.lllaplace import KronLLLaplace
-from laplace.utils.matrix import Kron, KronDecomposed
-from laplace.utils.utils import _is_valid_scalar
+from laplace.utils.matrix import Kron
 
+from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMixin
 from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.curvature.kfac import group_kfac_sums, zero_sums
+from laplace_debiased.curvature.kfac import group_kfac_sums, input_factor_rows, zero_sums
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
+from laplace_debiased.structures.mixed import (
+    Spanned,
+    SpannedKronStructure,
+    block_spans,
+    curvature_modules,
+    expected_block_shapes,
+    is_extra,
+    module_blocks,
+)
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     broadcast_,
@@ -50,28 +59,22 @@ __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLapla
 
 
 
-class DebiasedKronDecomposed(KronDecomposed):
+class DebiasedKronDecomposed(ImplicitKronDecomposed):
     """``KronDecomposed`` whose ``+`` (prior precision) and ``*`` (likelihood factor) keep
-    ``damping``; laplace-torch 0.3 silently drops it in both operations."""
+    ``damping`` (laplace-torch 0.3 silently drops it in both operations) and whose input-side
+    factors may keep their null space implicit
+    (:class:`~laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`)."""
 
-    def __add__(self, deltas: torch.Tensor) -> DebiasedKronDecomposed:
-        self._check_deltas(deltas)
-        return DebiasedKronDecomposed(
-            self.eigenvectors, self.eigenvalues, self.deltas + deltas, damping=self.damping
-        )
 
-    def __mul__(self, scalar: torch.Tensor | float) -> DebiasedKronDecomposed:
-        if not _is_valid_scalar(scalar):
-            raise ValueError("Invalid argument, can only multiply Kron with scalar.")
-        eigenvalues = [
-            [pow(scalar, 1 / len(ls)) * eigval for eigval in ls] for ls in self.eigenvalues
-        ]
-        return DebiasedKronDecomposed(
-            self.eigenvectors, eigenvalues, self.deltas, damping=self.damping
-        )
+class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
+    """:class:`DebiasedKronDecomposed` whose blocks may span several parameter tensors (a
+    normalisation layer's dense block; :mod:`laplace_debiased.structures.mixed`)."""
 
-    __radd__ = __add__
-    __rmul__ = __mul__
+    _structure = SpannedKronStructure
+
+    def __init__(self, eigenvectors, eigenvalues, deltas=None, damping: bool = False, *, spans: list[int] | None = None) -> None:
+        super().__init__(eigenvectors, eigenvalues, deltas, damping=damping)
+        self.spans = list(spans) if spans is not None else [1] * len(eigenvalues)
 
 
 def _combine(old: Kron, new: Kron, n_old: int, n_new: int) -> Kron:
@@ -85,6 +88,19 @@ def _combine(old: Kron, new: Kron, n_old: int, n_new: int) -> Kron:
         else:
             kfacs.append([F_old[0] + F_new[0]])
     return Kron(kfacs)
+
+
+def _paired_rows(
+    direction_rows: list | None, magnitude_rows: list | None
+) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None:
+    """Per block and factor ``(B's rows, B̃'s rows)`` where both are known (the ``rows`` of
+    :func:`debiased_kron` and :func:`coverage_record`), ``None`` without rows."""
+    if direction_rows is None or magnitude_rows is None:
+        return None
+    return [
+        [None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
+        for bd, bm in zip(direction_rows, magnitude_rows)
+    ]
 
 
 def _passes(
@@ -165,6 +181,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         self.H_facs_magnitude: Kron | None = None
         self.coverage: Coverage | None = None
         self._fit_sizes = (0, 0)
+        self._factor_rows: list[list[list[torch.Tensor | None]]] | None = None
 
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
@@ -175,6 +192,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         loss, krons = self._kfacs(groups, N)
         direction, magnitude = krons[0], krons[-1]
         if self.H_facs is not None:  # online: combine with the previous fit(s)
+            self._factor_rows = None
             n_old = self.n_data
             direction = _combine(self.H_facs, direction, n_old, N)
             magnitude = _combine(self.H_facs_magnitude, magnitude, n_old, N)
@@ -189,8 +207,10 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         """``self.coverage`` of B's eigenbasis (the first component when cross-fitted),
         logged; warns once naming the layers with prior-only weights."""
         H = self.H.components[0] if isinstance(self.H, CrossFitDecomposed) else self.H
+        rows = getattr(self, "_factor_rows", None) or [None]
         self.coverage = coverage_record(
-            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, H.eigenvalues, self._block_names(),
+            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, H.eigenvectors, H.eigenvalues,
+            self._block_names(), rows=_paired_rows(rows[0], rows[-1]),
             null_space=self._null_space, direction_size=self._fit_sizes[0],
             magnitude_size=self._fit_sizes[1],
         )
@@ -200,6 +220,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of
         them: one shared pass (:meth:`_kfac_single_pass`) where the backend allows, else one
         backend call per batch (:meth:`_kfac`)."""
+        self._factor_rows = None
         if self._single_pass_fisher() is not None:
             return self._kfac_single_pass(groups, N)
         if is_distributed():
@@ -214,25 +235,39 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
     def _decompose(self) -> None:
         """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
         and the role-swapped one."""
-        H = self._debiased(self.H_facs, self.H_facs_magnitude)
+        rows = getattr(self, "_factor_rows", None) or [None]
+        H = self._debiased(self.H_facs, self.H_facs_magnitude, rows[0], rows[-1])
         if self._cross_fit and self.H_facs_magnitude is not self.H_facs:
-            H = CrossFitDecomposed(H, self._debiased(self.H_facs_magnitude, self.H_facs))
+            swapped = self._debiased(self.H_facs_magnitude, self.H_facs, rows[-1], rows[0])
+            H = CrossFitDecomposed(H, swapped)
         self.H = H
 
-    def _debiased(self, direction: Kron, magnitude: Kron) -> DebiasedKronDecomposed:
-        """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude``; under a process
-        group rank 0 computes them, the others receive them
+    def _debiased(
+        self, direction: Kron, magnitude: Kron, direction_rows=None, magnitude_rows=None
+    ) -> DebiasedKronDecomposed:
+        """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude`` (through the
+        factors' rows where both are known: :func:`debiased_kron`); under a process group
+        rank 0 computes them, the others receive them
         (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
         rank, _ = rank_world()
         if rank == 0:
             eigenvectors, eigenvalues = debiased_kron(
-                direction.kfacs, magnitude.kfacs,
+                direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
                 factor=lambda D, M: debiased_factor_mode(D, M, self._null_space),
+                null_space=self._null_space,
             )
         else:
             eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]
             eigenvalues = [[F.new_empty(F.shape[0]) for F in block] for block in direction.kfacs]
         broadcast_([t for blocks in (eigenvectors, eigenvalues) for b in blocks for t in b])
+        return self._decomposed(eigenvectors, eigenvalues)
+
+    def _decomposed(self, eigenvectors: list, eigenvalues: list) -> DebiasedKronDecomposed:
+        """The decomposed curvature; a :class:`SpannedKronDecomposed` where a dense
+        normalisation block spans several parameter tensors."""
+        spans = block_spans(self._kfac_modules())
+        if any(span > 1 for span in spans):
+            return SpannedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping, spans=spans)
         return DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping)
 
     def _single_pass_fisher(self) -> str | None:
@@ -267,6 +302,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         sums = None
         max_rows = 2 * max(max(s) for s in sizes)
         fisher = self._single_pass_fisher()
+        keep_rows = world == 1
         for X, y, segments in _passes(pieces, max_rows, key_x, key_y):
             sums = group_kfac_sums(
                 self.model,
@@ -280,18 +316,22 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
                 factor=self.backend.factor,
                 fisher=fisher,
                 into=sums,
+                keep_rows=keep_rows,
             )
         if sums is None:  # this rank got no rows (fewer samples than ranks)
             sums = zero_sums(modules, len(groups), self.mean)
         all_reduce_sum_(sums.tensors())
-        krons = []
+        krons, self._factor_rows = [], [] if keep_rows else None
         for g, m in enumerate(sum(s) for s in sizes):
-            kfacs = []
-            for module, G, A in zip(modules, sums.output, sums.input):
-                if A is not None:
-                    kfacs.append([G[g], A[g] / m])
-                if module.bias is not None and module.bias.requires_grad:
-                    kfacs.append([G[g]])
+            kfacs, rows = [], []
+            # Kron * factor scales each of a block's two factors by √factor
+            X_g = input_factor_rows(sums, g, self.backend.factor**0.5 / m)
+            for module, G, A, X in zip(modules, sums.output, sums.input, X_g):
+                blocks = module_blocks(module, G[g], None if A is None else A[g], m)
+                kfacs.extend(blocks)  # input rows only for Linear/Conv2d weight blocks
+                rows.extend([None, X] if len(b) == 2 and not is_extra(module) else [None] * len(b) for b in blocks)
+            if keep_rows:
+                self._factor_rows.append(rows)
             kron = Kron(kfacs) * self.backend.factor
             kfacs = [[F[0] * (N / m), *F[1:]] for F in kron.kfacs]
             self._check_blocks(kfacs)
@@ -341,12 +381,10 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         super().load_state_dict(state_dict)
         self.coverage = None
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
-        H = DebiasedKronDecomposed(
-            state_dict["H_eigenvectors"], state_dict["H_eigenvalues"], damping=self.damping
-        )
+        H = self._decomposed(state_dict["H_eigenvectors"], state_dict["H_eigenvalues"])
         if "H_swapped" in state_dict:
             vecs, vals = state_dict["H_swapped"]
-            H = CrossFitDecomposed(H, DebiasedKronDecomposed(vecs, vals, damping=self.damping))
+            H = CrossFitDecomposed(H, self._decomposed(vecs, vals))
         self.H = H
 
 

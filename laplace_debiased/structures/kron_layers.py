@@ -1,5 +1,6 @@
 """Which layers and K-FAC blocks a debiased K-FAC covers (:class:`KronLayersMixin`, a base of
-:class:`~laplace_debiased.structures.kron.DebiasedKronLaplace`): the supported layers, the
+:class:`~laplace_debiased.structures.kron.DebiasedKronLaplace`): the supported layers (K-FAC,
+embedding and dense normalisation blocks, :mod:`laplace_debiased.structures.mixed`), the
 blocks of frozen parameters dropped, and refusals for what a backend would get wrong.
 """
 
@@ -10,10 +11,10 @@ from collections.abc import MutableMapping
 import torch
 from laplace.curvature.backpack import BackPackInterface
 from laplace.curvature.curvature import EFInterface, GGNInterface
-from laplace.utils.matrix import Kron
 from torch import nn
 
 from laplace_debiased.structures.batches import Batch
+from laplace_debiased.structures.mixed import curvature_modules, expected_block_shapes, is_extra
 
 _KFAC_LAYERS = (nn.Linear, nn.Conv2d)
 
@@ -35,13 +36,9 @@ class KronLayersMixin:
         return names
 
     def _kfac_modules(self) -> list[nn.Module]:
-        """The layers with trainable parameters, in ``Kron`` block order."""
-        return [
-            m
-            for m in self._layers().modules()
-            if isinstance(m, _KFAC_LAYERS)
-            and any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
+        """The layers with trainable parameters, in ``Kron`` block order (K-FAC layers,
+        embeddings, normalisation layers: :func:`~laplace_debiased.structures.mixed.curvature_modules`)."""
+        return curvature_modules(self._layers())
 
     def _trainable_blocks(self, kfacs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Drop the blocks of frozen parameters (``requires_grad=False``).
@@ -73,15 +70,9 @@ class KronLayersMixin:
                 "modules of a model that is called with one tensor. Use the default "
                 "CurvlinopsGGN backend (or AsdlGGN) for dict batches."
             )
+        self._check_extra_layers(curvature_modules(self._layers()))
         for name, module in self._layers().named_modules():
             owns = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if owns and not isinstance(module, _KFAC_LAYERS):
-                raise ValueError(
-                    f"layer '{name}' ({type(module).__name__}) has trainable parameters but "
-                    "debiased K-FAC supports only nn.Linear and nn.Conv2d. Freeze it "
-                    "(p.requires_grad_(False) for its parameters) or use "
-                    "subset_of_weights='last_layer'."
-                )
             if (
                 isinstance(self.backend, BackPackInterface)
                 and isinstance(module, nn.Conv2d)
@@ -98,11 +89,31 @@ class KronLayersMixin:
                 "debiased K-FAC needs positive semi-definite curvature."
             )
 
+    def _check_extra_layers(self, modules: list[nn.Module]) -> None:
+        """Embedding and normalisation blocks come from the shared K-FAC pass only, and a
+        normalisation block is exact only for one output row per sample."""
+        extra = [m for m in modules if is_extra(m)]
+        if not extra:
+            return
+        if self._single_pass_fisher() is None:
+            raise ValueError(
+                f"layers {sorted({type(m).__name__ for m in extra})} get their curvature blocks "
+                "from the CurvlinopsGGN (stochastic=False) or CurvlinopsEF backend without "
+                f"asdl_fisher_kwargs; got {type(self.backend).__name__}. Use one of them, or "
+                "freeze these layers."
+            )
+        if len(self.fit_output_shape) > 1 and not all(isinstance(m, nn.Embedding) for m in extra):
+            raise ValueError(
+                f"outputs of shape (batch, {', '.join(map(str, self.fit_output_shape))}) (every "
+                "token an output): the dense normalisation blocks of debiased_kron/debiased_ekfac "
+                "need one output row per sample. Use hessian_structure='debiased_full' or "
+                "'debiased_lowrank', or freeze the normalisation layers."
+            )
+
     def _check_blocks(self, kfacs: list[list[torch.Tensor]]) -> None:
         """Every trainable parameter tensor must have its own block (none dropped)."""
-        expected = Kron.init_from_model(self.backend.params, self._device, self._dtype).kfacs
         shapes = [[tuple(F.shape) for F in block] for block in kfacs]
-        wanted = [[tuple(F.shape) for F in block] for block in expected]
+        wanted = [list(block) for block in expected_block_shapes(self._kfac_modules())]
         if shapes != wanted:
             raise ValueError(
                 f"the backend returned K-FAC blocks {shapes} but the trainable parameters "

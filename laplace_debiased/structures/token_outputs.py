@@ -18,9 +18,11 @@ import math
 from typing import Any
 
 import torch
+from laplace.curvature import CurvatureInterface
 from laplace.lllaplace import LLLaplace
 from laplace.utils.enums import LinkApprox
 
+from laplace_debiased.curvature.inputs import backward_hooks_detached
 from laplace_debiased.posterior.links import normal_samples
 
 
@@ -84,7 +86,10 @@ class TokenOutputsMixin:
         """Jacobians ``(n·tokens, C, P)`` and outputs ``(n·tokens, C)`` of the token rows, with
         ``(n, tokens)`` kept for :meth:`_token_shaped`. Last layer: ``J = I_C ⊗ φᵀ`` (and
         ``I_C`` for a bias) per token feature ``φ``, laplace-torch's ``last_layer_jacobians``
-        per row; all weights: laplace-torch's ``backend.jacobians`` reshaped."""
+        per row; all weights: laplace-torch's ``torch.func`` Jacobians
+        (``CurvatureInterface.jacobians``, over every output entry) reshaped, whatever the
+        backend: ASDL's and BackPack's ``jacobians`` differentiate ``f[:, i]`` for
+        ``i < output_size``, which for outputs ``(n, tokens, C)`` is token ``i``, not class ``i``."""
         if isinstance(self, LLLaplace):
             f, phi = self.model.forward_with_features(X)
             phi = phi.reshape(-1, phi.shape[-1])
@@ -93,7 +98,8 @@ class TokenOutputsMixin:
             if self.model.last_layer.bias is not None:
                 Js = torch.cat([Js, eye.expand(len(phi), -1, -1)], dim=2)
         else:
-            Js, f = self.backend.jacobians(X, enable_backprop=self.enable_backprop)
+            with backward_hooks_detached(self.model):  # BackPACK's hooks defeat torch.func
+                Js, f = CurvatureInterface.jacobians(self.backend, X, enable_backprop=self.enable_backprop)
         self._glm_token_shape = tuple(f.shape[:-1])
         C = f.shape[-1]
         return Js.reshape(-1, C, Js.shape[-1]), f.reshape(-1, C)

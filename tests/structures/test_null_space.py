@@ -15,8 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.curvature.completion import debiased_factor_mode, isotropic_factor
 from laplace_debiased.curvature.linalg import debiased_factor, roundoff_tolerance
+from laplace_debiased.structures import coverage
 from laplace_debiased.structures.coverage import numerical_rank
 from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.posterior.implicit_kron import extended_spectrum  # after structures (registration)
 
 EPS64 = torch.finfo(torch.float64).eps
 
@@ -106,8 +108,12 @@ def test_same_batch_bias_in_null_space_and_its_removal():
     assert max(gap_aligned) == pytest.approx(-1.0)  # every draw: measured 0, truth > 0
 
 
-def _wide_fit(null_space: str):
-    """Linear(24, 4) -> ReLU -> Linear(4, 3) fitted on B = 4, B̃ = 4 samples (24 > 8)."""
+def _wide_fit(null_space: str, route: str = "rows"):
+    """Linear(24, 4) -> ReLU -> Linear(4, 3) fitted on B = 4, B̃ = 4 samples (24 > 8).
+
+    ``route="rows"``: the fit as it is (the 24-dimensional input factor through its rows' Gram
+    matrices, null space implicit); ``"dense"``: decomposed and recorded again without the rows
+    (square eigenvector matrices, ranks by ``eigvalsh``), the warnings of that record."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 4), nn.ReLU(), nn.Linear(4, 3))
     g = torch.Generator().manual_seed(1)
@@ -116,21 +122,29 @@ def _wide_fit(null_space: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         la.fit(DataLoader(data, batch_size=4), null_space=null_space)
+        if route == "dense":
+            caught.clear()
+            la._factor_rows = None
+            la._decompose()
+            la._record_coverage()
+    square = [Q.shape[0] == Q.shape[1] for Q in la.H.eigenvectors[0]]
+    assert square == ([True, False] if route == "rows" else [True, True])
     return la, [w for w in caught if issubclass(w.category, UserWarning) and "prior" in str(w.message)]
 
 
-def test_coverage_record_counts_and_warning_aligned():
-    la, warned = _wide_fit("aligned")
+@pytest.mark.parametrize("route", ["rows", "dense"])
+def test_coverage_record_counts_and_warning_aligned(route):
+    la, warned = _wide_fit("aligned", route)
     cov = la.coverage
     first = cov.blocks[0]
     assert (first.layer, first.parameter) == ("0", "weight")
     A = first.factors[1]
     assert (A.factor, A.dimension, A.rank_direction, A.rank_magnitude, A.rank_union) == ("input", 24, 4, 4, 8)
     assert A.zero_eigenvalues == A.dimension - A.rank_union
-    lam_G, lam_A = la.H.eigenvalues[0]
     C = la.H_facs_magnitude.kfacs[0]
     tol = max(roundoff_tolerance(C[0]), roundoff_tolerance(C[1])) ** 2
-    zero_share = float((torch.outer(lam_G, lam_A) <= tol).double().mean())
+    (lam_G, n_G), (lam_A, n_A) = (extended_spectrum(Q, lam) for Q, lam in zip(la.H.eigenvectors[0], la.H.eigenvalues[0]))
+    zero_share = float(((torch.outer(lam_G, lam_A) <= tol) * torch.outer(n_G, n_A)).sum()) / (4 * 24)
     assert first.prior_only_share == pytest.approx(zero_share)
     assert first.prior_only_share >= 16 / 24 - 1e-12
     assert len(warned) == 1 and "'0' weight" in str(warned[0].message)
@@ -138,8 +152,9 @@ def test_coverage_record_counts_and_warning_aligned():
     assert cov.direction_size == cov.magnitude_size == 4
 
 
-def test_coverage_record_isotropic_has_no_prior_only_weights():
-    la, warned = _wide_fit("isotropic")
+@pytest.mark.parametrize("route", ["rows", "dense"])
+def test_coverage_record_isotropic_has_no_prior_only_weights(route):
+    la, warned = _wide_fit("isotropic", route)
     A = la.coverage.blocks[0].factors[1]
     assert (A.zero_eigenvalues, A.completed) == (0, A.dimension - A.rank_direction)
     assert la.coverage.blocks[0].prior_only_share == 0 and not warned
@@ -147,6 +162,25 @@ def test_coverage_record_isotropic_has_no_prior_only_weights():
     # shares it, so it is recorded but not warned about): 1/3 of its 12 + 3 weights
     assert la.coverage.prior_only_weights == 5
     assert "| 0 | weight | input | 24 | 4 | 4 | 8 | 0 | 20 |" in la.coverage.markdown()
+
+
+def test_coverage_of_the_rows_route_decomposes_no_wide_factor(monkeypatch):
+    """The coverage of a factor on the Gram route costs no ``d × d`` eigvalsh: ``numerical_rank``
+    (dense) only sees the factors without rows (the 4- and 3-dimensional ones), and the ranks from
+    the rows equal the dense ones."""
+    seen = []
+
+    def spy(F):
+        seen.append(F.shape[0])
+        return numerical_rank(F)
+
+    monkeypatch.setattr(coverage, "numerical_rank", spy)
+    la, _ = _wide_fit("aligned")
+    assert seen and 24 not in seen
+    A = la.coverage.blocks[0].factors[1]
+    Fd, Fm = la.H_facs.kfacs[0][1], la.H_facs_magnitude.kfacs[0][1]
+    assert (A.rank_direction, A.rank_magnitude, A.rank_union) == (
+        numerical_rank(Fd), numerical_rank(Fm), numerical_rank(Fd + Fm))
 
 
 def test_null_space_refuses_unknown_mode():

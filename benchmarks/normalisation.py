@@ -1,0 +1,262 @@
+"""All-weights Laplace on a BatchNorm ResNet-20 on CIFAR-10 (issue 26).
+
+    python -m benchmarks.normalisation [--data DIR] [--threads 1] [--b 512] [--n-full 10000]
+        [--n-val 500] [--n-test 1000] [--n-corrupt 500] [--partial] [--out benchmarks/results]
+
+The MAP is ``resnet20_w8`` (ResNet-20 with BatchNorm after every convolution, ``bias=False``
+convolutions, 1x1-conv shortcuts, channels 8/16/32, 68,786 parameters) trained by
+``python -m benchmarks.cifar10.train --model resnet20_w8 --n-train 10000 --epochs 12 --threads 1``
+(Adam 2e-3, cosine, L2 1e-4 per data point, no augmentation; resumable per-epoch checkpoints under
+``~/.cache/laplace-debiased/cifar10_map/``).  ``--partial`` uses the last checkpoint if training
+has not finished (the epoch is recorded in the results).
+
+Methods, all over every weight except the last row (K-FAC blocks for the convolutions and the
+linear head, one exact dense GGN block per BatchNorm layer, ``Laplace(..., "all",
+"debiased_kron")``), predicted with the linearized network and a shared prior-precision grid:
+
+* ``debiased``: B, B̃ two disjoint halves of ``b`` random training images (directions from B,
+  magnitudes on B̃);
+* ``single batch``: the same ``b`` images, B̃ = B (plain K-FAC + dense blocks on one batch);
+* ``full batch``: B̃ = B = the first ``n_full`` training images (the reference; ``n_full`` below
+  N = 10,000 makes it a large-batch reference, stated in the results);
+* ``last layer``: laplace-torch's full last-layer LA (``"last_layer", "full"``) on the same
+  ``n_full`` images (what a user of a BatchNorm ResNet falls back to today).
+
+Sets: validation images (δ selection by NLL), test images, generated CIFAR-10-C (each test image
+corrupted by one of the 15 corruptions drawn uniformly, severities 1-5).  Metrics at each
+method's validation-chosen δ: NLL, ECE, accuracy with the projected probit link (the MC link's
+``(n, C, C)`` covariances over 68k parameters cost 10x more on the shared CPU);
+tracking error: the maximum over the grid of ``|NLL - NLL_full| / NLL_full`` on the test set.
+Writes ``normalisation.json`` and ``normalisation.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from laplace import Laplace
+from torch.utils.data import DataLoader, TensorDataset
+
+import laplace_debiased  # noqa: F401  (registers the debiased structures)
+from benchmarks.cifar10.data import SEVERITIES, load_data
+from benchmarks.cifar10.models import MODELS
+from benchmarks.cifar10.train import MapConfig, map_dir
+from laplace_debiased.data import resolve_eval_set
+from laplace_debiased.evaluation.metrics import accuracy, ece, nll
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
+
+MAP = MapConfig(n_train=10000, epochs=12, model="resnet20_w8")
+GRID = [float(d) for d in np.logspace(-1, 6, 15)]
+ALL_WEIGHTS = ("debiased", "single batch", "full batch")
+LINKS = ("probit_projected",)
+
+
+def load_map(partial: bool) -> tuple[torch.nn.Module, dict]:
+    """The trained MAP (or, with ``partial``, the last checkpoint) in eval mode, and its history."""
+    folder = map_dir(MAP)
+    model = MODELS[MAP.model]()
+    final, last = folder / "map.pt", folder / "last.pt"
+    if final.is_file():
+        blob = torch.load(final, weights_only=False)
+        model.load_state_dict(blob["state_dict"])
+        history = blob["history"]
+    elif partial and last.is_file():
+        blob = torch.load(last, weights_only=False)
+        model.load_state_dict(blob["model"])
+        history = blob["history"]
+    else:
+        raise FileNotFoundError(f"no trained MAP under {folder}; train it first (module docstring) or pass --partial")
+    return model.eval(), {"epochs_done": len(history), "epochs_planned": MAP.epochs, "history": history}
+
+
+def _loader(train: TensorDataset, idx: np.ndarray, batch: int) -> DataLoader:
+    """Loader over ``idx`` (in order); ``len(dataset)`` = N, so every fit scales to N."""
+    return DataLoader(train, batch_size=batch, sampler=idx.tolist(), shuffle=False)
+
+
+def fit_all(model, train: TensorDataset, b: int, n_full: int, seed: int, log) -> dict:
+    """The four fits, timed: ``name -> (la, seconds)``."""
+    idx = np.random.default_rng(seed).choice(len(train), size=b, replace=False)
+    out = {}
+
+    def timed(name, make):
+        start = time.perf_counter()
+        la = make()
+        out[name] = (la, time.perf_counter() - start)
+        log(f"  fit {name}: {out[name][1]:.1f} s")
+
+    def kron(loader, **kw):
+        la = Laplace(model, "classification", "all", "debiased_kron")
+        la.fit(loader, **kw)
+        return la
+
+    timed("debiased", lambda: kron(_loader(train, idx, b // 2)))
+    single = _loader(train, idx, b)
+    timed("single batch", lambda: kron(single, magnitude_loader=single))
+    full = _loader(train, np.arange(n_full), 250)
+    k = len(full)
+    timed("full batch", lambda: kron(full, magnitude_loader=full, n_direction_batches=k, n_magnitude_batches=k))
+
+    def last_layer():
+        la = Laplace(model, "classification", "last_layer", "full")
+        la.fit(full)
+        return la
+
+    timed("last layer", last_layer)
+    return out
+
+
+def predict_sets(model, fits: dict, sets: dict, chunk: int, log) -> dict:
+    """``method -> set -> link -> (G, n, C)`` probabilities on :data:`GRID`; the all-weights
+    methods share each chunk's Jacobians, MC draws use the same seed for every method."""
+    preds = {name: GridPredictive(la, chunk_size=chunk) for name, (la, _) in fits.items()}
+    params = preds[ALL_WEIGHTS[0]].params
+    out: dict = {name: {} for name in fits}
+    for set_name, (X, _) in sets.items():
+        start = time.perf_counter()
+        gens = {name: torch.Generator().manual_seed(0) for name in fits}
+        parts: dict = {name: {link: [] for link in LINKS} for name in fits}
+        with torch.no_grad():
+            for x in X.split(chunk):
+                f, jacs = logit_jacobians(model, params, x)
+                for name in ALL_WEIGHTS:
+                    probs = preds[name]._chunk(logit_rows(f), jacs, GRID, LINKS, 100, gens[name])  # noqa: SLF001
+                    for link in LINKS:
+                        parts[name][link].append(probs[link].float())
+        ll = preds["last layer"].grid(X, GRID, links=LINKS, generator=gens["last layer"])
+        for link in LINKS:
+            parts["last layer"][link].append(ll[link].float())
+        for name in fits:
+            out[name][set_name] = {link: torch.cat(v, dim=1) for link, v in parts[name].items()}
+        out.setdefault("map", {})[set_name] = torch.softmax(_logits(model, X, chunk), -1)
+        log(f"  predicted {set_name} ({len(X)} images): {time.perf_counter() - start:.0f} s")
+    return out
+
+
+@torch.no_grad()
+def _logits(model, X: torch.Tensor, chunk: int) -> torch.Tensor:
+    return torch.cat([model(x) for x in X.split(chunk)])
+
+
+def evaluate(preds: dict, sets: dict, link: str = "probit_projected") -> dict:
+    """Metrics per method and set on the grid, the validation-chosen δ, the tracking errors."""
+    res: dict = {"grid": GRID, "link": link, "methods": {}}
+    for name, per_set in preds.items():
+        if name == "map":
+            res["map"] = {s: _metrics(p, sets[s][1]) for s, p in per_set.items()}
+            continue
+        grid = {s: [_metrics(p[link][g], sets[s][1]) for g in range(len(GRID))] for s, p in per_set.items()}
+        best = int(np.argmin([m["nll"] for m in grid["val"]]))
+        res["methods"][name] = {"delta": GRID[best], "grid": grid,
+                                "chosen": {s: grid[s][best] for s in grid}}
+    ref = res["methods"]["full batch"]["grid"]["test"]
+    for name in ("debiased", "single batch"):
+        mine = res["methods"][name]["grid"]["test"]
+        res["methods"][name]["tracking"] = {
+            "nll_rel_pct": max(100 * abs(a["nll"] - r["nll"]) / r["nll"] for a, r in zip(mine, ref)),
+            "ece_abs_pp": max(100 * abs(a["ece"] - r["ece"]) for a, r in zip(mine, ref)),
+        }
+    return res
+
+
+def _metrics(p: torch.Tensor, y: torch.Tensor) -> dict:
+    return {"nll": nll(p, y), "ece": ece(p, y), "accuracy": accuracy(p, y)}
+
+
+def eval_sets(data, n_val: int, n_test: int, n_corrupt: int, seed: int, severities=SEVERITIES) -> dict:
+    rng = np.random.default_rng([seed, 1])
+    Xv, yv = data.val.tensors
+    Xt, yt = data.test.tensors
+    vi, ti = rng.permutation(len(yv))[:n_val], rng.permutation(len(yt))[:n_test]
+    sets = {"val": (Xv[vi], yv[vi]), "test": (Xt[ti], yt[ti])}
+    ci = ti[:n_corrupt]
+    for s in severities:
+        Xc, yc = resolve_eval_set(f"cifar10-c-mixed:{s}", data.root, seed=0, verify=data.verify).subset(ci).tensors()
+        sets[f"c{s}"] = (Xc, yc)
+    return sets
+
+
+ROWS = ("map", "last layer", "single batch", "debiased", "full batch")
+
+
+def markdown(res: dict, info: dict, cmd: str) -> str:
+    """The results tables (test set and tracking; CIFAR-10-C by severity)."""
+    sev = [k for k in res["map"] if k.startswith("c")]
+    hist = info["history"][-1] if info["history"] else {}
+    lines = [
+        "# ResNet-20 (BatchNorm) on CIFAR-10, all weights (issue 26)", "",
+        f"Command: `{cmd}`", "",
+        f"MAP: `{MAP.model}` ({info['n_params']:,} parameters), {info['epochs_done']} of "
+        f"{info['epochs_planned']} epochs on {MAP.n_train:,} training images; last epoch: running train NLL "
+        f"{hist.get('train_nll_running', float('nan')):.3f}, train acc {hist.get('train_acc_running', float('nan')):.3f}, "
+        f"val NLL {hist.get('val_nll', float('nan')):.3f}, val acc {hist.get('val_accuracy', float('nan')):.3f}.",
+        f"Fits: b = {info['b']} (debiased: 2 x {info['b'] // 2}), full batch over {info['n_full']:,} images; "
+        f"sets: {info['sizes']}; link: {res['link']}; δ grid {len(GRID)} points in "
+        f"[{GRID[0]:g}, {GRID[-1]:g}]; {info['threads']} torch thread(s), wall {info['wall_min']:.0f} min.", "",
+        "| method | δ (val) | fit s | test NLL | test ECE | test acc | NLL tracking err. (max over grid, %) | ECE tracking err. (pp) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ROWS:
+        if name == "map":
+            m = res["map"]["test"]
+            lines.append(f"| MAP | - | - | {m['nll']:.4f} | {m['ece']:.4f} | {m['accuracy']:.4f} | - | - |")
+            continue
+        r = res["methods"][name]
+        m, t = r["chosen"]["test"], r.get("tracking")
+        track = f"{t['nll_rel_pct']:.2f} | {t['ece_abs_pp']:.2f}" if t else "(reference) | -" if name == "full batch" else "- | -"
+        lines.append(f"| {name} | {r['delta']:g} | {info['fit_seconds'][name]:.0f} | {m['nll']:.4f} | {m['ece']:.4f} | "
+                     f"{m['accuracy']:.4f} | {track} |")
+    lines += ["", "CIFAR-10-C (generated, mixed corruptions), NLL / ECE at the validation-chosen δ:", "",
+              "| method | " + " | ".join(f"severity {s[1:]}" for s in sev) + " |",
+              "|---|" + "---|" * len(sev)]
+    for name in ROWS:
+        per = res["map"] if name == "map" else res["methods"][name]["chosen"]
+        lines.append(f"| {'MAP' if name == 'map' else name} | " + " | ".join(f"{per[s]['nll']:.3f} / {per[s]['ece']:.3f}" for s in sev) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--b", type=int, default=512)
+    p.add_argument("--n-full", type=int, default=10000)
+    p.add_argument("--n-val", type=int, default=500)
+    p.add_argument("--n-test", type=int, default=1000)
+    p.add_argument("--n-corrupt", type=int, default=500)
+    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--severities", type=int, nargs="*", default=list(SEVERITIES))
+    p.add_argument("--partial", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    start = time.perf_counter()
+    data = load_data(a.data, n_train=MAP.n_train)
+    model, info = load_map(a.partial)
+    log(f"MAP: {info['epochs_done']}/{info['epochs_planned']} epochs")
+    fits = fit_all(model, data.train, a.b, a.n_full, a.seed, log)
+    sets = eval_sets(data, a.n_val, a.n_test, a.n_corrupt, a.seed, a.severities)
+    preds = predict_sets(model, fits, sets, a.chunk, log)
+    res = evaluate(preds, sets)
+    info.update(n_params=sum(q.numel() for q in model.parameters()), b=a.b, n_full=a.n_full, threads=a.threads,
+                sizes={k: len(v[1]) for k, v in sets.items()}, wall_min=(time.perf_counter() - start) / 60,
+                fit_seconds={k: v[1] for k, v in fits.items()})
+    cmd = "python -m benchmarks.normalisation " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "normalisation.json").write_text(json.dumps({"command": cmd, "info": info, "results": res}, indent=1))
+    (out / "normalisation.md").write_text(markdown(res, info, cmd))
+    log((out / "normalisation.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""mkdocs hooks of the documentation site (``hooks:`` in mkdocs.yml).
+
+1. **API reference.** One page per subpackage of ``laplace_debiased`` (and one for the top-level
+   modules), each holding a mkdocstrings ``::: module`` block for every public module in it (no
+   leading underscore), found by walking the source tree at build time. A module that is added,
+   moved or renamed therefore appears without editing any page, and ``--strict`` fails if one
+   cannot be collected.
+2. **Files outside docs/.** Pages link to committed results by their path in the checkout
+   (``../benchmarks/results/fit_cost.md``), so the links work on a code host and in an editor.
+   Such targets are added to the site under ``repo/`` (Markdown as pages, the rest as files,
+   following the links of added Markdown files within the same folders), and the links are
+   rewritten to them. A target that does not exist is left alone, so ``--strict`` reports it.
+3. **Sphinx roles in docstrings.** The docstrings use ``:mod:`x```-style roles; they render as
+   the code span alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import posixpath
+import re
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+
+PACKAGE = "laplace_debiased"
+REFERENCE = "reference"
+REPO_PREFIX = "repo"
+LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
+ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):(?=<code>)")
+TOC_ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):(?=\S)")
+
+
+def _root(config) -> Path:
+    return Path(config["config_file_path"]).resolve().parent
+
+
+def _public_modules(root: Path) -> dict[str, list[str]]:
+    """Public modules grouped by their subpackage ("" for the package's top-level modules)."""
+    groups: dict[str, list[str]] = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if any(p.startswith("_") for p in parts):
+            continue
+        is_subpackage = len(parts) == 2 and (root / Path(*parts) / "__init__.py").exists()
+        group = parts[1] if len(parts) > 2 or is_subpackage else ""
+        groups.setdefault(group, []).append(".".join(parts))
+    return groups
+
+
+def _page_name(group: str) -> str:
+    return f"{REFERENCE}/{group or 'package'}.md"
+
+
+def on_config(config):
+    groups = _public_modules(_root(config))
+    pages = [{"Overview": f"{REFERENCE}/index.md"}]
+    pages += [{(group or PACKAGE): _page_name(group)} for group in sorted(groups, key=lambda g: (g != "", g))]
+    config["nav"] = [*(config["nav"] or []), {"API reference": pages}]
+    return config
+
+
+def _reference_pages(config) -> dict[str, str]:
+    groups = _public_modules(_root(config))
+    index = ["# API reference", "",
+             "Generated from the docstrings of every public module of `laplace_debiased` (modules "
+             "and names without a leading underscore). The docstrings state shapes, conventions "
+             "and the maths.", ""]
+    pages = {}
+    for group in sorted(groups, key=lambda g: (g != "", g)):
+        title = f"`{PACKAGE}.{group}`" if group else f"`{PACKAGE}` (top level)"
+        body = [f"# {title}", ""]
+        for module in groups[group]:
+            body += [f"::: {module}", ""]
+        pages[_page_name(group)] = "\n".join(body)
+        page = f"{group or 'package'}.md"
+        index.append(f"- [{title}]({page}): " + ", ".join(f"[`{m}`]({page}#{m})" for m in groups[group]))
+    pages[f"{REFERENCE}/index.md"] = "\n".join(index) + "\n"
+    return pages
+
+
+def _outside_targets(text: str, page_dir: Path, docs: Path, root: Path) -> set[Path]:
+    found = set()
+    for match in LINK.finditer(text):
+        target = match.group(2).split("#")[0]
+        if not target or re.match(r"[a-z]+:|/", target):
+            continue
+        path = Path(os.path.normpath(page_dir / target))
+        if docs not in path.parents and root in path.parents and path.is_file():
+            found.add(path)
+    return found
+
+
+def _repo_files(config, files: Files) -> list[Path]:
+    docs, root = Path(config["docs_dir"]).resolve(), _root(config)
+    todo = set()
+    for page in files.documentation_pages():
+        if page.abs_src_path is None:  # generated above
+            continue
+        todo |= _outside_targets(Path(page.abs_src_path).read_text(), Path(page.abs_src_path).parent, docs, root)
+    done: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        done.add(path)
+        if path.suffix == ".md":
+            todo |= _outside_targets(path.read_text(), path.parent, docs, root) - done
+    return sorted(done)
+
+
+def on_files(files: Files, config):
+    for src_uri, content in _reference_pages(config).items():
+        files.append(File.generated(config, src_uri, content=content))
+    root = _root(config)
+    for path in _repo_files(config, files):
+        src_uri = posixpath.join(REPO_PREFIX, path.relative_to(root).as_posix())
+        files.append(File.generated(config, src_uri, abs_src_path=str(path)))
+    return files
+
+
+def on_page_markdown(markdown: str, page, config, files):
+    if page.file.src_uri.startswith(REPO_PREFIX + "/") or page.file.generated_by:
+        return markdown
+    docs, root = Path(config["docs_dir"]).resolve(), _root(config)
+    page_dir = (docs / page.file.src_uri).parent
+
+    def rewrite(match: re.Match) -> str:
+        target, _, anchor = match.group(2).partition("#")
+        if not target or re.match(r"[a-z]+:|/", target):
+            return match.group(0)
+        path = Path(os.path.normpath(page_dir / target))
+        if docs in path.parents or root not in path.parents or not path.is_file():
+            return match.group(0)
+        new = posixpath.relpath(posixpath.join(REPO_PREFIX, path.relative_to(root).as_posix()),
+                                page_dir.relative_to(docs).as_posix() or ".")
+        return f"{match.group(1)}{new}{'#' + anchor if anchor else ''}{match.group(3)}"
+
+    return LINK.sub(rewrite, markdown)
+
+
+def _strip_roles(items) -> None:
+    for item in items:
+        item.title = TOC_ROLE.sub("", item.title)
+        _strip_roles(item.children)
+
+
+def on_page_content(html: str, page, config, files):
+    _strip_roles(page.toc)
+    return ROLE.sub("", html)
+
+
+def _public_names(path: Path) -> list[str]:
+    """A module's public API: its ``__all__`` if it states one, else its top-level classes and
+    functions without a leading underscore (read from the source, nothing imported)."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return [node.name for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_")]
+
+
+def on_post_build(config):
+    """Every public class and function of every public module has its entry in the API reference."""
+    root, site = _root(config), Path(config["site_dir"])
+    missing = []
+    for group, modules in _public_modules(root).items():
+        html = (site / REFERENCE / (group or "package") / "index.html").read_text()
+        for module in modules:
+            path = root / Path(*module.split("."))
+            path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+            missing += [f"{module}.{name}" for name in _public_names(path) if f'id="{module}.{name}"' not in html]
+    if missing:
+        raise PluginError(f"{len(missing)} public names have no API reference entry: {', '.join(missing)}")

@@ -1,0 +1,212 @@
+"""Mixed block structure: K-FAC blocks plus dense normalisation blocks and embedding blocks.
+
+``debiased_kron`` and ``debiased_ekfac`` over all weights keep one curvature block per
+*layer part* in the order of ``model.parameters()``:
+
+* ``nn.Linear`` / ``nn.Conv2d`` (any ``groups``, with or without bias): a K-FAC block
+  ``[G, A]`` for the weight, a one-factor block ``[G]`` for the bias;
+* ``nn.Embedding`` ``(V, D)``: a K-FAC block ``[A, G]`` (vocabulary factor first, the order of
+  ``weight.flatten()``; ``A`` diagonal);
+* normalisation layers (BatchNorm, LayerNorm, GroupNorm): **one** dense block ``[G]`` over all
+  their trainable affine parameters (weight and bias together, ``2C``), the exact GGN block
+  (:mod:`laplace_debiased.curvature.dense_blocks`).
+
+A dense normalisation block spans two parameter tensors, so blocks and parameter tensors no
+longer correspond one to one: the decomposed curvatures here carry ``spans`` (parameter tensors
+per block), map per-tensor prior precisions to their blocks, and give the grid predictive a
+structure that concatenates the Jacobians of the tensors of a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
+from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.kron import KronStructure
+
+__all__ = [
+    "CURVATURE_LAYERS",
+    "Spanned",
+    "SpannedKronStructure",
+    "SpannedStructure",
+    "block_modules",
+    "block_spans",
+    "curvature_modules",
+    "expected_block_shapes",
+    "is_extra",
+    "module_blocks",
+]
+
+#: Layers with curvature blocks (K-FAC, embedding K-FAC, dense normalisation blocks).
+CURVATURE_LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, *NORM_LAYERS)
+
+
+def _owned(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [(k, p) for k, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+
+def is_extra(module: nn.Module) -> bool:
+    """Whether ``module``'s blocks are the ones stock K-FAC lacks (embedding, normalisation)."""
+    return isinstance(module, (nn.Embedding, *NORM_LAYERS))
+
+
+def curvature_modules(root: nn.Module) -> list[nn.Module]:
+    """The modules of ``root`` owning trainable parameters, in ``parameters()`` order.
+
+    Raises a ``ValueError`` naming the first layer that has trainable parameters but no
+    curvature block (freeze it, or use a structure built on GGN products)."""
+    out = []
+    for name, module in root.named_modules():
+        if not _owned(module):
+            continue
+        if not isinstance(module, CURVATURE_LAYERS):
+            raise ValueError(
+                f"layer '{name}' ({type(module).__name__}) has trainable parameters but the "
+                "debiased K-FAC/EKFAC has blocks only for nn.Linear, nn.Conv2d, nn.Embedding, "
+                "BatchNorm, LayerNorm and GroupNorm. Freeze it (p.requires_grad_(False) for its "
+                "parameters), use hessian_structure='debiased_full' or 'debiased_lowrank', or "
+                "subset_of_weights='last_layer'."
+            )
+        out.append(module)
+    return out
+
+
+def module_blocks(module: nn.Module, G: Tensor, A: Tensor | None, m: int) -> list[list[Tensor]]:
+    """The curvature blocks of one module from the sums of ``m`` samples, ``G`` (output side)
+    and ``A`` (input side), in module-docstring order, with the first factor the sum (to be
+    scaled to ``N`` points) and the second the mean: ``[G, A/m]`` for a weight, ``[G]`` for a
+    bias or a normalisation layer, ``[A, G/m]`` for an embedding (``A ⊗ G/m = (A/m) ⊗ G``)."""
+    if isinstance(module, NORM_LAYERS):
+        return [[G]]
+    if isinstance(module, nn.Embedding):
+        return [[A, G / m]]
+    blocks = [[G, A / m]] if A is not None else []
+    if module.bias is not None and module.bias.requires_grad:
+        blocks.append([G])
+    return blocks
+
+
+def block_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """The module of every block, in block order (one block per trainable parameter tensor,
+    one per normalisation layer)."""
+    return [m for m in modules for _ in ([0] if isinstance(m, NORM_LAYERS) else _owned(m))]
+
+
+def block_spans(modules: Sequence[nn.Module]) -> list[int]:
+    """Parameter tensors per block, in block order (2 for a normalisation layer with a
+    trainable weight and bias, else 1)."""
+    return [len(_owned(m)) if isinstance(m, NORM_LAYERS) else 1 for m in block_modules(modules)]
+
+
+def expected_block_shapes(modules: Sequence[nn.Module]) -> list[list[tuple[int, int]]]:
+    """Shapes of every block's factors, for checking a fit against the model."""
+    shapes = []
+    for m in modules:
+        owned = dict(_owned(m))
+        if isinstance(m, NORM_LAYERS):
+            d = sum(p.numel() for p in owned.values())
+            shapes.append([(d, d)])
+        elif isinstance(m, nn.Embedding):
+            V, D = m.weight.shape
+            shapes.append([(V, V), (D, D)])
+        else:
+            d_out = m.weight.shape[0]
+            if "weight" in owned:
+                shapes.append([(d_out, d_out), (m.weight[0].numel(),) * 2])
+            if "bias" in owned:
+                shapes.append([(d_out, d_out)])
+    return shapes
+
+
+def _block_deltas(deltas: Tensor, spans: Sequence[int]) -> Tensor:
+    """Per-tensor prior precisions (one per parameter tensor) -> one per block; a scalar or
+    per-block tensor passes through. A block whose tensors have different values raises."""
+    if deltas.ndim == 0 or len(deltas) in (1, len(spans)) or len(deltas) != sum(spans):
+        return deltas
+    out, start = [], 0
+    for span in spans:
+        part = deltas[start : start + span]
+        if not torch.all(part == part[0]):
+            raise ValueError(
+                f"prior precisions {part.tolist()} for the parameter tensors {start}..{start + span - 1}, "
+                "which share one dense curvature block (a normalisation layer's weight and "
+                "bias): give them the same value."
+            )
+        out.append(part[0])
+        start += span
+    return torch.stack(out)
+
+
+class Spanned:
+    """Mixin for a decomposed curvature whose blocks may span several parameter tensors
+    (``spans``); ``_structure`` is its grid-predictive structure class."""
+
+    spans: list[int]
+    _structure: type
+
+    def _with(self, other: Any) -> Any:
+        other.__class__ = type(self)
+        other.spans = self.spans
+        return other
+
+    def __add__(self, deltas: Tensor) -> Any:
+        return self._with(super().__add__(_block_deltas(deltas, self.spans)))
+
+    def __mul__(self, scalar: Tensor | float) -> Any:
+        return self._with(super().__mul__(scalar))
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> Any:
+        """The grid predictive's structure (:class:`SpannedStructure`)."""
+        if any(Q.shape[0] != Q.shape[1] for Qs in self.eigenvectors for Q in Qs):
+            raise NotImplementedError(
+                "implicit (low-rank) K-FAC input factors together with dense normalisation "
+                "blocks have no grid structure yet; use laplace-torch's predictive (la(x))."
+            )
+        return self._structure(self, h_factor, numels, self.spans)
+
+
+class SpannedStructure:
+    """Grid structure over blocks spanning several parameter tensors: the per-tensor
+    Jacobians of a block are concatenated (parameter order) before the rotation."""
+
+    def __init__(self, H: Any, h_factor: float | Tensor, numels: Sequence[int], spans: Sequence[int]) -> None:
+        if sum(spans) != len(numels):
+            raise ValueError(
+                f"the curvature's blocks span {sum(spans)} parameter tensors but the Laplace "
+                f"object has {len(numels)}; the posterior and the model do not match"
+            )
+        self.spans = list(spans)
+        super().__init__(H, h_factor, [sum(g) for g in self._groups(numels)])
+
+    def _groups(self, items: Sequence[Any]) -> list[list[Any]]:
+        out, start = [], 0
+        for span in self.spans:
+            out.append(list(items[start : start + span]))
+            start += span
+        return out
+
+    def rotate(self, jacs: Sequence[LayerJacobian]) -> Any:
+        merged = [
+            g[0] if len(g) == 1 else LayerJacobian(dense=torch.cat([j.full() for j in g], dim=-1))
+            for g in self._groups(jacs)
+        ]
+        return super().rotate(merged)
+
+    def _deltas(self, prior_precisions: Sequence[float | Tensor]) -> Tensor:
+        per_block = [
+            _block_deltas(torch.as_tensor(d, dtype=torch.float64).reshape(-1), self.spans)
+            for d in prior_precisions
+        ]
+        return super()._deltas(per_block)
+
+
+class SpannedKronStructure(SpannedStructure, KronStructure):
+    """:class:`~laplace_debiased.evaluation.predictive.KronStructure` over spanning blocks."""
