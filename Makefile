@@ -10,7 +10,7 @@ PY = $(VENV)/bin/python
 INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
 STAMP = $(VENV)/.installed-$(INTERPRETER)
 
-.PHONY: install run test docs bench clean-venv
+.PHONY: install run test docs bench examples clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
 	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
@@ -54,6 +54,13 @@ $(DOCS_STAMP): requirements-docs.lock
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
+# Runs every example with one thread and writes the command and its printed table to
+# docs/tutorials/output/NAME.txt, which the example pages include and the quick-start page quotes
+# (tests/test_example_outputs.py checks the quotes).
+examples: $(STAMP)
+	@for f in examples/*.py; do echo "$$f"; out=docs/tutorials/output/$$(basename $$f .py).txt; \
+	  echo "\$$ OMP_NUM_THREADS=1 python $$f" > $$out; OMP_NUM_THREADS=1 $(PY) $$f >> $$out || exit 1; done
 
 # Benchmarks (not tests) need real CIFAR-10. Give its folder with CIFAR10_DIR=DIR (holding
 # cifar-10-batches-bin/ or cifar-10-batches-py/), or CIFAR10_SOURCE=DIR holding the project's

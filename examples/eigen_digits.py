@@ -15,10 +15,13 @@ by grid search on the validation NLL (MC link, laplace-torch's GLM predictive), 
 ECE and accuracy are reported as mean ± std over ``--seeds`` random batch draws.
 
 The prior precision is searched over 1e-1 ... 1e4: with N = 300 the best δ lies far above
-the paper's CIFAR-10 grid, and below δ ≈ 10 every approximation is worse than the MAP network.
+the paper's CIFAR-10 grid.  What it shows (``docs/tutorials/output/eigen_digits.txt``): this MLP MAP
+is trained with weight decay and is not overconfident, so the validation NLL picks a large δ and
+every LA stays within a few 1e-4 of the MAP's test NLL; the single-batch and debiased rows then
+differ by less than the draws do.  It is an API example for ``debiased_lowrank`` and
+``debiased_full``, not evidence for debiasing (see ``prior_sweep.py`` and the main job).
 
-Run: ``python examples/eigen_digits.py`` (under a minute on 2 cores once the MAP model is cached;
-``--quick`` for a smoke run).
+Run: ``python examples/eigen_digits.py`` (``--quick`` for a smoke run).
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def main() -> None:
             cell[key] = (float(v.mean()), float(v.std()) if len(v) > 1 else 0.0)
         print(
             f"{name:<26} {cell['nll'][0]:>8.4f}±{cell['nll'][1]:<6.4f} {cell['ece'][0]:>8.4f}±{cell['ece'][1]:<6.4f}"
-            f" {cell['acc'][0]:>7.3f} {cell['prior'][0]:>11.3g} {cell['fit_s'][0]:>6.2f}"
+            f" {cell['acc'][0]:>7.3f} {'-' if name == 'MAP' else format(cell['prior'][0], '.3g'):>11} {cell['fit_s'][0]:>6.2f}"
         )
 
 

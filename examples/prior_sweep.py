@@ -1,21 +1,23 @@
 """Prior-precision sweep: single-batch, debiased and full-batch K-FAC Laplace on the digits.
 
 For each prior precision δ of a log grid, the test NLL of the linearized predictive (probit on
-the logit differences, :class:`laplace_debiased.evaluation.predictive.GridPredictive`, which
+the logit differences, :class:`laplace_debiased.posterior.grid.GridPredictive`, which
 computes the whole grid from one pass of Jacobians) for
 
 * ``single``: K-FAC of one batch of 64 images, scaled to N (B̃ = B: laplace-torch's ``kron``);
 * ``debiased``: the same 64 images split in two batches of 32, B chooses the eigenvectors and
   B̃ measures the eigenvalues (``hessian_structure="debiased_kron"``);
-* ``full batch``: K-FAC over all N = 300 training images, the reference both approximate.
+* ``full batch``: K-FAC over all N training images (300 in the default split), the reference
+  both approximate.
 
 Mean over ``--draws`` random batch draws.  The last columns are the distances to the full-batch
-curve. The single-batch curvature is biased (regression to the mean), the debiased one is not;
-on these 300 digits a batch of 64 is a fifth of the data, so that bias is small, and the debiased
-curve (2 x 32 images) is not the closer one here (the main job shows the same; with smaller
-batches it is).
+curve.  What it shows in the default setting (``docs/tutorials/output/prior_sweep.txt``): the
+debiased curve does **not** track the full-batch one better than the single batch here.  The
+batches are a fifth of N, so the single batch's same-batch bias is small, and ``digits_cnn``'s
+dense layer (input dimension 256) is wider than a batch of 32, so B's factor leaves directions
+that B̃ alone measures (issue 23, which changes the fit for such layers).
 
-Run: ``python examples/prior_sweep.py`` (about 30 s on 2 cores once the MAP model is cached).
+Run: ``python examples/prior_sweep.py``.
 """
 
 from __future__ import annotations

@@ -3,15 +3,46 @@
 Bars go to stderr, so stdout stays clean for results, and only when stderr is a terminal: a log
 file or a CI run gets no carriage-return noise.  ``quiet=True`` (the CLI's ``--quiet``) turns
 them off everywhere.
+
+Every command that computes spells the switch the same way, ``--quiet``
+(:func:`add_quiet_argument`); ``diagnose`` still accepts its old name ``--no-progress``, with a
+deprecation warning.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+#: what ``--quiet`` does, the same words in every command's ``--help``
+QUIET_HELP = "no progress bars and no log lines (results and paths are still printed)"
+
+
+class _DeprecatedSwitch(argparse.Action):
+    """A hidden old spelling of a ``store_true`` switch: sets it and says which name to use."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, True)
+
+
+def add_quiet_argument(parser: argparse.ArgumentParser, default: Any = False,
+                       deprecated: Sequence[str] = ()) -> None:
+    """``--quiet`` (:data:`QUIET_HELP`), plus hidden ``deprecated`` spellings that warn when used.
+
+    ``default=argparse.SUPPRESS`` leaves the default to the caller (a config file may set it).
+    """
+    parser.add_argument("--quiet", action="store_true", default=default, help=QUIET_HELP)
+    for name in deprecated:
+        parser.add_argument(name, action=_DeprecatedSwitch, dest="quiet", new="--quiet", default=default)
 
 
 def progress_enabled(quiet: bool = False) -> bool:

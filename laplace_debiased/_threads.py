@@ -29,12 +29,15 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _omp_num_threads() -> int | None:
+    """``$OMP_NUM_THREADS`` if it is a positive integer, else ``None``."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else None
+
+
 def default_threads() -> int:
     """``$OMP_NUM_THREADS`` if it is a positive integer, else :func:`available_cores`."""
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return available_cores()
+    return _omp_num_threads() or available_cores()
 
 
 def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
@@ -59,9 +62,10 @@ def positive_int(text: str) -> int:
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    """``--threads N`` (default shown in ``--help``: this machine's value)."""
+    """``--threads N``; ``--help`` shows the default once, with where it comes from."""
+    source = "the cores this process may use" if _omp_num_threads() is None else "$OMP_NUM_THREADS"
     parser.add_argument("--threads", type=positive_int, default=default_threads(),
-                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else the cores)")
+                        help=f"CPU threads for torch (default: %(default)s, from {source})")
 
 
 def apply_threads(n: int) -> None:

@@ -15,7 +15,9 @@ unless ``OMP_WAIT_POLICY`` is set, before the command imports torch.
 Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the commands in
 :data:`DISTRIBUTED` run under a gloo process group that the CLI initialises from torchrun's
 variables and destroys at the end (:mod:`laplace_debiased.evaluation.pipeline` says who does
-what); the others refuse.
+what); the others refuse. A rank whose command fails prints its error (an unexpected one as a
+traceback, exit status 1) and waits, at most :data:`PEER_REPORT_TIMEOUT`, for the other ranks to
+report theirs before it exits.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -42,6 +46,8 @@ THREADED = ("main", "sweep", "diagnose")
 DISTRIBUTED = ("main", "sweep")
 #: how long a rank waits in a collective: rank 0 trains the MAP model while the others wait
 DIST_TIMEOUT = timedelta(hours=24)
+#: how long a failed rank waits, at most, for the other ranks to report their errors
+PEER_REPORT_TIMEOUT = timedelta(minutes=5)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -54,10 +60,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
+#: a Sphinx cross-reference role, ``:mod:`~a.b```: group 1 is the ``~`` (show the last name only)
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+
+
+def plain_text(doc: str) -> str:
+    """A reStructuredText docstring as a terminal shows it: ``:mod:`a.b``` -> ``a.b``,
+    ``:func:`~a.b``` -> ``b``, ````code```` -> ``code``."""
+    doc = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], doc)
+    return doc.replace("``", "")
+
+
 def build_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     """The parser of command ``name`` and its module (imported here, which must stay cheap)."""
     module = importlib.import_module(f"laplace_debiased.commands.{name}")
-    parser = argparse.ArgumentParser(prog=f"laplace-debiased {name}", description=module.__doc__,
+    parser = argparse.ArgumentParser(prog=f"laplace-debiased {name}", description=plain_text(module.__doc__),
                                      formatter_class=_HelpFormatter)
     module.add_arguments(parser)
     if name in THREADED:
@@ -87,11 +104,14 @@ def _process_group() -> Iterator[None]:
 
     owned = not dist.is_initialized()
     if owned:
+        from laplace_debiased.structures.rank_failures import announce
+
         dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
+        announce()  # so that a rank killed before its first collective can be named
     try:
         yield
     finally:
-        if owned:
+        if owned and dist.is_initialized():  # a failed distributed fit destroys it itself
             dist.destroy_process_group()
 
 
@@ -124,4 +144,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in DISTRIBUTED:
         return int(module.run(args) or 0)
     with _process_group():
-        return int(module.run(args) or 0)
+        return _run_rank(module, args)
+
+
+def _run_rank(module: object, args: argparse.Namespace) -> int:
+    """Run a command on one rank; if it fails here, print why (an unexpected error as its
+    traceback, exit status 1) and wait for the other ranks to report their own errors (or to be
+    gone; at most :data:`PEER_REPORT_TIMEOUT`) before exiting, so that a launcher stopping the
+    rest when one rank exits cannot cut their messages."""
+    import torch.distributed as dist
+
+    try:
+        status = int(module.run(args) or 0)
+    except Exception:  # noqa: BLE001 - reported here, as the interpreter would, then waited on
+        traceback.print_exc()
+        status = 1
+    if status and dist.is_initialized():
+        from laplace_debiased.structures.rank_failures import wait_for_peers
+
+        wait_for_peers(PEER_REPORT_TIMEOUT.total_seconds())
+    return status

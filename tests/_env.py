@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -36,14 +37,59 @@ def _rank_main(rank: int, job: Callable[[int, Path], object], port: int, out: st
     try:
         torch.save(job(rank, Path(out)), Path(out) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a failed distributed fit destroys it itself
+            dist.destroy_process_group()
 
 
 def spawn_ranks(job: Callable[[int, Path], object], out: Path, nprocs: int, *, weights_only: bool = False,
-                timeout_s: float = 300.0) -> list:
+                timeout_s: float = 1800.0) -> list:
     """Run ``job(rank, out)`` on ``nprocs`` local gloo ranks (``torch.multiprocessing``; a
     collective that waits longer than ``timeout_s`` fails instead of hanging) and return each
     rank's result, by rank (saved as ``out/rank<r>.pt`` and loaded here).  ``job`` must be a
-    module-level function (it is pickled)."""
+    module-level function (it is pickled).  The default ``timeout_s`` is generous on purpose: a
+    rank of a loaded machine may wait minutes for a peer that is still importing torch, and
+    that must not fail a test (issue 24)."""
     mp.spawn(_rank_main, args=(job, free_port(), str(out), nprocs, timeout_s), nprocs=nprocs, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=weights_only) for r in range(nprocs)]
+
+
+def _outcome_main(rank: int, job: Callable[[int, Path], object], port: int, out: str, nprocs: int,
+                  env: dict[str, str]) -> None:
+    """One rank of :func:`spawn_ranks_outcomes`: ``env`` set, then :func:`_rank_main` with the
+    outcome ``{"result": ...}`` or ``{"error": (type name, message)}`` saved instead of raised."""
+    os.environ.update(env)
+
+    def recorded(rank: int, out: Path) -> dict:
+        try:
+            return {"result": job(rank, out)}
+        except Exception as err:  # noqa: BLE001 - the outcome under test
+            return {"error": (type(err).__name__, str(err))}
+
+    _rank_main(rank, recorded, port, out, nprocs, timeout_s=1800.0)
+
+
+def spawn_ranks_outcomes(job: Callable[[int, Path], object], out: Path, nprocs: int, *,
+                         env: dict[str, str] | None = None, hang_guard_s: float = 900.0) -> list:
+    """Run ``job(rank, out)`` on ``nprocs`` local gloo ranks with ``env`` added to their
+    environment, and wait for every rank to end by itself: nothing stops a rank because another
+    failed (unlike ``mp.spawn``). Returns ``(exit code, outcome or None)`` by rank; a killed
+    rank has exit code ``-SIGKILL`` and no outcome. The collective timeout is 30 minutes, so a
+    rank that ends does so because the failure reached it, not because it timed out; a rank
+    still running after ``hang_guard_s`` is a hang: it is killed and the call raises."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_outcome_main, args=(r, job, port, str(out), nprocs, env or {}))
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + hang_guard_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    if hung:
+        raise AssertionError(f"rank(s) {hung} still running after {hang_guard_s} s: a hang")
+    found = [out / f"rank{r}.pt" for r in range(nprocs)]
+    return [(p.exitcode, torch.load(f, weights_only=False) if f.exists() else None) for p, f in zip(procs, found)]

@@ -49,10 +49,11 @@ def test_every_example_is_covered():
 def test_quickstart(cache):
     out = _run(["examples/quickstart.py"], cache)
     lines = out.splitlines()
-    assert len(lines) == 4, out  # header, MAP, debiased_kron, kron: nothing else
-    rows = {line.split("  ")[0]: _numbers(line) for line in lines[1:]}
-    assert set(rows) == {"MAP", "debiased_kron, 2 x 32 images", "kron, all 300 images"}
-    assert rows["debiased_kron, 2 x 32 images"][-2] < rows["MAP"][-2]  # the LA helps under pixel noise
+    assert len(lines) == 6, out  # setting, header, MAP, the two δ choices, all-data K-FAC: nothing else
+    rows = {line[:38].strip(): _numbers(line[38:]) for line in lines[2:]}
+    assert set(rows) == {"MAP", "debiased_kron 32 + 32, δ by val. NLL", "debiased_kron 32 + 32, δ by marglik",
+                         "kron, all 300 images, val. NLL"}
+    assert rows["debiased_kron 32 + 32, δ by val. NLL"][1] < rows["MAP"][0]  # test NLL: the LA helps
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,16 @@ def test_imports_point_down_the_layers():
     code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_no_merge_conflict_markers_are_committed():
+    """A merge resolved by hand must not leave ``<<<<<<<``/``>>>>>>>`` lines in tracked text."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=False)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    suffixes = {".md", ".py", ".toml", ".yml", ".txt", ".lock", ".cfg"}
+    hits = [name for name in tracked.stdout.split()
+            if Path(name).suffix in suffixes and (ROOT / name).is_file()
+            and marker.search((ROOT / name).read_text(errors="replace"))]
+    assert not hits, f"conflict markers in {hits}"

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from laplace_debiased._progress import progress_bar
+from laplace_debiased._progress import add_quiet_argument, progress_bar
 
 if TYPE_CHECKING:  # torch is imported inside run(), so that --help stays fast
     import torch
@@ -47,8 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                         help="precision of the curvature products (Lanczos itself runs in float64)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (batch draws, default model)")
-    parser.add_argument("--no-progress", "--quiet", action="store_true",
-                        help="no progress bar (bars are drawn only when stderr is a terminal)")
+    add_quiet_argument(parser, deprecated=("--no-progress",))
 
 
 def _fail(msg: str) -> int:
@@ -65,7 +64,7 @@ def _load_inputs(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, tor
     if (args.model_file is None) != (args.data is None):
         raise ValueError("pass both --model-file and --data, or neither (for the default digits model)")
     if args.model_file is None:
-        model, splits = default_digits_model(seed=args.seed)
+        model, splits = default_digits_model(seed=args.seed, log=None if args.quiet else print)
         X, y = splits["train"].tensors
         return model, X, y, DIGITS_CONFIG.weight_decay if args.beta is None else args.beta
     for path in (args.model_file, args.data):
@@ -111,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     for stage, text in plan.items():
         print(f"  {stage}: {text}")
 
-    bar = progress_bar(total=n_stages(config, X.shape[0]), desc="diagnose", quiet=args.no_progress, unit="stage")
+    bar = progress_bar(total=n_stages(config, X.shape[0]), desc="diagnose", quiet=args.quiet, unit="stage")
 
     def progress(msg: str) -> None:
         bar.set_postfix_str(msg)

@@ -14,6 +14,8 @@ import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
+from laplace_debiased._progress import add_quiet_argument
+
 #: The paper's 13 log-spaced prior precisions 1e-4 ... 1, plus 10 (14 points).
 DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
     float(f"{v:.6g}") for v in [*(10.0 ** (-4 + k / 3) for k in range(13)), 10.0]
@@ -60,7 +62,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=S, help="JSON or TOML file whose keys mirror these flags")
     parser.add_argument("--out", default=S, help=f"output folder (default: {d['out']})")
     parser.add_argument("--seed", type=int, default=S, help=f"random seed (default: {d['seed']})")
-    parser.add_argument("--quiet", action="store_true", default=S, help="no progress bars or log lines")
+    add_quiet_argument(parser, default=S)
     parser.add_argument("--data", choices=("digits", "cifar10", "cifar100"), default=S,
                         help="digits: scikit-learn 8x8 digits (embedded, default); cifar10, cifar100: "
                              "need --data-root")

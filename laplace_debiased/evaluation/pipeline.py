@@ -55,11 +55,14 @@ from torch.utils.data import DataLoader, Dataset
 from laplace_debiased.evaluation.options import (  # noqa: F401
     DEFAULTS, METHODS, add_pipeline_arguments, check_grid, load_config, resolve_options,
 )
+from laplace_debiased.evaluation.report import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
 from laplace_debiased.structures.distributed import gather_results, rank_world
 
 #: grid extensions at most, so that every method's validation choice of δ is interior
 MAX_EXTENSIONS = 4
+#: Gaussian pixel-noise standard deviation of the digits' corrupted test sets, by severity
+DIGITS_NOISE = {1: 0.1, 2: 0.2, 3: 0.4}
 
 
 def _tensors(ds: Dataset, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +79,7 @@ def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.M
     x, y = splits["test"].tensors
     gen = torch.Generator().manual_seed(opts["seed"] + 1)
     sets = [EvalSet("validation", *splits["val"].tensors, "validation"), EvalSet("test", x, y, "test")]
-    for sev, sigma in ((1, 0.1), (2, 0.2), (3, 0.4)):
+    for sev, sigma in DIGITS_NOISE.items():
         noisy = (x + sigma * torch.randn(x.shape, generator=gen)).clamp(0, 1)
         sets.append(EvalSet(f"noise-{sev}", noisy, y, "corrupted", sev))
     sets.append(EvalSet("inverted (OOD)", 1 - x, None, "ood"))
@@ -184,6 +187,54 @@ def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
     tmp.replace(path)
 
 
+_STRUCTURES = {"kron": "K-FAC", "ekfac": "EKFAC", "lowrank": "low-rank"}
+
+
+def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str]:
+    """``{"label", "description"}`` of method ``name`` in words, with its batch sizes."""
+    kind, batches = name.split("_")
+    structure = _STRUCTURES[kind] + (f" (rank {opts['rank']})" if kind == "lowrank" else "")
+    b = opts["batch_size"]
+    if batches == "single":
+        return {"label": f"{structure}, single batch of {b}",
+                "description": f"{structure} from one batch of {b} training points (B̃ = B: the plain "
+                               "single-batch LA)"}
+    if batches == "debiased":
+        return {"label": f"{structure}, debiased {b // 2} + {b // 2}",
+                "description": f"debiased {structure}: directions (eigenvectors) from a batch B of {b // 2} "
+                               f"training points, magnitudes re-measured on an independent batch B̃ of "
+                               f"{b // 2}"}
+    return {"label": f"{structure}, full batch of {n_train}",
+            "description": f"{structure} over all N = {n_train} training points (the reference)"}
+
+
+def _describe_eval_set(es: EvalSet, data: str) -> str:
+    n = f"{len(es.x):,} points"
+    if data != "digits":
+        return {"test": f"{es.name}, the in-distribution test set ({n})",
+                "validation": f"{es.name}, used to choose δ ({n})",
+                "corrupted": f"{es.name}: corrupted, severity {es.severity} ({n})",
+                "ood": f"{es.name}: out of distribution ({n})"}[es.kind]
+    return {"test": f"the digits test split ({n})",
+            "validation": f"the digits validation split ({n}); δ is chosen here",
+            "corrupted": f"the test images with Gaussian pixel noise σ = {DIGITS_NOISE.get(es.severity)}, "
+                         f"clipped to [0, 1] (severity {es.severity}; {n})",
+            "ood": f"the test images inverted, 1 − x: out of distribution ({n})"}[es.kind]
+
+
+def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: str, n_params: int) -> dict:
+    """The run's setting in words, for the report (written to :data:`SETTING_NAME`)."""
+    data = {"digits": "scikit-learn 8x8 digits (embedded)", "cifar10": "CIFAR-10",
+            "cifar100": "CIFAR-100"}[opts["data"]]
+    return {
+        "data": data, "n_train": n_train, "model": tag, "n_params": n_params, "subset": opts["subset"],
+        "methods": {m: describe_method(m, opts, n_train) for m in opts["methods"]},
+        "eval_sets": {es.name: _describe_eval_set(es, opts["data"]) for es in eval_sets},
+        "corruption": "Gaussian pixel noise" if opts["data"] == "digits" else "corruption",
+        "severity_ticks": {str(k): f"σ = {v}" for k, v in DIGITS_NOISE.items()} if opts["data"] == "digits" else {},
+    }
+
+
 def _grid_extension(rows: list[dict], link: str) -> list[float]:
     """One new prior precision beyond each grid edge where a method's validation choice lies."""
     from laplace_debiased.evaluation.report import chosen_prior_precisions
@@ -245,6 +296,9 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
     model.eval()
     if log:
         log(f"MAP model ready ({time.perf_counter() - start:.1f} s); N = {len(train)}")
+    if rank == 0:
+        setting = describe_setting(opts, len(train), eval_sets, tag, sum(p.numel() for p in model.parameters()))
+        (out / SETTING_NAME).write_text(json.dumps(setting, indent=2, ensure_ascii=False))
     methods = [_method(m, model, train, opts) for m in opts["methods"]]
     results = out / "results.jsonl"
     configured = [float(f"{d:.6g}") for d in opts["prior_precisions"]]

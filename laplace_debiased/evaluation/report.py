@@ -1,23 +1,28 @@
 """Sweep results -> calibration report folder (``report.md``, ``report.html``, PNG figures).
 
-Figures (matplotlib, Agg backend, headless):
+Sections: the setting (data, N, model, each method and evaluation set in words, read from the
+main job's ``setting.json``), MAP vs LA at the chosen prior precision δ (with the marginal
+likelihood's choice marked and its measured cost stated), NLL and ECE under shift, and figures
+(matplotlib, Agg backend, headless):
 
-* Figure-6 style: accuracy / NLL / ECE on the test set vs prior precision, one line per method
-  (mean over repeats, min-max band), MAP as a horizontal line, full-batch methods as markers;
-  one figure per link approximation;
-* link comparison: test NLL vs prior precision with the projected probit vs laplace-torch's
-  diagonal probit (and MC when swept);
-* reliability diagrams at each method's best prior precision;
-* OOD AUROC vs corruption severity (when corrupted evaluation sets were swept).
+* Figure-6 style: accuracy / NLL / ECE on the test set vs δ, one line per method (mean over
+  repeats, min-max band), MAP as a horizontal line, full-batch methods as markers; one figure per
+  link approximation;
+* link comparison: test NLL vs δ per link approximation, one panel per method;
+* reliability diagrams at each method's chosen δ;
+* shift-detection AUROC vs corruption severity (when corrupted evaluation sets were swept).
 
-The table lists each method's best prior precision (lowest mean test NLL over repeats with the
-report's main link: an oracle choice on the test set, as in the paper's Figure 6) and its metrics.
+δ is chosen per method by the lowest mean NLL on the validation set; results without one fall
+back to the test set, and the report says that this is an oracle choice.  Units: NLL in nats,
+accuracy, ECE and AUROC in percent (changes in percentage points).
 """
 
 from __future__ import annotations
 
 import html
+import json
 import math
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +32,8 @@ import numpy as np
 
 from laplace_debiased.evaluation.sweep import load_rows
 
+#: file next to ``results.jsonl`` with the run's setting in words (written by the main job)
+SETTING_NAME = "setting.json"
 LINK_PREFERENCE = ("probit_projected", "mc", "probit")
 LINK_LABELS = {
     "probit_projected": "projected probit (logit-difference subspace)",
@@ -82,7 +89,7 @@ class _Doc:
     def html(self, title: str) -> str:
         out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
                "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}"
-               "table{border-collapse:collapse}td,th{border:1px solid #999;padding:3px 8px}"
+               "table{border-collapse:collapse;margin:0.8em 0}td,th{border:1px solid #999;padding:3px 8px}th{background:#eee}"
                "img{max-width:100%}</style></head><body>"]
         for kind, val in self.blocks:
             if kind == "h":
@@ -129,7 +136,7 @@ def chosen_prior_precisions(rows: list[dict], eval_set: str, link: str, criterio
 
 @dataclass
 class _Context:
-    """What every report step reads: the rows and their derived groupings."""
+    """What every report step reads: the rows, their derived groupings and the run's setting."""
 
     rows: list[dict]
     out_dir: Path
@@ -142,14 +149,22 @@ class _Context:
     colors: dict[str, str]
     val_set: str | None  # the validation set the prior precision is chosen on (None: test, an oracle)
     ood_set: str | None  # the first out-of-distribution set
+    setting: dict  # the pipeline's setting.json ({} when the results come without one)
 
     @property
     def main_link(self) -> str:
         return self.links[0]
 
+    def label(self, method: str) -> str:
+        """The method in words (its key when the setting does not name it)."""
+        return "MAP" if method == "map" else self.setting.get("methods", {}).get(method, {}).get("label", method)
+
     def chosen(self, link: str, criterion: str = "nll") -> dict[str, float]:
         """Each method's prior precision chosen on the validation set (on test if there is none)."""
         return chosen_prior_precisions(self.rows, self.val_set or self.test_set, link, criterion)
+
+    def n_repeats(self, method: str) -> int:
+        return len({r["repeat"] for r in self.lap if r["method"] == method})
 
     @property
     def choice_note(self) -> str:
@@ -165,7 +180,15 @@ class _Context:
                 and r["link"] == link and r["prior_precision"] == delta and r.get(metric) is not None]
 
 
-def _context(results: str | Path | list[dict], out_dir: str | Path) -> _Context:
+def _read_setting(results: str | Path | list[dict], setting: dict | None) -> dict:
+    """``setting``, else the ``setting.json`` next to a results file, else ``{}``."""
+    if setting is not None or not isinstance(results, (str, Path)):
+        return dict(setting or {})
+    path = Path(results).with_name(SETTING_NAME)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _context(results: str | Path | list[dict], out_dir: str | Path, setting: dict | None = None) -> _Context:
     """Load and group the rows; refuse results with nothing to report."""
     rows = load_rows(results) if isinstance(results, (str, Path)) else list(results)
     if not rows:
@@ -187,6 +210,7 @@ def _context(results: str | Path | list[dict], out_dir: str | Path) -> _Context:
         colors={m: f"C{i}" for i, m in enumerate(methods)},
         val_set=next((r["eval_set"] for r in rows if r.get("kind") == "validation"), None),
         ood_set=next((r["eval_set"] for r in rows if r.get("kind") == "ood"), None),
+        setting=_read_setting(results, setting),
     )
 
 
@@ -201,61 +225,94 @@ def _save(fig, ctx: _Context, doc: _Doc, name: str, alt: str, tight: bool = True
 
 
 def _summary(ctx: _Context, doc: _Doc, title: str) -> None:
+    """The title and the setting: data, N, model, the methods and the evaluation sets in words."""
     doc.h(title, 1)
-    n_rep = {m: len({r["repeat"] for r in ctx.lap if r["method"] == m}) for m in ctx.methods}
-    doc.p(f"Test set: {ctx.test_set}. Methods (repeats): "
-          + ", ".join(f"{m} ({n_rep[m]})" for m in ctx.methods)
-          + f". Main link approximation: {LINK_LABELS[ctx.main_link]}.")
+    doc.h("Setting")
+    st = ctx.setting
+    if st:
+        weights = "all weights" if st.get("subset") == "all" else "the last layer's weights"
+        doc.p(f"Data: {st['data']}, N = {st['n_train']:,} training points. Model: {st['model']} "
+              f"({st['n_params']:,} parameters), trained to a MAP estimate; every Laplace approximation "
+              f"(LA) covers {weights}.")
+    else:
+        doc.p(f"These results come without a {SETTING_NAME} (the main job writes one next to "
+              "results.jsonl), so the data, N and batch sizes are not known here; methods and "
+              "evaluation sets appear under their recorded names.")
+    described = st.get("methods", {})
+    doc.table(["method", "what it is", "draws", "key"],
+              [[ctx.label(m), described.get(m, {}).get("description", "–"), str(ctx.n_repeats(m)), m]
+               for m in ctx.methods])
+    sets = list(dict.fromkeys(r["eval_set"] for r in ctx.rows))
+    doc.table(["evaluation set", "what it is"], [[e, st.get("eval_sets", {}).get(e, "–")] for e in sets])
+    doc.p(f"Main link approximation: {LINK_LABELS[ctx.main_link]}; {ctx.choice_note}. Units: NLL in "
+          "nats, accuracy, ECE and AUROC in percent, their changes in percentage points (pt); the "
+          "Brier score is a fraction.")
 
 
 _FIG6_AXES = (("accuracy", 100.0, "test accuracy (%)"), ("nll", 1.0, "test NLL (nats)"),
               ("ece", 100.0, "test ECE (%)"))
 
 
+def _chosen_lines(ax, ctx: _Context, chosen: dict[str, float]) -> None:
+    """One dotted vertical per distinct chosen δ, labelled with the methods that chose it (so
+    lines that would sit on top of each other are one line with one legend entry)."""
+    by_delta: dict[float, list[str]] = defaultdict(list)
+    for m, d in chosen.items():
+        by_delta[d].append(m)
+    for d, ms in sorted(by_delta.items()):
+        who = "all methods" if len(ms) == len(ctx.methods) > 1 else ", ".join(ctx.label(m) for m in ms)
+        ax.axvline(d, color=ctx.colors[ms[0]] if len(ms) == 1 else "0.35", ls=":", lw=1.5,
+                   label=f"chosen δ = {d:.3g} ({who})")
+
+
+def _figure6_panel(ax, ctx: _Context, sub: list[dict], metric: str, scale: float) -> None:
+    for m in ctx.methods:
+        vals = _mean_by([r for r in sub if r["method"] == m], ("prior_precision",), metric)
+        if not vals:
+            continue
+        xs = sorted(k[0] for k in vals)
+        mean = [scale * np.mean(vals[(x,)]) for x in xs]
+        if m in ctx.full_batch:
+            ax.plot(xs, mean, "o", color=ctx.colors[m], label=ctx.label(m), markersize=5, zorder=3)
+        else:
+            ax.plot(xs, mean, "-", color=ctx.colors[m], label=ctx.label(m))
+            ax.fill_between(xs, [scale * min(vals[(x,)]) for x in xs],
+                            [scale * max(vals[(x,)]) for x in xs], color=ctx.colors[m], alpha=0.2)
+    mr = ctx.map_rows.get(ctx.test_set)
+    if mr is not None and metric in mr:
+        ax.axhline(scale * mr[metric], color="k", ls="--", lw=1, label="MAP")
+
+
 def _figure6(ctx: _Context, doc: _Doc) -> None:
     """Figure-6 tracking curves: accuracy / NLL / ECE on the test set vs prior precision, one
     figure per link; mean over repeats with a min-max band, full-batch methods as markers, the
-    MAP as a dashed line and each method's chosen δ as a dotted vertical line."""
+    MAP as a dashed line and the chosen δ as dotted verticals."""
     import matplotlib.pyplot as plt
 
     doc.h("Metrics vs prior precision (Figure 6)")
-    doc.p("How closely each mini-batch LA tracks the full-batch LA (markers) over the whole grid; "
-          "bands span the repeats (batch draws). Dotted verticals: each method's chosen δ.")
+    doc.p("How closely each mini-batch LA (lines; bands span the draws) tracks the full-batch LA "
+          "(markers) over the whole grid. Dotted verticals: the chosen δ, one line per distinct value "
+          "with the methods that chose it in the legend. Where curves coincide (large δ, where the "
+          "prior dominates) they are drawn on top of each other.")
     for link in ctx.links:
-        chosen = ctx.chosen(link)
-        fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4.6), layout="constrained")
         sub = [r for r in ctx.lap if r["eval_set"] == ctx.test_set and r["link"] == link]
         for ax, (metric, scale, label) in zip(axes, _FIG6_AXES):
-            for m in ctx.methods:
-                vals = _mean_by([r for r in sub if r["method"] == m], ("prior_precision",), metric)
-                if not vals:
-                    continue
-                xs = sorted(k[0] for k in vals)
-                mean = [scale * np.mean(vals[(x,)]) for x in xs]
-                if m in ctx.full_batch:
-                    ax.plot(xs, mean, "o", color=ctx.colors[m], label=m, markersize=5)
-                else:
-                    ax.plot(xs, mean, "-", color=ctx.colors[m], label=m)
-                    ax.fill_between(xs, [scale * min(vals[(x,)]) for x in xs],
-                                    [scale * max(vals[(x,)]) for x in xs], color=ctx.colors[m], alpha=0.2)
-                if m in chosen:
-                    ax.axvline(chosen[m], color=ctx.colors[m], ls=":", lw=1)
-            mr = ctx.map_rows.get(ctx.test_set)
-            if mr is not None and metric in mr:
-                ax.axhline(scale * mr[metric], color="k", ls="--", lw=1, label="MAP")
+            _figure6_panel(ax, ctx, sub, metric, scale)
+            _chosen_lines(ax, ctx, ctx.chosen(link))
             ax.set_xscale("log")
             ax.set_xlabel("prior precision δ")
             ax.set_ylabel(label)
         handles, labels = axes[1].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=9)
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=9)
         fig.suptitle(f"{ctx.test_set}: {LINK_LABELS[link]}")
-        fig.tight_layout(rect=(0, 0.1, 1, 1))
         _save(fig, ctx, doc, f"fig6_{link}.png", f"metrics vs prior precision, {link}", tight=False)
 
 
 def _link_comparison(ctx: _Context, doc: _Doc) -> None:
-    """Test NLL vs prior precision for every link approximation."""
+    """Test NLL vs prior precision per link approximation: one panel per method."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     if len(ctx.links) < 2:
         return
@@ -263,47 +320,59 @@ def _link_comparison(ctx: _Context, doc: _Doc) -> None:
     doc.p("laplace-torch's diagonal probit is fooled by the softmax-invariant all-ones logit "
           "direction: with a large function-space variance along it, every logit is shrunk and "
           "the predictive tends to uniform (NLL → log C at small prior precision). The projected "
-          "probit removes that direction first; MC sampling is unaffected by it.")
-    fig, ax = plt.subplots(figsize=(7, 4))
+          "probit removes that direction first; MC sampling is unaffected by it. One panel per "
+          "method, so that no method's curves hide another's.")
     styles = {"probit_projected": "-", "mc": ":", "probit": "--"}
-    for m in ctx.methods:
+    fig, axes = plt.subplots(1, len(ctx.methods), figsize=(4.2 * len(ctx.methods), 4), sharey=True,
+                             squeeze=False, layout="constrained")
+    for ax, m in zip(axes[0], ctx.methods):
         for link in ctx.links:
             vals = _mean_by([r for r in ctx.lap if r["method"] == m and r["link"] == link
                              and r["eval_set"] == ctx.test_set], ("prior_precision",), "nll")
             xs = sorted(k[0] for k in vals)
-            ax.plot(xs, [np.mean(vals[(x,)]) for x in xs], styles[link], color=ctx.colors[m],
-                    marker="o" if m in ctx.full_batch else None, label=f"{m}, {link}")
-    if ctx.test_set in ctx.map_rows:
-        ax.axhline(ctx.map_rows[ctx.test_set]["nll"], color="k", ls="--", lw=1, label="MAP")
-    ax.set_xscale("log")
-    ax.set_xlabel("prior precision")
-    ax.set_ylabel("test NLL")
-    ax.legend(fontsize=6)
-    _save(fig, ctx, doc, "links.png", "NLL per link approximation")
+            ax.plot(xs, [np.mean(vals[(x,)]) for x in xs], styles[link], color=ctx.colors[m], lw=1.8,
+                    marker="o" if m in ctx.full_batch else None, ms=4)
+        if ctx.test_set in ctx.map_rows:
+            ax.axhline(ctx.map_rows[ctx.test_set]["nll"], color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("prior precision δ")
+        ax.set_title(ctx.label(m), fontsize=10)
+    axes[0][0].set_ylabel("test NLL (nats), mean over draws")
+    proxies = [Line2D([], [], color="0.3", ls=styles[link], lw=1.8, label=LINK_LABELS[link]) for link in ctx.links]
+    proxies.append(Line2D([], [], color="k", lw=0.8, label="MAP"))
+    fig.legend(handles=proxies, loc="outside lower center", ncol=len(proxies), fontsize=9)
+    fig.suptitle(f"Test NLL per link approximation (evaluation set '{ctx.test_set}'; colour: method)")
+    _save(fig, ctx, doc, "links.png", "test NLL per link approximation, one panel per method", tight=False)
 
 
 def _pct(values: list[float]) -> float:
     return 100.0 * float(np.mean(values)) if values else float("nan")
 
 
+#: (metric, scale, decimals, unit of the change) of the headline and shift tables
+_CELL = {"nll": (1.0, 4, ""), "ece": (100.0, 2, " pt"), "auroc": (100.0, 2, " pt"),
+         "accuracy": (100.0, 2, " pt"), "brier": (1.0, 4, "")}
+
+
+def _cell(ctx: _Context, method: str, delta: float | None, eval_set: str, metric: str) -> str:
+    """Mean over repeats at ``delta`` and, for an LA, its change from the MAP."""
+    scale, dec, unit = _CELL[metric]
+    vals, ref = ctx.at(method, delta, eval_set, metric), ctx.at("map", None, eval_set, metric)
+    if not vals:
+        return "–"
+    v = scale * float(np.mean(vals))
+    text = f"{v:.{dec}f}"
+    if method != "map" and ref:
+        text += f" ({v - scale * float(np.mean(ref)):+.{dec}f}{unit})"
+    return text
+
+
 def _gain_row(ctx: _Context, label: str, method: str, delta: float | None) -> list[str]:
     """Table cells: test NLL, ECE and OOD AUROC at ``delta``, each with its change from the MAP."""
     cells = [label, "–" if delta is None else f"{delta:.3g}"]
-    for metric, scale, unit in (("nll", 1.0, ""), ("ece", 100.0, " pt"), ("auroc", 100.0, " pt")):
-        es = ctx.ood_set if metric == "auroc" else ctx.test_set
-        if es is None:
-            continue
-        vals = ctx.at(method, delta, es, metric)
-        ref = ctx.at("map", None, es, metric)
-        if not vals:
-            cells.append("–")
-            continue
-        v = scale * float(np.mean(vals))
-        text = f"{v:.4f}" if metric == "nll" else f"{v:.2f}"
-        if method != "map" and ref:
-            diff = v - scale * float(np.mean(ref))
-            text += f" ({diff:+.4f})" if metric == "nll" else f" ({diff:+.2f}{unit})"
-        cells.append(text)
+    cells += [_cell(ctx, method, delta, ctx.test_set, "nll"), _cell(ctx, method, delta, ctx.test_set, "ece")]
+    if ctx.ood_set is not None:
+        cells.append(_cell(ctx, method, delta, ctx.ood_set, "auroc"))
     return cells
 
 
@@ -319,63 +388,100 @@ def _headline(ctx: _Context, doc: _Doc) -> None:
     table = [_gain_row(ctx, "MAP", "map", None)]
     for m in ctx.methods:
         if m in by_nll:
-            table.append(_gain_row(ctx, f"{m}, δ by val. NLL" if ctx.val_set else m, m, by_nll[m]))
+            table.append(_gain_row(ctx, f"{ctx.label(m)}, δ by val. NLL" if ctx.val_set else ctx.label(m),
+                                   m, by_nll[m]))
         if m in by_ml:
-            table.append(_gain_row(ctx, f"{m}, δ by marglik", m, by_ml[m]))
-    doc.p(f"{ctx.choice_note}; 'marglik': the highest mean log marginal likelihood of laplace-torch "
-          f"(where the structure has one). Link: {LINK_LABELS[ctx.main_link]}. Mean over repeats. "
-          "Lower NLL and ECE and higher AUROC are better; ECE and AUROC are in percent and their "
-          "changes in percentage points (pt). The AUROC scores telling OOD from clean test inputs "
-          "by the normalised predictive entropy.")
+            table.append(_gain_row(ctx, f"⚠ {ctx.label(m)}, δ by marglik", m, by_ml[m]))
+    doc.p(f"{ctx.choice_note}; '⚠ … marglik': δ of the highest mean log marginal likelihood of "
+          f"laplace-torch (where the structure has one), shown for comparison. Link: "
+          f"{LINK_LABELS[ctx.main_link]}. Mean over draws. Lower NLL and ECE and higher AUROC are "
+          "better. AUROC: how well the normalised predictive entropy tells the OOD inputs from the "
+          "clean test inputs (50 % is chance).")
     doc.table(header, table)
     grid_of = {m: sorted({r["prior_precision"] for r in ctx.lap if r["method"] == m}) for m in ctx.methods}
-    edge = [m for m, d in by_nll.items() if d in (grid_of[m][0], grid_of[m][-1])]
+    edge = [ctx.label(m) for m, d in by_nll.items() if d in (grid_of[m][0], grid_of[m][-1])]
     if edge:
         doc.p(f"Chosen δ on a grid edge (the optimum may lie beyond the grid): {', '.join(edge)}.")
-    doc.p(_verdict(ctx, by_nll))
+    doc.p(_verdict(ctx, by_nll, "validation NLL" if ctx.val_set else "test NLL (oracle)"))
+    if by_ml:
+        doc.p("⚠ " + _verdict(ctx, by_ml, "marginal likelihood") + _marglik_warning(ctx, by_ml))
 
 
-def _verdict(ctx: _Context, chosen: dict[str, float]) -> str:
+def _marglik_warning(ctx: _Context, by_ml: dict[str, float]) -> str:
+    """The measured cost of choosing δ by the marginal likelihood, where the LA loses to the MAP."""
+    ref = ctx.at("map", None, ctx.test_set, "nll")
+    worse = {m: float(np.mean(ctx.at(m, d, ctx.test_set, "nll"))) for m, d in by_ml.items()
+             if ref and ctx.at(m, d, ctx.test_set, "nll")
+             and np.mean(ctx.at(m, d, ctx.test_set, "nll")) > np.mean(ref)}
+    if not worse:
+        return ""
+    who = "every LA" if len(worse) == len(by_ml) > 1 else ", ".join(ctx.label(m) for m in worse)
+    deltas = ", ".join(sorted({f"{by_ml[m]:.3g}" for m in worse}))
+    return (f" Warning: with δ from the marginal likelihood (δ = {deltas}) {who} is worse than the MAP "
+            f"network in test NLL here ({min(worse.values()):.3f}–{max(worse.values()):.3f} nats against "
+            f"the MAP's {np.mean(ref):.3f}). Choose δ by validation NLL.")
+
+
+def _verdict(ctx: _Context, chosen: dict[str, float], how: str) -> str:
     """One sentence per method: on which metrics the LA beats the MAP at the chosen δ."""
     parts = []
     for m, d in chosen.items():
         wins, losses = [], []
-        for metric, es, better in (("NLL", ctx.test_set, -1), ("ECE", ctx.test_set, -1),
-                                   ("OOD AUROC", ctx.ood_set, 1)):
+        for name, metric, es, better in (("NLL", "nll", ctx.test_set, -1), ("ECE", "ece", ctx.test_set, -1),
+                                         ("OOD AUROC", "auroc", ctx.ood_set, 1)):
             if es is None:
                 continue
-            la, ref = ctx.at(m, d, es, metric.split()[-1].lower()), ctx.at("map", None, es, metric.split()[-1].lower())
+            la, ref = ctx.at(m, d, es, metric), ctx.at("map", None, es, metric)
             if la and ref:
-                (wins if better * (np.mean(la) - np.mean(ref)) > 0 else losses).append(metric)
-        parts.append(f"{m} beats the MAP on {', '.join(wins) or 'nothing'}"
+                (wins if better * (np.mean(la) - np.mean(ref)) > 0 else losses).append(name)
+        parts.append(f"{ctx.label(m)} beats the MAP on {', '.join(wins) or 'nothing'}"
                      + (f" and not on {', '.join(losses)}" if losses else ""))
-    return "At the chosen δ: " + "; ".join(parts) + "." if parts else ""
+    return f"At the δ chosen by {how}: " + "; ".join(parts) + "." if parts else ""
+
+
+def _shift_tables(ctx: _Context, doc: _Doc) -> None:
+    """NLL and ECE on every labelled evaluation set (clean and corrupted) at the chosen δ."""
+    sets = [e for e in dict.fromkeys(r["eval_set"] for r in ctx.rows
+                                     if r.get("kind") in ("test", "corrupted")) if e in ctx.map_rows]
+    if len(sets) < 2:
+        return
+    chosen = ctx.chosen(ctx.main_link)
+    doc.h("NLL and ECE under shift")
+    doc.p(f"Each method at its chosen δ ({ctx.choice_note}), {LINK_LABELS[ctx.main_link]}, mean over "
+          "draws, change from the MAP in brackets. The evaluation sets are described under Setting.")
+    for metric, unit in (("nll", "NLL (nats)"), ("ece", "ECE (%; Δ in pt)")):
+        rows = [["MAP", "–", *[_cell(ctx, "map", None, e, metric) for e in sets]]]
+        rows += [[ctx.label(m), f"{chosen[m]:.3g}", *[_cell(ctx, m, chosen[m], e, metric) for e in sets]]
+                 for m in ctx.methods if m in chosen]
+        doc.table([f"{unit}", "δ", *sets], rows)
+
+
+_BEST_COLUMNS = (("accuracy", "accuracy (%)"), ("nll", "NLL (nats)"), ("ece", "ECE (%)"), ("brier", "Brier"))
 
 
 def _best_table(ctx: _Context, doc: _Doc) -> None:
     """Per link: each method's chosen prior precision and its test metrics."""
-    eval_sets = list(dict.fromkeys(r["eval_set"] for r in ctx.rows))
-    shift_sets = [e for e in eval_sets if any(r["eval_set"] == e and "auroc" in r for r in ctx.rows)]
+    shift_sets = [e for e in dict.fromkeys(r["eval_set"] for r in ctx.rows)
+                  if any(r["eval_set"] == e and "auroc" in r for r in ctx.rows)]
     doc.h("Chosen prior precision per method and link")
     for link in ctx.links:
         best = ctx.chosen(link)
         grid_of = {m: [r["prior_precision"] for r in ctx.lap if r["method"] == m] for m in ctx.methods}
-        header = ["method", "prior precision", *METRICS] + [f"AUROC {e}" for e in shift_sets]
+        header = ["method", "δ", *(f"test {h}" for _, h in _BEST_COLUMNS)] + [f"AUROC {e} (%)" for e in shift_sets]
+        scale = {"accuracy": 100.0, "ece": 100.0, "auroc": 100.0}
+        pct = lambda vals, k: [scale.get(k, 1.0) * v for v in vals]  # noqa: E731
         table = []
-        mr = ctx.map_rows.get(ctx.test_set)
-        if mr is not None:
-            table.append(["MAP", "–", *[_fmt([mr[k]]) for k in METRICS]]
-                         + [_fmt([ctx.map_rows[e]["auroc"]]) if e in ctx.map_rows and "auroc" in ctx.map_rows[e]
-                            else "–" for e in shift_sets])
+        if ctx.test_set in ctx.map_rows:
+            table.append(["MAP", "–", *[_fmt(pct(ctx.at("map", None, ctx.test_set, k), k)) for k, _ in _BEST_COLUMNS]]
+                         + [_fmt(pct(ctx.at("map", None, e, "auroc"), "auroc")) for e in shift_sets])
         for m in ctx.methods:
             if m not in best:
                 continue
             edge = best[m] in (min(grid_of[m]), max(grid_of[m]))
-            table.append([m, f"{best[m]:.3g}" + (" (grid edge)" if edge else ""),
-                          *[_fmt(ctx.at(m, best[m], ctx.test_set, k, link)) for k in METRICS]]
-                         + [_fmt(ctx.at(m, best[m], e, "auroc", link)) for e in shift_sets])
-        doc.p(f"Link: {LINK_LABELS[link]}. Test metrics (accuracy, ECE, AUROC as fractions), mean over "
-              f"repeats [min, max]; {ctx.choice_note}.")
+            table.append([ctx.label(m), f"{best[m]:.3g}" + (" (grid edge)" if edge else ""),
+                          *[_fmt(pct(ctx.at(m, best[m], ctx.test_set, k, link), k)) for k, _ in _BEST_COLUMNS]]
+                         + [_fmt(pct(ctx.at(m, best[m], e, "auroc", link), "auroc")) for e in shift_sets])
+        doc.p(f"Link: {LINK_LABELS[link]}. Mean over draws [min, max]; {ctx.choice_note}.")
         doc.table(header, table)
 
 
@@ -416,21 +522,38 @@ def _reliability(ctx: _Context, doc: _Doc) -> None:
     if not panels:
         return
     doc.h("Reliability diagrams")
-    doc.p(f"Test set, {LINK_LABELS[ctx.main_link]}, repeat 0, each method at its chosen δ ({ctx.choice_note}). "
-          "Top: accuracy per confidence bin (bars; MAP as black squares; the dotted diagonal is perfect "
-          "calibration). Bottom: how many test points fall in each bin (symmetric log scale; MAP dashed). "
-          "Bins with few points carry little weight in the ECE.")
-    fig, axes = plt.subplots(2, len(panels), figsize=(3.6 * len(panels), 5.2), squeeze=False,
+    doc.p(f"Test set, {LINK_LABELS[ctx.main_link]}, each method at its chosen δ ({ctx.choice_note}). "
+          "The bars are one draw (the first batch draw, repeat 0); each panel's title gives that draw's "
+          "ECE and the mean over all draws, which is what the tables report. Top: accuracy per "
+          "confidence bin (MAP as black squares; the dotted diagonal is perfect calibration). Bottom: "
+          "how many test points fall in each bin (symmetric log scale; MAP dashed). Bins with few "
+          "points carry little weight in the ECE.")
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.8 * len(panels), 5.6), squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1.3]}, sharex="col")
     for j, (m, delta, row) in enumerate(panels):
         _reliability_panel(axes[0][j], axes[1][j], row["reliability"], f"LA, δ = {delta:.3g}",
                            ctx.colors[m], map_rel)
-        map_ece = f", MAP {100 * map_row['ece']:.2f} %" if map_row else ""
-        axes[0][j].set_title(f"{m}\nECE {100 * row['ece']:.2f} %{map_ece}", fontsize=9)
+        n = ctx.n_repeats(m)
+        mean = _pct(ctx.at(m, delta, ctx.test_set, "ece"))
+        ece = f"ECE {100 * row['ece']:.2f} %" + (f" (draw 1 of {n}; mean {mean:.2f} %)" if n > 1 else "")
+        map_ece = f"\nMAP ECE {100 * map_row['ece']:.2f} %" if map_row else ""
+        axes[0][j].set_title(f"{ctx.label(m)}\n{ece}{map_ece}", fontsize=9)
         axes[0][j].legend(fontsize=8, loc="upper left")
     axes[0][0].set_ylabel("accuracy in bin")
     axes[1][0].set_ylabel("points in bin")
     _save(fig, ctx, doc, "reliability.png", "reliability diagrams with bin counts")
+
+
+def _severity_points(ctx: _Context, m: str, delta: float | None, severities: list[int]) -> tuple[list, list]:
+    """Mean AUROC (%) per corruption severity (averaged over the sets of that severity)."""
+    xs, ys = [], []
+    for sev in severities:
+        sets = {r["eval_set"] for r in ctx.rows if r.get("kind") == "corrupted" and r.get("severity") == sev}
+        vals = [v for es in sorted(sets) for v in ctx.at(m, delta, es, "auroc")]
+        if vals:
+            xs.append(sev)
+            ys.append(_pct(vals))
+    return xs, ys
 
 
 def _auroc_severity(ctx: _Context, doc: _Doc) -> None:
@@ -443,37 +566,34 @@ def _auroc_severity(ctx: _Context, doc: _Doc) -> None:
         return
     best = ctx.chosen(ctx.main_link)
     ood_x = severities[-1] + 1
-    ticks = {sev: str(sev) for sev in range(severities[0], severities[-1] + 1)}
+    named = ctx.setting.get("severity_ticks", {})
+    ticks = {sev: f"{sev}\n{named[str(sev)]}" if str(sev) in named else str(sev)
+             for sev in range(severities[0], severities[-1] + 1)}
     if ctx.ood_set is not None:
-        ticks[ood_x] = f"OOD:\n{ctx.ood_set}"
+        ticks[ood_x] = "OOD:\n" + re.sub(r"\s*\(OOD\)$", "", ctx.ood_set)
+    corruption = ctx.setting.get("corruption", "corruption")
     doc.h("Shift detection vs corruption severity")
-    doc.p("AUROC (%) of telling shifted from clean test inputs by the normalised predictive entropy, "
-          f"per integer corruption severity and for the OOD set; each method at its chosen δ "
-          f"({ctx.choice_note}; δ in the legend).")
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for m in ["map", *ctx.methods]:
-        if m != "map" and m not in best:
-            continue
+    doc.p(f"AUROC (%) of telling shifted from clean test inputs by the normalised predictive entropy, "
+          f"per severity of the {corruption} and for the OOD set; each method at its chosen δ "
+          f"({ctx.choice_note}; δ in the legend). The methods' points are set slightly apart "
+          "horizontally so that lines with equal values stay visible.")
+    shown = ["map", *[m for m in ctx.methods if m in best]]
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for i, m in enumerate(shown):
         delta = None if m == "map" else best[m]
-        xs, ys = [], []
-        for sev in severities:
-            sets = {r["eval_set"] for r in ctx.rows if r.get("kind") == "corrupted" and r.get("severity") == sev}
-            vals = [v for es in sorted(sets) for v in ctx.at(m, delta, es, "auroc")]
-            if vals:
-                xs.append(sev)
-                ys.append(_pct(vals))
-        color = "k" if m == "map" else ctx.colors[m]
-        label = "MAP" if m == "map" else f"{m} (δ = {delta:.3g})"
-        if xs:
-            ax.plot(xs, ys, "--s" if m == "map" else "-o", color=color, label=label, ms=5)
+        dx = 0.06 * (i - (len(shown) - 1) / 2)
+        xs, ys = _severity_points(ctx, m, delta, severities)
+        style = dict(color="k" if m == "map" else ctx.colors[m], marker="s" if m == "map" else "oD^v<>p"[(i - 1) % 7], ms=5)
+        label = "MAP" if m == "map" else f"{ctx.label(m)} (δ = {delta:.3g})"
+        ax.plot([x + dx for x in xs], ys, "--" if m == "map" else "-", label=label, **style)
         if ctx.ood_set is not None and ctx.at(m, delta, ctx.ood_set, "auroc"):
-            ax.plot([ood_x], [_pct(ctx.at(m, delta, ctx.ood_set, "auroc"))], "s" if m == "map" else "o",
-                    color=color, ms=6, label=None if xs else label)
+            ax.plot([ood_x + dx], [_pct(ctx.at(m, delta, ctx.ood_set, "auroc"))], ls="none", **style)
     if ctx.ood_set is not None:
         ax.axvline(ood_x - 0.5, color="grey", lw=0.8)
     ax.set_xticks(list(ticks), list(ticks.values()))
-    ax.set_xlabel("corruption severity")
-    ax.set_ylabel("AUROC (%)")
+    ax.set_xlabel(f"{corruption} severity" + ("; right of the line: the OOD set" if ctx.ood_set else ""))
+    ax.set_ylabel("AUROC (%), mean over draws")
+    ax.set_title("Telling shifted from clean test inputs (predictive entropy)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     _save(fig, ctx, doc, "auroc_severity.png", "AUROC vs severity")
@@ -503,18 +623,21 @@ def _coverage(ctx: _Context, doc: _Doc) -> None:
                     f"{100 * c['prior_only_share']:.1f}"] for c in rows])
 
 
-def write_report(results: str | Path | list[dict], out_dir: str | Path, title: str = "Calibration report") -> Path:
+def write_report(results: str | Path | list[dict], out_dir: str | Path, title: str = "Calibration report",
+                 setting: dict | None = None) -> Path:
     """Write ``report.md``, ``report.html`` and figures into ``out_dir``; returns the Markdown path.
 
-    ``results`` (a results file or its rows) is only read.
+    ``results`` (a results file or its rows) is only read.  ``setting``: the run's setting in
+    words (:func:`laplace_debiased.evaluation.pipeline.describe_setting`); by default the
+    ``setting.json`` next to a results file, if there is one.
     """
     import matplotlib
 
     matplotlib.use("Agg")
-    ctx = _context(results, out_dir)
+    ctx = _context(results, out_dir, setting)
     doc = _Doc()
     _summary(ctx, doc, title)
-    for step in (_headline, _figure6, _link_comparison, _best_table, _reliability, _auroc_severity):
+    for step in (_headline, _shift_tables, _figure6, _link_comparison, _best_table, _reliability, _auroc_severity):
         step(ctx, doc)
     _coverage(ctx, doc)
     md = ctx.out_dir / "report.md"

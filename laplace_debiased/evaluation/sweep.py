@@ -199,7 +199,9 @@ def output_lock(folder: str | Path, timeout: float = 0.0) -> Iterator[Path]:
 
     Re-entrant within a process.  If another process holds it, wait up to ``timeout`` seconds,
     then raise :class:`OutputLockedError`.  The lock file (:data:`LOCK_NAME`) records the holder's
-    pid; the operating system releases the lock when the holder exits, even if it crashes.
+    pid; the operating system releases the lock when the holder exits, even if it crashes.  A
+    holder that finishes removes the file before it unlocks; a waiter that then gets the lock on
+    the removed file (:func:`_is_current`) starts again on a fresh one.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -211,12 +213,26 @@ def output_lock(folder: str | Path, timeout: float = 0.0) -> Iterator[Path]:
         finally:
             _held_locks[key][1] -= 1
         return
-    fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _acquire(key, folder, timeout)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held_locks[key] = [fd, 1]
+    try:
+        yield folder
+    finally:
+        del _held_locks[key]
+        (key / LOCK_NAME).unlink(missing_ok=True)  # while still locked: no one can hold the name
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _acquire(key: Path, folder: Path, timeout: float) -> int:
+    """The descriptor of ``key``'s lock file, exclusively locked (see :func:`output_lock`)."""
     deadline = time.monotonic() + timeout
     while True:
+        fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
@@ -225,16 +241,20 @@ def output_lock(folder: str | Path, timeout: float = 0.0) -> Iterator[Path]:
                     f"another run (pid {holder}) holds the lock on {folder} ({LOCK_NAME}); wait for it to "
                     "finish, pass --lock-timeout SECONDS to wait, or choose another --out"
                 ) from None
+            os.close(fd)
             time.sleep(0.1)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held_locks[key] = [fd, 1]
+            continue
+        if _is_current(fd, key / LOCK_NAME):
+            return fd
+        os.close(fd)  # we locked the file a finished holder removed: open the new one
+
+
+def _is_current(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is still the file at ``path`` (not removed or replaced)."""
     try:
-        yield folder
-    finally:
-        del _held_locks[key]
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def cell_seed(*, seed: int, method: str, repeat: int, eval_set: str, prior_precision: float | None,

@@ -76,6 +76,10 @@ def evaluate_loss(model: nn.Module, loader: DataLoader, likelihood: str = "class
     return stats
 
 
+def _format_row(row: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
 def _load_cached(model: nn.Module, path: Path, log: Callable[[str], None] | None) -> list[dict[str, float]] | None:
     """Load the cached weights at ``path`` into ``model`` and return their history, or ``None``
     (with a warning) for a file that cannot be read: a truncated or foreign file is never used."""
@@ -140,7 +144,9 @@ def train_map(
     """Train ``model`` in place to a MAP estimate, or load it from the cache.
 
     Returns the model (in eval mode) and the per-epoch history (train loss/accuracy, and
-    validation loss/accuracy if ``val_set`` is given).  A cache file that cannot be read is
+    validation loss/accuracy if ``val_set`` is given).  ``log`` gets one line for the whole
+    training (or the cache hit); the per-epoch numbers appear only in the progress bar, which is
+    drawn only when stderr is a terminal.  A cache file that cannot be read is
     reported with a warning and replaced by a fresh training run; nothing is silently reused.
     """
     if config.likelihood not in ("classification", "regression"):
@@ -163,15 +169,19 @@ def train_map(
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(config.epochs, 1))
 
     history: list[dict[str, float]] = []
-    for epoch in progress_bar(range(config.epochs), desc="MAP training", unit="epoch", quiet=log is None):
+    bar = progress_bar(range(config.epochs), desc="MAP training", unit="epoch", quiet=log is None)
+    for epoch in bar:
         start = time.perf_counter()
         _train_epoch(model, loader, opt, loss_fn, config.weight_decay, epoch)
         sched.step()
         row = {"epoch": epoch + 1, **_epoch_losses(model, eval_train, eval_val, config.likelihood)}
         row["seconds"] = time.perf_counter() - start
         history.append(row)
-        if log:
-            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        bar.set_postfix_str(_format_row(row), refresh=False)  # shown only where the bar is (a terminal)
+    if log and history:  # one line for the whole training, never one per epoch
+        seconds = sum(r["seconds"] for r in history)
+        log(f"MAP training: {len(history)} epochs in {seconds:.1f} s; last epoch: "
+            + _format_row({k: v for k, v in history[-1].items() if k not in ("epoch", "seconds")}))
 
     model.eval()
     if use_cache:

@@ -6,6 +6,11 @@ is balanced for any number of batches. K-FAC sums of the shards are added with o
 ``all_reduce`` (:func:`all_reduce_sum_`), rank 0 eigendecomposes and :func:`broadcast_` sends
 the eigenbasis to the others, so every rank ends with an identical posterior.
 
+Before sharding, :func:`check_same_fit_inputs` refuses ranks whose models or selected batches
+differ (digests, all-gathered); a fit runs inside :func:`fail_together`, so a rank that fails
+takes the others out of their collectives at once, and every collective here turns a lost peer
+into a :class:`PeerRankError` naming it (:mod:`laplace_debiased.structures.rank_failures`).
+
 Without an initialised process group (or with one rank) every function is the identity; so is
 every function inside :func:`local_fits`, which lets one rank fit alone while a group is
 initialised (the prior-precision sweep shards its jobs over the ranks that way).
@@ -13,7 +18,8 @@ initialised (the prior-precision sweep shards its jobs over the ranks that way).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TypeVar
@@ -22,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from laplace_debiased.structures.batches import Batch, batch_size
+from laplace_debiased.structures.rank_failures import PeerRankError, announce, peer_failure, report_failure
 
 __all__ = [
     "rank_world",
@@ -29,6 +36,9 @@ __all__ = [
     "local_fits",
     "gather_results",
     "PeerRankError",
+    "RankMismatchError",
+    "check_same_fit_inputs",
+    "fail_together",
     "shard_batch",
     "all_reduce_sum_",
     "broadcast_",
@@ -38,6 +48,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 _local: ContextVar[bool] = ContextVar("laplace_debiased_local_fits", default=False)
 
 
@@ -69,9 +80,127 @@ def is_distributed() -> bool:
     return rank_world()[1] > 1
 
 
-class PeerRankError(RuntimeError):
-    """Raised by :func:`gather_results` on the ranks where ``fn`` succeeded when another rank's
-    ``fn`` failed (that rank raises its own exception)."""
+#: the store of the group this rank last announced itself in (not the group: a reference to it
+#: would keep its connections open after :func:`fail_together` destroys it)
+_announced: list = [None]
+
+
+def _comm(collective: Callable[..., object], /, *args: object, **kwargs: object) -> None:
+    """Run ``collective(*args, **kwargs)``; a backend error (a peer gone, a closed connection, a timeout)
+    becomes a :class:`PeerRankError` naming the rank that failed (:func:`peer_failure`)."""
+    store = dist.distributed_c10d._get_default_store()
+    if _announced[0] is not store:
+        announce()
+        _announced[0] = store
+    try:
+        collective(*args, **kwargs)
+    except RuntimeError as err:  # DistBackendError and gloo's errors are RuntimeErrors
+        raise peer_failure(err, collective.__name__) from err
+
+
+#: attribute set on an exception raised on every rank at the same collective step
+_EVERY_RANK = "laplace_debiased_on_every_rank"
+
+
+def _on_every_rank(err: E) -> E:
+    """Mark ``err`` as raised by every rank at the same collective step (each rank raising its
+    own error or a :class:`PeerRankError`): :func:`fail_together` then keeps the group."""
+    setattr(err, _EVERY_RANK, True)
+    return err
+
+
+@contextmanager
+def fail_together(what: str) -> Iterator[None]:
+    """Run a collective section (every rank runs it) so that a failure on one rank ends it on
+    every rank at once, instead of leaving the others blocked in their next collective.
+
+    On an exception that the other ranks do not raise at the same step (those that the helpers
+    here raise everywhere, :class:`RankMismatchError` included, keep the group usable) this
+    rank records its error in the group's store (:func:`report_failure`; not for a
+    :class:`PeerRankError`, which is a consequence) and destroys its process group, which closes
+    its connections: a peer in a collective with it gets an error at once and raises a
+    :class:`PeerRankError` naming this rank and its error. The group is unusable afterwards on
+    every rank (destroy it and initialise a new one to go on). Without a group: nothing.
+    """
+    if not is_distributed():
+        yield
+        return
+    try:
+        yield
+    except Exception as err:
+        if getattr(err, _EVERY_RANK, False):  # the others raise at the same step: keep the group
+            raise
+        if not isinstance(err, PeerRankError):
+            report_failure(err, what)
+        dist.destroy_process_group()
+        raise
+
+
+class RankMismatchError(ValueError):
+    """The ranks of a distributed fit hold different models or selected different batches
+    (:func:`check_same_fit_inputs`); raised on every rank."""
+
+
+def _leaves(obj: object) -> Iterator[torch.Tensor]:
+    """The tensors of a batch (nested tuples, lists and mappings; mappings in key order)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for key in sorted(obj, key=str):
+            yield from _leaves(obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _leaves(item)
+
+
+def _digest(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 (first 16 hex digits) of the tensors' dtypes, shapes and bytes, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype} {tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:16]
+
+
+_FIX = {
+    "the model (parameters and buffers)": (
+        "every rank must fit the same network: call torch.manual_seed(seed) with the same seed on "
+        "every rank before building the model, or load the same weights on every rank (e.g. "
+        "rank 0's state_dict, sent with torch.distributed.broadcast_object_list)"),
+    "the direction batches B": (
+        "every rank must select the same B and B̃ (the fit shards their rows itself): give every "
+        "rank the same loader over the same data in the same order, i.e. no shuffling, or "
+        "shuffle with the same seed (DataLoader(..., generator=torch.Generator().manual_seed(s))), "
+        "or pass fit(..., generator=torch.Generator().manual_seed(s)) with the same s; not a "
+        "DistributedSampler, which hands each rank different rows"),
+}
+_FIX["the magnitude batches B̃"] = _FIX["the direction batches B"]
+
+
+def check_same_fit_inputs(model: torch.nn.Module, direction: Sequence[Batch],
+                          magnitude: Sequence[Batch]) -> None:
+    """Refuse, on every rank, a distributed fit whose ranks disagree on the model or on B, B̃.
+
+    Collective. Each rank hashes (SHA-256 of the bytes) its model's ``state_dict`` and its
+    selected batches B and B̃ (every tensor of every batch, before the rows are sharded); one
+    ``all_gather_object`` of the three digests lets every rank compare them with rank 0's and
+    raise the same :class:`RankMismatchError`, which says what differs and how to fix it.
+    Bitwise: ranks must hold identical weights and batches. Without a group: nothing.
+    """
+    if not is_distributed():
+        return
+    digests = gather_results(lambda: (_digest(_leaves(model.state_dict())), _digest(_leaves(direction)),
+                                      _digest(_leaves(magnitude))))
+    differing: dict[str, list[str]] = {}  # how to fix it -> what differs
+    for i, (what, fix) in enumerate(_FIX.items()):
+        ranks = [r for r, d in enumerate(digests) if d[i] != digests[0][i]]
+        if ranks:
+            differing.setdefault(fix, []).append(f"{what} on rank(s) {ranks}")
+    problems = [f"{' and '.join(whats)} differ from rank 0's; {fix}" for fix, whats in differing.items()]
+    if problems:
+        raise _on_every_rank(RankMismatchError(
+            "the ranks of this distributed fit disagree: " + ". ".join(problems) + "."))
 
 
 def gather_results(fn: Callable[[], T]) -> list[T]:
@@ -89,13 +218,13 @@ def gather_results(fn: Callable[[], T]) -> list[T]:
     except Exception as err:  # re-raised below, after every rank knows
         result, error = None, err
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (result, None if error is None else repr(error)))
+    _comm(dist.all_gather_object, parts, (result, None if error is None else repr(error)))
     if error is not None:
-        raise error
+        raise _on_every_rank(error)
     failed = [(r, e) for r, (_, e) in enumerate(parts) if e is not None]
     if failed:
         rank, message = failed[0]
-        raise PeerRankError(f"rank {rank} failed: {message}")
+        raise _on_every_rank(PeerRankError(f"rank {rank} failed: {message}"))
     return [r for r, _ in parts]
 
 
@@ -138,7 +267,7 @@ def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> int:
     if not is_distributed():
         return 0
     flat = _flat(tensors)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    _comm(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
     _unflat_(flat, tensors)
     return flat.numel() * flat.element_size()
 
@@ -150,7 +279,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> int:
     if not is_distributed():
         return 0
     flat = _flat(tensors)
-    dist.broadcast(flat, src=src)
+    _comm(dist.broadcast, flat, src=src)
     _unflat_(flat, tensors)
     return flat.numel() * flat.element_size()
 
@@ -193,12 +322,12 @@ def broadcast_computed(
         except Exception as err:  # re-raised below, after every rank knows
             error = err
             meta = [(None, None, repr(err))]
-    dist.broadcast_object_list(meta, src=src)
+    _comm(dist.broadcast_object_list, meta, src=src)
     shapes, dtype, message = meta[0]
     if error is not None:
-        raise error
+        raise _on_every_rank(error)
     if message is not None:
-        raise PeerRankError(f"rank {src} failed: {message}")
+        raise _on_every_rank(PeerRankError(f"rank {src} failed: {message}"))
     if rank != src:
         tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
     if tensors:
@@ -224,31 +353,31 @@ class _ReducedOperator:
             self.own_error.append(err)
             out, failed = torch.zeros(self.dim, dtype=self.dtype, device=self.device), 1.0
         flat = torch.cat([out, out.new_full((1,), failed)])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        _comm(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
         if flat[-1] > 0:
             raise self.own_error[0] if self.own_error else PeerRankError("a rank failed computing a product")
         return flat[:-1]
 
     def signal(self, go: bool) -> None:
         """Tell the serving ranks that another product follows (``True``) or that ``run`` ended."""
-        dist.broadcast(torch.full((1,), float(go), dtype=self.dtype, device=self.device), src=self.src)
+        _comm(dist.broadcast, torch.full((1,), float(go), dtype=self.dtype, device=self.device), src=self.src)
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         """The operator ``run`` sees on rank ``src``."""
         self.signal(True)
         v = v.reshape(-1).to(device=self.device, dtype=self.dtype).contiguous()
-        dist.broadcast(v, src=self.src)
+        _comm(dist.broadcast, v, src=self.src)
         return self.reduced(v)
 
     def serve(self) -> None:
         """On the other ranks: apply the local product to every ``v`` of ``src`` until it ends."""
         while True:
             go = torch.empty(1, dtype=self.dtype, device=self.device)
-            dist.broadcast(go, src=self.src)
+            _comm(dist.broadcast, go, src=self.src)
             if go.item() == 0:
                 break
             v = torch.empty(self.dim, dtype=self.dtype, device=self.device)
-            dist.broadcast(v, src=self.src)
+            _comm(dist.broadcast, v, src=self.src)
             try:
                 self.reduced(v)
             except Exception:  # src stops the iteration and reports the failure
@@ -296,5 +425,5 @@ def run_with_reduced_operator(
         return broadcast_computed(finish, device, src)
     except PeerRankError:
         if operator.own_error:
-            raise operator.own_error[0] from None
+            raise _on_every_rank(operator.own_error[0]) from None
         raise

@@ -43,9 +43,15 @@ from laplace_debiased.structures.batches import (
     check_targets,
     split_batches,
 )
-from laplace_debiased.structures.distributed import all_reduce_sum_, local_shards
+from laplace_debiased.structures.distributed import (
+    all_reduce_sum_,
+    check_same_fit_inputs,
+    fail_together,
+    local_shards,
+)
 from laplace_debiased.structures.fit_checks import FitChecksMixin
 from laplace_debiased.structures.gridsearch import GridSearchMixin
+from laplace_debiased.structures.rank_failures import fault_point
 from laplace_debiased.structures.token_outputs import TokenOutputsMixin
 
 __all__ = ["TwoBatchLaplaceMixin"]
@@ -96,25 +102,41 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
             ``"halves"``: all batches, first half B, second half B̃ ("debiased full-batch").
         generator : torch.Generator, optional
             draw the batches at random (reproducibly) instead of in loader order.
+
+        Notes
+        -----
+        Under a ``torch.distributed`` group (collective: every rank calls ``fit``) the ranks
+        first compare digests of their model and of the selected B and B̃ and refuse, on every
+        rank, to fit if they differ (:func:`~laplace_debiased.structures.distributed.check_same_fit_inputs`);
+        an error on one rank ends the fit on every rank with a ``PeerRankError`` naming it
+        (:func:`~laplace_debiased.structures.distributed.fail_together`).
         """
         del progress_bar
-        self._check_override(override)
-        self._check_model_mode()
-        batches = split_batches(
-            train_loader, n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches,
-            magnitude_loader=magnitude_loader, split=split, generator=generator,
-            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y, device=self._device,
-        )
+        with fail_together(f"{type(self).__name__}.fit"):
+            self._check_override(override)
+            self._check_model_mode()
+            batches = split_batches(
+                train_loader, n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches,
+                magnitude_loader=magnitude_loader, split=split, generator=generator,
+                dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y, device=self._device,
+            )
+            self._fit_split(batches, override)
+
+    # ------------------------------------------------------------------ fit steps
+    def _fit_split(self, batches: BatchSplit, override: bool) -> None:
+        """:meth:`fit` on the selected B and B̃ (inside its ``fail_together``): the ranks'
+        inputs compared, the batches checked, the curvature fitted and accumulated."""
+        check_same_fit_inputs(self.model, batches.direction, batches.magnitude)
         logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
         used = self._distinct(batches.direction, batches.magnitude)
         self._prepare_fit(batches.direction[0], used, override)
         self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
         setattr(self.model, "output_size", self.n_outputs)
         self.mean = self._map_estimate()
+        fault_point("fit")
         loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
         self._accumulate(loss, used, batches)
 
-    # ------------------------------------------------------------------ fit steps
     def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
         """Check the batches against the model, switch to eval mode, find the last layer
         (last-layer classes, first fit), check there is something to fit, and forget

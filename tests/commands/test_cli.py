@@ -13,6 +13,7 @@ import pytest
 from laplace_debiased import _threads, cli
 from laplace_debiased.evaluation.options import resolve_options
 from laplace_debiased.evaluation.pipeline import load_config
+from laplace_debiased.evaluation.sweep import LOCK_NAME
 
 
 def _help(cmd: str, capsys) -> str:
@@ -32,7 +33,48 @@ def test_each_command_has_its_own_help_with_its_defaults(capsys, monkeypatch):
     assert "(default: 50)" in texts["diagnose"] and "(default: ggn)" in texts["diagnose"]
     assert "cifar100" in texts["main"] and "cifar100" in texts["sweep"]
     for cmd in cli.THREADED:
-        assert "--threads THREADS" in texts[cmd] and "(default: 7)" in texts[cmd]
+        assert "--threads THREADS" in texts[cmd] and "(default: 7, from $OMP_NUM_THREADS)" in texts[cmd]
+
+
+def _option_blocks(text: str) -> dict[str, str]:
+    """``--flag`` -> its help, whitespace joined, from a rendered ``--help``."""
+    blocks: dict[str, str] = {}
+    name = None
+    for line in text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = line
+        elif name is not None:
+            blocks[name] += " " + line.strip()
+    return blocks
+
+
+@pytest.mark.parametrize("omp", ["3", None])
+def test_help_has_no_markup_and_each_default_once(capsys, monkeypatch, omp):
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    for cmd in cli.COMMANDS:
+        text = _help(cmd, capsys)
+        for markup in ("``", ":mod:", ":func:", ":class:", ":data:", ":meth:"):
+            assert markup not in text, (cmd, markup)
+        for flag, block in _option_blocks(text).items():
+            assert block.count("(default") <= 1, (cmd, flag, block)
+    assert cli.plain_text("see :func:`~a.b.run` and :mod:`a.b`, or ``x = 1``") == "see run and a.b, or x = 1"
+
+
+def test_quiet_is_one_flag_with_one_meaning_across_commands(capsys, tmp_path):
+    helps = {}
+    for cmd in cli.THREADED:
+        blocks = _option_blocks(_help(cmd, capsys))
+        assert "--no-progress" not in blocks, cmd
+        helps[cmd] = blocks["--quiet"]
+    assert len(set(helps.values())) == 1, helps
+    # diagnose's old spelling still works, sets the same switch and says which name to use
+    parser, _ = cli.build_parser("diagnose")
+    assert parser.parse_args(["--no-progress"]).quiet and not parser.parse_args([]).quiet
+    assert "--no-progress is deprecated; use --quiet" in capsys.readouterr().err
 
 
 def test_cli_and_every_help_import_no_torch():
@@ -156,6 +198,14 @@ def test_tiny_end_to_end_run_and_resume(tmp_path, monkeypatch):
     n_grid = len({json.loads(r)["prior_precision"] for r in rows} - {None})
     assert n_grid >= 2 and len(rows) == 6 + 2 * n_grid * 6 * 2
     assert (out / "report" / "report.md").is_file() and (out / "report" / "report.html").is_file()
+    # the report states the setting: N, the batch sizes, what each evaluation set is
+    setting = (out / "report" / "report.md").read_text().split("## MAP vs LA")[0]
+    assert "N = 200 training points" in setting and "digits_cnn" in setting
+    assert "| K-FAC, single batch of 32 | K-FAC from one batch of 32 training points" in setting
+    assert "| K-FAC, debiased 16 + 16 | debiased K-FAC: directions (eigenvectors) from a batch B of 16" in setting
+    assert "| noise-3 | the test images with Gaussian pixel noise σ = 0.4" in setting
+    assert "| inverted (OOD) | the test images inverted, 1 − x: out of distribution" in setting
+    assert not (out / LOCK_NAME).exists()  # a finished run leaves no lock file behind
     # rerun: nothing new; a different setup in the same folder is refused
     assert cli.main(["sweep", "--config", str(cfg), "--out", str(out), "--seed", "1"]) == 0
     assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)

@@ -16,6 +16,7 @@ from laplace import Laplace
 
 from _env import spawn_ranks
 from _models import loader, tiny_mlp, toy_data
+import laplace_debiased.evaluation.sweep as sweep_module
 from laplace_debiased.evaluation.sweep import LOCK_NAME, EvalSet, Method, load_rows, row_key, run_sweep
 from laplace_debiased.structures.distributed import local_fits, rank_world
 
@@ -64,7 +65,14 @@ def _eval_sets() -> list[EvalSet]:
 
 
 def _job(rank: int, out: Path) -> dict:
-    result = {"pid": os.getpid(), "rank_world": rank_world()}
+    result = {"pid": os.getpid(), "rank_world": rank_world(), "locked": []}
+    real_lock = sweep_module.output_lock
+
+    def recorded_lock(folder, timeout=0.0):  # which folders this rank locks
+        result["locked"].append(Path(folder).name)
+        return real_lock(folder, timeout)
+
+    sweep_module.output_lock = recorded_lock
     with local_fits():
         result["local_rank_world"] = rank_world()
     result["rows"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
@@ -92,7 +100,7 @@ def runs(tmp_path_factory):
     single = run_sweep(_methods(), _eval_sets(), out / "single" / "r.jsonl", map_model=tiny_mlp(), **SWEEP)
     # a resumed sweep: repeat 0 of "kron" is already in the distributed sweep's file
     run_sweep([Method("kron", _fit_kron)], _eval_sets(), out / "dist" / "r.jsonl", **SWEEP)
-    ranks = spawn_ranks(_job, out, WORLD, timeout_s=60)  # a mismatched collective fails, not hangs
+    ranks = spawn_ranks(_job, out, WORLD)
     return single, ranks, out
 
 
@@ -119,8 +127,9 @@ def test_distributed_sweep_writes_each_row_once_from_rank_zero(runs):
     _, ranks, out = runs
     written = load_rows(out / "dist" / "r.jsonl")
     assert len({row_key(r) for r in written}) == len(written)
-    # only rank 0 took the output lock (the lock file records the holder's pid)
-    assert (out / "dist" / LOCK_NAME).read_text().strip() == str(ranks[0]["pid"])
+    # only rank 0 took the output lock, and it removed the lock file when the sweep finished
+    assert "dist" in ranks[0]["locked"] and ranks[1]["locked"] == []
+    assert not (out / "dist" / LOCK_NAME).exists()
     # the resumed run neither recomputed nor rewrote the rows kron|0 already had
     assert ranks[0]["file_after_first"] == (out / "dist" / "r.jsonl").read_bytes()
 

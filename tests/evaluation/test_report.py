@@ -46,18 +46,83 @@ def _with_validation(rows):
     return out
 
 
-def test_report_opens_with_map_vs_la_at_the_validation_choice(tmp_path):
+def test_report_opens_with_the_setting_then_map_vs_la_at_the_validation_choice(tmp_path):
     md = write_report(_with_validation(_rows()), tmp_path / "rep")
     text = md.read_text()
     sections = [line for line in text.splitlines() if line.startswith("## ")]
-    assert sections[0] == "## MAP vs LA at the chosen δ"
-    assert sections[1].startswith("## Metrics vs prior precision")
-    head = text.split("## Metrics vs prior precision")[0]
+    assert sections[:3] == ["## Setting", "## MAP vs LA at the chosen δ", "## NLL and ECE under shift"]
+    head = text.split("## NLL and ECE under shift")[0]
     # δ = 1 on validation (never the test optimum 0.1); marglik picks 0.01
     assert "| kron, δ by val. NLL | 1 | 1.2050 (+0.8050) | 5.00 (+0.00 pt) | 76.00 (+6.00 pt) |" in head
-    assert "| kron, δ by marglik | 0.01 | 0.3950 (-0.0050) |" in head
+    assert "| ⚠ kron, δ by marglik | 0.01 | 0.3950 (-0.0050) |" in head
     assert "| MAP | – | 0.4000 | 5.00 | 70.00 |" in head
     assert "validation set 'val'" in head and "beats the MAP on OOD AUROC and not on NLL, ECE" in head
+    assert "Warning" not in head  # marglik's δ does not lose to the MAP in NLL here
+    assert "not known here" in head  # rows without a setting say so
+
+
+def test_marglik_rows_warn_with_the_measured_cost_when_the_la_loses_to_the_map(tmp_path):
+    rows = _with_validation(_rows())
+    for r in rows:  # the marglik choice (δ = 0.01) now loses to the MAP (NLL 0.4) on test
+        if r["eval_set"] == "test" and r["prior_precision"] == 0.01:
+            r["nll"] = 1.5
+    text = write_report(rows, tmp_path / "rep").read_text()
+    head = text.split("## NLL and ECE under shift")[0]
+    assert "Warning: with δ from the marginal likelihood (δ = 0.01) every LA is worse than the MAP" in head
+    assert "(1.500–1.500 nats against the MAP's 0.400). Choose δ by validation NLL." in head
+
+
+SETTING = {
+    "data": "toy digits", "n_train": 300, "model": "tiny", "n_params": 1234, "subset": "all",
+    "methods": {"kron": {"label": "K-FAC, debiased 16 + 16", "description": "directions from 16, magnitudes from 16"},
+                "kron full": {"label": "K-FAC, full batch of 300", "description": "all N = 300"}},
+    "eval_sets": {"test": "the test split (10 points)", "c1": "noise σ = 0.1", "c3": "noise σ = 0.4"},
+    "corruption": "Gaussian pixel noise", "severity_ticks": {"1": "σ = 0.1", "3": "σ = 0.4"},
+}
+
+
+def test_report_states_the_setting_in_words_and_one_unit_per_quantity(tmp_path):
+    import json
+
+    results = tmp_path / "run" / "results.jsonl"
+    results.parent.mkdir()
+    results.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    (results.parent / "setting.json").write_text(json.dumps(SETTING))  # read from next to the results
+    text = write_report(results, tmp_path / "rep").read_text()
+    setting = text.split("## MAP vs LA")[0]
+    assert "Data: toy digits, N = 300 training points. Model: tiny (1,234 parameters)" in setting
+    assert "| K-FAC, debiased 16 + 16 | directions from 16, magnitudes from 16 | 2 | kron |" in setting
+    assert "| c1 | noise σ = 0.1 |" in setting and "| c3 | noise σ = 0.4 |" in setting
+    assert "kron full" not in text.split("## Setting")[1].split("| key |")[1].split("\n\n")[1]  # labels, not keys
+    # percent everywhere: the MAP's ECE 0.05 and accuracy 0.9 read 5 and 90 in every table
+    best = text.split("## Chosen prior precision")[1]
+    assert "| MAP | – | 90 | 0.4 | 5 | 0.2 | 70 | 90 |" in best and "test ECE (%)" in best
+    # the noisy sets' NLL is reported, each with its change from the MAP
+    shift = text.split("## NLL and ECE under shift")[1].split("## ")[0]
+    assert "| NLL (nats) | δ | test | c1 | c3 |" in shift
+    assert "| K-FAC, debiased 16 + 16 | 0.1 | 0.3050 (-0.0950) | 0.3050 (-0.0950) | 0.3050 (-0.0950) |" in shift
+
+
+def test_every_line_of_figure6_has_a_legend_entry_and_equal_choices_share_one_line(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from laplace_debiased.evaluation import report
+
+    ctx = report._context(_rows(), tmp_path, SETTING)
+    fig, ax = plt.subplots()
+    sub = [r for r in ctx.lap if r["eval_set"] == "test" and r["link"] == "probit_projected"]
+    report._figure6_panel(ax, ctx, sub, "nll", 1.0)
+    report._chosen_lines(ax, ctx, {"kron": 0.1, "kron full": 0.1})
+    _, labels = ax.get_legend_handles_labels()
+    assert labels == ["K-FAC, debiased 16 + 16", "K-FAC, full batch of 300", "MAP", "chosen δ = 0.1 (all methods)"]
+    fig, ax = plt.subplots()
+    report._chosen_lines(ax, ctx, {"kron": 0.1, "kron full": 1.0})  # two values: two lines, each named
+    assert ax.get_legend_handles_labels()[1] == ["chosen δ = 0.1 (K-FAC, debiased 16 + 16)",
+                                                 "chosen δ = 1 (K-FAC, full batch of 300)"]
+    plt.close("all")
 
 
 def test_report_renders_files_and_table(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -123,8 +124,31 @@ def test_a_second_process_is_refused_or_waits(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    with output_lock(tmp_path), output_lock(tmp_path):  # re-entrant within a process
-        assert (tmp_path / LOCK_NAME).exists()
+    with output_lock(tmp_path):
+        with output_lock(tmp_path):  # re-entrant within a process
+            assert (tmp_path / LOCK_NAME).exists()
+        assert (tmp_path / LOCK_NAME).exists()  # the inner exit keeps the outer's lock file
+    assert not (tmp_path / LOCK_NAME).exists()  # a finished writer leaves no lock file behind
+
+
+def test_a_lock_on_a_removed_lock_file_is_not_current(tmp_path):
+    """A waiter that locks the file a finished holder removed must not count it as held: another
+    process may already hold the new file at that name."""
+    from laplace_debiased.evaluation.sweep import _is_current
+
+    path = tmp_path / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        assert _is_current(fd, path)
+        path.unlink()
+        assert not _is_current(fd, path)
+        path.write_text("another holder\n")  # a new file at the same name
+        assert not _is_current(fd, path)
+    finally:
+        os.close(fd)
+    with output_lock(tmp_path):  # the new file is locked and then removed
+        assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
+    assert not path.exists()
 
 
 _SWEEPER = textwrap.dedent("""

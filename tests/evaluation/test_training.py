@@ -72,3 +72,26 @@ def test_default_digits_model_interpolates_and_is_overconfident(tmp_path, monkey
     X, y = splits["test"].tensors
     with torch.no_grad():
         assert ece(torch.softmax(model(X), -1), y) > 0.02
+
+
+def test_training_logs_one_line_never_one_per_epoch(tmp_path, monkeypatch):
+    """`make run` used to print an "epoch=" line per epoch (300) into a log file; now the log gets
+    one line, and the per-epoch numbers go to the progress bar, drawn only on a terminal."""
+    import io
+    import sys
+
+    cfg = TrainConfig(epochs=4, lr=3e-2, batch_size=16, weight_decay=0.0)
+    lines: list[str] = []
+    _, hist = train_map(_model(), _data(), cfg, cache_dir=tmp_path, use_cache=False, log=lines.append)
+    assert len(hist) == 4 and len(lines) == 1, lines  # stderr is not a terminal under pytest
+    assert lines[0].startswith("MAP training: 4 epochs in ") and "epoch=" not in lines[0]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    lines.clear()
+    train_map(_model(), _data(), cfg, cache_dir=tmp_path, use_cache=False, log=lines.append)
+    assert len(lines) == 1 and "MAP training" in terminal.getvalue() and "train_loss=" in terminal.getvalue()
