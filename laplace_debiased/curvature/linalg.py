@@ -27,7 +27,7 @@ All computations run in float64; results are cast back to the dtype of the input
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,6 +48,8 @@ __all__ = [
 
 #: the rows ``(direction_rows (n, d), magnitude_rows (m, d))`` of a factor pair, ``F = XᵀX``
 FactorRows = tuple[torch.Tensor, torch.Tensor]
+#: ``(direction, magnitude) -> (U, lam)``: the debiased decomposition of one dense factor
+FactorRule = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # Negative Rayleigh quotients of a PSD matrix are round-off if they are at most
 # ROUNDOFF_FACTOR * n * eps(dtype of C) * ||C||_F in magnitude.
@@ -229,6 +231,9 @@ def debiased_kron(
     direction_kfacs: Sequence[Sequence[torch.Tensor]],
     magnitude_kfacs: Sequence[Sequence[torch.Tensor]],
     rows: Sequence[Sequence[FactorRows | None]] | None = None,
+    factor: FactorRule | None = None,
+    *,
+    null_space: str = "aligned",
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Debiased eigendecomposition of a layer-wise K-FAC approximation.
 
@@ -246,9 +251,16 @@ def debiased_kron(
     rows : sequence of blocks of ``(direction_rows, magnitude_rows)`` or ``None``, optional
         per block and factor, the rows of B's and B̃'s factor (``F = XᵀX``, same scaling as
         the dense factors) where known: a factor with rows and ``n + m < d`` is decomposed
-        through them (:func:`lowrank_debiased_factor`, ``O(d (n + m)²)``), its eigenvectors
-        ``(d, r)`` with the debiased factor 0 on their complement (the implicit null space);
-        every other factor densely (:func:`debiased_factor`).
+        through them (:func:`lowrank_debiased_factor` with ``null_space``,
+        ``O(d (n + m)²)``), its eigenvectors ``(d, r)`` with one more eigenvalue, that of
+        their complement (the implicit null space); every other factor densely (``factor``).
+    factor : callable, optional
+        ``(direction, magnitude) -> (U, lam)`` for one dense factor; default
+        :func:`debiased_factor` (the isotropic null-space treatment is
+        :func:`laplace_debiased.curvature.completion.isotropic_factor`). It must treat B's
+        null space as ``null_space`` does, so that both routes give the same factor.
+    null_space : {"aligned", "isotropic"}
+        the null-space treatment of the rows route (:func:`lowrank_debiased_factor`).
 
     Returns
     -------
@@ -270,31 +282,49 @@ def debiased_kron(
     eigenvectors: list[list[torch.Tensor]] = []
     eigenvalues: list[list[torch.Tensor]] = []
     for i, (F_dir, F_mag) in enumerate(zip(direction_kfacs, magnitude_kfacs)):
-        if len(F_dir) != len(F_mag) or len(F_dir) not in (1, 2):
-            raise ValueError(
-                f"K-FAC block {i}: B has {len(F_dir)} factors, B̃ has {len(F_mag)}; "
-                "expected the same number, 1 or 2."
-            )
         block_rows = rows[i] if rows is not None else [None] * len(F_dir)
-        pairs = []
-        for j, (Hd, Hm, r) in enumerate(zip(F_dir, F_mag, block_rows)):
-            try:
-                pairs.append(_debiased_factor_route(Hd, Hm, r))
-            except ValueError as err:
-                raise ValueError(f"K-FAC block {i}, factor {j}: {err}") from err
+        pairs = _debiased_block(i, F_dir, F_mag, block_rows, factor or debiased_factor, null_space)
         eigenvectors.append([p[0] for p in pairs])
         eigenvalues.append([p[1] for p in pairs])
     return eigenvectors, eigenvalues
 
 
+def _debiased_block(
+    i: int,
+    F_dir: Sequence[torch.Tensor],
+    F_mag: Sequence[torch.Tensor],
+    rows: Sequence[FactorRows | None],
+    factor: FactorRule,
+    null_space: str,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(U, lam)`` per factor of block ``i`` (:func:`_debiased_factor_route`); errors name
+    the block and factor."""
+    if len(F_dir) != len(F_mag) or len(F_dir) not in (1, 2):
+        raise ValueError(
+            f"K-FAC block {i}: B has {len(F_dir)} factors, B̃ has {len(F_mag)}; "
+            "expected the same number, 1 or 2."
+        )
+    pairs = []
+    for j, (Hd, Hm, r) in enumerate(zip(F_dir, F_mag, rows)):
+        try:
+            pairs.append(_debiased_factor_route(Hd, Hm, r, factor, null_space))
+        except ValueError as err:
+            raise ValueError(f"K-FAC block {i}, factor {j}: {err}") from err
+    return pairs
+
+
 def _debiased_factor_route(
-    direction: torch.Tensor, magnitude: torch.Tensor, rows: FactorRows | None
+    direction: torch.Tensor,
+    magnitude: torch.Tensor,
+    rows: FactorRows | None,
+    factor: FactorRule,
+    null_space: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`lowrank_debiased_factor` if the rows are known and fewer than the dimension,
-    else :func:`debiased_factor`."""
+    """:func:`lowrank_debiased_factor` (with ``null_space``) if the rows are known and fewer
+    than the dimension, else ``factor`` on the dense matrices."""
     if rows is not None and len(rows[0]) + len(rows[1]) < direction.shape[0]:
-        return lowrank_debiased_factor(*rows, dtype=direction.dtype)
-    return debiased_factor(direction, magnitude)
+        return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space)
+    return factor(direction, magnitude)
 
 
 # --------------------------------------------------------------------------------------------

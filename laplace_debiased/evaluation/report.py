@@ -599,6 +599,30 @@ def _auroc_severity(ctx: _Context, doc: _Doc) -> None:
     _save(fig, ctx, doc, "auroc_severity.png", "AUROC vs severity")
 
 
+def _coverage(ctx: _Context, doc: _Doc) -> None:
+    """What each debiased K-FAC fit's curvature covers (first repeat; issue 23): per layer and
+    factor the ranks B, B̃ and B ∪ B̃ reach, exact zeros, and the share of weights left with
+    only the prior (variance 1/δ, which rules the predictive at small δ)."""
+    fits = {}
+    for r in ctx.rows:
+        if r.get("coverage") and r["method"] not in fits:
+            fits[r["method"]] = r["coverage"]
+    if not fits:
+        return
+    doc.h("Curvature coverage")
+    doc.p("Per layer and K-FAC factor of each debiased fit (first repeat): the numerical rank of the "
+          "factor on B, on B̃ and on B ∪ B̃, the debiased eigenvalues that are zero, those set by the "
+          "isotropic completion of B's null space (B̃'s mean curvature there), and the share of the "
+          "block's weights whose only curvature is the prior. See docs/wide-layers.md.")
+    for method, rows in fits.items():
+        doc.p(f"**{method}**")
+        doc.table(["layer", "parameter", "factor", "dim.", "rank B", "rank B̃", "rank B ∪ B̃", "zero",
+                   "completed", "prior-only weights [%]"],
+                  [[str(c["layer"]), c["parameter"], c["factor"], str(c["dimension"]), str(c["rank_B"]),
+                    str(c["rank_B~"]), str(c["rank_B∪B~"]), str(c["zero_eigenvalues"]), str(c["completed"]),
+                    f"{100 * c['prior_only_share']:.1f}"] for c in rows])
+
+
 def write_report(results: str | Path | list[dict], out_dir: str | Path, title: str = "Calibration report",
                  setting: dict | None = None) -> Path:
     """Write ``report.md``, ``report.html`` and figures into ``out_dir``; returns the Markdown path.
@@ -615,6 +639,7 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
     _summary(ctx, doc, title)
     for step in (_headline, _shift_tables, _figure6, _link_comparison, _best_table, _reliability, _auroc_severity):
         step(ctx, doc)
+    _coverage(ctx, doc)
     md = ctx.out_dir / "report.md"
     md.write_text(doc.markdown())
     (ctx.out_dir / "report.html").write_text(doc.html(title))

@@ -35,7 +35,9 @@ from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.kfac import group_kfac_sums, input_factor_rows, zero_sums
+from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
 from laplace_debiased.curvature.linalg import debiased_kron
+from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
 from laplace_debiased.structures.mixed import (
     Spanned,
     SpannedKronStructure,
@@ -88,6 +90,19 @@ def _combine(old: Kron, new: Kron, n_old: int, n_new: int) -> Kron:
     return Kron(kfacs)
 
 
+def _paired_rows(
+    direction_rows: list | None, magnitude_rows: list | None
+) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None:
+    """Per block and factor ``(B's rows, B̃'s rows)`` where both are known (the ``rows`` of
+    :func:`debiased_kron` and :func:`coverage_record`), ``None`` without rows."""
+    if direction_rows is None or magnitude_rows is None:
+        return None
+    return [
+        [None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
+        for bd, bm in zip(direction_rows, magnitude_rows)
+    ]
+
+
 def _passes(
     pieces: list[tuple[Batch, int]], max_rows: int, dict_key_x: str, dict_key_y: str
 ) -> Iterator[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]]:
@@ -137,11 +152,35 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
     """
 
     _key = ("all", "debiased_kron")
+    _null_space: str = "isotropic"
+
+    def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False, *,
+            null_space: str = "isotropic", **kwargs: Any) -> None:
+        """Fit as :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`
+        (and ``cross_fit``), plus ``null_space``: how directions that B's factors do not
+        distinguish (their null space, where a factor is wider than B) get their magnitude.
+
+        ``"isotropic"`` (default): each such eigenspace gets B̃'s mean curvature over it,
+        ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased, P chosen by B alone); ``"aligned"``: B̃'s own
+        eigenbasis there, measured by B̃ (same-batch bias, exact zeros where B ∪ B̃ does not
+        reach). See :mod:`laplace_debiased.curvature.completion` and docs/wide-layers.md.
+        After the fit ``self.coverage`` (:class:`~laplace_debiased.structures.coverage.Coverage`)
+        records per layer and factor what the curvature covers; it is logged, and a warning
+        names the layers where a share of the weights keeps only the prior.
+        ``debiased_ekfac`` (a subclass with its own eigenbasis and eigenvalues) does not use
+        ``null_space`` and records no coverage.
+        """
+        if null_space not in NULL_SPACE_MODES:
+            raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
+        self._null_space = null_space
+        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()
         self.H_facs = None
         self.H_facs_magnitude: Kron | None = None
+        self.coverage: Coverage | None = None
+        self._fit_sizes = (0, 0)
         self._factor_rows: list[list[list[torch.Tensor | None]]] | None = None
 
     def _fit_two_batch(
@@ -158,8 +197,24 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
             direction = _combine(self.H_facs, direction, n_old, N)
             magnitude = _combine(self.H_facs_magnitude, magnitude, n_old, N)
         self.H_facs, self.H_facs_magnitude = direction, magnitude
+        sizes = [sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in g) for g in groups]
+        self._fit_sizes = (self._fit_sizes[0] + sizes[0], self._fit_sizes[1] + sizes[-1])
         self._decompose()
+        self._record_coverage()
         return loss
+
+    def _record_coverage(self) -> None:
+        """``self.coverage`` of B's eigenbasis (the first component when cross-fitted),
+        logged; warns once naming the layers with prior-only weights."""
+        H = self.H.components[0] if isinstance(self.H, CrossFitDecomposed) else self.H
+        rows = getattr(self, "_factor_rows", None) or [None]
+        self.coverage = coverage_record(
+            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, H.eigenvectors, H.eigenvalues,
+            self._block_names(), rows=_paired_rows(rows[0], rows[-1]),
+            null_space=self._null_space, direction_size=self._fit_sizes[0],
+            magnitude_size=self._fit_sizes[1],
+        )
+        report_coverage(self.coverage)
 
     def _kfacs(self, groups: list[list[Batch]], N: int) -> tuple[torch.Tensor, list[Kron]]:
         """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of
@@ -196,13 +251,11 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
         rank, _ = rank_world()
         if rank == 0:
-            rows = None
-            if direction_rows is not None and magnitude_rows is not None:
-                rows = [
-                    [None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
-                    for bd, bm in zip(direction_rows, magnitude_rows)
-                ]
-            eigenvectors, eigenvalues = debiased_kron(direction.kfacs, magnitude.kfacs, rows)
+            eigenvectors, eigenvalues = debiased_kron(
+                direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
+                factor=lambda D, M: debiased_factor_mode(D, M, self._null_space),
+                null_space=self._null_space,
+            )
         else:
             eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]
             eigenvalues = [[F.new_empty(F.shape[0]) for F in block] for block in direction.kfacs]
@@ -324,7 +377,9 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a saved fit (``self.coverage`` is not saved: it is ``None`` after loading)."""
         super().load_state_dict(state_dict)
+        self.coverage = None
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
         H = self._decomposed(state_dict["H_eigenvectors"], state_dict["H_eigenvalues"])
         if "H_swapped" in state_dict:

@@ -22,6 +22,19 @@ _KFAC_LAYERS = (nn.Linear, nn.Conv2d)
 class KronLayersMixin:
     """The layers and K-FAC blocks of the model that :class:`DebiasedKronLaplace` fits."""
 
+    def _block_names(self) -> list[tuple[str, str]]:
+        """``(layer name, "weight"/"bias")`` per ``Kron`` block, in block order."""
+        names = [
+            (name or type(m).__name__, p)
+            for name, m in self._layers().named_modules()
+            if isinstance(m, _KFAC_LAYERS)
+            for p in ("weight", "bias")
+            if getattr(m, p) is not None and getattr(m, p).requires_grad
+        ]
+        if len(names) != len(self.H_facs.kfacs):
+            return [(f"block {i}", "") for i in range(len(self.H_facs.kfacs))]
+        return names
+
     def _kfac_modules(self) -> list[nn.Module]:
         """The layers with trainable parameters, in ``Kron`` block order (K-FAC layers,
         embeddings, normalisation layers: :func:`~laplace_debiased.structures.mixed.curvature_modules`)."""

@@ -120,18 +120,23 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
                 magnitude_loader=magnitude_loader, split=split, generator=generator,
                 dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y, device=self._device,
             )
-            check_same_fit_inputs(self.model, batches.direction, batches.magnitude)
-            logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
-            used = self._distinct(batches.direction, batches.magnitude)
-            self._prepare_fit(batches.direction[0], used, override)
-            self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
-            setattr(self.model, "output_size", self.n_outputs)
-            self.mean = self._map_estimate()
-            fault_point("fit")
-            loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
-            self._accumulate(loss, used, batches)
+            self._fit_split(batches, override)
 
     # ------------------------------------------------------------------ fit steps
+    def _fit_split(self, batches: BatchSplit, override: bool) -> None:
+        """:meth:`fit` on the selected B and B̃ (inside its ``fail_together``): the ranks'
+        inputs compared, the batches checked, the curvature fitted and accumulated."""
+        check_same_fit_inputs(self.model, batches.direction, batches.magnitude)
+        logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
+        used = self._distinct(batches.direction, batches.magnitude)
+        self._prepare_fit(batches.direction[0], used, override)
+        self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
+        setattr(self.model, "output_size", self.n_outputs)
+        self.mean = self._map_estimate()
+        fault_point("fit")
+        loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
+        self._accumulate(loss, used, batches)
+
     def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
         """Check the batches against the model, switch to eval mode, find the last layer
         (last-layer classes, first fit), check there is something to fit, and forget

@@ -240,14 +240,18 @@ def test_input_factor_rows_give_the_factor():
 @pytest.mark.parametrize(
     "likelihood, kw",
     [("classification", {}), ("classification", {"damping": True}), ("classification", {"cross_fit": True}),
-     ("regression", {})],
+     ("classification", {"null_space": "aligned"}), ("regression", {})],
 )
 def test_fit_posterior_and_predictive_equal_dense_route(likelihood, kw):
     """float64: posterior covariance, log determinant, marginal likelihood, laplace-torch's GLM
     predictive and the grid predictive (probit, projected probit, bridge covariances) equal the
-    dense route to 1e-10, with 40- and 30-dimensional input factors of rank ≤ 16."""
+    dense route to 1e-10, with 40- and 30-dimensional input factors of rank ≤ 16. The implicit
+    factor keeps B's 8 directions ("isotropic", the default: one value on the rest) or those plus
+    the 8 of B̃'s compression onto B's null space ("aligned")."""
     la, ref = _pair(likelihood, **kw)
-    assert [tuple(Q.shape) for Q in _components(la)[0].eigenvectors[0]] == [(30, 30), (40, 16)]
+    r = 16 if kw.get("null_space") == "aligned" else 8
+    assert [tuple(Q.shape) for Q in _components(la)[0].eigenvectors[0]] == [(30, 30), (40, r)]
+    assert len(_components(la)[0].eigenvalues[0][1]) == r + 1
     assert all(Q.shape[0] == Q.shape[1] for c in _components(ref) for Qs in c.eigenvectors for Q in Qs)
     for obj in (la, ref):
         obj.prior_precision = 1e-2
@@ -321,9 +325,10 @@ def test_state_dict_round_trip_keeps_the_implicit_factors():
 
 
 def test_last_layer_fit_equals_dense_route():
-    """Last layer ``Linear(30, 4)`` at 2 × 8: its 30-dimensional input factor is implicit."""
+    """Last layer ``Linear(30, 4)`` at 2 × 8: its 30-dimensional input factor is implicit (B's 8
+    directions, the isotropic default)."""
     la, ref = _pair(cls=DebiasedKronLLLaplace)
-    assert tuple(la.H.eigenvectors[0][1].shape) == (30, 16)
+    assert tuple(la.H.eigenvectors[0][1].shape) == (30, 8)
     for obj in (la, ref):
         obj.prior_precision = 1e-2
     x = torch.randn(6, 40, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
