@@ -26,11 +26,12 @@ def register() -> None:
 
 
 def _structures_initialising() -> bool:
-    """Whether ``laplace`` is being imported by a module of :mod:`laplace_debiased.structures`
-    (then defining the classes now would meet a partly executed module; the package's own
-    ``__init__`` imports them all once it finishes)."""
+    """Whether ``laplace`` is being imported by a submodule of :mod:`laplace_debiased` that is
+    still executing (defining the classes now would meet that partly executed module, e.g.
+    ``posterior.implicit_kron``, the base of the K-FAC posterior). The classes are then defined
+    when :mod:`laplace_debiased.structures` is imported: its ``__init__`` imports them all."""
     for name, module in list(sys.modules.items()):
-        if name == "laplace_debiased.structures" or name.startswith("laplace_debiased.structures."):
+        if name.startswith("laplace_debiased."):
             if getattr(getattr(module, "__spec__", None), "_initializing", False):
                 return True
     return False

@@ -67,3 +67,16 @@ def test_no_merge_conflict_markers_are_committed():
             if Path(name).suffix in suffixes and (ROOT / name).is_file()
             and marker.search((ROOT / name).read_text(errors="replace"))]
     assert not hits, f"conflict markers in {hits}"
+
+
+def test_a_posterior_module_imported_first_does_not_meet_a_partly_imported_one():
+    """``posterior.implicit_kron`` imports laplace-torch, whose import registers the structures,
+    which subclass ``implicit_kron``'s class: the registration must wait for ``structures``."""
+    code = ("import laplace_debiased.posterior.implicit_kron\n"
+            "import laplace_debiased.structures\n"
+            "import torch\nfrom laplace import Laplace\n"
+            "la = Laplace(torch.nn.Linear(3, 2), 'classification', subset_of_weights='all',\n"
+            "             hessian_structure='debiased_kron')\n"
+            "print(type(la).__name__)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert res.returncode == 0 and res.stdout.split() == ["DebiasedKronLaplace"], res.stderr
