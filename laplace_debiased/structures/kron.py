@@ -250,11 +250,13 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         rank 0 computes them, the others receive them
         (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
         rank, _ = rank_world()
+        # B̃ = B: the plain eigendecomposition (the aligned rule is exact there); the isotropic
+        # mean would flatten B's own spectrum over groups its tolerance chains together
+        null_space = "aligned" if magnitude is direction else self._null_space
         if rank == 0:
             eigenvectors, eigenvalues = debiased_kron(
                 direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
-                factor=lambda D, M: debiased_factor_mode(D, M, self._null_space),
-                null_space=self._null_space,
+                factor=lambda D, M: debiased_factor_mode(D, M, null_space), null_space=null_space,
             )
         else:
             eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]

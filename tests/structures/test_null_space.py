@@ -17,6 +17,8 @@ from laplace_debiased.curvature.completion import debiased_factor_mode, isotropi
 from laplace_debiased.curvature.linalg import debiased_factor, roundoff_tolerance
 from laplace_debiased.structures import coverage
 from laplace_debiased.structures.coverage import numerical_rank
+from laplace import KronLaplace
+
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.posterior.implicit_kron import extended_spectrum  # after structures (registration)
 
@@ -280,3 +282,38 @@ def test_advice_never_names_the_treatment_in_use():
     text = coverage.Coverage((block,), "isotropic", 4, 4).advice()
     assert "'0' weight" in text and "n_magnitude_batches" in text
     assert text.count("null_space='isotropic'") == 1  # only where it names the fit's setting
+
+
+def _chained_inputs(n: int, d: int = 24) -> torch.Tensor:
+    """``n`` float32 inputs in ``d`` dims whose second moment has one dominant eigenvalue ``1e4``
+    and ``min(n, d) - 1`` small ones ``0.25, 0.5, ...``: the round-off tolerance
+    ``10 d eps₃₂ ‖A‖_F ≈ 0.29`` exceeds their gaps, so :func:`degenerate_groups` chains them (with
+    the zeros when ``n < d``) into one group, as on digits_cnn's ``Linear(256, 32)``."""
+    k = min(n, d)
+    lam = torch.cat([torch.tensor([1e4]), 0.25 * torch.arange(1, k, dtype=torch.float64)])
+    X = torch.zeros(n, d, dtype=torch.float64)
+    X[torch.arange(k), torch.arange(k)] = (n * lam).sqrt()  # XᵀX / n = diag(lam, 0)
+    return X.float()
+
+
+@pytest.mark.parametrize("n", [24, 12], ids=["dense", "rows"])
+def test_same_batch_is_stock_kron_when_small_eigenvalues_chain(n):
+    """B̃ = B reduces to laplace-torch's KronLaplace (same factors, eigendecomposed) also when
+    B's small eigenvalues lie within the degeneracy tolerance of each other: the isotropic
+    completion, whose mean over such a group would flatten B's own spectrum, is not applied when
+    B̃ is B. Tolerance: the float32 cast of eigenvalues and eigenvectors, a few eps₃₂ ‖H‖_F."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 3, bias=False))
+    X = _chained_inputs(n)
+    dl = DataLoader(TensorDataset(X, torch.arange(n) % 3), batch_size=n)
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(dl, magnitude_loader=dl)
+    ref = KronLaplace(model, "classification")
+    ref.fit(dl)
+    A = la.H_facs.kfacs[0][1].double()
+    ext, mult = extended_spectrum(la.H.eigenvectors[0][1], la.H.eigenvalues[0][1])
+    ours = torch.repeat_interleave(ext.double(), mult.long()).sort().values
+    eps32 = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(ours, torch.linalg.eigvalsh(A), atol=8 * eps32 * float(torch.linalg.matrix_norm(A)), rtol=0)
+    H, H_ref = la.H.to_matrix().double(), ref.H.to_matrix().double()
+    torch.testing.assert_close(H, H_ref, atol=8 * eps32 * float(torch.linalg.matrix_norm(H_ref)), rtol=0)
