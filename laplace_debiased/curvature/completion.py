@@ -13,7 +13,9 @@ underestimated; exactly zero wherever B̃ does not reach either, so those weight
 variance ``1/δ``).
 
 ``null_space="isotropic"`` (:func:`isotropic_factor`, this module) gives every direction of a
-degenerate eigenspace ``P`` of B (dimension ``k``) the same eigenvalue, the mean Rayleigh quotient
+degenerate eigenspace ``P`` of B (dimension ``k``; a run of eigenvalues within the round-off
+tolerance of its smallest, :func:`~laplace_debiased.curvature.linalg.tied_groups`, so a dense
+stretch of small but distinct eigenvalues is not chained into the null space) the same eigenvalue, the mean Rayleigh quotient
 of B̃ over any orthonormal basis ``V_P`` of ``P``::
 
     c_P = tr(V_Pᵀ C V_P) / k,
@@ -35,10 +37,10 @@ import torch
 from laplace_debiased.curvature.linalg import (
     _check_square,
     clamp_roundoff_negatives,
-    degenerate_groups,
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
+    tied_groups,
 )
 
 __all__ = ["NULL_SPACE_MODES", "group_means", "isotropic_factor", "nested_factor", "debiased_factor_mode"]
@@ -87,7 +89,7 @@ def isotropic_factor(
     _check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     lam = remeasure_eigenvalues(U, magnitude)
-    return U.to(direction.dtype), group_means(lam, degenerate_groups(L, roundoff_tolerance(direction)))
+    return U.to(direction.dtype), group_means(lam, tied_groups(L, roundoff_tolerance(direction)))
 
 
 def _null_group(L: torch.Tensor, groups: list[slice], tolerance: float) -> slice | None:
@@ -136,7 +138,7 @@ def nested_factor(
     _check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     tol = roundoff_tolerance(direction)
-    groups = degenerate_groups(L, tol)
+    groups = tied_groups(L, tol)
     # held in the factors' dtype: its round-off tolerance is that of the precision it was computed in
     magnitude = (choose_share * choose.double() + (1.0 - choose_share) * measure.double()).to(choose.dtype)
     lam = group_means(remeasure_eigenvalues(U, magnitude), groups).double()
@@ -155,7 +157,7 @@ def _nested_null_space(V: torch.Tensor, choose: torch.Tensor, measure: torch.Ten
     S2 = V.T @ measure.double() @ V
     mu = clamp_roundoff_negatives(((0.5 * (S2 + S2.T) @ Y) * Y).sum(0), roundoff_tolerance(measure),
                                   "remeasured curvature")
-    return V @ Y, group_means(mu, degenerate_groups(L1, roundoff_tolerance(choose)))
+    return V @ Y, group_means(mu, tied_groups(L1, roundoff_tolerance(choose)))
 
 
 def debiased_factor_mode(
