@@ -50,12 +50,12 @@ sample-limited share is at least :data:`PRIOR_ONLY_WARN_SHARE`, and advises what
 With ``null_space="aligned"`` the zero count of a factor is ``d - rank(B ∪ B̃)`` (B̃'s factor,
 compressed on B's null space, has rank ``rank(B ∪ B̃) - rank(B)`` there); with the isotropic
 completion it is ``0`` unless B̃'s mean curvature on B's null group is below the tolerance. That
-group chains B's eigenvalues that lie within the tolerance of each other
-(:func:`~laplace_debiased.curvature.linalg.degenerate_groups`). When a factor's norm is ruled by
-one large eigenvalue (the mean of non-negative features), the tolerance is large, the group takes
-in B's small nonzero eigenvalues, and the completion's value can fall below the tolerance: zeros
-inside what B ∪ B̃ reach, of a saturated factor, which the full-batch fit has as well
-(digits_cnn's ``Linear(256, 32)``, docs/wide-layers.md).
+group holds B's eigenvalues within the tolerance of zero
+(:func:`~laplace_debiased.curvature.linalg.tied_groups`). When a factor's norm is ruled by one
+large eigenvalue (the mean of non-negative features), the tolerance is large, the group takes in
+B's small nonzero eigenvalues, and the completion's value can fall below the tolerance: zeros of
+a saturated factor, which the full-batch fit has as well (digits_cnn's ``Linear(256, 32)``,
+docs/wide-layers.md).
 """
 
 from __future__ import annotations

@@ -287,8 +287,9 @@ def test_advice_never_names_the_treatment_in_use():
 def _chained_inputs(n: int, d: int = 24) -> torch.Tensor:
     """``n`` float32 inputs in ``d`` dims whose second moment has one dominant eigenvalue ``1e4``
     and ``min(n, d) - 1`` small ones ``0.25, 0.5, ...``: the round-off tolerance
-    ``10 d eps₃₂ ‖A‖_F ≈ 0.29`` exceeds their gaps, so :func:`degenerate_groups` chains them (with
-    the zeros when ``n < d``) into one group, as on digits_cnn's ``Linear(256, 32)``."""
+    ``10 d eps₃₂ ‖A‖_F ≈ 0.29`` exceeds their gaps, so the isotropic rule groups them (chained by
+    :func:`degenerate_groups`, or in tied runs by :func:`tied_groups`; with the zeros when
+    ``n < d``), as on digits_cnn's ``Linear(256, 32)``."""
     k = min(n, d)
     lam = torch.cat([torch.tensor([1e4]), 0.25 * torch.arange(1, k, dtype=torch.float64)])
     X = torch.zeros(n, d, dtype=torch.float64)
