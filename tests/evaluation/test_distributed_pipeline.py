@@ -52,7 +52,7 @@ def _cli(tmp: Path, cache: str, out: str, *args: str, world: int = 1,
     cfg = tmp / "tiny.json"
     cfg.write_text(json.dumps(TINY))
     cmd = [*launch, "laplace_debiased", *args, "--config", str(cfg), "--out", str(tmp / out)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)  # a hang guard only
 
 
 def _metrics(path: Path) -> list[dict]:
