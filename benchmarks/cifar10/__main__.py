@@ -51,11 +51,12 @@ def softmax(model, X: torch.Tensor, chunk: int = 1000) -> torch.Tensor:
     return torch.cat([torch.softmax(model(x.to(dev)), -1).cpu() for x in X.split(chunk)])
 
 
-def label(fit: Fit, rank: int, n_train: int) -> str:
-    b = fit.b
+def label(fit: Fit, rank: int, n_train: int, null_space: str = "isotropic") -> str:
+    b, k = fit.b, fit.magnitude_batches
+    part = (b or 0) // (1 + k)
     return {
         "kron": f"K-FAC single-batch b={b}",
-        "debiased_kron": f"K-FAC debiased 2x{(b or 0) // 2}",
+        "debiased_kron": f"K-FAC debiased {f'2x{part}' if k == 1 else f'{part}+{k}x{part}'} ({null_space})",
         "kron-full": f"K-FAC full batch (N={n_train:,})",
         "lowrank_ll": f"last-layer rank-{rank} single-batch b={b}",
         "debiased_lowrank_ll": f"last-layer rank-{rank} debiased 2x{(b or 0) // 2}",
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_id = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()[:12]
     root = default_cache_dir() / "cifar10_laplace"
-    fit_key = cfg.key("seed", "full_batch_size", "lowrank_rank", "batch_sizes", "lowrank_batch_sizes")
+    fit_key = cfg.key("seed", "full_batch_size", "lowrank_rank", "batch_sizes", "magnitude_batches", "null_space",
+                      "lowrank_batch_sizes")
     fit_key = f"v{FIT_VERSION}-{fit_key}"
     fit_cache = root / f"fits-{model_id}-{fit_key}"
     pred_cache = root / f"probs-v{PREDICTIVE_VERSION}-{model_id}-{fit_key}-{cfg.key('seed', 'n_val', 'n_test', 'n_corrupt', 'n_ood', 'mc_samples', 'chunk_size')}"
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     log("fitting ...")
     fits = run_fits(model, train_set, cfg, fit_cache, log)
     for f in fits:
-        f.extra["label"] = label(f, cfg.lowrank_rank, n_train)
+        f.extra["label"] = label(f, cfg.lowrank_rank, n_train, cfg.null_space)
     log("evaluation sets ...")
     sets = eval_sets(data, cfg.n_val, cfg.n_test, cfg.n_corrupt, cfg.n_ood, cfg.seed, log)
     log("prior-precision grid (validation set) ...")
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "tracking_full_grid": E.tracking(probs, sets, tracked, full_key, ref_of, np.ones(len(grid), bool), cfg.n_boot, cfg.seed),
     }
     tgt = E.targets(summary, res, groups, full_key, max(cfg.batch_sizes))
+    tgt += E.equal_sample_targets(summary["tracking_full_grid"], methods, fulls["kron-full"].seconds)
 
     figures = tracking_figures(groups, {m: f for m, f in fulls.items()}, res, grid, out)
     chosen, auroc_rows = {}, {}
