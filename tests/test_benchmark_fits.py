@@ -16,7 +16,7 @@ from laplace import KronLaplace
 from torch.utils.data import TensorDataset
 
 from _models import dense_kfac, kfac_to_dense, tiny_mlp, toy_data
-from benchmarks.cifar10.fits import _loader, equal_sample_draws, fit_kron
+from benchmarks.cifar10.fits import _loader, coverage_rows, equal_sample_draws, fit_kron
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 N, B = 60, 12
@@ -82,3 +82,22 @@ def test_debiased_kron_refuses_a_draw_that_does_not_split_evenly():
     train, idx = _draw()
     with pytest.raises(ValueError, match="1 \\+ 4 equal batches"):
         fit_kron(tiny_mlp(), train, idx, debiased=True, magnitude_batches=4)
+
+
+def test_coverage_rows_of_stock_kron_count_the_rank_each_factor_reaches():
+    """Fitted on 2 samples: the first layer's input factor (4 x 4) has rank 2; the last layer's
+    output factor has the softmax-invariant null vector, rank C - 1 = 2 of 3."""
+    X, y = toy_data(N, (4,), 3, "classification", seed=2).tensors
+    model = tiny_mlp()
+    la = KronLaplace(model, "classification")
+    la.fit(_loader(TensorDataset(X[:2], y[:2]), np.arange(2), 2))
+    rows = {(r["layer"], r["parameter"], r["factor"]): (r["dimension"], r["rank"]) for r in coverage_rows(la)}
+    assert rows[("0", "weight", "input")] == (4, 2)
+    assert rows[("2", "weight", "output")] == (3, 2)
+    assert len(rows) == 6
+
+
+def test_coverage_rows_of_a_debiased_fit_are_its_coverage_record():
+    train, idx = _draw()
+    la = fit_kron(tiny_mlp(), train, idx, debiased=True)
+    assert coverage_rows(la) == la.coverage.rows()

@@ -99,7 +99,8 @@ def method_table(fits: list[Fit], cfg: Config) -> tuple[dict, dict, dict]:
         entry = {"method": fs[0].method, "b": fs[0].b, "label": fs[0].extra["label"], "keys": [f.key for f in fs],
                  "reference": None if fs[0].repeat is None or ref is None else ref.key,
                  "seconds_mean": float(np.mean([f.seconds for f in fs])),
-                 "peak_mib_mean": float(np.mean([f.peak_mib for f in fs]))}
+                 "peak_mib_mean": float(np.mean([f.peak_mib for f in fs])),
+                 "coverage": fs[0].extra.get("coverage")}
         single = groups.get(name.replace("debiased_", "", 1)) if name.startswith("debiased_") else None
         if single:
             by_rep = {f.repeat: f.seconds for f in single}

@@ -193,8 +193,9 @@ def targets(summary: dict, res: dict, groups: dict[str, list[Fit]], full_key: st
                     continue
                 dist = lambda fits: [abs(summary["selected"][f.key][crit]["index"] - ref["index"]) for f in fits]  # noqa: E731
                 d_deb, d_single = dist(deb), dist(single)
-                out.append({"target": f"{family} {crit}: debiased 2x{b // 2} δ within one grid step of the full-batch "
-                                      f"choice ({ref['prior_precision']:.3g}) in every draw, single-batch b={b} not",
+                out.append({"target": f"{family} {crit}: {deb[0].extra.get('label', 'debiased')} δ within one grid step "
+                                      f"of the full-batch choice ({ref['prior_precision']:.3g}) in every draw, "
+                                      f"{single[0].extra.get('label', f'single-batch b={b}')} not",
                             "measured": f"grid steps from the full-batch choice: debiased {d_deb}, single-batch {d_single}",
                             "met": bool(max(d_deb) <= 1 and min(d_single) > 1)})
     return out

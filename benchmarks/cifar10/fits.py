@@ -37,6 +37,7 @@ from laplace import KronLaplace
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.posterior.from_laplace import posterior_structure
+from laplace_debiased.structures.coverage import numerical_rank
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.structures.lowrank import DebiasedLowRankLLLaplace
 
@@ -109,6 +110,26 @@ class Fit:
     @property
     def key(self) -> str:
         return f"{self.name}#{self.repeat}"
+
+
+def coverage_rows(la) -> list[dict] | None:
+    """What a K-FAC fit's curvature covers, one dict per factor: a debiased fit's
+    ``la.coverage.rows()``; for stock ``KronLaplace`` (B = B̃ = the data it was fitted on) each
+    factor's dimension and numerical rank (:func:`numerical_rank`); None for other fits."""
+    if getattr(la, "coverage", None) is not None:
+        return la.coverage.rows()
+    if not isinstance(la, KronLaplace) or getattr(la, "H_facs", None) is None:
+        return None
+    names = [n for n, m in la.model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    rows, blocks = [], iter(la.H_facs.kfacs)
+    for name in names:
+        module = la.model.get_submodule(name)
+        for parameter in ("weight", "bias")[: 1 + (module.bias is not None)]:
+            factors = next(blocks)
+            kinds = ("output", "input") if len(factors) == 2 else ("bias",)
+            rows += [{"layer": name, "parameter": parameter, "factor": kind, "dimension": int(F.shape[0]),
+                      "rank": numerical_rank(F)} for kind, F in zip(kinds, factors)]
+    return rows
 
 
 def log_marglik(la) -> list[float] | None:
@@ -203,7 +224,7 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path, log=print) -
             return
         la, sec, mib = measured(fn)
         fit = Fit(name, method, b, r, subset, sec, mib, posterior_structure(la), log_marglik(la),
-                  {"cached": False, "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S")}, k)
+                  {"cached": False, "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S"), "coverage": coverage_rows(la)}, k)
         del la
         tmp = path.with_name(path.name + f".{os.getpid()}.part")
         torch.save(fit, tmp)
