@@ -10,7 +10,7 @@ PY = $(VENV)/bin/python
 INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
 STAMP = $(VENV)/.installed-$(INTERPRETER)
 
-.PHONY: install run test docs bench examples clean-venv
+.PHONY: install run test docs bench examples main-job-doc clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
 	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
@@ -61,6 +61,17 @@ docs: $(DOCS_STAMP)
 examples: $(STAMP)
 	@for f in examples/*.py; do echo "$$f"; out=docs/tutorials/output/$$(basename $$f .py).txt; \
 	  echo "\$$ OMP_NUM_THREADS=1 python $$f" > $$out; OMP_NUM_THREADS=1 $(PY) $$f >> $$out || exit 1; done
+
+# Runs the main job with one thread and writes the command and two sections of its report (MAP vs
+# LA at the chosen δ; tracking the full batch over the grid) to docs/getting-started/output/main-job.md,
+# which the main-job page includes.
+MAIN_JOB_OUT ?= /tmp/laplace-debiased-main-job
+main-job-doc: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m laplace_debiased --out $(MAIN_JOB_OUT) --threads 1
+	@mkdir -p docs/getting-started/output
+	@{ echo "Written by \`make main-job-doc\` (\`OMP_NUM_THREADS=1 python -m laplace_debiased --threads 1\`)."; echo; \
+	  awk '/^## /{keep=($$0=="## MAP vs LA at the chosen δ" || $$0=="## Tracking the full batch over the whole grid")} keep' \
+	  $(MAIN_JOB_OUT)/report/report.md | sed 's/^## /### /'; } > docs/getting-started/output/main-job.md
 
 # Benchmarks (not tests) need real CIFAR-10. Give its folder with CIFAR10_DIR=DIR (holding
 # cifar-10-batches-bin/ or cifar-10-batches-py/), or CIFAR10_SOURCE=DIR holding the project's

@@ -7,8 +7,9 @@ The Laplace approximation over the dense head of ``cifar_cnn`` (``Linear(1024, 3
 head holds the wide factor (input dimension 1,024 > 256 + 256). N = 10,000 training images.
 Per draw: 9 disjoint chunks of 256 training images (K-FAC of each, scaled to N), combined into a
 single batch of k x 256 (B̃ = B), and debiased 256 + (k-1) x 256 and floor(k/2) x 256 + rest,
-each with ``null_space="aligned"`` and ``"isotropic"``, for k = 2, 5, 9 (512, 1,280, 2,304
-samples). Projected-probit predictive on the test images over δ = 1e-4 ... 1e3; the max over
+each with ``null_space="aligned"`` and ``"isotropic"``, and 256 + (k-1) x 256 with nested
+directions in B's null space (``nested_factor``: the first half of B̃ chooses them, the second
+half measures them), for k = 2, 5, 9 (512, 1,280, 2,304 samples; nested from k = 5). Projected-probit predictive on the test images over δ = 1e-4 ... 1e3; the max over
 δ of the relative test-NLL gap to full-batch K-FAC (all 10,000 images). ``--ckpt map``: the
 headline's finished MAP; ``--ckpt last``: its latest training checkpoint.
 Writes benchmarks/results/wide_layers.{json,md}.
@@ -22,7 +23,7 @@ from benchmarks.cifar10.data import load_data
 from benchmarks.cifar10.train import MapConfig, map_dir
 from laplace_debiased.evaluation.models import cifar_cnn
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronDecomposed
-from laplace_debiased.curvature.completion import debiased_factor_mode
+from laplace_debiased.curvature.completion import debiased_factor_mode, nested_factor
 from laplace_debiased.evaluation.predictive import KronStructure, logit_jacobians, laplace_params, probit_from_variances
 
 p = argparse.ArgumentParser()
@@ -69,9 +70,15 @@ def avg(facs):
     return [[sum(f[b][j] for f in facs) / len(facs) for j in range(len(facs[0][b]))] for b in range(len(facs[0]))]
 
 def structure(direction, magnitude, mode, numels):
+    """Debiased K-FAC structure; ``mode`` "aligned"/"isotropic", or "nested" with ``magnitude`` a
+    pair (B̃₁ chooses in B's null space, B̃₂ measures; equal halves)."""
     Us, ls = [], []
-    for Fd, Fm in zip(direction, magnitude):
-        pairs = [debiased_factor_mode(D, M, mode) for D, M in zip(Fd, Fm)]
+    if mode == "nested":
+        choose, measure = magnitude
+        factor_pairs = [[nested_factor(D, M1, M2) for D, M1, M2 in zip(Fd, F1, F2)] for Fd, F1, F2 in zip(direction, choose, measure)]
+    else:
+        factor_pairs = [[debiased_factor_mode(D, M, mode) for D, M in zip(Fd, Fm)] for Fd, Fm in zip(direction, magnitude)]
+    for pairs in factor_pairs:
         Us.append([u for u, _ in pairs]); ls.append([l for _, l in pairs])
     zeros = [[int((l <= 0).sum()) for l in blk] for blk in ls]
     return KronStructure(DebiasedKronDecomposed(Us, ls), 1.0, numels), zeros
@@ -111,6 +118,10 @@ for r in range(a.draws):
             structs[f"deb 256+{k-1}x256 {mode}"], zeros[f"deb 256+{k-1}x256 {mode}"] = structure(chunks[0], avg(chunks[1:k]), mode, numels)
             h = k // 2
             structs[f"deb {h}x256+{k-h}x256 {mode}"], zeros[f"deb {h}x256+{k-h}x256 {mode}"] = structure(avg(chunks[:h]), avg(chunks[h:k]), mode, numels)
+        if k > 2:  # nested: B = 256, B̃ = (k-1) x 256 in two equal halves (B̃₁ chooses in B's null space, B̃₂ measures)
+            m = 1 + (k - 1) // 2
+            name = f"deb 256+{k-1}x256 nested"
+            structs[name], zeros[name] = structure(chunks[0], (avg(chunks[1:m]), avg(chunks[m:k])), "nested", numels)
     curves = nll_curves(structs)
     gaps = {k: float(np.max(np.abs(np.array(v) - full_nll) / np.array(full_nll))) for k, v in curves.items()}
     results["draws"].append({"curves": curves, "gaps": gaps, "zeros": zeros})

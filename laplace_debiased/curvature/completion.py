@@ -13,7 +13,9 @@ underestimated; exactly zero wherever B̃ does not reach either, so those weight
 variance ``1/δ``).
 
 ``null_space="isotropic"`` (:func:`isotropic_factor`, this module) gives every direction of a
-degenerate eigenspace ``P`` of B (dimension ``k``) the same eigenvalue, the mean Rayleigh quotient
+degenerate eigenspace ``P`` of B (dimension ``k``; a run of eigenvalues within the round-off
+tolerance of its smallest, :func:`~laplace_debiased.curvature.linalg.tied_groups`, so a dense
+stretch of small but distinct eigenvalues is not chained into the null space) the same eigenvalue, the mean Rayleigh quotient
 of B̃ over any orthonormal basis ``V_P`` of ``P``::
 
     c_P = tr(V_Pᵀ C V_P) / k,
@@ -34,13 +36,14 @@ import torch
 
 from laplace_debiased.curvature.linalg import (
     _check_square,
-    degenerate_groups,
+    clamp_roundoff_negatives,
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
+    tied_groups,
 )
 
-__all__ = ["NULL_SPACE_MODES", "group_means", "isotropic_factor", "debiased_factor_mode"]
+__all__ = ["NULL_SPACE_MODES", "group_means", "isotropic_factor", "nested_factor", "debiased_factor_mode"]
 
 #: treatments of B's degenerate eigenspaces (its null space above all)
 NULL_SPACE_MODES = ("isotropic", "aligned")
@@ -86,7 +89,75 @@ def isotropic_factor(
     _check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     lam = remeasure_eigenvalues(U, magnitude)
-    return U.to(direction.dtype), group_means(lam, degenerate_groups(L, roundoff_tolerance(direction)))
+    return U.to(direction.dtype), group_means(lam, tied_groups(L, roundoff_tolerance(direction)))
+
+
+def _null_group(L: torch.Tensor, groups: list[slice], tolerance: float) -> slice | None:
+    """The group of ascending eigenvalues ``L`` holding B's null space (eigenvalues within
+    ``tolerance`` of 0), if it has more than one direction."""
+    g = groups[0] if groups else None
+    return g if g is not None and g.stop - g.start > 1 and float(L[0]) <= tolerance else None
+
+
+def nested_factor(
+    direction: torch.Tensor, choose: torch.Tensor, measure: torch.Tensor, choose_share: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Debias one factor whose B̃ is split in two, with nested directions in B's null space.
+
+    B's eigenvectors ``u_i`` outside its null space keep the Rayleigh quotients of all of B̃,
+    ``M = choose_share · choose + (1 − choose_share) · measure``; its other degenerate eigenspaces
+    get their mean (:func:`isotropic_factor`). Inside B's null space ``P`` (basis ``V_P``, ``k``
+    directions) the first part B̃₁ chooses and the second B̃₂ measures: the eigenvectors of
+    ``V_Pᵀ choose V_P`` with the Rayleigh quotients of ``V_Pᵀ measure V_P``, averaged over its
+    degenerate groups, so B̃₂'s mean curvature on what B̃₁ does not see either.
+    Every direction is chosen by data independent of the data measuring it, so each eigenvalue is
+    unbiased for the expected curvature along its direction; the anisotropy of ``P`` that B̃₁
+    sees is kept, where the isotropic completion spreads B̃'s curvature evenly over ``P``.
+
+    Identities (tested): the trace over ``P`` is ``tr(V_Pᵀ measure V_P)``; with ``choose ==
+    measure`` the null space is B̃'s own eigenbasis, measured by it (``null_space="aligned"``);
+    with ``choose == measure == direction`` the result is the ordinary eigendecomposition.
+
+    Parameters
+    ----------
+    direction, choose, measure : torch.Tensor
+        ``(n, n)`` PSD factors of B, B̃₁ and B̃₂ (same layer, same scaling).
+    choose_share : float
+        B̃₁'s share of B̃'s samples (weights ``M``).
+
+    Returns
+    -------
+    (U, lam)
+        ``U (n, n)`` orthonormal, ``lam (n,)``, in ``direction.dtype``; float64 inside.
+    """
+    if not direction.shape == choose.shape == measure.shape:
+        raise ValueError(f"factors differ in shape: B {tuple(direction.shape)}, B̃₁ {tuple(choose.shape)}, "
+                         f"B̃₂ {tuple(measure.shape)}.")
+    if not 0.0 <= choose_share <= 1.0:
+        raise ValueError(f"choose_share must lie in [0, 1], got {choose_share}.")
+    _check_square(direction, "direction curvature")
+    L, U = symmetric_eigh64(direction)
+    tol = roundoff_tolerance(direction)
+    groups = tied_groups(L, tol)
+    # held in the factors' dtype: its round-off tolerance is that of the precision it was computed in
+    magnitude = (choose_share * choose.double() + (1.0 - choose_share) * measure.double()).to(choose.dtype)
+    lam = group_means(remeasure_eigenvalues(U, magnitude), groups).double()
+    null = _null_group(L, groups, tol)
+    if null is not None:
+        U[:, null], lam[null] = _nested_null_space(U[:, null], choose, measure)
+    return U.to(direction.dtype), lam.to(direction.dtype)
+
+
+def _nested_null_space(V: torch.Tensor, choose: torch.Tensor, measure: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(V Y, μ)`` for B's null-space basis ``V`` ``(n, k)`` (float64): ``Y`` the eigenvectors of
+    ``Vᵀ choose V``, ``μ`` the Rayleigh quotients of ``Vᵀ measure V`` along them, averaged over
+    each degenerate group of ``Vᵀ choose V``. Tolerances are those of the full factors (the
+    compressions' own norms may be round-off)."""
+    L1, Y = symmetric_eigh64(V.T @ choose.double() @ V)
+    S2 = V.T @ measure.double() @ V
+    mu = clamp_roundoff_negatives(((0.5 * (S2 + S2.T) @ Y) * Y).sum(0), roundoff_tolerance(measure),
+                                  "remeasured curvature")
+    return V @ Y, group_means(mu, tied_groups(L1, roundoff_tolerance(choose)))
 
 
 def debiased_factor_mode(

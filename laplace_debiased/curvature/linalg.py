@@ -38,6 +38,7 @@ __all__ = [
     "symmetric_eigh64",
     "eigh_float64",
     "degenerate_groups",
+    "tied_groups",
     "aligned_eigenbasis",
     "debiased_factor",
     "debiased_kron",
@@ -171,6 +172,26 @@ def degenerate_groups(eigenvalues: torch.Tensor, tolerance: float) -> list[slice
             start = i + 1
     if eigenvalues.numel():
         groups.append(slice(start, eigenvalues.numel()))
+    return groups
+
+
+def tied_groups(eigenvalues: torch.Tensor, tolerance: float) -> list[slice]:
+    """Runs of ascending ``eigenvalues`` ``(n,)`` within ``tolerance`` of the run's smallest.
+
+    Returns slices covering ``0..n`` in order. Unlike :func:`degenerate_groups`, runs do not
+    chain: each run's spread is at most ``tolerance``, so a dense stretch of small but distinct
+    eigenvalues is not merged with B's null space. The isotropic completion averages over these
+    runs (:mod:`laplace_debiased.curvature.completion`).
+    """
+    groups: list[slice] = []
+    start = 0
+    values = eigenvalues.tolist()
+    for i in range(1, len(values)):
+        if values[i] - values[start] > tolerance:
+            groups.append(slice(start, i))
+            start = i
+    if values:
+        groups.append(slice(start, len(values)))
     return groups
 
 
@@ -397,8 +418,9 @@ def lowrank_debiased_factor(
     * ``null_space="aligned"`` (:func:`debiased_factor`, to round-off): tied nonzero groups are
       rotated to B̃'s compression (:func:`_ritz`); the null group carries the nonzero eigenpairs
       of B̃'s factor compressed onto it (:func:`_null_group_eigenpairs`), 0 on the rest.
-    * ``null_space="isotropic"``: every degenerate group gets the mean Rayleigh quotient of
-      B̃ over it, ``tr(PCP)/dim P``; on the null group ``‖Xm (I - QQᵀ)‖_F² / (d - r_B)``.
+    * ``null_space="isotropic"``: every group of :func:`tied_groups` (spread at most the
+      tolerance, not chained) gets the mean Rayleigh quotient of B̃ over it, ``tr(PCP)/dim P``;
+      on the null group ``‖Xm (I - QQᵀ)‖_F² / (d - r_B)``.
 
     Cost ``O(d (n + m)²)``; results in ``dtype``.
     """
@@ -415,7 +437,8 @@ def lowrank_debiased_factor(
     tol = _tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T)))
     zeros = d - L.numel()
     shift = min(zeros, 1)  # a single 0 stands for the d - k zeros; L[i] sits at i + shift
-    groups = degenerate_groups(torch.cat([L.new_zeros(shift), L]), tol)
+    grouping = tied_groups if null_space == "isotropic" else degenerate_groups
+    groups = grouping(torch.cat([L.new_zeros(shift), L]), tol)
     first = groups[0].stop - shift if shift else 0  # B's directions outside its null group
     Q = E[:, first:].clone()
     mu = (Xm @ Q).square().sum(0)

@@ -190,21 +190,22 @@ def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
 _STRUCTURES = {"kron": "K-FAC", "ekfac": "EKFAC", "lowrank": "low-rank"}
 
 
-def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str]:
-    """``{"label", "description"}`` of method ``name`` in words, with its batch sizes."""
+def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str | int]:
+    """``{"label", "description", "samples"}`` of method ``name``: in words, with its batch
+    sizes, and the number of training points its curvature reads (``samples``)."""
     kind, batches = name.split("_")
     structure = _STRUCTURES[kind] + (f" (rank {opts['rank']})" if kind == "lowrank" else "")
     b = opts["batch_size"]
     if batches == "single":
-        return {"label": f"{structure}, single batch of {b}",
+        return {"label": f"{structure}, single batch of {b}", "samples": b,
                 "description": f"{structure} from one batch of {b} training points (B̃ = B: the plain "
                                "single-batch LA)"}
     if batches == "debiased":
-        return {"label": f"{structure}, debiased {b // 2} + {b // 2}",
+        return {"label": f"{structure}, debiased {b // 2} + {b // 2}", "samples": 2 * (b // 2),
                 "description": f"debiased {structure}: directions (eigenvectors) from a batch B of {b // 2} "
                                f"training points, magnitudes re-measured on an independent batch B̃ of "
                                f"{b // 2}"}
-    return {"label": f"{structure}, full batch of {n_train}",
+    return {"label": f"{structure}, full batch of {n_train}", "samples": n_train,
             "description": f"{structure} over all N = {n_train} training points (the reference)"}
 
 

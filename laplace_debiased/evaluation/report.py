@@ -5,7 +5,8 @@ main job's ``setting.json``), MAP vs LA at the chosen prior precision δ (with t
 likelihood's choice marked and its measured cost stated), NLL and ECE under shift, and figures
 (matplotlib, Agg backend, headless):
 
-* Figure-6 style: accuracy / NLL / ECE on the test set vs δ, one line per method (mean over
+* Figure-6 style: accuracy / NLL / ECE on the test set vs δ, and a table of each mini-batch
+  LA's largest gap to its full-batch reference over the grid (:mod:`.tracking`), one line per method (mean over
   repeats, min-max band), MAP as a horizontal line, full-batch methods as markers; one figure per
   link approximation;
 * link comparison: test NLL vs δ per link approximation, one panel per method;
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from laplace_debiased.evaluation.sweep import load_rows
+from laplace_debiased.evaluation.tracking import max_gap_per_draw, reference_of
 
 #: file next to ``results.jsonl`` with the run's setting in words (written by the main job)
 SETTING_NAME = "setting.json"
@@ -307,6 +309,62 @@ def _figure6(ctx: _Context, doc: _Doc) -> None:
         fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=9)
         fig.suptitle(f"{ctx.test_set}: {LINK_LABELS[link]}")
         _save(fig, ctx, doc, f"fig6_{link}.png", f"metrics vs prior precision, {link}", tight=False)
+
+
+def _tracking_rows(ctx: _Context) -> list[tuple[str, str, list[float], list[float]]]:
+    """``(method, reference, relative NLL gaps, ECE gaps)`` per mini-batch method with a
+    full-batch reference: per draw, the largest gap on the test set over the whole grid."""
+    out = []
+    for m in ctx.methods:
+        ref = None if m in ctx.full_batch else reference_of(m, sorted(ctx.full_batch))
+        if ref is not None:
+            gaps = [max_gap_per_draw(ctx.lap, m, ref, ctx.test_set, ctx.main_link, metric, relative)
+                    for metric, relative in (("nll", True), ("ece", False))]
+            out.append((m, ref, *gaps))
+    return out
+
+
+def _samples(ctx: _Context, method: str) -> int | None:
+    return ctx.setting.get("methods", {}).get(method, {}).get("samples")
+
+
+def _tracking_verdict(ctx: _Context, nll_gap: dict[str, float]) -> str:
+    """Whether each debiased method tracks its reference more closely than the single batch of
+    its structure with the same number of samples, and what that depends on."""
+    sentences = []
+    for deb in (m for m in nll_gap if m.endswith("_debiased")):
+        single = deb.replace("_debiased", "_single")
+        if single not in nll_gap or _samples(ctx, deb) != _samples(ctx, single):
+            continue
+        closer = nll_gap[deb] < nll_gap[single]
+        sentences.append(f"{ctx.label(deb)} tracks the full batch {'more' if closer else 'less'} closely "
+                         f"than {ctx.label(single)} with the same samples ({100 * nll_gap[deb]:.1f} % against "
+                         f"{100 * nll_gap[single]:.1f} %).")
+        b, n = _samples(ctx, single), ctx.setting.get("n_train")
+        if not closer and b and n:
+            sentences.append(f"Here one batch is {b} of N = {n:,} training points ({100 * b / n:.0f} %): a single "
+                             "batch that large carries little bias, while B chooses the directions from half "
+                             "its samples. Debiasing is for b ≪ N (the paper: 1,024 of 40,000 images); see the "
+                             "CIFAR-10 results in the documentation's benchmarks page.")
+    return " ".join(sentences)
+
+
+def _tracking(ctx: _Context, doc: _Doc) -> None:
+    """The Figure-6 criterion as a table: per mini-batch method the largest gap to its
+    full-batch reference over the whole grid, per draw, and whether debiasing helped."""
+    rows = _tracking_rows(ctx)
+    if not rows:
+        return
+    doc.h("Tracking the full batch over the whole grid")
+    doc.p(f"Per draw, the largest gap over all prior precisions between a mini-batch LA and the "
+          f"full-batch LA of its structure on the test set ({LINK_LABELS[ctx.main_link]}): test NLL "
+          "relative to the full batch (%), ECE in percentage points. Mean over draws [min, max].")
+    doc.table(["method", "samples", "draws", "max rel. NLL gap (%)", "max ECE gap (pt)"],
+              [[ctx.label(m), f"{_samples(ctx, m) or '–'}", str(len(nll)), _fmt([100 * g for g in nll]),
+                _fmt([100 * g for g in ece])] for m, _, nll, ece in rows])
+    verdict = _tracking_verdict(ctx, {m: float(np.mean(nll)) for m, _, nll, _ in rows})
+    if verdict:
+        doc.p(verdict)
 
 
 def _link_comparison(ctx: _Context, doc: _Doc) -> None:
@@ -637,7 +695,7 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
     ctx = _context(results, out_dir, setting)
     doc = _Doc()
     _summary(ctx, doc, title)
-    for step in (_headline, _shift_tables, _figure6, _link_comparison, _best_table, _reliability, _auroc_severity):
+    for step in (_headline, _shift_tables, _figure6, _tracking, _link_comparison, _best_table, _reliability, _auroc_severity):
         step(ctx, doc)
     _coverage(ctx, doc)
     md = ctx.out_dir / "report.md"

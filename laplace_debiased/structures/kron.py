@@ -40,6 +40,7 @@ from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
 from laplace_debiased.structures.mixed import (
     Spanned,
+    SpannedImplicitKronStructure,
     SpannedKronStructure,
     block_spans,
     curvature_modules,
@@ -71,6 +72,7 @@ class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
     normalisation layer's dense block; :mod:`laplace_debiased.structures.mixed`)."""
 
     _structure = SpannedKronStructure
+    _implicit_structure = SpannedImplicitKronStructure
 
     def __init__(self, eigenvectors, eigenvalues, deltas=None, damping: bool = False, *, spans: list[int] | None = None) -> None:
         super().__init__(eigenvectors, eigenvalues, deltas, damping=damping)

@@ -27,11 +27,13 @@ from torch import Tensor, nn
 
 from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
 from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.implicit_kron import ImplicitKronStructure
 from laplace_debiased.posterior.kron import KronStructure
 
 __all__ = [
     "CURVATURE_LAYERS",
     "Spanned",
+    "SpannedImplicitKronStructure",
     "SpannedKronStructure",
     "SpannedStructure",
     "block_modules",
@@ -164,13 +166,16 @@ class Spanned:
     __rmul__ = __mul__
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> Any:
-        """The grid predictive's structure (:class:`SpannedStructure`)."""
-        if any(Q.shape[0] != Q.shape[1] for Qs in self.eigenvectors for Q in Qs):
+        """The grid predictive's structure (:class:`SpannedStructure`): ``_implicit_structure``
+        when a factor keeps its null space implicit (``(d, r)`` eigenvectors, ``r < d``)."""
+        implicit = any(Q.shape[0] != Q.shape[1] for Qs in self.eigenvectors for Q in Qs)
+        structure = getattr(self, "_implicit_structure", None) if implicit else self._structure
+        if structure is None:
             raise NotImplementedError(
-                "implicit (low-rank) K-FAC input factors together with dense normalisation "
-                "blocks have no grid structure yet; use laplace-torch's predictive (la(x))."
+                f"{type(self).__name__} has implicit (d, r) eigenvectors but no grid structure for "
+                "them; use laplace-torch's predictive (la(x))."
             )
-        return self._structure(self, h_factor, numels, self.spans)
+        return structure(self, h_factor, numels, self.spans)
 
 
 class SpannedStructure:
@@ -209,4 +214,9 @@ class SpannedStructure:
 
 
 class SpannedKronStructure(SpannedStructure, KronStructure):
-    """:class:`~laplace_debiased.evaluation.predictive.KronStructure` over spanning blocks."""
+    """:class:`~laplace_debiased.posterior.kron.KronStructure` over spanning blocks."""
+
+
+class SpannedImplicitKronStructure(SpannedStructure, ImplicitKronStructure):
+    """:class:`~laplace_debiased.posterior.implicit_kron.ImplicitKronStructure` over spanning
+    blocks: dense normalisation blocks beside K-FAC input factors whose null space is implicit."""

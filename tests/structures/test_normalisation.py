@@ -347,3 +347,29 @@ def test_unsupported_layer_is_named():
     la = Laplace(model, "classification", "all", "debiased_kron")
     with pytest.raises(ValueError, match="'1' \\(PReLU\\)"):
         la.fit(loader(data, 4))
+
+
+def wide_head_bn_net(seed: int = 0) -> nn.Module:
+    """Conv-BN-Tanh-Flatten-Linear(100, C) on 2x5x5 images: the head's input factor (dimension
+    100) is wider than a batch of 8, so the debiased fit keeps its null space implicit."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.Flatten(),
+                        nn.Linear(100, N_CLASSES)).double()
+    _randomise_norms(net)
+    return net.eval()
+
+
+@pytest.mark.parametrize("null_space", ["isotropic", "aligned"])
+def test_grid_predictive_with_an_implicit_wide_factor_and_a_dense_norm_block(null_space):
+    """A BatchNorm block (dense, spanning weight and bias) beside an implicit K-FAC input factor
+    (Gram route): the grid predictive equals the probit of ``J P⁻¹ Jᵀ`` with the dense precision."""
+    model, data = wide_head_bn_net(), _data("conv_bn", 16)
+    la = Laplace(model, "classification", "all", "debiased_kron")
+    la.fit(loader(data, 8), null_space=null_space)
+    assert any(Q.shape[1] < Q.shape[0] for Qs in la.H.eigenvectors for Q in Qs)  # the head is implicit
+    X = _data("conv_bn", 6, seed=3).tensors[0]
+    J, f = _jacobians(model, X), model(X).detach()
+    probs = GridPredictive(la).grid(X, [0.3, 2.0], links=("probit",))["probit"]
+    for g, delta in enumerate((0.3, 2.0)):
+        cov = torch.einsum("ncp,pq,nkq->nck", J, torch.linalg.inv(_dense_precision(la, delta)), J)
+        torch.testing.assert_close(probs[g], probit(f, cov), rtol=1e-8, atol=1e-10)

@@ -1,0 +1,58 @@
+"""How closely a mini-batch LA tracks its full-batch reference over a prior-precision grid.
+
+The paper's Figure 6 criterion, as numbers. For one draw of a mini-batch method ``m`` and its
+full-batch reference ``f`` (same structure, all ``N`` training points), on one evaluation set
+and link approximation:
+
+* relative NLL gap: ``max_δ |NLL_m(δ) − NLL_f(δ)| / NLL_f(δ)`` (a fraction);
+* absolute gap of any other metric ``s`` (ECE, accuracy): ``max_δ |s_m(δ) − s_f(δ)|``;
+
+the maximum over the prior precisions ``δ`` both were evaluated at. Functions here take sweep
+rows (``results.jsonl`` dicts with ``method``, ``repeat``, ``prior_precision``, ``eval_set``,
+``link`` and the metric) and return floats, one per draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["max_gap_per_draw", "reference_of"]
+
+
+def reference_of(method: str, full_batch: Sequence[str]) -> str | None:
+    """The full-batch method of ``method``'s structure (``kron_debiased`` -> ``kron_full``): the
+    method in ``full_batch`` with the same prefix before ``_``; ``None`` without one."""
+    kind = method.split("_")[0]
+    matches = [f for f in full_batch if f.split("_")[0] == kind and f != method]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _curve(rows: Sequence[dict], method: str, eval_set: str, link: str, metric: str) -> dict[int, dict[float, float]]:
+    """``{repeat: {δ: metric}}`` of ``method`` on ``eval_set`` with ``link``."""
+    out: dict[int, dict[float, float]] = {}
+    for r in rows:
+        if (r["method"] == method and r["eval_set"] == eval_set and r["link"] == link
+                and r.get("prior_precision") is not None and r.get(metric) is not None):
+            out.setdefault(int(r["repeat"]), {})[float(r["prior_precision"])] = float(r[metric])
+    return out
+
+
+def max_gap_per_draw(rows: Sequence[dict], method: str, reference: str, eval_set: str, link: str,
+                     metric: str = "nll", relative: bool = True) -> list[float]:
+    """Per draw of ``method`` (ascending repeat), the largest gap to ``reference`` over the
+    prior precisions both were evaluated at (relative to the reference when ``relative``).
+
+    The reference is one draw (repeat 0 of a full-batch fit; its first repeat if it has several).
+    Raises ``ValueError`` when the two share no prior precision, since there is no gap to report.
+    """
+    ref_draws = _curve(rows, reference, eval_set, link, metric)
+    if not ref_draws:
+        raise ValueError(f"no {metric!r} rows of the reference {reference!r} on {eval_set!r} with link {link!r}")
+    ref = ref_draws[min(ref_draws)]
+    gaps = []
+    for repeat, curve in sorted(_curve(rows, method, eval_set, link, metric).items()):
+        common = sorted(set(curve) & set(ref))
+        if not common:
+            raise ValueError(f"{method!r} (repeat {repeat}) and {reference!r} share no prior precision")
+        gaps.append(max(abs(curve[d] - ref[d]) / (abs(ref[d]) if relative else 1.0) for d in common))
+    return gaps

@@ -1,0 +1,97 @@
+"""The tracking criterion (largest gap to the full-batch LA over the grid) and its report section."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laplace_debiased.evaluation.report import write_report
+from laplace_debiased.evaluation.tracking import max_gap_per_draw, reference_of
+
+GRID = (1e-4, 1e-2, 1.0, 1e2)
+
+
+def _row(method: str, repeat: int, delta: float, nll: float, ece: float = 0.05, eval_set: str = "test",
+         link: str = "probit_projected") -> dict:
+    return {"method": method, "repeat": repeat, "prior_precision": delta, "eval_set": eval_set, "kind": eval_set,
+            "severity": None, "link": link, "full_batch": method.endswith("_full"), "accuracy": 0.9, "nll": nll,
+            "ece": ece, "brier": 0.1}
+
+
+def _curves(full: list[float], draws: dict[str, list[list[float]]]) -> list[dict]:
+    rows = [_row("kron_full", 0, d, v) for d, v in zip(GRID, full)]
+    for method, per_draw in draws.items():
+        rows += [_row(method, r, d, v) for r, vals in enumerate(per_draw) for d, v in zip(GRID, vals)]
+    return rows
+
+
+def test_gap_is_the_largest_relative_difference_over_the_grid_per_draw():
+    full = [2.0, 1.0, 0.5, 0.25]
+    rows = _curves(full, {"kron_single": [[2.2, 1.0, 0.5, 0.25], [2.0, 1.0, 0.6, 0.25]]})
+    # draw 0: |2.2 - 2| / 2 = 0.1; draw 1: |0.6 - 0.5| / 0.5 = 0.2
+    assert max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected") == pytest.approx([0.1, 0.2])
+    # absolute: 0.2 and 0.1
+    assert max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected",
+                            relative=False) == pytest.approx([0.2, 0.1])
+
+
+def test_only_rows_of_the_asked_set_link_and_shared_prior_precisions_count():
+    rows = _curves([1.0] * 4, {"kron_single": [[1.1] * 4]})
+    rows += [_row("kron_single", 0, 1.0, 9.0, eval_set="validation"), _row("kron_single", 0, 1.0, 9.0, link="mc"),
+             _row("kron_single", 0, 1e4, 9.0)]  # δ = 1e4: the reference has no row there
+    assert max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected") == pytest.approx([0.1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(full=st.lists(st.floats(0.05, 5.0), min_size=4, max_size=4),
+       mini=st.lists(st.floats(0.05, 5.0), min_size=4, max_size=4),
+       scale=st.floats(0.1, 10.0), seed=st.integers(0, 2**16))
+def test_relative_gap_is_invariant_to_units_and_row_order_and_zero_against_itself(full, mini, scale, seed):
+    rows = _curves(full, {"kron_single": [mini]})
+    gap = max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected")
+    scaled = [{**r, "nll": scale * r["nll"]} for r in rows]
+    random.Random(seed).shuffle(scaled)
+    assert max_gap_per_draw(scaled, "kron_single", "kron_full", "test", "probit_projected") == pytest.approx(gap)
+    assert max_gap_per_draw(rows, "kron_full", "kron_full", "test", "probit_projected") == [0.0]
+    assert gap[0] == pytest.approx(max(abs(m - f) / f for m, f in zip(mini, full)))
+
+
+def test_a_method_without_shared_prior_precisions_is_an_error():
+    rows = [_row("kron_full", 0, 1.0, 1.0), _row("kron_single", 0, 2.0, 1.0)]
+    with pytest.raises(ValueError, match="share no prior precision"):
+        max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected")
+    with pytest.raises(ValueError, match="no 'nll' rows of the reference"):
+        max_gap_per_draw(rows, "kron_single", "ekfac_full", "test", "probit_projected")
+
+
+def test_the_reference_is_the_full_batch_method_of_the_same_structure():
+    full = ["kron_full", "ekfac_full"]
+    assert reference_of("kron_debiased", full) == "kron_full"
+    assert reference_of("ekfac_single", full) == "ekfac_full"
+    assert reference_of("lowrank_single", full) is None
+
+
+def _setting(b: int, n: int) -> dict:
+    label = {"kron_single": f"single {b}", "kron_debiased": f"debiased {b // 2} + {b // 2}", "kron_full": f"full {n}"}
+    samples = {"kron_single": b, "kron_debiased": b, "kron_full": n}
+    return {"data": "toy", "n_train": n, "model": "toy", "n_params": 10, "subset": "all",
+            "methods": {m: {"label": label[m], "description": label[m], "samples": samples[m]} for m in label}}
+
+
+@pytest.mark.parametrize("debiased_closer", [True, False])
+def test_report_tabulates_the_gaps_and_says_whether_debiasing_helped_at_equal_samples(tmp_path, debiased_closer):
+    full = [1.0, 0.8, 0.6, 0.5]
+    near, far = [[v * 1.01 for v in full]] * 2, [[v * 1.2 for v in full]] * 2
+    draws = {"kron_single": far if debiased_closer else near, "kron_debiased": near if debiased_closer else far}
+    rows = _curves(full, draws) + [_row("map", 0, None, 0.9, link="map")]
+    text = write_report(rows, tmp_path / "rep", setting=_setting(64, 300)).read_text()
+    section = text.split("## Tracking the full batch over the whole grid")[1].split("\n## ")[0]
+    single_gap = "20 [20, 20]" if debiased_closer else "1 [1, 1]"
+    assert f"| single 64 | 64 | 2 | {single_gap} |" in section
+    word = "more" if debiased_closer else "less"
+    assert f"debiased 32 + 32 tracks the full batch {word} closely than single 64 with the same samples" in section
+    # only a debiased LA that loses is explained, with the batch's share of N
+    assert ("64 of N = 300 training points (21 %)" in section) is not debiased_closer
