@@ -147,7 +147,9 @@ def log_marglik(la) -> list[float] | None:
 #: b/N for a loader that covers all N: weight blocks (b/N)² and bias blocks b/N of the N-scaled K-FAC).
 #: 3: debiased K-FAC rows at b/(1+k) + k x b/(1+k) next to single-batch K-FAC of the same samples
 #: (nested draws), ``null_space`` explicit (the package default became "isotropic" in issue 23).
-FIT_VERSION = 3
+#: 4: the isotropic completion averages only over tied runs of B's eigenvalues
+#: (``curvature.linalg.tied_groups``), which changes every debiased K-FAC fit with a wide factor.
+FIT_VERSION = 4
 
 
 def _loader(train: TensorDataset, idx: np.ndarray, batch_size: int) -> DataLoader:
