@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="helper mode: predict (and cache) only these evaluation sets, in this order, then exit "
                              "without a report; run beside the main run of the same configuration, once it has "
                              "chosen the grid, to use a second core (sets: val test c1 .. c5 ood)")
+    parser.add_argument("--skip-methods", nargs="+", default=[], metavar="NAME",
+                        help="fit (and cache) but do not evaluate these mini-batch methods, e.g. kron-2304 "
+                             "debiased_kron-2304: a shorter run whose cached fits a later run without the flag reuses")
     parser.add_argument("--fresh", action="store_true", help="discard the cached fits and predictions of this configuration")
     args = parser.parse_args(argv)
 
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log("fitting ...")
     fits = run_fits(model, train_set, cfg, fit_cache, log)
+    fits = [f for f in fits if f.name not in args.skip_methods]
     for f in fits:
         f.extra["label"] = label(f, cfg.lowrank_rank, n_train, cfg.null_space)
     log("evaluation sets ...")
