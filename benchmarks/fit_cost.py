@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -122,6 +123,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="cifar_cnn")
     parser.add_argument("--predictive", action="store_true", help="also time fit + first GLM predictive")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="fit methods timed")
+    parser.add_argument("--notes", default="", help="the run's circumstances (machine load), written to the results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -129,7 +131,7 @@ def main() -> None:
     if not {"debiased", "single"} <= set(args.methods):
         parser.error("--methods must include debiased and single (the ratio's terms)")
     methods = [*args.methods, *(PREDICTIVE if args.predictive else [])]
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), os.getloadavg()[0]
     for b in args.batch_sizes[:1]:  # warm-up (allocator, lazy imports), not recorded
         for method in methods:
             _time_fit(method, model, b, seed=0)
@@ -146,13 +148,15 @@ def main() -> None:
         "model": MODELS[args.model][1],
         "command": "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fit_cost.py "
         + " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                   for k, v in vars(args).items() if k not in ("predictive", "out"))
+                   for k, v in vars(args).items() if k not in ("predictive", "out", "notes"))
         + (" --predictive" if args.predictive else "") + f" --out {args.out}",
         "threads": args.threads,
         "repeats": args.repeats,
         "torch": torch.__version__,
         "cpu": f"{platform.machine()} ({platform.processor() or 'cpu'})",
         "wall_seconds": time.perf_counter() - start,
+        "load_average_1min": [load_start, os.getloadavg()[0]],  # at start and end (2 cores here)
+        "notes": args.notes,
         "times": {str(b): t for b, t in times.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +204,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['model']}; {meta['cpu']}, torch {meta['torch']}, {meta['threads']} thread(s), "
         f"median of {meta['repeats']} interleaved repeats, one run ({meta['wall_seconds']:.0f} s).",
         "",
+        *([f"Load average (1 min) at start / end: {meta['load_average_1min'][0]:.1f} / "
+           f"{meta['load_average_1min'][1]:.1f}. {meta['notes']}", ""] if "load_average_1min" in meta else []),
         f"Command: `{meta.get('command', 'OMP_NUM_THREADS=1 nice python benchmarks/fit_cost.py')}`",
         "",
         "| b | debiased 2×b/2 (s) | single b, laplace-torch (s) | **ratio** (target ≤ 1.05) "

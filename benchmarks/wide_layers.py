@@ -1,6 +1,6 @@
 """Wide layers (issue 23): null-space treatments of debiased K-FAC at equal samples, cifar_cnn.
 
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/wide_layers.py --ckpt last --draws 3 --n-test 10000
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/wide_layers.py --ckpt map --draws 3 --n-test 10000
 
 The Laplace approximation over the dense head of ``cifar_cnn`` (``Linear(1024, 32)``, ReLU,
 ``Linear(32, 10)``; the convolutions fixed at the MAP, their 1,024-d features precomputed): the

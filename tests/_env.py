@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -93,3 +93,22 @@ def spawn_ranks_outcomes(job: Callable[[int, Path], object], out: Path, nprocs: 
         raise AssertionError(f"rank(s) {hung} still running after {hang_guard_s} s: a hang")
     found = [out / f"rank{r}.pt" for r in range(nprocs)]
     return [(p.exitcode, torch.load(f, weights_only=False) if f.exists() else None) for p, f in zip(procs, found)]
+
+
+def assert_every_rank_equals(states: Sequence[Mapping], single: Mapping,
+                             flat: Callable[[Mapping], list[tuple[str, torch.Tensor]]], *,
+                             same: Sequence[str] = (), rtol: float = 1e-6,
+                             atol: float | Callable[[torch.Tensor], float] = 1e-9) -> None:
+    """Every rank's state equals the single-process one: the fields ``same`` exactly, and the
+    tensors ``flat(state)`` (``(name, tensor)`` pairs) in the same names, shapes and order, to
+    ``rtol`` / ``atol`` (a number, or a function of the single-process tensor)."""
+    want_items = flat(single)
+    for r, state in enumerate(states):
+        for key in same:
+            assert state[key] == single[key], f"rank {r} {key}"
+        got_items = flat(state)
+        assert [k for k, _ in got_items] == [k for k, _ in want_items], f"rank {r}: other fields"
+        for (key, got), (_, want) in zip(got_items, want_items):
+            assert got.shape == want.shape, f"rank {r} {key}"
+            tol = atol(want) if callable(atol) else atol
+            torch.testing.assert_close(got, want, rtol=rtol, atol=tol, msg=f"rank {r} {key}")

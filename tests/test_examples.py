@@ -24,13 +24,11 @@ def cache(tmp_path_factory) -> Path:
 
 def _run(args: list[str], cache: Path) -> str:
     env = {**os.environ, "LAPLACE_DEBIASED_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # the timeout only guards against a hang: the quick start needs ~6 CPU-minutes, and a loaded
+    # 2-core machine stretches that past 10 minutes of wall time (it hit 600 s at load 7)
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-2000:]
-    # the coverage record's warning on digits_cnn's dense layer is known and tracked (its zeros are
-    # structural, shared by the full-batch fit); any other warning fails the example
-    stderr = "\n".join(line for line in done.stderr.splitlines()
-                       if "has no curvature but the prior" not in line and "_record_coverage()" not in line)
-    assert "Warning" not in stderr and "Traceback" not in stderr, done.stderr[-2000:]
+    assert "Warning" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     return done.stdout
 
 

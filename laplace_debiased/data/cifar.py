@@ -96,14 +96,17 @@ def read_binary_records(
     n_label_bytes: int,
     n_classes: tuple[int, ...],
     expected_records: int | None = None,
+    records: range | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Read one official binary batch file.
+    """Read one official binary batch file (or only its records ``records``).
 
     Args:
         path: the ``.bin`` file.
         n_label_bytes: 1 (CIFAR-10) or 2 (CIFAR-100: coarse, then fine).
         n_classes: number of classes of each label byte, for range checks.
         expected_records: required number of records, or ``None`` for any whole number.
+        records: a contiguous range of record indices to read (the file's size is checked
+            whole, only these records are read from disk and range-checked); ``None``: all.
 
     Returns:
         images uint8 ``(n, 32, 32, 3)`` and labels uint8 ``(n, n_label_bytes)``.
@@ -123,13 +126,17 @@ def read_binary_records(
             f"{path}: size {size} bytes is not a positive multiple of the {record}-byte record; "
             "the file is truncated or not a CIFAR binary batch."
         )
-    raw = np.fromfile(path, dtype=np.uint8).reshape(-1, record)
+    records = range(size // record) if records is None else records
+    if records.step != 1 or records.start < 0 or records.stop > size // record:
+        raise ValueError(f"{path}: records must be a contiguous range within its {size // record} records, got {records}")
+    raw = np.fromfile(path, dtype=np.uint8, count=len(records) * record,
+                      offset=records.start * record).reshape(-1, record)
     labels = raw[:, :n_label_bytes]
     for j, n in enumerate(n_classes):
         bad = np.flatnonzero(labels[:, j] >= n)
         if bad.size:
             raise DataIntegrityError(
-                f"{path}: record {bad[0]} has label byte {j} = {labels[bad[0], j]}, expected "
+                f"{path}: record {records.start + bad[0]} has label byte {j} = {labels[bad[0], j]}, expected "
                 f"< {n}; the file is altered or not in the official layout."
             )
     images = raw[:, n_label_bytes:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
@@ -310,8 +317,9 @@ def read_cifar_arrays(
     fmt: Literal["auto", "binary", "python"] = "auto",
     verify: Verify = "official",
     checksums: Mapping[str, str] | None = None,
+    rows: range | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Images uint8 ``(N, 32, 32, 3)`` and labels of one official split.
+    """Images uint8 ``(N, 32, 32, 3)`` and labels of one official split (or of its rows ``rows``).
 
     Labels: int64 ``(N,)`` for CIFAR-10; int64 ``(N, 2)`` = (coarse, fine) for CIFAR-100.
 
@@ -322,6 +330,9 @@ def read_cifar_arrays(
             ``"structure"`` accepts any whole number of well-formed records (small test files,
             sub-sampled copies).
         checksums: optional ``{"<dir>/<file>": md5-or-sha256}``, checked in either mode.
+        rows: a contiguous range of the split's rows (in the files' order) to return; the binary
+            layout then reads only those records from disk (the python version reads each file
+            whole and keeps the rows). ``None``: every row.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
@@ -334,25 +345,53 @@ def read_cifar_arrays(
     directory, files = _LAYOUTS[(dataset, fmt)]
     expected = _RECORDS_PER_FILE[(dataset, split)] if verify == "official" else None
     n_classes = (10,) if dataset == "cifar10" else (20, 100)
-    images, labels = [], []
+    images, labels, offset = [], [], 0
     for name in files[split]:
         key = f"{directory}/{name}"
         path = root / directory / name
         if checksums and key in checksums:
             verify_checksum(path, checksums[key], "user-given checksum")
-        if fmt == "binary":
-            x, y = read_binary_records(
-                path, n_label_bytes=len(n_classes), n_classes=n_classes, expected_records=expected
-            )
-        else:
-            if verify == "official" and path.is_file():
-                verify_checksum(path, OFFICIAL_MD5[key], "official checksum")
-            keys = ("labels",) if dataset == "cifar10" else ("coarse_labels", "fine_labels")
-            x, y = _python_records(path, keys, n_classes, expected)
+        if fmt == "python" and verify == "official" and path.is_file():
+            verify_checksum(path, OFFICIAL_MD5[key], "official checksum")
+        x, y, n_file = _read_file(path, fmt, dataset, expected, rows, offset)
         images.append(x)
         labels.append(y)
+        offset += n_file
+    if rows is not None and (rows.step != 1 or rows.start < 0 or rows.stop > offset):
+        raise ValueError(f"rows must be a contiguous range within the split's {offset} rows, got {rows}.")
     y = np.concatenate(labels).astype(np.int64)
     return np.concatenate(images), (y[:, 0] if dataset == "cifar10" else y)
+
+
+def _read_file(path: Path, fmt: str, dataset: str, expected: int | None, rows: range | None,
+               offset: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Images, labels and the number of records of one file holding the split's rows from
+    ``offset`` on: only those of ``rows`` (the binary layout reads no other record)."""
+    n_classes = (10,) if dataset == "cifar10" else (20, 100)
+    if fmt == "binary":
+        n_file = path.stat().st_size // (len(n_classes) + PIXELS) if path.is_file() else 0
+        x, y = read_binary_records(path, n_label_bytes=len(n_classes), n_classes=n_classes,
+                                   expected_records=expected, records=_within(rows, offset, n_file))
+        return x, y, n_file
+    keys = ("labels",) if dataset == "cifar10" else ("coarse_labels", "fine_labels")
+    x, y = _python_records(path, keys, n_classes, expected)
+    part = _within(rows, offset, len(x))
+    return (x, y, len(x)) if part is None else (x[part.start:part.stop].copy(), y[part.start:part.stop].copy(), len(x))
+
+
+def _within(rows: range | None, offset: int, n_file: int) -> range | None:
+    """The part of ``rows`` (global row indices) in a file holding rows ``offset..offset+n_file-1``,
+    as record indices within the file (``None``: every record)."""
+    if rows is None:
+        return None
+    start = min(max(rows.start - offset, 0), n_file)
+    return range(start, max(start, min(rows.stop - offset, n_file)))
+
+
+def official_size(dataset: Literal["cifar10", "cifar100"], split: Literal["train", "test"]) -> int:
+    """Rows of an official split (50,000 train or 10,000 test images), without reading a file."""
+    directory, files = _LAYOUTS[(dataset, "binary")]
+    return _RECORDS_PER_FILE[(dataset, split)] * len(files[split])
 
 
 def _class_names(root: Path, dataset: str, n: int) -> tuple[str, ...]:
@@ -376,14 +415,15 @@ def load_cifar10(
     fmt: Literal["auto", "binary", "python"] = "auto",
     verify: Verify = "official",
     checksums: Mapping[str, str] | None = None,
+    rows: range | None = None,
 ) -> ImageDataset:
     """CIFAR-10 ``split`` as an :class:`ImageDataset` (50,000 train or 10,000 test images).
 
     ``normalize`` applies the standard CIFAR-10 per-channel mean/std; see
-    :func:`read_cifar_arrays` for ``root``, ``fmt``, ``verify`` and ``checksums``.
+    :func:`read_cifar_arrays` for ``root``, ``fmt``, ``verify``, ``checksums`` and ``rows``.
     """
     x, y = read_cifar_arrays(root, split, dataset="cifar10", fmt=fmt, verify=verify,
-                             checksums=checksums)  # fmt: skip
+                             checksums=checksums, rows=rows)  # fmt: skip
     return ImageDataset(
         x, y,
         mean=CIFAR10_MEAN if normalize else None,
@@ -402,12 +442,14 @@ def load_cifar100(
     fmt: Literal["auto", "binary", "python"] = "auto",
     verify: Verify = "official",
     checksums: Mapping[str, str] | None = None,
+    rows: range | None = None,
 ) -> ImageDataset:
-    """CIFAR-100 ``split`` with ``fine`` (100 classes) or ``coarse`` (20 superclasses) labels."""
+    """CIFAR-100 ``split`` with ``fine`` (100 classes) or ``coarse`` (20 superclasses) labels
+    (``rows``: see :func:`read_cifar_arrays`)."""
     if label not in ("fine", "coarse"):
         raise ValueError(f"label must be 'fine' or 'coarse', got {label!r}.")
     x, y = read_cifar_arrays(root, split, dataset="cifar100", fmt=fmt, verify=verify,
-                             checksums=checksums)  # fmt: skip
+                             checksums=checksums, rows=rows)  # fmt: skip
     y = y[:, 1] if label == "fine" else y[:, 0]
     root_path = default_data_root() if root is None else Path(root).expanduser()
     classes = _class_names(root_path, "cifar100", 100) if label == "fine" else ()

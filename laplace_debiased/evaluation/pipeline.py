@@ -35,6 +35,10 @@ laplace_debiased ...``; every rank runs :func:`run_pipeline` with the same optio
 locks the folder, checks ``options.json``, trains (or loads) the MAP model and sends its weights
 to the other ranks; the sweep shards its (method, repeat) jobs over the ranks
 (:func:`~laplace_debiased.evaluation.sweep.run_sweep`), rank 0 writes every row and the report.
+Each rank loads only its rows ``shard_range(N, rank, W)`` of the training set
+(:mod:`laplace_debiased.data.shards`) and fetches from their owners the rows its own fits draw
+(:func:`fit_rows`, :func:`~laplace_debiased.structures.distributed.fetch_rows`); rank 0 fetches
+every row only to train the MAP model on a cache miss.
 The rows equal a single-process run's bitwise in every metric field.  A failure on any rank
 raises on every rank (:func:`~laplace_debiased.structures.distributed.gather_results`).
 """
@@ -57,7 +61,7 @@ from laplace_debiased.evaluation.options import (  # noqa: F401
 )
 from laplace_debiased.evaluation.report import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
-from laplace_debiased.structures.distributed import gather_results, rank_world
+from laplace_debiased.structures.distributed import fetch_rows, gather_results, rank_world
 
 #: grid extensions at most, so that every method's validation choice of δ is interior
 MAX_EXTENSIONS = 4
@@ -71,11 +75,30 @@ def _tensors(ds: Dataset, limit: int | None = None) -> tuple[torch.Tensor, torch
     return torch.stack([torch.as_tensor(x) for x in xs]), torch.as_tensor(ys, dtype=torch.long)
 
 
+def _held_train(n_full: int, load: Callable[[range | None], Dataset], opts: dict) -> Dataset:
+    """The training set of this process: ``load(None)`` (cut to ``--train-size`` rows) in one
+    process; under a process group of ``W`` ranks, rank ``r`` loads only its rows
+    ``shard_range(N, r, W)`` (``load(rows)``), served under their global indices as
+    :class:`~laplace_debiased.data.shards.HeldRows` of length N."""
+    from laplace_debiased.data.shards import HeldRows, shard_range
+
+    rank, world = rank_world()
+    n = min(opts["train_size"], n_full) if opts["train_size"] else n_full
+    if world == 1:
+        train = load(None)
+        return torch.utils.data.Subset(train, range(n)) if opts["train_size"] else train
+    own = shard_range(n, rank, world)
+    return HeldRows(n, own, load(own))
+
+
 def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
     from laplace_debiased.data.digits import digits_splits
+    from laplace_debiased.data.shards import tensor_rows
     from laplace_debiased.evaluation.models import digits_cnn
 
     splits = digits_splits(seed=opts["seed"])
+    train = _held_train(len(splits["train"]), lambda rows: splits["train"] if rows is None
+                        else tensor_rows(splits["train"], rows), opts)
     x, y = splits["test"].tensors
     gen = torch.Generator().manual_seed(opts["seed"] + 1)
     sets = [EvalSet("validation", *splits["val"].tensors, "validation"), EvalSet("test", x, y, "test")]
@@ -83,16 +106,19 @@ def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.M
         noisy = (x + sigma * torch.randn(x.shape, generator=gen)).clamp(0, 1)
         sets.append(EvalSet(f"noise-{sev}", noisy, y, "corrupted", sev))
     sets.append(EvalSet("inverted (OOD)", 1 - x, None, "ood"))
-    return splits["train"], sets, digits_cnn, "digits_cnn"
+    return train, sets, digits_cnn, "digits_cnn"
 
 
 def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
     from laplace_debiased.data import load_cifar10, load_cifar100, resolve_eval_set
+    from laplace_debiased.data.cifar import official_size
     from laplace_debiased.evaluation.models import cifar_cnn
 
     if not opts["data_root"]:
         raise ValueError(f"--data {opts['data']} needs --data-root DIR (see /work/shared/data/SOURCES.md)")
-    train = (load_cifar100 if opts["data"] == "cifar100" else load_cifar10)(opts["data_root"], "train")
+    load = load_cifar100 if opts["data"] == "cifar100" else load_cifar10
+    train = _held_train(official_size(opts["data"], "train"),
+                        lambda rows: load(opts["data_root"], "train", rows=rows), opts)
     sets, have_test = [], False
     for spec in opts["eval"]:
         ds = resolve_eval_set(spec, opts["data_root"], seed=opts["seed"])
@@ -108,17 +134,39 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
     return train, sets, lambda: cifar_cnn(n_classes), "cifar_cnn" if n_classes == 10 else "cifar100_cnn"
 
 
+def _fit_loader(name: str, train: Dataset, opts: dict, repeat: int) -> tuple[DataLoader, int]:
+    """The loader that method ``name``'s fit of ``repeat`` reads, and how many of its batches:
+    one of ``--batch-size`` (``*_single``), two of half that (``*_debiased``), or one of every
+    training point (``*_full``); the shuffling is seeded by ``--seed`` and the repeat."""
+    if name.endswith("_full"):
+        return DataLoader(train, batch_size=len(train)), 1
+    gen = torch.Generator().manual_seed(opts["seed"] * 7919 + repeat)
+    size, count = (opts["batch_size"], 1) if name.endswith("_single") else (opts["batch_size"] // 2, 2)
+    return DataLoader(train, batch_size=size, shuffle=True, generator=gen), count
+
+
+def fit_rows(opts: dict, n: int, rank: int, world: int) -> list[int]:
+    """The training rows that rank ``rank`` of ``world`` reads in its fits: those of the
+    (method, repeat) jobs ``k`` with ``k % world == rank``, the sweep's job order
+    (:func:`~laplace_debiased.evaluation.sweep.run_sweep`). Replays each job's seeded sampler
+    (:func:`_fit_loader`) over the row indices themselves: the loader's iterator draws its base
+    seed from the generator before the sampler does, so the indices come from iterating the loader."""
+    from itertools import islice
+
+    jobs = [(m, r) for m in opts["methods"] for r in range(1 if m.endswith("_full") else opts["repeats"])]
+    rows: set[int] = set()
+    for name, repeat in jobs[rank::world]:
+        loader, count = _fit_loader(name, range(n), opts, repeat)  # a range: it yields the indices
+        rows.update(i for batch in islice(loader, count) for i in batch.tolist())
+    return sorted(rows)
+
+
 def _method(name: str, model, train: Dataset, opts: dict) -> Method:
     from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
     from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
     from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
 
     ll = opts["subset"] == "last_layer"
-    b = opts["batch_size"]
-
-    def loader(batch_size: int, repeat: int) -> DataLoader:
-        gen = torch.Generator().manual_seed(opts["seed"] * 7919 + repeat)
-        return DataLoader(train, batch_size=batch_size, shuffle=True, generator=gen)
 
     def make(kind: str):
         if kind == "kron":
@@ -133,16 +181,12 @@ def _method(name: str, model, train: Dataset, opts: dict) -> Method:
     def fit(repeat: int):
         if repeat in fitted:
             return fitted[repeat]
-        kind = name.split("_")[0]
-        la = make(kind)
-        if name.endswith("_single"):
-            single = loader(b, repeat)
-            la.fit(single, magnitude_loader=single)
-        elif name.endswith("_debiased"):
-            la.fit(loader(b // 2, repeat))
-        else:  # full batch: every training point, B̃ = B
-            everything = DataLoader(train, batch_size=len(train))
-            la.fit(everything, magnitude_loader=everything)
+        la = make(name.split("_")[0])
+        loader, _ = _fit_loader(name, train, opts, repeat)
+        if name.endswith("_debiased"):  # its first two batches: B and B̃
+            la.fit(loader)
+        else:  # one batch of b, or every training point, B̃ = B
+            la.fit(loader, magnitude_loader=loader)
         fitted[repeat] = la
         return la
 
@@ -268,33 +312,53 @@ def run_pipeline(opts: dict, *, report: bool = True) -> dict[str, Path]:
         return _run_locked(out, opts, report)
 
 
+def _map_model(model: torch.nn.Module, train: Dataset, config, tag: str, out: Path, opts: dict,
+               log: Callable[[str], None] | None) -> Dataset:
+    """Rank 0 checks the settings and trains (or loads) the MAP model in place, the other ranks
+    receive its weights; returns the training set as rank 0 read it.
+
+    Under a process group rank 0 first fetches the rows that the cache key reads
+    (:func:`~laplace_debiased.evaluation.training.fingerprint_rows`) and, on a cache miss
+    only, every row for the training (collective; the caller drops them again)."""
+    from laplace_debiased.evaluation.training import fingerprint_rows, model_cache_path, train_map
+
+    rank, world = rank_world()
+    if world > 1:
+        train = fetch_rows(train, fingerprint_rows(len(train)) if rank == 0 else [])
+
+    def check() -> bool:
+        check_settings(out, opts, {"train_config": asdict(config)})
+        return not model_cache_path(model, train, config, tag).exists()
+
+    if gather_results(lambda: check() if rank == 0 else None)[0] and world > 1:
+        train = fetch_rows(train, range(len(train)) if rank == 0 else [])
+
+    def trained() -> dict | None:
+        """Rank 0: the MAP model trained (or loaded) in place; its weights for the other ranks."""
+        train_map(model, train, config, tag=tag, log=log)
+        return model.state_dict() if world > 1 else None
+
+    state = gather_results(lambda: trained() if rank == 0 else None)[0]
+    if rank != 0:
+        model.load_state_dict(state)
+    model.eval()
+    return train
+
+
 def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
-    from laplace_debiased.evaluation.training import DIGITS_CONFIG, TrainConfig, train_map
+    from laplace_debiased.evaluation.training import DIGITS_CONFIG, TrainConfig
 
     rank, world = rank_world()
     log = None if opts["quiet"] or rank != 0 else (lambda msg: print(msg, flush=True))
     torch.manual_seed(opts["seed"])
     train, eval_sets, arch, tag = _cifar(opts) if opts["data"] != "digits" else _digits(opts)
-    if opts["train_size"]:
-        train = torch.utils.data.Subset(train, range(min(opts["train_size"], len(train))))
     base = DIGITS_CONFIG if opts["data"] == "digits" else TrainConfig()
     config = replace(base, seed=opts["seed"], epochs=opts["epochs"] or base.epochs)
     start = time.perf_counter()
     model = arch()
-
-    def prepare() -> dict | None:
-        """Rank 0: check the settings, train (or load) the MAP model in place; its weights for
-        the other ranks."""
-        if rank != 0:
-            return None
-        check_settings(out, opts, {"train_config": asdict(config)})
-        train_map(model, train, config, tag=tag, log=log)
-        return model.state_dict() if world > 1 else None
-
-    state = gather_results(prepare)[0]
-    if rank != 0:
-        model.load_state_dict(state)
-    model.eval()
+    train = _map_model(model, train, config, tag, out, opts, log)
+    if world > 1:  # rank r holds its shard and the rows its own fits read, nothing more
+        train = fetch_rows(train.own_only(), fit_rows(opts, len(train), rank, world))
     if log:
         log(f"MAP model ready ({time.perf_counter() - start:.1f} s); N = {len(train)}")
     if rank == 0:

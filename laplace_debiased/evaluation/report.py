@@ -670,15 +670,19 @@ def _coverage(ctx: _Context, doc: _Doc) -> None:
     doc.h("Curvature coverage")
     doc.p("Per layer and K-FAC factor of each debiased fit (first repeat): the numerical rank of the "
           "factor on B, on B̃ and on B ∪ B̃, the debiased eigenvalues that are zero, those set by the "
-          "isotropic completion of B's null space (B̃'s mean curvature there), and the share of the "
-          "block's weights whose only curvature is the prior. See docs/wide-layers.md.")
+          "isotropic completion of B's null space (B̃'s mean curvature there), the share of the "
+          "block's weights whose only curvature is the prior, and the part of it that more samples would "
+          "cover (the rest is the curvature's own, e.g. dead units: the full-batch fit has it too). "
+          "See docs/wide-layers.md.")
     for method, rows in fits.items():
         doc.p(f"**{method}**")
         doc.table(["layer", "parameter", "factor", "dim.", "rank B", "rank B̃", "rank B ∪ B̃", "zero",
-                   "completed", "prior-only weights [%]"],
+                   "completed", "prior-only weights [%]", "of which sample-limited [%]"],
                   [[str(c["layer"]), c["parameter"], c["factor"], str(c["dimension"]), str(c["rank_B"]),
                     str(c["rank_B~"]), str(c["rank_B∪B~"]), str(c["zero_eigenvalues"]), str(c["completed"]),
-                    f"{100 * c['prior_only_share']:.1f}"] for c in rows])
+                    f"{100 * c['prior_only_share']:.1f}",
+                    f"{100 * c['sample_limited_share']:.1f}" if "sample_limited_share" in c else "–"]
+                   for c in rows])
 
 
 def write_report(results: str | Path | list[dict], out_dir: str | Path, title: str = "Calibration report",

@@ -39,11 +39,16 @@ class TrainConfig:
     likelihood: str = "classification"  # or "regression"
 
 
+def fingerprint_rows(n: int, n_probe: int = 16) -> list[int]:
+    """The rows of a data set of ``n`` rows that its fingerprint (the cache key) reads: ``n_probe``
+    evenly spaced ones."""
+    return sorted({int(j * (n - 1) / max(n_probe - 1, 1)) for j in range(min(n, n_probe))})
+
+
 def _fingerprint(dataset: Dataset, n_probe: int = 16) -> str:
     """Cheap hash of a data set: its length and a few evenly spaced samples."""
     h = hashlib.sha256(str(len(dataset)).encode())
-    n = len(dataset)
-    for i in sorted({int(j * (n - 1) / max(n_probe - 1, 1)) for j in range(min(n, n_probe))}):
+    for i in fingerprint_rows(len(dataset), n_probe):
         for item in dataset[i]:
             h.update(torch.as_tensor(item).detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -56,6 +61,14 @@ def cache_key(model: nn.Module, dataset: Dataset, config: TrainConfig) -> str:
     h.update(str([tuple(p.shape) for p in model.parameters()]).encode())
     h.update(_fingerprint(dataset).encode())
     return h.hexdigest()[:16]
+
+
+def model_cache_path(model: nn.Module, train_set: Dataset, config: TrainConfig, tag: str = "model",
+                     cache_dir: str | Path | None = None) -> Path:
+    """Where :func:`train_map` caches (or finds) the weights of ``model`` trained on ``train_set``
+    (reads the rows :func:`fingerprint_rows` of ``train_set``)."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
+    return cache_dir / f"{tag}-{cache_key(model, train_set, config)}.pt"
 
 
 def evaluate_loss(model: nn.Module, loader: DataLoader, likelihood: str = "classification") -> dict[str, float]:
@@ -151,8 +164,7 @@ def train_map(
     """
     if config.likelihood not in ("classification", "regression"):
         raise ValueError(f"likelihood must be 'classification' or 'regression', got {config.likelihood!r}")
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
-    path = cache_dir / f"{tag}-{cache_key(model, train_set, config)}.pt"
+    path = model_cache_path(model, train_set, config, tag, cache_dir)
     cached = _load_cached(model, path, log) if use_cache and path.exists() else None
     if cached is not None:
         return model, cached

@@ -26,14 +26,36 @@ implicit null space (:func:`~laplace_debiased.posterior.implicit_kron.extended_s
 record adds no ``d × d`` eigendecomposition to such a fit. Other factors use ``eigvalsh``.
 
 "Zero" is up to round-off: at most :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`
-of B̃'s factor. The fit warns (once, naming the layers) about blocks whose share is at least
-:data:`PRIOR_ONLY_WARN_SHARE` because of a factor that is sample-limited (B̃ reaches directions B
-does not); zeros that both batches share (the softmax-invariant direction of a classifier's
-output factor) belong to the curvature itself and are only recorded.
+of B̃'s factor (the same tolerance that sets the ranks and B's degenerate groups).
+
+Which zeros more data would cover. For samples in general position from a curvature whose
+support (at that tolerance) has dimension ``s``, ``rank B = min(|B|, s)``, ``rank B̃ = min(|B̃|, s)``
+and ``rank(B ∪ B̃) = min(|B| + |B̃|, s)``. So:
+
+* ``rank(B ∪ B̃) < rank B + rank B̃`` (the batches' spans overlap): the union is *saturated*, it
+  reaches the whole support, and a direction it does not reach is one no batch reaches (a dead
+  ReLU unit, an input feature that is always 0, the softmax-invariant direction of a classifier's
+  output factor). Such zeros are *structural*: the full-batch factor has them too.
+* ``rank(B ∪ B̃) = rank B + rank B̃ > rank B`` and below ``d``: the rank is limited by the number of
+  samples, and more samples (magnitude batches, a larger B) would reach further. Every zero of
+  such a factor is *sample-limited*.
+
+The record keeps the raw zero count (:attr:`FactorCoverage.zero_eigenvalues`) and splits it
+(:attr:`FactorCoverage.structural_zeros`, :attr:`FactorCoverage.sample_limited_zeros`); a block's
+:attr:`BlockCoverage.sample_limited_share` is the part of its prior-only share that the
+structural zeros alone do not explain. The fit warns (once, naming the layers) about blocks whose
+sample-limited share is at least :data:`PRIOR_ONLY_WARN_SHARE`, and advises what would help
+(more samples, and the isotropic completion only when the fit does not use it already).
 
 With ``null_space="aligned"`` the zero count of a factor is ``d - rank(B ∪ B̃)`` (B̃'s factor,
 compressed on B's null space, has rank ``rank(B ∪ B̃) - rank(B)`` there); with the isotropic
-completion it is ``0`` unless B̃ has no curvature at all on B's null space.
+completion it is ``0`` unless B̃'s mean curvature on B's null group is below the tolerance. That
+group holds B's eigenvalues within the tolerance of zero
+(:func:`~laplace_debiased.curvature.linalg.tied_groups`). When a factor's norm is ruled by one
+large eigenvalue (the mean of non-negative features), the tolerance is large, the group takes in
+B's small nonzero eigenvalues, and the completion's value can fall below the tolerance: zeros of
+a saturated factor, which the full-batch fit has as well (digits_cnn's ``Linear(256, 32)``,
+docs/wide-layers.md).
 """
 
 from __future__ import annotations
@@ -81,10 +103,29 @@ class FactorCoverage:
 
     @property
     def sample_limited(self) -> bool:
-        """B̃ reaches directions B does not (``rank(B ∪ B̃) > rank(B)``): B's null space is
-        (partly) a lack of samples, not a null space of the curvature itself (such as the
-        softmax-invariant direction of an output factor, which every batch shares)."""
-        return self.rank_union > self.rank_direction
+        """The rank B ∪ B̃ reach is limited by their samples, not by the curvature's support:
+        ``rank B < rank(B ∪ B̃) = rank B + rank B̃ < d`` (module docstring). False for a saturated
+        union (``rank(B ∪ B̃) < rank B + rank B̃``), for B̃ = B, and for a factor of full rank."""
+        return self.rank_direction < self.rank_union == self.rank_direction + self.rank_magnitude < self.dimension
+
+    @property
+    def sample_limited_zeros(self) -> int:
+        """The zero eigenvalues more samples would give curvature to: all of them if the factor is
+        :attr:`sample_limited`, else none."""
+        return self.zero_eigenvalues if self.sample_limited else 0
+
+    @property
+    def structural_zeros(self) -> int:
+        """The zero eigenvalues of a saturated factor (``zero_eigenvalues - sample_limited_zeros``)."""
+        return self.zero_eigenvalues - self.sample_limited_zeros
+
+    def describe(self) -> str:
+        """``"input factor: z of d eigenvalues zero = dimension d − rank r reached by B ∪ B̃"``
+        (the first equality holds for ``null_space="aligned"``; otherwise the two counts differ
+        and both are given)."""
+        reach = f"dimension {self.dimension} − rank {self.rank_union} reached by B ∪ B̃"
+        relation = "=" if self.zero_eigenvalues == self.dimension - self.rank_union else "; unreached:"
+        return f"{self.factor} factor: {self.zero_eigenvalues} of {self.dimension} eigenvalues zero {relation} {reach}"
 
 
 @dataclass(frozen=True)
@@ -97,6 +138,13 @@ class BlockCoverage:
     factors: tuple[FactorCoverage, ...]
     n_weights: int
     prior_only_share: float
+
+    @property
+    def sample_limited_share(self) -> float:
+        """The part of :attr:`prior_only_share` that the structural zeros alone do not explain:
+        ``prior_only_share - (1 - Π (d - structural zeros) / Π d)`` over the factors."""
+        structural = 1.0 - math.prod(f.dimension - f.structural_zeros for f in self.factors) / self.n_weights
+        return max(self.prior_only_share - structural, 0.0)
 
 
 @dataclass(frozen=True)
@@ -114,47 +162,54 @@ class Coverage:
         return round(sum(b.prior_only_share * b.n_weights for b in self.blocks))
 
     def flagged(self, share: float = PRIOR_ONLY_WARN_SHARE) -> list[BlockCoverage]:
-        """Blocks whose prior-only share is at least ``share`` and has a sample-limited factor
-        with zero eigenvalues (:attr:`FactorCoverage.sample_limited`)."""
-        return [
-            b for b in self.blocks
-            if b.prior_only_share >= share and any(f.sample_limited and f.zero_eigenvalues for f in b.factors)
-        ]
+        """Blocks whose :attr:`BlockCoverage.sample_limited_share` is at least ``share``."""
+        return [b for b in self.blocks if b.sample_limited_share >= share]
 
     def rows(self) -> list[dict]:
         """One flat dict per factor (for tables, JSON)."""
         return [
             {"layer": b.layer, "parameter": b.parameter, "factor": f.factor, "dimension": f.dimension,
              "rank_B": f.rank_direction, "rank_B~": f.rank_magnitude, "rank_B∪B~": f.rank_union,
-             "zero_eigenvalues": f.zero_eigenvalues, "completed": f.completed,
-             "prior_only_share": b.prior_only_share}
+             "zero_eigenvalues": f.zero_eigenvalues, "structural_zeros": f.structural_zeros,
+             "completed": f.completed, "prior_only_share": b.prior_only_share,
+             "sample_limited_share": b.sample_limited_share}
             for b in self.blocks for f in b.factors
         ]
 
     def markdown(self) -> str:
         """A markdown table of :meth:`rows`."""
         head = ("| layer | parameter | factor | dim. | rank B | rank B̃ | rank B ∪ B̃ | zero eigenvalues "
-                "| isotropically completed | prior-only weights [%] |\n|---|---|---|---|---|---|---|---|---|---|")
+                "| isotropically completed | prior-only weights [%] | of which sample-limited [%] |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|")
         lines = [
             f"| {r['layer']} | {r['parameter']} | {r['factor']} | {r['dimension']} | {r['rank_B']} | {r['rank_B~']} "
-            f"| {r['rank_B∪B~']} | {r['zero_eigenvalues']} | {r['completed']} | {100 * r['prior_only_share']:.1f} |"
+            f"| {r['rank_B∪B~']} | {r['zero_eigenvalues']} | {r['completed']} | {100 * r['prior_only_share']:.1f} "
+            f"| {100 * r['sample_limited_share']:.1f} |"
             for r in self.rows()
         ]
         return "\n".join([head, *lines])
 
     def advice(self) -> str:
-        """The warning text for the flagged blocks ('' if none)."""
+        """The warning text for the flagged blocks ('' if none): per block its sample-limited
+        share and factors (:meth:`FactorCoverage.describe`), and what would help. The isotropic
+        completion is advised only when the fit does not use it."""
         bad = self.flagged()
         if not bad:
             return ""
-        names = ", ".join(f"'{b.layer}' {b.parameter} ({100 * b.prior_only_share:.0f} %)" for b in bad)
+        names = "; ".join(
+            f"'{b.layer}' {b.parameter} ({100 * b.sample_limited_share:.0f} %: "
+            + ", ".join(f.describe() for f in b.factors if f.sample_limited_zeros) + ")"
+            for b in bad
+        )
+        helps = "more samples in B̃ (n_magnitude_batches) or in B, so that B ∪ B̃ reaches further"
+        if self.null_space != "isotropic":
+            helps = ("null_space='isotropic' (B̃'s mean curvature on the directions B does not see), or "
+                     + helps)
         return (
             f"debiased K-FAC (B = {self.direction_size}, B̃ = {self.magnitude_size} samples, "
             f"null_space={self.null_space!r}): in layer(s) {names} that share of the weights has no "
-            "curvature but the prior, so their posterior variance is 1/δ and dominates the "
-            "predictive at small prior precision δ. What helps: null_space='isotropic' (the "
-            "default: B̃'s mean curvature on the directions B does not see), more samples in B̃ "
-            "(n_magnitude_batches) or in B, so that B ∪ B̃ reaches the factor's dimension "
+            "curvature but the prior for lack of samples, so their posterior variance is 1/δ and "
+            f"dominates the predictive at small prior precision δ. What helps: {helps} "
             "(see la.coverage and docs/wide-layers.md)."
         )
 
@@ -227,13 +282,13 @@ def coverage_record(
 
 
 def report_coverage(coverage: Coverage) -> None:
-    """Log the coverage (INFO, one line per flagged-or-not block) and warn once per fit, naming
-    the layers whose prior-only share reaches :data:`PRIOR_ONLY_WARN_SHARE`."""
+    """Log the coverage (INFO, one line per block) and warn once per fit, naming the layers whose
+    sample-limited prior-only share reaches :data:`PRIOR_ONLY_WARN_SHARE` (:meth:`Coverage.advice`)."""
     for b in coverage.blocks:
         dims = " x ".join(f"{f.factor} {f.dimension} (rank B {f.rank_direction}, B̃ {f.rank_magnitude}, "
                           f"B∪B̃ {f.rank_union}, zero {f.zero_eigenvalues})" for f in b.factors)
-        logger.info("coverage %s.%s: %s; prior-only weights %.1f %%", b.layer, b.parameter, dims,
-                    100 * b.prior_only_share)
+        logger.info("coverage %s.%s: %s; prior-only weights %.1f %% (sample-limited %.1f %%)", b.layer,
+                    b.parameter, dims, 100 * b.prior_only_share, 100 * b.sample_limited_share)
     text = coverage.advice()
     if text:
         warnings.warn(text, UserWarning, stacklevel=3)

@@ -27,6 +27,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from laplace_debiased.data.shards import HeldRows, check_indices, own_copy
 from laplace_debiased.structures.batches import Batch, batch_size
 from laplace_debiased.structures.rank_failures import PeerRankError, announce, peer_failure, report_failure
 
@@ -45,6 +46,7 @@ __all__ = [
     "local_shards",
     "broadcast_computed",
     "run_with_reduced_operator",
+    "fetch_rows",
 ]
 
 T = TypeVar("T")
@@ -226,6 +228,36 @@ def gather_results(fn: Callable[[], T]) -> list[T]:
         rank, message = failed[0]
         raise _on_every_rank(PeerRankError(f"rank {rank} failed: {message}"))
     return [r for r, _ in parts]
+
+
+def fetch_rows(held: HeldRows, wanted: Iterable[int]) -> HeldRows:
+    """``held`` plus the rows ``wanted`` that it lacks, sent by the ranks whose own rows hold them.
+
+    Collective (every rank calls it, each with its own ``wanted``, possibly empty): one
+    ``all_gather_object`` of the requests, then one ``scatter_object_list`` per rank, which sends
+    every other rank exactly the requested rows of its own shard (:class:`HeldRows`); each row is
+    sent by its one owner, as the item its data set serves (tensors copied: a row, not the storage
+    it views), so a fetched row is bitwise the row.
+    A request outside ``[0, len(held))`` or a row no rank owns raises on every rank. Without a
+    group: ``held`` (which must then hold every wanted row).
+    """
+    if not is_distributed():
+        check_indices(wanted, len(held))
+        return held
+    rank, world = rank_world()
+    requests = gather_results(lambda: [i for i in check_indices(wanted, len(held)) if i not in held.own])
+    unowned = gather_results(lambda: [i for req in requests for i in req if i in held.own])
+    if sum(map(len, unowned)) != sum(map(len, requests)):
+        raise _on_every_rank(ValueError(
+            f"{sum(map(len, requests)) - sum(map(len, unowned))} requested row(s) are held by no rank's own "
+            "shard; every rank must load its shard_range of the same data set"))
+    got: dict[int, object] = {}
+    for src in range(world):
+        part: list = [None]
+        sending = [[(i, own_copy(held[i])) for i in req if i in held.own] for req in requests] if rank == src else None
+        _comm(dist.scatter_object_list, part, sending, src=src)
+        got.update(part[0])
+    return held.with_rows(got)
 
 
 def shard_batch(batch: Batch, n: int, rank: int, world: int) -> Batch:

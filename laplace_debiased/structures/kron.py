@@ -138,6 +138,13 @@ def _stack(
     return torch.cat([t[0] for t in todo]), torch.cat([t[1] for t in todo]), segments
 
 
+def _null_space_rule(direction: Kron, magnitude: Kron, null_space: str) -> str:
+    """The rule for B's degenerate groups: ``null_space``, except ``"aligned"`` when B̃ is B,
+    where it is the plain eigendecomposition (laplace-torch's K-FAC). The isotropic mean would
+    flatten B's own spectrum over the groups its round-off tolerance chains together."""
+    return "aligned" if magnitude is direction else null_space
+
+
 class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
@@ -252,11 +259,11 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, 
         rank 0 computes them, the others receive them
         (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
         rank, _ = rank_world()
+        null_space = _null_space_rule(direction, magnitude, self._null_space)
         if rank == 0:
             eigenvectors, eigenvalues = debiased_kron(
                 direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
-                factor=lambda D, M: debiased_factor_mode(D, M, self._null_space),
-                null_space=self._null_space,
+                factor=lambda D, M: debiased_factor_mode(D, M, null_space), null_space=null_space,
             )
         else:
             eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]

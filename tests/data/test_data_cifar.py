@@ -335,3 +335,23 @@ def test_channel_stats_and_dataset_validation():
         ImageDataset(x.astype(np.float32), np.zeros(2))
     with pytest.raises(ValueError, match="3 labels for 2 images"):
         ImageDataset(x, np.zeros(3))
+
+
+@pytest.mark.parametrize("rows", [range(0, 15), range(2, 7), range(5, 5), range(14, 15), range(3, 6)])
+def test_rows_of_the_training_split_equal_the_slice_of_all_rows(tmp_path, rows):
+    """Across file boundaries (3 records a file), empty, one row, a whole file; binary and python."""
+    data = write_cifar10_binary(tmp_path, n_per_file=3)
+    x, y = data["train"]
+    for i in range(5):
+        write_python10(tmp_path / "cifar-10-batches-py" / f"data_batch_{i + 1}", x[3 * i:3 * i + 3], y[3 * i:3 * i + 3])
+    for fmt in ("binary", "python"):
+        got_x, got_y = C.read_cifar_arrays(tmp_path, "train", fmt=fmt, verify="structure", rows=rows)
+        assert np.array_equal(got_x, x[rows.start:rows.stop]) and np.array_equal(got_y, y[rows.start:rows.stop])
+    part = C.load_cifar10(tmp_path, "train", fmt="binary", verify="structure", rows=rows)
+    assert len(part) == len(rows) and part.images.nbytes == len(rows) * 3072  # only these rows held
+    with pytest.raises(ValueError, match="15 rows"):
+        C.read_cifar_arrays(tmp_path, "train", fmt="binary", verify="structure", rows=range(10, 16))
+
+
+def test_official_size_needs_no_file():
+    assert C.official_size("cifar10", "train") == 50000 and C.official_size("cifar100", "test") == 10000

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _env import pythonpath, spawn_ranks
+from _env import assert_every_rank_equals, pythonpath, spawn_ranks
 from _models import loader, tiny_mlp, toy_data
 from laplace_debiased import cli
 from laplace_debiased.evaluation.sweep import output_lock, row_key
@@ -52,7 +52,7 @@ def _cli(tmp: Path, cache: str, out: str, *args: str, world: int = 1,
     cfg = tmp / "tiny.json"
     cfg.write_text(json.dumps(TINY))
     cmd = [*launch, "laplace_debiased", *args, "--config", str(cfg), "--out", str(tmp / out)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)  # a hang guard only
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -187,11 +187,8 @@ def cross_fit_ranks(tmp_path_factory):
 def test_distributed_cross_fit_equals_single_process(cross_fit_ranks, subset):
     torch.set_num_threads(1)
     single = _cross_fit_state(_cross_fit(subset))
-    for r in range(WORLD):
-        state = cross_fit_ranks[r][subset]
-        assert state.keys() == single.keys()
-        for key, want in single.items():
-            torch.testing.assert_close(state[key], want, rtol=1e-6, atol=1e-9, msg=f"rank {r} {key}")
+    assert_every_rank_equals([cross_fit_ranks[r][subset] for r in range(WORLD)], single,
+                             lambda state: list(state.items()))
     assert single["covariance"].dtype == torch.float64
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _env import spawn_ranks
+from _env import assert_every_rank_equals, spawn_ranks
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
 from laplace_debiased.structures.distributed import shard_batch
 
@@ -70,12 +70,7 @@ def _flat(state: dict) -> list:
 @pytest.mark.parametrize("name", list(CASES))
 def test_distributed_fit_equals_single_process(ranks, name):
     torch.set_num_threads(1)
-    single = _state(_fit(name))
-    for r in range(WORLD):
-        state = ranks[r][name]
-        assert state["n_data"] == single["n_data"]
-        for (key, got), (_, want) in zip(_flat(state), _flat(single)):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9, msg=f"rank {r} {key}")
+    assert_every_rank_equals([ranks[r][name] for r in range(WORLD)], _state(_fit(name)), _flat, same=("n_data",))
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures in spawned processes)
-from _env import spawn_ranks
+from _env import assert_every_rank_equals, spawn_ranks
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
 from laplace_debiased.structures.distributed import broadcast_computed
 
@@ -149,14 +149,8 @@ def _flat(state: dict) -> list:
 @pytest.mark.parametrize("name", list(CASES))
 def test_distributed_eigen_fit_equals_single_process(ranks, name):
     torch.set_num_threads(1)
-    single = _state(_fit(name))
-    for r in range(WORLD):
-        state = ranks[r][name]
-        assert state["n_data"] == single["n_data"]
-        for (key, got), (_, want) in zip(_flat(state), _flat(single)):
-            assert got.shape == want.shape, f"rank {r} {key}"
-            atol = 1e-6 * float(want.abs().max()) if want.numel() else 0.0
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=atol, msg=f"rank {r} {key}")
+    assert_every_rank_equals([ranks[r][name] for r in range(WORLD)], _state(_fit(name)), _flat, same=("n_data",),
+                             atol=lambda want: 1e-6 * float(want.abs().max()) if want.numel() else 0.0)
 
 
 @pytest.mark.slow

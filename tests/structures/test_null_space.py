@@ -17,6 +17,8 @@ from laplace_debiased.curvature.completion import debiased_factor_mode, isotropi
 from laplace_debiased.curvature.linalg import debiased_factor, roundoff_tolerance
 from laplace_debiased.structures import coverage
 from laplace_debiased.structures.coverage import numerical_rank
+from laplace import KronLaplace
+
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.posterior.implicit_kron import extended_spectrum  # after structures (registration)
 
@@ -221,3 +223,98 @@ def test_diagnose_coverage_section():
     assert "| 0 | weight | input | 24 | 4 | 4 | 8 | 0 | 20 |" in text  # isotropic: completed, no zeros
     assert "| 0 | weight | input | 24 | 4 | 4 | 8 | 16 | 0 |" in text  # aligned: 24 - 8 zeros
     assert "'0' weight" in text  # the aligned fit's advice names the wide layer
+
+
+def _dead_input_fit(null_space: str):
+    """Linear(24, 4) -> ReLU -> Linear(4, 3) on inputs whose last 18 features are always 0 (a
+    structurally dead input subspace, like digits_cnn's never-active pooled features), B = B̃ = 4
+    samples: the input factor's support has dimension 6 < |B| + |B̃| = 8, so B ∪ B̃ reaches all of
+    it and the 18 directions no batch reaches stay zero whatever the data."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 4), nn.ReLU(), nn.Linear(4, 3))
+    g = torch.Generator().manual_seed(1)
+    X = torch.cat([torch.randn(16, 6, generator=g), torch.zeros(16, 18)], dim=1)
+    data = TensorDataset(X, torch.randint(0, 3, (16,), generator=g))
+    la = DebiasedKronLaplace(model, "classification")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        la.fit(DataLoader(data, batch_size=4), null_space=null_space)
+    return la, [w for w in caught if issubclass(w.category, UserWarning) and "prior" in str(w.message)]
+
+
+@pytest.mark.parametrize("null_space", ["aligned", "isotropic"])
+def test_structural_zeros_are_recorded_but_not_warned(null_space):
+    """Zeros outside the span that B ∪ B̃ reaches, when the union is saturated (rank(B ∪ B̃) <
+    rank B + rank B̃: the batches' spans overlap, so more samples add no direction), are the
+    curvature's own: recorded (raw count and structural split), no warning."""
+    la, warned = _dead_input_fit(null_space)
+    A = la.coverage.blocks[0].factors[1]
+    assert (A.dimension, A.rank_direction, A.rank_magnitude, A.rank_union) == (24, 4, 4, 6)
+    assert not A.sample_limited
+    assert A.structural_zeros == A.zero_eigenvalues and A.sample_limited_zeros == 0
+    if null_space == "aligned":
+        assert A.zero_eigenvalues == A.dimension - A.rank_union  # 18: no batch reaches them
+        assert la.coverage.blocks[0].prior_only_share >= 18 / 24 - 1e-12
+    assert la.coverage.blocks[0].sample_limited_share == 0
+    assert not warned and not la.coverage.advice()
+
+
+def test_sample_limited_zeros_warn_with_the_reachable_rank():
+    """d = 24 > |B| + |B̃| = 8 (aligned): rank(B ∪ B̃) = rank B + rank B̃, every zero is
+    sample-limited, and the warning states zero count = dimension − reachable rank and advises
+    the isotropic completion or more samples."""
+    la, warned = _wide_fit("aligned")
+    A = la.coverage.blocks[0].factors[1]
+    assert A.sample_limited and A.sample_limited_zeros == A.zero_eigenvalues == 24 - 8
+    assert la.coverage.blocks[0].sample_limited_share == pytest.approx(la.coverage.blocks[0].prior_only_share)
+    (w,) = warned
+    text = str(w.message)
+    assert "input factor: 16 of 24 eigenvalues zero = dimension 24 − rank 8 reached by B ∪ B̃" in text
+    assert "null_space='isotropic'" in text and "n_magnitude_batches" in text
+
+
+def test_advice_never_names_the_treatment_in_use():
+    """Sample-limited zeros under the isotropic completion (B̃ without curvature above round-off on
+    B's null space): the advice is more samples, not the option already active."""
+    A = coverage.FactorCoverage("input", 24, 4, 4, 8, 20, 20)
+    G = coverage.FactorCoverage("output", 4, 4, 4, 4, 0, 0)
+    block = coverage.BlockCoverage("0", "weight", (G, A), 96, 1 - 4 / 24)
+    text = coverage.Coverage((block,), "isotropic", 4, 4).advice()
+    assert "'0' weight" in text and "n_magnitude_batches" in text
+    assert text.count("null_space='isotropic'") == 1  # only where it names the fit's setting
+
+
+def _chained_inputs(n: int, d: int = 24) -> torch.Tensor:
+    """``n`` float32 inputs in ``d`` dims whose second moment has one dominant eigenvalue ``1e4``
+    and ``min(n, d) - 1`` small ones ``0.25, 0.5, ...``: the round-off tolerance
+    ``10 d eps₃₂ ‖A‖_F ≈ 0.29`` exceeds their gaps, so the isotropic rule groups them (chained by
+    :func:`degenerate_groups`, or in tied runs by :func:`tied_groups`; with the zeros when
+    ``n < d``), as on digits_cnn's ``Linear(256, 32)``."""
+    k = min(n, d)
+    lam = torch.cat([torch.tensor([1e4]), 0.25 * torch.arange(1, k, dtype=torch.float64)])
+    X = torch.zeros(n, d, dtype=torch.float64)
+    X[torch.arange(k), torch.arange(k)] = (n * lam).sqrt()  # XᵀX / n = diag(lam, 0)
+    return X.float()
+
+
+@pytest.mark.parametrize("n", [24, 12], ids=["dense", "rows"])
+def test_same_batch_is_stock_kron_when_small_eigenvalues_chain(n):
+    """B̃ = B reduces to laplace-torch's KronLaplace (same factors, eigendecomposed) also when
+    B's small eigenvalues lie within the degeneracy tolerance of each other: the isotropic
+    completion, whose mean over such a group would flatten B's own spectrum, is not applied when
+    B̃ is B. Tolerance: the float32 cast of eigenvalues and eigenvectors, a few eps₃₂ ‖H‖_F."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 3, bias=False))
+    X = _chained_inputs(n)
+    dl = DataLoader(TensorDataset(X, torch.arange(n) % 3), batch_size=n)
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(dl, magnitude_loader=dl)
+    ref = KronLaplace(model, "classification")
+    ref.fit(dl)
+    A = la.H_facs.kfacs[0][1].double()
+    ext, mult = extended_spectrum(la.H.eigenvectors[0][1], la.H.eigenvalues[0][1])
+    ours = torch.repeat_interleave(ext.double(), mult.long()).sort().values
+    eps32 = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(ours, torch.linalg.eigvalsh(A), atol=8 * eps32 * float(torch.linalg.matrix_norm(A)), rtol=0)
+    H, H_ref = la.H.to_matrix().double(), ref.H.to_matrix().double()
+    torch.testing.assert_close(H, H_ref, atol=8 * eps32 * float(torch.linalg.matrix_norm(H_ref)), rtol=0)
