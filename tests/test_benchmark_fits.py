@@ -10,12 +10,14 @@ block's input factor by ``b/N``, assuming the loader covers all ``N``, which lea
 """
 
 import numpy as np
+import pytest
 import torch
 from laplace import KronLaplace
 from torch.utils.data import TensorDataset
 
 from _models import dense_kfac, kfac_to_dense, tiny_mlp, toy_data
-from benchmarks.cifar10.fits import _loader, fit_kron
+from benchmarks.cifar10.fits import _loader, coverage_rows, equal_sample_draws, fit_kron
+from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 N, B = 60, 12
 
@@ -51,3 +53,51 @@ def test_laplace_torch_kron_on_a_subset_loader_is_not_scaled_to_n():
     scales = _block_scales(len(blocks), weight=(B / N) ** 2, bias=B / N)
     ref = torch.block_diag(*[kfac_to_dense([F]) * (N / B) * s for F, s in zip(blocks, scales)])
     torch.testing.assert_close(la.H.to_matrix(), ref, rtol=1e-9, atol=1e-12)
+
+
+def test_equal_sample_draws_are_nested_prefixes_of_distinct_samples():
+    draws = equal_sample_draws(np.random.default_rng(3), N, 8, (1, 4, 8))
+    assert {k: len(v) for k, v in draws.items()} == {1: 8, 4: 20, 8: 36}
+    assert len(set(draws[8].tolist())) == 36 and draws[8].max() < N
+    for k in (1, 4):
+        np.testing.assert_array_equal(draws[k], draws[8][: len(draws[k])])
+
+
+def test_debiased_kron_with_k_magnitude_batches_is_b_then_the_rest_as_one_batch():
+    """The 256 + k x 256 rows: B = the first |idx|/(1+k) samples, B̃ = the other k batches,
+    whose curvature is that of one batch of those samples; both scaled to N."""
+    train, _ = _draw()
+    idx = np.random.default_rng(1).choice(N, size=20, replace=False)
+    model = tiny_mlp()
+    la = fit_kron(model, train, idx, debiased=True, magnitude_batches=4)
+    ref = DebiasedKronLaplace(model, "classification")
+    ref.fit(_loader(train, idx[:4], 4), magnitude_loader=_loader(train, idx[4:], 16))
+    choice = la.fit_batches[-1]
+    assert (choice.direction_size, choice.magnitude_size, choice.n_data) == (4, 16, N)
+    torch.testing.assert_close(la.posterior_precision.to_matrix(), ref.posterior_precision.to_matrix(),
+                               rtol=1e-9, atol=1e-12)
+
+
+def test_debiased_kron_refuses_a_draw_that_does_not_split_evenly():
+    train, idx = _draw()
+    with pytest.raises(ValueError, match="1 \\+ 4 equal batches"):
+        fit_kron(tiny_mlp(), train, idx, debiased=True, magnitude_batches=4)
+
+
+def test_coverage_rows_of_stock_kron_count_the_rank_each_factor_reaches():
+    """Fitted on 2 samples: the first layer's input factor (4 x 4) has rank 2; the last layer's
+    output factor has the softmax-invariant null vector, rank C - 1 = 2 of 3."""
+    X, y = toy_data(N, (4,), 3, "classification", seed=2).tensors
+    model = tiny_mlp()
+    la = KronLaplace(model, "classification")
+    la.fit(_loader(TensorDataset(X[:2], y[:2]), np.arange(2), 2))
+    rows = {(r["layer"], r["parameter"], r["factor"]): (r["dimension"], r["rank"]) for r in coverage_rows(la)}
+    assert rows[("0", "weight", "input")] == (4, 2)
+    assert rows[("2", "weight", "output")] == (3, 2)
+    assert len(rows) == 6
+
+
+def test_coverage_rows_of_a_debiased_fit_are_its_coverage_record():
+    train, idx = _draw()
+    la = fit_kron(tiny_mlp(), train, idx, debiased=True)
+    assert coverage_rows(la) == la.coverage.rows()

@@ -51,11 +51,12 @@ def softmax(model, X: torch.Tensor, chunk: int = 1000) -> torch.Tensor:
     return torch.cat([torch.softmax(model(x.to(dev)), -1).cpu() for x in X.split(chunk)])
 
 
-def label(fit: Fit, rank: int, n_train: int) -> str:
-    b = fit.b
+def label(fit: Fit, rank: int, n_train: int, null_space: str = "isotropic") -> str:
+    b, k = fit.b, fit.magnitude_batches
+    part = (b or 0) // (1 + k)
     return {
         "kron": f"K-FAC single-batch b={b}",
-        "debiased_kron": f"K-FAC debiased 2x{(b or 0) // 2}",
+        "debiased_kron": f"K-FAC debiased {f'2x{part}' if k == 1 else f'{part}+{k}x{part}'} ({null_space})",
         "kron-full": f"K-FAC full batch (N={n_train:,})",
         "lowrank_ll": f"last-layer rank-{rank} single-batch b={b}",
         "debiased_lowrank_ll": f"last-layer rank-{rank} debiased 2x{(b or 0) // 2}",
@@ -98,7 +99,8 @@ def method_table(fits: list[Fit], cfg: Config) -> tuple[dict, dict, dict]:
         entry = {"method": fs[0].method, "b": fs[0].b, "label": fs[0].extra["label"], "keys": [f.key for f in fs],
                  "reference": None if fs[0].repeat is None or ref is None else ref.key,
                  "seconds_mean": float(np.mean([f.seconds for f in fs])),
-                 "peak_mib_mean": float(np.mean([f.peak_mib for f in fs]))}
+                 "peak_mib_mean": float(np.mean([f.peak_mib for f in fs])),
+                 "coverage": fs[0].extra.get("coverage")}
         single = groups.get(name.replace("debiased_", "", 1)) if name.startswith("debiased_") else None
         if single:
             by_rep = {f.repeat: f.seconds for f in single}
@@ -123,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="helper mode: predict (and cache) only these evaluation sets, in this order, then exit "
                              "without a report; run beside the main run of the same configuration, once it has "
                              "chosen the grid, to use a second core (sets: val test c1 .. c5 ood)")
+    parser.add_argument("--skip-methods", nargs="+", default=[], metavar="NAME",
+                        help="fit (and cache) but do not evaluate these mini-batch methods, e.g. kron-2304 "
+                             "debiased_kron-2304: a shorter run whose cached fits a later run without the flag reuses")
     parser.add_argument("--fresh", action="store_true", help="discard the cached fits and predictions of this configuration")
     args = parser.parse_args(argv)
 
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_id = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()[:12]
     root = default_cache_dir() / "cifar10_laplace"
-    fit_key = cfg.key("seed", "full_batch_size", "lowrank_rank", "batch_sizes", "lowrank_batch_sizes")
+    fit_key = cfg.key("seed", "full_batch_size", "lowrank_rank", "batch_sizes", "magnitude_batches", "null_space",
+                      "lowrank_batch_sizes")
     fit_key = f"v{FIT_VERSION}-{fit_key}"
     fit_cache = root / f"fits-{model_id}-{fit_key}"
     pred_cache = root / f"probs-v{PREDICTIVE_VERSION}-{model_id}-{fit_key}-{cfg.key('seed', 'n_val', 'n_test', 'n_corrupt', 'n_ood', 'mc_samples', 'chunk_size')}"
@@ -166,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
 
     log("fitting ...")
     fits = run_fits(model, train_set, cfg, fit_cache, log)
+    fits = [f for f in fits if f.name not in args.skip_methods]
     for f in fits:
-        f.extra["label"] = label(f, cfg.lowrank_rank, n_train)
+        f.extra["label"] = label(f, cfg.lowrank_rank, n_train, cfg.null_space)
     log("evaluation sets ...")
     sets = eval_sets(data, cfg.n_val, cfg.n_test, cfg.n_corrupt, cfg.n_ood, cfg.seed, log)
     log("prior-precision grid (validation set) ...")
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "tracking_full_grid": E.tracking(probs, sets, tracked, full_key, ref_of, np.ones(len(grid), bool), cfg.n_boot, cfg.seed),
     }
     tgt = E.targets(summary, res, groups, full_key, max(cfg.batch_sizes))
+    tgt += E.equal_sample_targets(summary["tracking_full_grid"], methods, fulls["kron-full"].seconds)
 
     figures = tracking_figures(groups, {m: f for m, f in fulls.items()}, res, grid, out)
     chosen, auroc_rows = {}, {}

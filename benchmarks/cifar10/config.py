@@ -43,6 +43,10 @@ class Config:
     n_train: int = 10000  # MAP training subset (first n of the seeded 45k split)
     epochs: int = 60  # converged: near-zero training loss on the 10k subset
     batch_sizes: tuple[int, ...] = (512,)  # single-batch b; debiased runs at 2 x b/2
+    #: per b: debiased K-FAC at b/2 + k x b/2 for each k (k = 1: the paper's 2 x b/2), each next
+    #: to single-batch K-FAC of the same (1 + k) b/2 samples (the draws are nested prefixes)
+    magnitude_batches: tuple[int, ...] = (1, 4, 8)
+    null_space: str = "isotropic"  # DebiasedKronLaplace.fit(null_space=...), the package default
     repeats: int = 5
     lowrank_batch_sizes: tuple[int, ...] = (512,)
     lowrank_rank: int = 50  # last-layer low-rank LA (330 parameters)
@@ -62,14 +66,15 @@ class Config:
         epochs of SGD, single batches of 64, 256 and 1024 (debiased 2 x 32, 2 x 128, 2 x 512),
         5 draws; full test set and full corrupted sets; no last-layer rows (ALL-CNN-C has no
         final Linear)."""
-        return cls(model="allcnnc", n_train=40000, epochs=350, batch_sizes=(64, 256, 1024), repeats=5,
+        return cls(model="allcnnc", n_train=40000, epochs=350, batch_sizes=(64, 256, 1024), magnitude_batches=(1,), repeats=5,
                    lowrank_batch_sizes=(), n_val=5000, n_test=10000, n_corrupt=10000, n_ood=10000,
                    chunk_size=64)
 
     @classmethod
     def quick_config(cls) -> Config:
         """Minutes on real data, seconds on a tiny synthetic set: exercises every step."""
-        return cls(quick=True, n_train=1000, epochs=3, batch_sizes=(64,), repeats=2, lowrank_batch_sizes=(64,),
+        return cls(quick=True, n_train=1000, epochs=3, batch_sizes=(64,), magnitude_batches=(1, 2), repeats=2,
+                   lowrank_batch_sizes=(64,),
                    lowrank_rank=10, n_val=200, n_test=300, n_corrupt=100, n_ood=100, mc_samples=20, n_boot=20)
 
     def key(self, *fields: str) -> str:

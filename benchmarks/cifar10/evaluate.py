@@ -193,9 +193,40 @@ def targets(summary: dict, res: dict, groups: dict[str, list[Fit]], full_key: st
                     continue
                 dist = lambda fits: [abs(summary["selected"][f.key][crit]["index"] - ref["index"]) for f in fits]  # noqa: E731
                 d_deb, d_single = dist(deb), dist(single)
-                out.append({"target": f"{family} {crit}: debiased 2x{b // 2} δ within one grid step of the full-batch "
-                                      f"choice ({ref['prior_precision']:.3g}) in every draw, single-batch b={b} not",
+                out.append({"target": f"{family} {crit}: {deb[0].extra.get('label', 'debiased')} δ within one grid step "
+                                      f"of the full-batch choice ({ref['prior_precision']:.3g}) in every draw, "
+                                      f"{single[0].extra.get('label', f'single-batch b={b}')} not",
                             "measured": f"grid steps from the full-batch choice: debiased {d_deb}, single-batch {d_single}",
                             "met": bool(max(d_deb) <= 1 and min(d_single) > 1)})
     return out
 
+
+
+def equal_sample_targets(tracking: dict, methods: dict, full_seconds: float) -> list[dict]:
+    """Issue 23's targets for every debiased K-FAC row, on ``tracking`` (one grid's
+    :func:`tracking`): within 1 % relative NLL and 1 pt ECE of full batch beyond the MC noise
+    floor; a smaller mean gap than the single batch of the same samples (NLL and ECE); a fit
+    costing at most 1/10 of the full-batch fit (``full_seconds``)."""
+    out: list[dict] = []
+    floor = tracking["noise_floor"]
+    fmt = lambda t, unit: f"{100 * t['mean']:.2f}{unit} [{100 * t['mean_ci'][0]:.2f}, {100 * t['mean_ci'][1]:.2f}]"  # noqa: E731
+    for name, e in methods.items():
+        single = name.replace("debiased_", "", 1)
+        if e["method"] != "debiased_kron" or name not in tracking or single not in tracking:
+            continue
+        deb, ref = tracking[name], tracking[single]
+        for metric, unit in (("nll_rel", "%"), ("ece", " pt")):
+            what = "rel. NLL" if metric == "nll_rel" else "ECE"
+            out.append({"target": f"{e['label']}: max {what} gap to full batch over the whole grid <= 1{unit} "
+                                  "beyond the MC noise floor",
+                        "measured": f"{fmt(deb[metric], unit)}; noise floor {100 * floor[metric]['mean']:.2f}{unit}",
+                        "met": bool(deb[metric]["mean"] <= 0.01 + floor[metric]["mean"])})
+            out.append({"target": f"{e['label']}: smaller max {what} gap over the whole grid than "
+                                  f"{methods[single]['label']} (the same {e['b']:,} samples)",
+                        "measured": f"{fmt(deb[metric], unit)} vs {fmt(ref[metric], unit)}",
+                        "met": bool(deb[metric]["mean"] < ref[metric]["mean"])})
+        out.append({"target": f"{e['label']}: fit costs <= 1/10 of the full-batch fit",
+                    "measured": f"{e['seconds_mean']:.2f} s vs {full_seconds:.2f} s "
+                                f"({e['seconds_mean'] / full_seconds:.3f})",
+                    "met": bool(e["seconds_mean"] <= full_seconds / 10)})
+    return out

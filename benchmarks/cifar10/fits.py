@@ -5,7 +5,12 @@ Methods (all GGN curvature; K-FAC through laplace-torch's default Curvlinops bac
 * ``kron-b``                  K-FAC of one batch of b scaled to N (all weights): ``DebiasedKronLaplace``
                               with B̃ = B, which is laplace-torch's ``KronLaplace`` of the b samples
                               times N/b (``tests/test_benchmark_fits.py``);
-* ``debiased_kron-b``         ``DebiasedKronLaplace`` on the *same* b samples split 2 x b/2;
+* ``debiased_kron-b``         ``DebiasedKronLaplace`` on the *same* b samples: B = the first
+                              b/(1+k), B̃ = the other k x b/(1+k) (k magnitude batches; k = 1 is
+                              the paper's 2 x b/2), ``null_space`` as configured. The draws of
+                              one repeat are nested prefixes of one draw
+                              (:func:`equal_sample_draws`), so each debiased row sits next to the
+                              single-batch row of the same samples;
 * ``kron-full``               ``KronLaplace`` over the whole training set;
 * ``lowrank_ll-b``            last-layer rank-k eigen LA on one batch of b
                               (``DebiasedLowRankLLLaplace`` with B̃ = B);
@@ -32,6 +37,7 @@ from laplace import KronLaplace
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.posterior.from_laplace import posterior_structure
+from laplace_debiased.structures.coverage import numerical_rank
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.structures.lowrank import DebiasedLowRankLLLaplace
 
@@ -99,10 +105,31 @@ class Fit:
     structure: Any
     log_marglik: list[float] | None = None
     extra: dict = field(default_factory=dict)
+    magnitude_batches: int = 1  # k of a debiased K-FAC fit at b/(1+k) + k x b/(1+k)
 
     @property
     def key(self) -> str:
         return f"{self.name}#{self.repeat}"
+
+
+def coverage_rows(la) -> list[dict] | None:
+    """What a K-FAC fit's curvature covers, one dict per factor: a debiased fit's
+    ``la.coverage.rows()``; for stock ``KronLaplace`` (B = B̃ = the data it was fitted on) each
+    factor's dimension and numerical rank (:func:`numerical_rank`); None for other fits."""
+    if getattr(la, "coverage", None) is not None:
+        return la.coverage.rows()
+    if not isinstance(la, KronLaplace) or getattr(la, "H_facs", None) is None:
+        return None
+    names = [n for n, m in la.model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    rows, blocks = [], iter(la.H_facs.kfacs)
+    for name in names:
+        module = la.model.get_submodule(name)
+        for parameter in ("weight", "bias")[: 1 + (module.bias is not None)]:
+            factors = next(blocks)
+            kinds = ("output", "input") if len(factors) == 2 else ("bias",)
+            rows += [{"layer": name, "parameter": parameter, "factor": kind, "dimension": int(F.shape[0]),
+                      "rank": numerical_rank(F)} for kind, F in zip(kinds, factors)]
+    return rows
 
 
 def log_marglik(la) -> list[float] | None:
@@ -118,7 +145,14 @@ def log_marglik(la) -> list[float] | None:
 #: single-batch K-FAC is scaled to N (version 1 was laplace-torch's ``KronLaplace.fit`` on a loader
 #: over b of the N samples, whose Curvlinops K-FAC scales each weight block's input factor by
 #: b/N for a loader that covers all N: weight blocks (b/N)² and bias blocks b/N of the N-scaled K-FAC).
-FIT_VERSION = 2
+#: 3: debiased K-FAC rows at b/(1+k) + k x b/(1+k) next to single-batch K-FAC of the same samples
+#: (nested draws), ``null_space`` explicit (the package default became "isotropic" in issue 23).
+#: 4: the isotropic completion averages only over tied runs of B's eigenvalues
+#: (``curvature.linalg.tied_groups``), which changes every debiased K-FAC fit with a wide factor.
+#: 5: single-batch K-FAC (B̃ = B) is stock K-FAC again (main c7d8aa6; under version 4 the
+#: completion's group mean flattened B's small eigenvalues over its null space, e.g. 0.94 on all
+#: 1,024 input directions of cifar_cnn's ``Linear(1024, 32)`` at b = 512).
+FIT_VERSION = 5
 
 
 def _loader(train: TensorDataset, idx: np.ndarray, batch_size: int) -> DataLoader:
@@ -128,16 +162,30 @@ def _loader(train: TensorDataset, idx: np.ndarray, batch_size: int) -> DataLoade
     return DataLoader(train, batch_size=batch_size, sampler=idx.tolist(), shuffle=False)
 
 
-def fit_kron(model, train, idx, debiased: bool):
-    """Debiased K-FAC on ``idx`` split in halves (B, then B̃), or single-batch K-FAC on all of
-    ``idx`` (B̃ = B), both scaled to ``N = len(train)``."""
+def fit_kron(model, train, idx, debiased: bool, magnitude_batches: int = 1, null_space: str = "isotropic"):
+    """Debiased K-FAC on ``idx``: B = its first ``|idx| / (1 + k)`` samples, B̃ = the other
+    ``k`` x that many (``k = magnitude_batches`` loader batches; ``k = 1``: halves, the paper's
+    2 x b/2), B's null space treated by ``null_space``; or single-batch K-FAC on all of ``idx``
+    (B̃ = B). Both scaled to ``N = len(train)``."""
     la = DebiasedKronLaplace(model, "classification")
     if debiased:
-        la.fit(_loader(train, idx, len(idx) // 2))
+        size, rest = divmod(len(idx), 1 + magnitude_batches)
+        if rest or not size:
+            raise ValueError(f"{len(idx)} samples do not split into 1 + {magnitude_batches} equal batches.")
+        la.fit(_loader(train, idx, size), n_magnitude_batches=magnitude_batches, null_space=null_space)
     else:
         loader = _loader(train, idx, len(idx))
         la.fit(loader, magnitude_loader=loader)
     return la
+
+
+def equal_sample_draws(rng: np.random.Generator, n: int, b: int, magnitude_batches: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """One draw per ``k`` in ``magnitude_batches``: ``(1 + k) b/2`` distinct indices of ``range(n)``,
+    each a prefix of one draw of ``(1 + max k) b/2`` (so B, the first b/2, is shared and each B̃
+    extends the smaller ones, as ``benchmarks/wide_layers.py`` combines chunks of 256)."""
+    half = b // 2
+    idx = rng.choice(n, size=half * (1 + max(magnitude_batches)), replace=False)
+    return {k: idx[: half * (1 + k)] for k in magnitude_batches}
 
 
 def fit_kron_full(model, train, batch_size: int):
@@ -172,7 +220,7 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path, log=print) -
     fits: list[Fit] = []
     n = len(train)
 
-    def record(name, method, b, r, subset, fn) -> None:
+    def record(name, method, b, r, subset, fn, k: int = 1) -> None:
         path = cache / f"fit-{name}-r{r}.pt"
         if path.is_file():
             fit = torch.load(path, weights_only=False)
@@ -181,7 +229,7 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path, log=print) -
             return
         la, sec, mib = measured(fn)
         fit = Fit(name, method, b, r, subset, sec, mib, posterior_structure(la), log_marglik(la),
-                  {"cached": False, "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+                  {"cached": False, "fitted_at": time.strftime("%Y-%m-%d %H:%M:%S"), "coverage": coverage_rows(la)}, k)
         del la
         tmp = path.with_name(path.name + f".{os.getpid()}.part")
         torch.save(fit, tmp)
@@ -193,10 +241,12 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path, log=print) -
     low_rng = np.random.default_rng([cfg.seed, 2])  # own stream: K-FAC draws do not depend on it
     for r in range(cfg.repeats):
         for i, b in enumerate(cfg.batch_sizes):
-            idx = rng.choice(n, size=b, replace=False)
-            pair = [(f"kron-{b}", "kron", False), (f"debiased_kron-{b}", "debiased_kron", True)]
-            for name, method, deb in pair[:: -1 if (r + i) % 2 else 1]:
-                record(name, method, b, r, "all", lambda idx=idx, deb=deb: fit_kron(model, train, idx, deb))
+            for j, (k, idx) in enumerate(equal_sample_draws(rng, n, b, cfg.magnitude_batches).items()):
+                m = len(idx)
+                pair = [(f"kron-{m}", "kron", False, 1), (f"debiased_kron-{m}", "debiased_kron", True, k)]
+                for name, method, deb, kk in pair[:: -1 if (r + i + j) % 2 else 1]:
+                    record(name, method, m, r, "all", lambda idx=idx, deb=deb, kk=kk:
+                           fit_kron(model, train, idx, deb, kk, cfg.null_space), kk)
         for i, b in enumerate(cfg.lowrank_batch_sizes):
             idx = low_rng.choice(n, size=b, replace=False)
             k = cfg.lowrank_rank

@@ -21,7 +21,9 @@ def _ci(d: dict, which: str) -> str:
 
 def markdown(meta: dict, methods: dict, summary: dict, res: dict, tgt: list[dict]) -> str:
     cfg = meta["config"]
-    order = sorted(methods, key=lambda n: (_ORDER[methods[n]["method"]], methods[n]["b"] or 0))
+    # per family, by sample count, single batch next to debiased; full batch last
+    order = sorted(methods, key=lambda n: (_ORDER[methods[n]["method"]] // 3, methods[n]["b"] or np.inf,
+                                           _ORDER[methods[n]["method"]]))
     mt, mtr = meta["map_test"], meta["map_train"]
     grid = meta["grid"]
     L = [f"# CIFAR-10 Laplace benchmark ({'quick' if cfg['quick'] else 'full'} mode)", "",
@@ -98,9 +100,37 @@ def markdown(meta: dict, methods: dict, summary: dict, res: dict, tgt: list[dict
         L.append(f"| {e['label']} | {e['seconds_mean']:.2f} | {'-' if ratio is None else f'{ratio:.2f}'} | {e['peak_mib_mean']:.1f} |")
     if meta["fits_loaded_from_cache"]:
         L += ["", f"Fits loaded from the cache (times from the run that fitted them): {len(meta['fits_loaded_from_cache'])}."]
-    L += ["", "## Targets (issue 13)", "", "| target | measured | met |", "|---|---|---|"]
+    L += _coverage(methods, order)
+    L += ["", "## Targets (issues 13 and 23; issue 23's on the whole evaluated grid)", "", "| target | measured | met |", "|---|---|---|"]
     for t in tgt:
         verdict = "met" if t["met"] else "**missed**"
         L.append(f"| {t['target']} | {t['measured']} | {verdict} |")
     L += ["", "Figures: " + ", ".join(f"[`{p}`]({p})" for p in meta["figures"]), ""]
     return "\n".join(L)
+
+
+def _coverage(methods: dict, order: list[str]) -> list[str]:
+    """The K-FAC weight factors' dimension and numerical rank: full batch, and per debiased row
+    (first draw) the ranks of B, B̃ and B ∪ B̃, the debiased eigenvalues that are zero, and the
+    share of the block's weights whose only curvature is the prior."""
+    full = next((m["coverage"] for m in methods.values() if m["method"] == "kron-full" and m.get("coverage")), None)
+    debs = [n for n in order if methods[n]["method"] == "debiased_kron" and methods[n].get("coverage")]
+    if full is None or not debs:
+        return []
+    L = ["", "## (d) Curvature coverage of the K-FAC weight factors (first draw)", "",
+         "Numerical ranks (eigenvalues above round-off). Debiased cells: rank B / rank B̃ / rank B ∪ B̃, "
+         "then the debiased eigenvalues that are zero; last columns: the share of the block's weights whose "
+         "only curvature is the prior (variance 1/δ).", "",
+         "| layer | factor | dim. | full-batch rank | " + " | ".join(methods[n]["label"] for n in debs)
+         + " | " + " | ".join(f"prior-only [%], {methods[n]['b']:,} samples" for n in debs) + " |",
+         "|---|---|---|---|" + "---|" * (2 * len(debs))]
+    key = lambda r: (r["layer"], r["parameter"], r["factor"])  # noqa: E731
+    rows = {n: {key(r): r for r in methods[n]["coverage"]} for n in debs}
+    for f in full:
+        if f["parameter"] != "weight":
+            continue
+        cells = [rows[n].get(key(f)) for n in debs]
+        L.append(f"| {f['layer']} | {f['factor']} | {f['dimension']} | {f['rank']} | " + " | ".join(
+            "-" if c is None else f"{c['rank_B']} / {c['rank_B~']} / {c['rank_B∪B~']}, {c['zero_eigenvalues']} zero"
+            for c in cells) + " | " + " | ".join("-" if c is None else f"{100 * c['prior_only_share']:.1f}" for c in cells) + " |")
+    return L
