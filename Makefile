@@ -58,9 +58,17 @@ docs: $(DOCS_STAMP)
 # Runs every example with one thread and writes the command and its printed table to
 # docs/tutorials/output/NAME.txt, which the example pages include and the quick-start page quotes
 # (tests/test_example_outputs.py checks the quotes).
+# calibration_report.py runs in a scratch folder with --out calibration_report (the relative path
+# it prints), and its report (Markdown and figures) is copied to docs/tutorials/output/.
+EXAMPLES_SCRATCH ?= /tmp/laplace-debiased-examples
 examples: $(STAMP)
-	@for f in examples/*.py; do echo "$$f"; out=docs/tutorials/output/$$(basename $$f .py).txt; \
-	  echo "\$$ OMP_NUM_THREADS=1 python $$f" > $$out; OMP_NUM_THREADS=1 $(PY) $$f >> $$out || exit 1; done
+	@rm -rf $(EXAMPLES_SCRATCH) && mkdir -p $(EXAMPLES_SCRATCH)
+	@for f in examples/*.py; do echo "$$f"; name=$$(basename $$f .py); out=$(CURDIR)/docs/tutorials/output/$$name.txt; \
+	  args=$$([ $$name = calibration_report ] && echo "--out calibration_report"); \
+	  echo "\$$ OMP_NUM_THREADS=1 python $$f $$args" | sed 's/ *$$//' > $$out; \
+	  (cd $(EXAMPLES_SCRATCH) && OMP_NUM_THREADS=1 $(CURDIR)/$(PY) $(CURDIR)/$$f $$args >> $$out) || exit 1; done
+	cp $(EXAMPLES_SCRATCH)/calibration_report/report/report.md $(EXAMPLES_SCRATCH)/calibration_report/report/*.png \
+	  docs/tutorials/output/calibration_report/
 
 # Runs the main job with one thread and writes the command and two sections of its report (MAP vs
 # LA at the chosen δ; tracking the full batch over the grid) to docs/getting-started/output/main-job.md,
