@@ -140,8 +140,10 @@ def _stack(
 
 def _null_space_rule(direction: Kron, magnitude: Kron, null_space: str) -> str:
     """The rule for B's degenerate groups: ``null_space``, except ``"aligned"`` when B̃ is B,
-    where it is the plain eigendecomposition (laplace-torch's K-FAC). The isotropic mean would
-    flatten B's own spectrum over the groups its round-off tolerance chains together."""
+    where it is the plain eigendecomposition (laplace-torch's K-FAC). The isotropic mean over
+    B's tied runs (:func:`~laplace_debiased.curvature.linalg.tied_groups`) would move B's own
+    eigenvalues by up to the round-off tolerance, which is coarse when one eigenvalue dominates
+    the factor's norm."""
     return "aligned" if magnitude is direction else null_space
 
 
