@@ -12,6 +12,8 @@ MC noise floor.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 import zlib
@@ -27,6 +29,9 @@ from .fits import Fit
 
 #: Bumped whenever the predictive computation changes (invalidates cached predictions).
 PREDICTIVE_VERSION = 4
+#: Chunks per checkpoint block: a set's predictive is saved block by block, so an interrupted run
+#: (the 10,000 test images take an hour on one CPU core) resumes at the first missing block.
+BLOCK_CHUNKS = 16
 
 
 def mc_streams(fit: Fit) -> tuple[int, ...]:
@@ -49,15 +54,18 @@ def _dkey(delta: float) -> str:
 
 @torch.no_grad()
 def _predict(model, fits: list[Fit], todo: dict[str, list[float]], X: torch.Tensor, set_name: str,
-             cfg: Config) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
-    """``out[probs_key][δ]`` ``(N, C)`` for the prior precisions ``todo[fit.key]``, and the MAP."""
+             cfg: Config, first_chunk: int = 0) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
+    """``out[probs_key][δ]`` ``(N, C)`` for the prior precisions ``todo[fit.key]``, and the MAP.
+
+    ``X`` starts at chunk ``first_chunk`` of its set: the MC draws depend on the set's chunk
+    index, so predicting a set block by block gives the same numbers as predicting it at once."""
     params = list(model.parameters())
     dev = params[0].device
     n_ll = 2  # the last nn.Linear's weight and bias are the model's last two parameters
     out: dict[str, dict[str, list[torch.Tensor]]] = {}
     maps = []
     gen = torch.Generator(device=dev)
-    for ci, x in enumerate(X.split(cfg.chunk_size)):
+    for ci, x in enumerate(X.split(cfg.chunk_size), start=first_chunk):
         f, jacs = logit_jacobians(model, params, x.to(dev))
         maps.append(torch.softmax(f, -1).cpu())
         for fit in fits:
@@ -74,6 +82,35 @@ def _predict(model, fits: list[Fit], todo: dict[str, list[float]], X: torch.Tens
             del rotated, covs
         del jacs
     return ({k: {d: torch.cat(v) for d, v in slot.items()} for k, slot in out.items()}, torch.cat(maps))
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.part")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+def _predict_blocks(model, fits: list[Fit], todo: dict[str, list[float]], X: torch.Tensor, set_name: str,
+                    cfg: Config, cache: Path, log=print) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
+    """:func:`_predict` over blocks of ``BLOCK_CHUNKS`` chunks, each saved in ``cache`` when done
+    and reused by a later call with the same ``todo``; returns the whole set's output and deletes
+    the block files."""
+    tag = hashlib.sha256(json.dumps(todo, sort_keys=True).encode()).hexdigest()[:12]
+    step = BLOCK_CHUNKS * cfg.chunk_size
+    paths = [cache / f"block-{set_name}-{tag}-{j}.pt" for j in range(-(-len(X) // step))]
+    parts = []
+    for j, path in enumerate(paths):
+        if not path.is_file():
+            start = time.perf_counter()
+            _atomic_save(_predict(model, fits, todo, X[j * step:(j + 1) * step], set_name, cfg,
+                                  first_chunk=j * BLOCK_CHUNKS), path)
+            log(f"    {set_name}: block {j + 1}/{len(paths)} ({time.perf_counter() - start:.0f} s)")
+        parts.append(torch.load(path, weights_only=True))
+    out = {k: {d: torch.cat([p[0][k][d] for p in parts]) for d in slot} for k, slot in parts[0][0].items()}
+    maps = torch.cat([p[1] for p in parts])
+    for path in paths:
+        path.unlink()
+    return out, maps
 
 
 def predictions(model, fits: list[Fit], sets: dict, grid: list[float], cfg: Config, cache: Path,
@@ -100,16 +137,11 @@ def predictions(model, fits: list[Fit], sets: dict, grid: list[float], cfg: Conf
         map_path = cache / f"map-{s}.pt"
         if todo or not map_path.is_file():
             start = time.perf_counter()
-            new, maps[s] = _predict(model, fits, todo, X, s, cfg)
-            tmp = map_path.with_name(map_path.name + f".{os.getpid()}.part")
-            torch.save(maps[s], tmp)
-            tmp.replace(map_path)
+            new, maps[s] = _predict_blocks(model, fits, todo, X, s, cfg, cache, log)
             for k, slot in new.items():
                 stored[k].update(slot)
-                path = cache / f"probs-{s}-{k.replace('#', '-r')}.pt"
-                tmp = path.with_name(path.name + f".{os.getpid()}.part")
-                torch.save(stored[k], tmp)
-                tmp.replace(path)
+                _atomic_save(stored[k], cache / f"probs-{s}-{k.replace('#', '-r')}.pt")
+            _atomic_save(maps[s], map_path)
             n_pts = sum(len(v) for v in todo.values())
             log(f"  predictive on {s} ({len(X)} images, {len(todo)} fits, {n_pts} (fit, δ) pairs): "
                 f"{time.perf_counter() - start:.1f} s")
