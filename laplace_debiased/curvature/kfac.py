@@ -48,6 +48,7 @@ __all__ = [
     "GroupKfacSums",
     "group_kfac_sums",
     "input_factor_rows",
+    "layer_positions",
     "loss_hessian_sqrt",
     "loss_hessian_sqrt_columns",
     "output_rows",
@@ -135,6 +136,29 @@ def _segment_sums(
     for start, stop, group in segments:
         r = rows[start:stop].reshape(-1, rows.shape[-1])
         out[group].addmm_(r.T, r, alpha=scale)
+
+
+@torch.no_grad()
+def layer_positions(model: nn.Module, modules: Sequence[nn.Module], X: object) -> list[int]:
+    """Per module (``nn.Linear`` / ``nn.Conv2d``), the rows ``n · T`` that one pass over ``X``
+    adds to its K-FAC sums: the samples ``n`` times the positions ``T`` of the layer's output
+    (:func:`_rows`; a convolution's output pixels, which are its unfolded input patches; the
+    tokens, or any other dimensions between the batch and the feature dimension, of a
+    ``Linear``). The input-side sum of the pass is a sum of ``n · T`` outer products, so its rank
+    is at most that. One forward pass of ``model`` on ``X`` without gradients."""
+    positions = [0] * len(modules)
+
+    def count(module: nn.Module, inputs: tuple, output: torch.Tensor, i: int) -> None:
+        rows = _rows(output, module)
+        positions[i] = rows.shape[0] * rows.shape[1]
+
+    handles = [m.register_forward_hook(partial(count, i=i)) for i, m in enumerate(modules)]
+    try:
+        model(X)
+    finally:
+        for h in handles:
+            h.remove()
+    return positions
 
 
 def _keep_rows(

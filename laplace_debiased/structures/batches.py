@@ -45,12 +45,15 @@ bytes of every sample, since batches carry no sample ids.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, MutableMapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, MutableMapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
+
+if TYPE_CHECKING:
+    from laplace_debiased.structures.auto_magnitude import AutoMagnitude
 
 __all__ = [
     "Batch",
@@ -94,6 +97,9 @@ class BatchChoice:
         ``N = len(train_loader.dataset)``.
     sample_split : pair of tuples of int, optional
         for a one-batch split, the sample indices (within the batch) forming B and B̃.
+    auto : AutoMagnitude, optional
+        with ``n_magnitude_batches="auto"``: the chosen number of magnitude batches and why
+        (:class:`~laplace_debiased.structures.auto_magnitude.AutoMagnitude`).
     """
 
     how: str
@@ -104,6 +110,7 @@ class BatchChoice:
     magnitude_size: int
     n_data: int
     sample_split: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    auto: AutoMagnitude | None = None
 
     def describe(self) -> str:
         """One line for logs: which batches, how many samples, how chosen."""
@@ -120,6 +127,8 @@ class BatchChoice:
         )
         if self.how == "loader order":
             text += "; with a shuffling loader these are a random draw"
+        if self.auto is not None:
+            text += "; " + self.auto.describe()
         return text
 
 
@@ -319,14 +328,20 @@ def _positions(
     batches: list[Batch], n: int, generator: torch.Generator | None, name: str
 ) -> list[int]:
     """``n`` batch positions: the first ``n``, or ``n`` drawn without replacement."""
+    return _order(batches, n, generator, name)[:n]
+
+
+def _order(batches: list[Batch], n: int, generator: torch.Generator | None, name: str) -> list[int]:
+    """All batch positions, in order or (``generator``) a random permutation, after checking that
+    there are at least ``n``; :func:`_positions` takes the first ``n`` of them."""
     if len(batches) < n:
         raise ValueError(
             f"{name} yields {len(batches)} batch(es) but {n} are needed; use a smaller "
             "batch_size, fewer batches, or a larger data set."
         )
     if generator is None:
-        return list(range(n))
-    return torch.randperm(len(batches), generator=generator).tolist()[:n]
+        return list(range(len(batches)))
+    return torch.randperm(len(batches), generator=generator).tolist()
 
 
 def _subset(batch: Batch, idx: torch.Tensor, n: int) -> Batch:
@@ -379,13 +394,14 @@ def split_batches(
     train_loader: DataLoader,
     *,
     n_direction_batches: int | None = None,
-    n_magnitude_batches: int | None = None,
+    n_magnitude_batches: int | Literal["auto"] | None = None,
     magnitude_loader: DataLoader | None = None,
     split: Literal["batches", "halves"] = "batches",
     generator: torch.Generator | None = None,
     dict_key_x: str = "input_ids",
     dict_key_y: str = "labels",
     device: torch.device | str | None = None,
+    magnitude_rule: Callable[[list[Batch]], AutoMagnitude] | None = None,
 ) -> BatchSplit:
     """Choose the direction batches B and the magnitude batches B̃ (see module docstring).
 
@@ -394,7 +410,8 @@ def split_batches(
     train_loader : DataLoader
         training data; ``len(train_loader.dataset)`` is N.
     n_direction_batches, n_magnitude_batches : int, optional
-        loader batches forming B and B̃ (default 1 each; not allowed with ``split="halves"``).
+        loader batches forming B and B̃ (default 1 each; not allowed with ``split="halves"``);
+        ``n_magnitude_batches="auto"``: ``magnitude_rule(B).wanted`` (:func:`_choose_auto`).
     magnitude_loader : DataLoader, optional
         separate source of B̃; pass ``train_loader`` itself for the reduction B̃ = B.
     split : {"batches", "halves"}
@@ -406,6 +423,8 @@ def split_batches(
     device : torch.device, optional
         the model's device: every batch is moved there (:func:`on_device`), as laplace-torch's
         ``fit`` does.
+    magnitude_rule : callable, optional
+        for "auto": B's batches (checked, on ``device``) -> :class:`~laplace_debiased.structures.auto_magnitude.AutoMagnitude`.
 
     Returns
     -------
@@ -415,6 +434,7 @@ def split_batches(
     """
     n_data = _dataset_size(train_loader)
     keys = (dict_key_x, dict_key_y)
+    auto = _check_auto(n_magnitude_batches, magnitude_rule, split, magnitude_loader is train_loader)
     if split == "halves":
         if n_direction_batches is not None or n_magnitude_batches is not None:
             raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
@@ -424,9 +444,11 @@ def split_batches(
     if split != "batches":
         raise ValueError(f"split must be 'batches' or 'halves', got {split!r}.")
     n_dir = 1 if n_direction_batches is None else n_direction_batches
-    n_mag = 1 if n_magnitude_batches is None else n_magnitude_batches
+    n_mag = 1 if n_magnitude_batches is None or auto else n_magnitude_batches
     if n_dir < 1 or n_mag < 1:
         raise ValueError("n_direction_batches and n_magnitude_batches must be >= 1.")
+    if auto:
+        return _choose_auto(train_loader, magnitude_loader, n_dir, magnitude_rule, generator, n_data, keys, device)
     return _choose_batches(train_loader, magnitude_loader, n_dir, n_mag, generator, n_data, keys, device)
 
 
@@ -463,6 +485,75 @@ def _choose_batches(
     others = _collect(magnitude_loader, n_mag if generator is None else None)
     pos_mag = _positions(others, n_mag, generator, "magnitude_loader")
     return _finish(batches, pos, others, pos_mag, how, "magnitude_loader", n_data, keys, device)
+
+
+def _check_auto(
+    n_magnitude_batches: int | str | None,
+    magnitude_rule: Callable[[list[Batch]], AutoMagnitude] | None,
+    split: str,
+    same: bool,
+) -> bool:
+    """Whether ``n_magnitude_batches`` is ``"auto"``; refuse any other string, and "auto" without a
+    rule, with ``split="halves"`` or with B̃ = B (``same``)."""
+    if not isinstance(n_magnitude_batches, str):
+        return False
+    if n_magnitude_batches != "auto":
+        raise ValueError(f"n_magnitude_batches must be a positive integer or 'auto', got {n_magnitude_batches!r}.")
+    if magnitude_rule is None:
+        raise ValueError("n_magnitude_batches='auto' needs the structure's magnitude_rule; call it through la.fit.")
+    if split == "halves":
+        raise ValueError(
+            "n_magnitude_batches='auto' chooses how many batches follow B; split='halves' gives half of all "
+            "batches to B̃. Use split='batches' with 'auto', or split='halves' without n_*_batches."
+        )
+    if same:
+        raise ValueError(
+            "magnitude_loader=train_loader requests B̃ = B, so there are no magnitude batches for 'auto' to "
+            "count; drop magnitude_loader (or pass n_magnitude_batches=n_direction_batches for B̃ = B)."
+        )
+    return True
+
+
+def _choose_auto(
+    train_loader: Iterable,
+    magnitude_loader: Iterable | None,
+    n_dir: int,
+    rule: Callable[[list[Batch]], AutoMagnitude],
+    generator: torch.Generator | None,
+    n_data: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+) -> BatchSplit:
+    """``n_magnitude_batches="auto"``: B as :func:`_choose_batches` chooses it, ``k = rule(B).wanted``,
+    then B̃ = the next ``k`` batches of the same pass over ``train_loader`` (or of the order drawn
+    with ``generator``), or the first (drawn) ``k`` of ``magnitude_loader``: the batches an
+    explicit ``n_magnitude_batches=k`` takes. A loader with fewer than ``k`` batches left gives
+    what it has (recorded in ``choice.auto.used``); none left raises."""
+    source = iter(train_loader)
+    batches = _collect(source, n_dir if generator is None else None)
+    order = _order(batches, n_dir, generator, "train_loader")
+    direction = [on_device(batches[i], device, f"direction batch {j}") for j, i in enumerate(order[:n_dir])]
+    for j, b in enumerate(direction):
+        _check_batch(b, f"direction batch {j}", *keys)
+    auto = rule(direction)
+    name = "train_loader" if magnitude_loader is None else "magnitude_loader"
+    if magnitude_loader is None:
+        if generator is None:
+            batches += _collect(source, auto.wanted)
+            order = list(range(len(batches)))
+        others, pos = batches, order[n_dir : n_dir + auto.wanted]
+    else:
+        others = _collect(magnitude_loader, auto.wanted if generator is None else None)
+        pos = _order(others, 0, generator, name)[: auto.wanted]
+    if not pos:
+        raise ValueError(
+            f"{name} has no batch left for B̃ after the {n_dir} direction batch(es) of B; "
+            "n_magnitude_batches='auto' needs at least one. Use a smaller batch_size, fewer direction "
+            "batches, or an integer n_magnitude_batches (a one-batch loader is split into halves by default)."
+        )
+    how = "loader order" if generator is None else "random draw"
+    split = _finish(batches, order[:n_dir], others, pos, how, name, n_data, keys, device)
+    return replace(split, choice=replace(split.choice, auto=replace(auto, used=len(pos))))
 
 
 def _choose_halves(

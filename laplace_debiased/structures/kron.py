@@ -30,6 +30,7 @@ from laplace.lllaplace import KronLLLaplace
 from laplace.utils.matrix import Kron
 
 from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed
+from laplace_debiased.structures.auto_magnitude import AutoMagnitudeMixin
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMixin
 from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
@@ -147,7 +148,7 @@ def _null_space_rule(direction: Kron, magnitude: Kron, null_space: str) -> str:
     return "aligned" if magnitude is direction else null_space
 
 
-class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, TwoBatchLaplaceMixin, KronLaplace):
+class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, TwoBatchLaplaceMixin, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 

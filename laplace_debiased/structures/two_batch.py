@@ -27,6 +27,8 @@ The input checks live in :mod:`.fit_checks`, the token-output GLM overrides in
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from laplace.lllaplace import LLLaplace
@@ -54,6 +56,9 @@ from laplace_debiased.structures.gridsearch import GridSearchMixin
 from laplace_debiased.structures.rank_failures import fault_point
 from laplace_debiased.structures.token_outputs import TokenOutputsMixin
 
+if TYPE_CHECKING:
+    from laplace_debiased.structures.auto_magnitude import AutoMagnitude
+
 __all__ = ["TwoBatchLaplaceMixin"]
 
 logger = logging.getLogger(__name__)
@@ -71,7 +76,7 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         *,
         magnitude_loader: DataLoader | None = None,
         n_direction_batches: int | None = None,
-        n_magnitude_batches: int | None = None,
+        n_magnitude_batches: int | Literal["auto"] | None = None,
         split: str = "batches",
         generator: torch.Generator | None = None,
     ) -> None:
@@ -81,23 +86,25 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         ----------
         train_loader : DataLoader
             training data; ``N = len(train_loader.dataset)``. B = its first
-            ``n_direction_batches`` batches, B̃ = the next ``n_magnitude_batches``: with a
-            shuffling loader a random draw, otherwise the first batches in dataset order. A
-            loader that yields one batch has its samples split into two disjoint halves by
-            a seeded permutation (B and B̃). The choice is logged (``logging``, level INFO,
-            logger ``laplace_debiased``) and recorded in ``self.fit_batches``, one
-            :class:`~laplace_debiased.structures.batches.BatchChoice` per fit since the last
-            ``override=True``.
+            ``n_direction_batches`` batches, B̃ = the next ``n_magnitude_batches`` (a random draw
+            with a shuffling loader); a one-batch loader is split into two disjoint halves by a
+            seeded permutation. The choice is logged (INFO, logger ``laplace_debiased``) and
+            recorded in ``self.fit_batches``, one :class:`~laplace_debiased.structures.batches.BatchChoice`
+            per fit since the last ``override=True``.
         override : bool, default=True
-            ``False`` accumulates onto a previous fit (online learning; the curvature of
-            both batch sets is combined and debiased again).
+            ``False`` accumulates onto a previous fit (online: both batch sets combined, debiased again).
         progress_bar : bool, default=False
-            accepted for laplace-torch compatibility; unused (few batches are touched).
+            unused (laplace-torch compatibility; few batches are touched).
         magnitude_loader : DataLoader, optional
             take B̃ from this loader; ``magnitude_loader=train_loader`` selects B̃ = B,
             which reduces every debiased structure to its plain single-batch version.
         n_direction_batches, n_magnitude_batches : int, optional
-            number of loader batches in B and B̃ (default 1 each).
+            number of loader batches in B and B̃ (default 1 each). ``n_magnitude_batches="auto"``
+            (debiased_kron/ekfac over all weights): B̃ gets the smallest ``k >= 1`` batches with
+            ``R_f + k · R_f / |B| >= d_f`` for every K-FAC factor ``f`` of dimension ``d_f`` wider
+            than the rows ``R_f`` B gives it (samples × positions; B ∪ B̃ then spans it), at most
+            ``AUTO_MAGNITUDE_CAP = 8``; ``k`` and why are in ``fit_batches[-1].auto``
+            (:mod:`~laplace_debiased.structures.auto_magnitude`).
         split : {"batches", "halves"}
             ``"halves"``: all batches, first half B, second half B̃ ("debiased full-batch").
         generator : torch.Generator, optional
@@ -106,10 +113,9 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         Notes
         -----
         Under a ``torch.distributed`` group (collective: every rank calls ``fit``) the ranks
-        first compare digests of their model and of the selected B and B̃ and refuse, on every
-        rank, to fit if they differ (:func:`~laplace_debiased.structures.distributed.check_same_fit_inputs`);
-        an error on one rank ends the fit on every rank with a ``PeerRankError`` naming it
-        (:func:`~laplace_debiased.structures.distributed.fail_together`).
+        refuse to fit if their models or selected B and B̃ differ
+        (:func:`~laplace_debiased.structures.distributed.check_same_fit_inputs`); an error on one
+        rank ends the fit on every rank (:func:`~laplace_debiased.structures.distributed.fail_together`).
         """
         del progress_bar
         with fail_together(f"{type(self).__name__}.fit"):
@@ -118,11 +124,30 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
             batches = split_batches(
                 train_loader, n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches,
                 magnitude_loader=magnitude_loader, split=split, generator=generator,
+                magnitude_rule=self._magnitude_rule(n_magnitude_batches),
                 dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y, device=self._device,
             )
             self._fit_split(batches, override)
 
     # ------------------------------------------------------------------ fit steps
+    def _magnitude_rule(self, n_magnitude_batches: object) -> Callable[[list[Batch]], AutoMagnitude] | None:
+        """``None`` unless ``n_magnitude_batches="auto"``, then the structure's rule
+        (:meth:`_auto_magnitude_rule`); another string raises."""
+        if not isinstance(n_magnitude_batches, str):
+            return None
+        if n_magnitude_batches != "auto":
+            raise ValueError(f"n_magnitude_batches must be a positive integer or 'auto', got {n_magnitude_batches!r}.")
+        return self._auto_magnitude_rule()
+
+    def _auto_magnitude_rule(self) -> Callable[[list[Batch]], AutoMagnitude]:
+        """Structures with K-FAC factors override this
+        (:class:`~laplace_debiased.structures.auto_magnitude.AutoMagnitudeMixin`)."""
+        raise ValueError(
+            f"n_magnitude_batches='auto' counts the rows B gives each K-FAC factor, and {type(self).__name__} "
+            "has no K-FAC factors. Pass an integer n_magnitude_batches (default 1), or use "
+            "hessian_structure='debiased_kron' or 'debiased_ekfac' with subset_of_weights='all'."
+        )
+
     def _fit_split(self, batches: BatchSplit, override: bool) -> None:
         """:meth:`fit` on the selected B and B̃ (inside its ``fail_together``): the ranks'
         inputs compared, the batches checked, the curvature fitted and accumulated."""
