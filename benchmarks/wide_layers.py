@@ -9,7 +9,11 @@ Per draw: 9 disjoint chunks of 256 training images (K-FAC of each, scaled to N),
 single batch of k x 256 (B̃ = B), and debiased 256 + (k-1) x 256 and floor(k/2) x 256 + rest,
 each with ``null_space="aligned"`` and ``"isotropic"``, and 256 + (k-1) x 256 with nested
 directions in B's null space (``nested_factor``: the first half of B̃ chooses them, the second
-half measures them), for k = 2, 5, 9 (512, 1,280, 2,304 samples; nested from k = 5). Projected-probit predictive on the test images over δ = 1e-4 ... 1e3; the max over
+half measures them), for k = 2, 5, 9 and 1 + auto's k = 4 (512, 1,280, 2,304, 1,024 samples; nested from k = 5); and
+``fit(loader, n_magnitude_batches="auto")`` (batches of 256 in the draw's order, default
+``null_space="isotropic"``), whose rule gives the 1,024-d input factor k = 3 magnitude batches
+(256 + 3 x 256 = 1,024 samples: its row equals "deb 256+3x256 isotropic", through the fit's API).
+Projected-probit predictive on the test images over δ = 1e-4 ... 1e3; the max over
 δ of the relative test-NLL gap to full-batch K-FAC (all 10,000 images). ``--ckpt map``: the
 headline's finished MAP; ``--ckpt last``: its latest training checkpoint.
 Writes benchmarks/results/wide_layers.{json,md}.
@@ -66,6 +70,13 @@ def kfac(idx, batch=None):
     la.fit(loader, magnitude_loader=loader, n_direction_batches=len(loader), n_magnitude_batches=len(loader))
     return [[F for F in blk] for blk in la.H_facs.kfacs], la
 
+def auto_fit(perm):
+    """``fit(n_magnitude_batches="auto")`` on batches of 256 in the order ``perm``: (B, B̃) factors, the choice."""
+    loader = DataLoader(train, batch_size=256, sampler=list(perm), shuffle=False)
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(loader, n_magnitude_batches="auto")
+    return la.H_facs.kfacs, la.H_facs_magnitude.kfacs, la.fit_batches[-1].auto
+
 def avg(facs):
     return [[sum(f[b][j] for f in facs) / len(facs) for j in range(len(facs[0][b]))] for b in range(len(facs[0]))]
 
@@ -111,17 +122,23 @@ for r in range(a.draws):
     perm = rng.permutation(N)
     chunks = [kfac(perm[i * 256:(i + 1) * 256])[0] for i in range(9)]
     structs, zeros = {}, {}
-    for k in (2, 5, 9):
+    B, Bt, auto = auto_fit(perm)
+    print(f"draw {r}: {auto.describe()}", flush=True)
+    results.setdefault("auto", []).append(auto.describe())
+    for k in sorted({2, 5, 9, 1 + auto.used}):  # 1 + auto.used = 4: the equal-sample rows of "auto"
         s = 256 * k
         structs[f"single {s}"], zeros[f"single {s}"] = structure(avg(chunks[:k]), avg(chunks[:k]), "aligned", numels)
         for mode in ("aligned", "isotropic"):
             structs[f"deb 256+{k-1}x256 {mode}"], zeros[f"deb 256+{k-1}x256 {mode}"] = structure(chunks[0], avg(chunks[1:k]), mode, numels)
             h = k // 2
             structs[f"deb {h}x256+{k-h}x256 {mode}"], zeros[f"deb {h}x256+{k-h}x256 {mode}"] = structure(avg(chunks[:h]), avg(chunks[h:k]), mode, numels)
-        if k > 2:  # nested: B = 256, B̃ = (k-1) x 256 in two equal halves (B̃₁ chooses in B's null space, B̃₂ measures)
+        if k >= 5:  # nested: B = 256, B̃ = (k-1) x 256 in two equal halves (B̃₁ chooses in B's null space, B̃₂ measures)
             m = 1 + (k - 1) // 2
             name = f"deb 256+{k-1}x256 nested"
             structs[name], zeros[name] = structure(chunks[0], (avg(chunks[1:m]), avg(chunks[m:k])), "nested", numels)
+        if k == 1 + auto.used:
+            name = f"auto 256+{auto.used}x256 isotropic"
+            structs[name], zeros[name] = structure(B, Bt, "isotropic", numels)
     curves = nll_curves(structs)
     gaps = {k: float(np.max(np.abs(np.array(v) - full_nll) / np.array(full_nll))) for k, v in curves.items()}
     results["draws"].append({"curves": curves, "gaps": gaps, "zeros": zeros})
@@ -144,6 +161,8 @@ def markdown(res: dict) -> str:
         lines.append(f"| {n} | {np.mean(g):.2f} | {min(g):.2f} - {max(g):.2f} |")
     lines += ["", "Full-batch test NLL over δ = " + ", ".join(f"{d:g}" for d in res["grid"]) + ": "
               + ", ".join(f"{v:.4f}" for v in res["full"])]
+    auto = sorted(set(res.get("auto", [])))
+    lines += ["", f"`fit(..., n_magnitude_batches=\"auto\")` ({len(res.get('auto', []))} draws): " + " / ".join(auto)]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,12 @@ one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``
     ``generator`` or, without one, with ``ONE_BATCH_SEED``: B gets ``ceil(n/2)`` samples, B̃
     ``floor(n/2)`` (the paper's debiased full-batch setting). Refused below
     ``2 * MIN_HALF_SIZE`` samples.
+``n_magnitude_batches="auto"`` (with ``split="batches"``, B̃ ≠ B)
+    B as above; then the structure's rule (``magnitude_rule``,
+    :mod:`laplace_debiased.structures.auto_magnitude`) maps B to a number ``k`` and B̃ is the
+    next ``k`` batches of the same pass (or of the drawn order, or of ``magnitude_loader``),
+    exactly the batches of ``n_magnitude_batches=k``; fewer if the loader has fewer left, an
+    error if it has none.
 ``split="halves"``
     all batches of one pass over the loader: the first ``ceil(K/2)`` go to B, the remaining
     ``floor(K/2)`` to B̃ (the paper's "debiased full-batch"); with ``generator`` the batches
