@@ -76,6 +76,10 @@ def choose_grid(model, fits, sets, cfg, cache, log) -> tuple[list[float], bool]:
         grow_low, grow_high = low and n_down < N_DOWN_MAX, high and n_up < N_UP_MAX
         if not (grow_low or grow_high):
             return grid, not (low or high)
+        # predict every δ the extension may still reach in one pass: the Jacobians and their
+        # rotation, not the number of δ, set the cost of a pass
+        reach = extended_grid(N_DOWN_MAX if grow_low else n_down, N_UP_MAX if grow_high else n_up)
+        predictions(model, fits, sets, reach, cfg, cache, names=["val"], log=log)
         n_down += 3 * grow_low  # one decade at the paper's spacing
         n_up += grow_high
         log(f"  validation optimum on the grid edge ({'low' if low else ''}{' high' if high else ''}): "
