@@ -69,3 +69,44 @@ def test_an_interrupted_set_resumes_at_the_first_missing_block(setup, tmp_path, 
     fresh, _ = P.predictions(model, fits, sets, GRID, cfg, tmp_path / "fresh")
     for f in fits:
         torch.testing.assert_close(resumed["test"][f.key], fresh["test"][f.key], rtol=0, atol=0)
+
+
+def test_a_second_process_fills_blocks_from_the_end(setup, tmp_path, monkeypatch):
+    """``fill_from_end`` (the ``--from-end`` helper run) predicts the last blocks; the main run
+    then predicts only the first ones, and the set has the numbers of one pass."""
+    model, fits, sets, cfg = setup
+    calls = []
+    real = P._predict
+
+    def record(*args, first_chunk=0, **kw):
+        calls.append(first_chunk)
+        if first_chunk == 2:  # the helper is stopped before it reaches the main run's blocks
+            raise KeyboardInterrupt
+        return real(*args, first_chunk=first_chunk, **kw)
+
+    monkeypatch.setattr(P, "_predict", record)
+    with pytest.raises(KeyboardInterrupt):
+        P.fill_from_end(model, fits, sets, GRID, cfg, tmp_path, names=["test"])
+    assert calls == [4, 2]
+    calls.clear()
+    monkeypatch.setattr(P, "_predict", lambda *a, first_chunk=0, **kw: calls.append(first_chunk) or real(*a, first_chunk=first_chunk, **kw))
+    probs, _ = P.predictions(model, fits, sets, GRID, cfg, tmp_path)
+    assert calls == [0, 2], "the main run predicts the blocks the helper has not saved"
+    whole, _ = P._predict(model, fits, {f.key: GRID for f in fits}, sets["test"][0], "test", cfg)
+    for f in fits:
+        torch.testing.assert_close(probs["test"][f.key], torch.stack([whole[f.key][P._dkey(d)] for d in GRID]), rtol=0, atol=0)
+    calls.clear()
+    P.fill_from_end(model, fits, sets, GRID, cfg, tmp_path, names=["test"])
+    assert calls == [], "a set already predicted is left alone"
+
+
+def test_the_helper_stops_at_the_first_block_that_exists(setup, tmp_path, monkeypatch):
+    model, fits, sets, cfg = setup
+    todo = {f.key: GRID for f in fits}
+    paths = P._block_paths(todo, len(sets["test"][0]), "test", cfg, tmp_path)
+    P._predict_block(model, fits, todo, sets["test"][0], "test", cfg, paths, 1)  # made by the main run
+    calls = []
+    real = P._predict
+    monkeypatch.setattr(P, "_predict", lambda *a, first_chunk=0, **kw: calls.append(first_chunk) or real(*a, first_chunk=first_chunk, **kw))
+    P.fill_from_end(model, fits, sets, GRID, cfg, tmp_path, names=["test"])
+    assert calls == [4] and all(p.is_file() for p in paths[1:]) and not paths[0].is_file()

@@ -39,7 +39,7 @@ from .config import BASE_GRID, N_DOWN_MAX, N_UP_MAX, Config, extended_grid, grid
 from .data import eval_sets, load_data
 from .fits import FIT_VERSION, Fit, run_fits
 from .plots import auroc_figure, reliability_figure, tracking_figures
-from .predict import PREDICTIVE_VERSION, predictions
+from .predict import PREDICTIVE_VERSION, fill_from_end, predictions
 from .report import markdown
 from .train import ALLCNNC, MapConfig, train
 
@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="helper mode: predict (and cache) only these evaluation sets, in this order, then exit "
                              "without a report; run beside the main run of the same configuration, once it has "
                              "chosen the grid, to use a second core (sets: val test c1 .. c5 ood)")
+    parser.add_argument("--from-end", action="store_true",
+                        help="with --only-sets: predict the sets' missing checkpoint blocks from the last one "
+                             "backwards and stop at the first that exists, without assembling the set: a second "
+                             "process beside the main run (which goes forwards) shares one set's predictive")
     parser.add_argument("--skip-methods", nargs="+", default=[], metavar="NAME",
                         help="fit (and cache) but do not evaluate these mini-batch methods, e.g. kron-2304 "
                              "debiased_kron-2304: a shorter run whose cached fits a later run without the flag reuses")
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.from_end and not args.only_sets:
+        parser.error("--from-end needs --only-sets (the sets whose blocks a second process predicts)")
     if args.quick and args.setting == "allcnnc":
         parser.error("--quick is for the cpu setting")
     cfg = Config.quick_config() if args.quick else Config.allcnnc_config() if args.setting == "allcnnc" else Config()
@@ -185,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     grid, interior = choose_grid(model, fits, sets, cfg, pred_cache, log)
     log(f"predictive on {len(grid)} prior precisions ...")
     if args.only_sets:
-        predictions(model, fits, sets, grid, cfg, pred_cache, names=args.only_sets, log=log)
+        (fill_from_end if args.from_end else predictions)(model, fits, sets, grid, cfg, pred_cache,
+                                                          names=args.only_sets, log=log)
         return 0
     probs, maps = predictions(model, fits, sets, grid, cfg, pred_cache, log=log)
 

@@ -90,27 +90,71 @@ def _atomic_save(obj, path: Path) -> None:
     tmp.replace(path)
 
 
+def _block_paths(todo: dict[str, list[float]], n: int, set_name: str, cfg: Config, cache: Path) -> list[Path]:
+    """The checkpoint files of a set's ``n`` images for the work ``todo``, one per block."""
+    tag = hashlib.sha256(json.dumps(todo, sort_keys=True).encode()).hexdigest()[:12]
+    return [cache / f"block-{set_name}-{tag}-{j}.pt" for j in range(-(-n // (BLOCK_CHUNKS * cfg.chunk_size)))]
+
+
+def _predict_block(model, fits: list[Fit], todo: dict[str, list[float]], X: torch.Tensor, set_name: str,
+                   cfg: Config, paths: list[Path], j: int, log=print) -> None:
+    """Predict block ``j`` of the set and save it as ``paths[j]``."""
+    step = BLOCK_CHUNKS * cfg.chunk_size
+    start = time.perf_counter()
+    _atomic_save(_predict(model, fits, todo, X[j * step:(j + 1) * step], set_name, cfg, first_chunk=j * BLOCK_CHUNKS),
+                 paths[j])
+    log(f"    {set_name}: block {j + 1}/{len(paths)} ({time.perf_counter() - start:.0f} s)")
+
+
 def _predict_blocks(model, fits: list[Fit], todo: dict[str, list[float]], X: torch.Tensor, set_name: str,
                     cfg: Config, cache: Path, log=print) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
     """:func:`_predict` over blocks of ``BLOCK_CHUNKS`` chunks, each saved in ``cache`` when done
-    and reused by a later call with the same ``todo``; returns the whole set's output and deletes
-    the block files."""
-    tag = hashlib.sha256(json.dumps(todo, sort_keys=True).encode()).hexdigest()[:12]
-    step = BLOCK_CHUNKS * cfg.chunk_size
-    paths = [cache / f"block-{set_name}-{tag}-{j}.pt" for j in range(-(-len(X) // step))]
+    and reused by a later call with the same ``todo`` (or made by :func:`fill_from_end` in another
+    process); returns the whole set's output and deletes the block files."""
+    paths = _block_paths(todo, len(X), set_name, cfg, cache)
     parts = []
     for j, path in enumerate(paths):
         if not path.is_file():
-            start = time.perf_counter()
-            _atomic_save(_predict(model, fits, todo, X[j * step:(j + 1) * step], set_name, cfg,
-                                  first_chunk=j * BLOCK_CHUNKS), path)
-            log(f"    {set_name}: block {j + 1}/{len(paths)} ({time.perf_counter() - start:.0f} s)")
+            _predict_block(model, fits, todo, X, set_name, cfg, paths, j, log)
         parts.append(torch.load(path, weights_only=True))
     out = {k: {d: torch.cat([p[0][k][d] for p in parts]) for d in slot} for k, slot in parts[0][0].items()}
     maps = torch.cat([p[1] for p in parts])
     for path in paths:
         path.unlink()
     return out, maps
+
+
+def _stored_and_todo(fits: list[Fit], grid: list[float], set_name: str, cache: Path) -> tuple[dict, dict[str, list[float]]]:
+    """The cached ``{δ: probs}`` of every (fit, MC stream) on a set, and the δ each fit still needs."""
+    stored: dict[str, dict[str, torch.Tensor]] = {}
+    todo: dict[str, list[float]] = {}
+    for fit in fits:
+        for stream in mc_streams(fit):
+            k = probs_key(fit, stream)
+            path = cache / f"probs-{set_name}-{k.replace('#', '-r')}.pt"
+            stored[k] = torch.load(path, weights_only=True) if path.is_file() else {}
+            missing = [d for d in grid if _dkey(d) not in stored[k]]
+            if missing:
+                todo[fit.key] = sorted(set(todo.get(fit.key, [])) | set(missing))
+    return stored, todo
+
+
+def fill_from_end(model, fits: list[Fit], sets: dict, grid: list[float], cfg: Config, cache: Path,
+                  names: list[str], log=print) -> None:
+    """A second process's share of :func:`predictions`: the missing blocks of each set in
+    ``names``, from the last block backwards, until it meets a block that exists (made by the
+    main run, which goes forwards, loads these blocks and assembles the set).  Two processes meet
+    in the middle; at worst both predict the block they meet on, with the same numbers."""
+    for s in names:
+        X, _ = sets[s]
+        _, todo = _stored_and_todo(fits, grid, s, cache)
+        if not todo:
+            continue
+        paths = _block_paths(todo, len(X), s, cfg, cache)
+        for j in reversed(range(len(paths))):
+            if paths[j].is_file():
+                break
+            _predict_block(model, fits, todo, X, s, cfg, paths, j, log)
 
 
 def predictions(model, fits: list[Fit], sets: dict, grid: list[float], cfg: Config, cache: Path,
@@ -124,16 +168,7 @@ def predictions(model, fits: list[Fit], sets: dict, grid: list[float], cfg: Conf
     maps: dict[str, torch.Tensor] = {}
     for s in names or list(sets):
         X, _ = sets[s]
-        stored: dict[str, dict[str, torch.Tensor]] = {}
-        todo: dict[str, list[float]] = {}
-        for fit in fits:
-            for stream in mc_streams(fit):
-                k = probs_key(fit, stream)
-                path = cache / f"probs-{s}-{k.replace('#', '-r')}.pt"
-                stored[k] = torch.load(path, weights_only=True) if path.is_file() else {}
-                missing = [d for d in grid if _dkey(d) not in stored[k]]
-                if missing:
-                    todo[fit.key] = sorted(set(todo.get(fit.key, [])) | set(missing))
+        stored, todo = _stored_and_todo(fits, grid, s, cache)
         map_path = cache / f"map-{s}.pt"
         if todo or not map_path.is_file():
             start = time.perf_counter()
