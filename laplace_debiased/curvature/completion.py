@@ -60,7 +60,7 @@ def group_means(values: torch.Tensor, groups: list[slice]) -> torch.Tensor:
 
 
 def isotropic_factor(
-    direction: torch.Tensor, magnitude: torch.Tensor
+    direction: torch.Tensor, magnitude: torch.Tensor, terms: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Debias one factor with isotropic degenerate eigenspaces (module docstring).
 
@@ -70,6 +70,9 @@ def isotropic_factor(
         ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
     magnitude : torch.Tensor
         ``(n, n)`` PSD factor of B̃, same layer and position.
+    terms : int
+        samples summed into ``magnitude`` (its round-off tolerance,
+        :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`).
 
     Returns
     -------
@@ -88,7 +91,7 @@ def isotropic_factor(
         )
     _check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
-    lam = remeasure_eigenvalues(U, magnitude)
+    lam = remeasure_eigenvalues(U, magnitude, terms)
     return U.to(direction.dtype), group_means(lam, tied_groups(L, roundoff_tolerance(direction)))
 
 
@@ -161,14 +164,15 @@ def _nested_null_space(V: torch.Tensor, choose: torch.Tensor, measure: torch.Ten
 
 
 def debiased_factor_mode(
-    direction: torch.Tensor, magnitude: torch.Tensor, null_space: str
+    direction: torch.Tensor, magnitude: torch.Tensor, null_space: str, terms: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`isotropic_factor` (``null_space="isotropic"``) or
-    :func:`~laplace_debiased.curvature.linalg.debiased_factor` (``"aligned"``)."""
+    :func:`~laplace_debiased.curvature.linalg.debiased_factor` (``"aligned"``); ``terms``: the
+    samples summed into ``magnitude``."""
     from laplace_debiased.curvature.linalg import debiased_factor
 
     if null_space == "isotropic":
-        return isotropic_factor(direction, magnitude)
+        return isotropic_factor(direction, magnitude, terms)
     if null_space == "aligned":
-        return debiased_factor(direction, magnitude)
+        return debiased_factor(direction, magnitude, terms)
     raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")

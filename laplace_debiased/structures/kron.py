@@ -263,10 +263,11 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
         rank, _ = rank_world()
         null_space = _null_space_rule(direction, magnitude, self._null_space)
+        terms = max(self._fit_sizes)  # samples summed into either factor set: their round-off grows with them
         if rank == 0:
             eigenvectors, eigenvalues = debiased_kron(
                 direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
-                factor=lambda D, M: debiased_factor_mode(D, M, null_space), null_space=null_space,
+                factor=lambda D, M: debiased_factor_mode(D, M, null_space, terms), null_space=null_space,
             )
         else:
             eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]
