@@ -110,3 +110,25 @@ def test_the_helper_stops_at_the_first_block_that_exists(setup, tmp_path, monkey
     monkeypatch.setattr(P, "_predict", lambda *a, first_chunk=0, **kw: calls.append(first_chunk) or real(*a, first_chunk=first_chunk, **kw))
     P.fill_from_end(model, fits, sets, GRID, cfg, tmp_path, names=["test"])
     assert calls == [4] and all(p.is_file() for p in paths[1:]) and not paths[0].is_file()
+
+
+def test_the_helper_stops_once_the_main_run_has_assembled_the_set(setup, tmp_path, monkeypatch):
+    """The main run may finish the set (and delete its blocks) while the helper predicts a block:
+    the helper then stops instead of predicting the deleted blocks again."""
+    model, fits, sets, cfg = setup
+    done, main_run = [], []
+    real_block = P._predict_block
+
+    def block_then_main_run_finishes(*args, **kw):
+        real_block(*args, **kw)
+        if main_run:  # a block of the main run (the nested call below)
+            return
+        done.append(args[7])  # the helper's block index j
+        if len(done) == 1:
+            main_run.append(True)
+            P.predictions(model, fits, sets, GRID, cfg, tmp_path)
+            main_run.clear()
+
+    monkeypatch.setattr(P, "_predict_block", block_then_main_run_finishes)
+    P.fill_from_end(model, fits, sets, GRID, cfg, tmp_path, names=["test"])
+    assert done == [2] and not list(tmp_path.glob("block-*"))

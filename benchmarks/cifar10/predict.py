@@ -143,8 +143,9 @@ def fill_from_end(model, fits: list[Fit], sets: dict, grid: list[float], cfg: Co
                   names: list[str], log=print) -> None:
     """A second process's share of :func:`predictions`: the missing blocks of each set in
     ``names``, from the last block backwards, until it meets a block that exists (made by the
-    main run, which goes forwards, loads these blocks and assembles the set).  Two processes meet
-    in the middle; at worst both predict the block they meet on, with the same numbers."""
+    main run, which goes forwards, loads these blocks and assembles the set), or until the set is
+    assembled (the main run deletes the blocks then).  Two processes meet in the middle; at worst
+    both predict the block they meet on, with the same numbers."""
     for s in names:
         X, _ = sets[s]
         _, todo = _stored_and_todo(fits, grid, s, cache)
@@ -152,7 +153,7 @@ def fill_from_end(model, fits: list[Fit], sets: dict, grid: list[float], cfg: Co
             continue
         paths = _block_paths(todo, len(X), s, cfg, cache)
         for j in reversed(range(len(paths))):
-            if paths[j].is_file():
+            if paths[j].is_file() or not _stored_and_todo(fits, grid, s, cache)[1]:
                 break
             _predict_block(model, fits, todo, X, s, cfg, paths, j, log)
 
