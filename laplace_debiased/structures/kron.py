@@ -258,12 +258,11 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         self, direction: Kron, magnitude: Kron, direction_rows=None, magnitude_rows=None
     ) -> DebiasedKronDecomposed:
         """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude`` (through the
-        factors' rows where both are known: :func:`debiased_kron`); under a process group
-        rank 0 computes them, the others receive them
-        (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
+        factors' rows where both are known: :func:`debiased_kron`; the samples summed into the
+        factors set their round-off tolerance); under a process group rank 0 computes them, the
+        others receive them (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
+        null_space, terms = _null_space_rule(direction, magnitude, self._null_space), max(self._fit_sizes)
         rank, _ = rank_world()
-        null_space = _null_space_rule(direction, magnitude, self._null_space)
-        terms = max(self._fit_sizes)  # samples summed into either factor set: their round-off grows with them
         if rank == 0:
             eigenvectors, eigenvalues = debiased_kron(
                 direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
