@@ -20,7 +20,6 @@ Under an initialised ``torch.distributed`` group the rows are sharded over the r
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMi
 from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.curvature.kfac import group_kfac_sums, input_factor_rows, zero_sums
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
@@ -44,18 +42,13 @@ from laplace_debiased.structures.mixed import (
     SpannedImplicitKronStructure,
     SpannedKronStructure,
     block_spans,
-    curvature_modules,
-    expected_block_shapes,
-    is_extra,
-    module_blocks,
 )
 from laplace_debiased.structures.distributed import (
-    all_reduce_sum_,
     broadcast_,
     is_distributed,
     rank_world,
-    shard_batch,
 )
+from laplace_debiased.structures.kron_passes import single_pass_kfacs
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
 
@@ -104,39 +97,6 @@ def _paired_rows(
         [None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
         for bd, bm in zip(direction_rows, magnitude_rows)
     ]
-
-
-def _passes(
-    pieces: list[tuple[Batch, int]], max_rows: int, dict_key_x: str, dict_key_y: str
-) -> Iterator[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]]:
-    """Stack consecutive ``(batch, group)`` pieces into passes ``(X, y, segments)`` of at
-    most ``max_rows`` rows (a piece never splits; dict batches pass one at a time), with
-    ``segments`` the ``(start, stop, group)`` row ranges of :func:`group_kfac_sums`."""
-    todo: list[tuple[Any, torch.Tensor, int]] = []
-    for b, g in pieces:
-        X, y = batch_inputs_targets(b, dict_key_x, dict_key_y)
-        if len(y) == 0:
-            continue
-        if todo and (
-            isinstance(X, MutableMapping) or sum(len(t[1]) for t in todo) + len(y) > max_rows
-        ):
-            yield _stack(todo)
-            todo = []
-        todo.append((X, y, g))
-    if todo:
-        yield _stack(todo)
-
-
-def _stack(
-    todo: list[tuple[Any, torch.Tensor, int]],
-) -> tuple[Any, torch.Tensor, list[tuple[int, int, int]]]:
-    segments, start = [], 0
-    for _, y, g in todo:
-        segments.append((start, start + len(y), g))
-        start += len(y)
-    if len(todo) == 1:
-        return todo[0][0], todo[0][1], segments
-    return torch.cat([t[0] for t in todo]), torch.cat([t[1] for t in todo]), segments
 
 
 def _null_space_rule(direction: Kron, magnitude: Kron, null_space: str) -> str:
@@ -298,57 +258,15 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     def _kfac_single_pass(
         self, groups: list[list[Batch]], N: int
     ) -> tuple[torch.Tensor, list[Kron]]:
-        """K-FAC of each batch set from shared forward/backward passes over B ∪ B̃ (this
-        rank's rows of every batch, stacked into passes of at most twice the largest
-        batch), summed over ranks, each scaled to ``N`` points like :meth:`_kfac`; and the
-        summed loss over all batches (unscaled)."""
-        rank, world = rank_world()
-        key_x, key_y = self.dict_key_x, self.dict_key_y
-        sizes = [[batch_size(b, key_x, key_y) for b in batches] for batches in groups]
-        pieces = [
-            (shard_batch(b, n, rank, world), g)
-            for g, batches in enumerate(groups)
-            for b, n in zip(batches, sizes[g])
-        ]
-        modules = self._kfac_modules()
-        sums = None
-        max_rows = 2 * max(max(s) for s in sizes)
-        fisher = self._single_pass_fisher()
-        keep_rows = world == 1
-        for X, y, segments in _passes(pieces, max_rows, key_x, key_y):
-            sums = group_kfac_sums(
-                self.model,
-                modules,
-                X,
-                y,
-                segments,
-                len(groups),
-                likelihood=self.likelihood,
-                lossfunc=self.backend.lossfunc,
-                factor=self.backend.factor,
-                fisher=fisher,
-                into=sums,
-                keep_rows=keep_rows,
-            )
-        if sums is None:  # this rank got no rows (fewer samples than ranks)
-            sums = zero_sums(modules, len(groups), self.mean)
-        all_reduce_sum_(sums.tensors())
-        krons, self._factor_rows = [], [] if keep_rows else None
-        for g, m in enumerate(sum(s) for s in sizes):
-            kfacs, rows = [], []
-            # Kron * factor scales each of a block's two factors by √factor
-            X_g = input_factor_rows(sums, g, self.backend.factor**0.5 / m)
-            for module, G, A, X in zip(modules, sums.output, sums.input, X_g):
-                blocks = module_blocks(module, G[g], None if A is None else A[g], m)
-                kfacs.extend(blocks)  # input rows only for Linear/Conv2d weight blocks
-                rows.extend([None, X] if len(b) == 2 and not is_extra(module) else [None] * len(b) for b in blocks)
-            if keep_rows:
-                self._factor_rows.append(rows)
-            kron = Kron(kfacs) * self.backend.factor
-            kfacs = [[F[0] * (N / m), *F[1:]] for F in kron.kfacs]
-            self._check_blocks(kfacs)
-            krons.append(Kron(kfacs))
-        return sums.loss.sum(), krons
+        """K-FAC of each batch set from shared passes over B ∪ B̃ (:func:`single_pass_kfacs`),
+        each checked against the trainable parameters; and the summed loss."""
+        loss, krons, self._factor_rows = single_pass_kfacs(
+            self.model, self._kfac_modules(), groups, N, likelihood=self.likelihood, backend=self.backend,
+            fisher=self._single_pass_fisher(), keys=(self.dict_key_x, self.dict_key_y), mean=self.mean,
+        )
+        for kron in krons:
+            self._check_blocks(kron.kfacs)
+        return loss, krons
 
     def _kfac(self, batches: list[Batch], N: int) -> tuple[torch.Tensor, Kron]:
         """K-FAC of the batch set by one backend call per batch (backends that
