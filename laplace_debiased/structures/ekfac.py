@@ -244,6 +244,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
     """
 
     _key = ("all", "debiased_ekfac")
+    _estimators = ("paper",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -35,6 +35,8 @@ from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
+from laplace_debiased.curvature.corrected import FactorCorrection
+from laplace_debiased.structures.kron_estimators import ESTIMATORS, check_estimator, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
 from laplace_debiased.structures.mixed import (
@@ -43,14 +45,11 @@ from laplace_debiased.structures.mixed import (
     SpannedKronStructure,
     block_spans,
 )
-from laplace_debiased.structures.distributed import (
-    broadcast_,
-    is_distributed,
-    rank_world,
-)
+from laplace_debiased.structures.distributed import is_distributed
 from laplace_debiased.structures.kron_passes import single_pass_kfacs
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
+
 
 
 
@@ -125,9 +124,11 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
 
     _key = ("all", "debiased_kron")
     _null_space: str = "isotropic"
+    _estimator: str = "paper"
+    _estimators: tuple[str, ...] = ESTIMATORS
 
     def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False, *,
-            null_space: str = "isotropic", **kwargs: Any) -> None:
+            null_space: str = "isotropic", estimator: str = "paper", **kwargs: Any) -> None:
         """Fit as :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`
         (and ``cross_fit``), plus ``null_space``: how directions that B's factors do not
         distinguish (their null space, where a factor is wider than B) get their magnitude.
@@ -141,10 +142,18 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         names the layers where a share of the weights keeps only the prior.
         ``debiased_ekfac`` (a subclass with its own eigenbasis and eigenvalues) does not use
         ``null_space`` and records no coverage.
+
+        ``estimator``: ``"paper"`` (default; B's eigenvectors, B̃'s Rayleigh quotients) or
+        ``"corrected"`` (the eigenvectors of B ∪ B̃, as a single batch of all their samples, with
+        eigenvalues less the regression-to-the-mean gap that the two batches measure against
+        each other; :mod:`laplace_debiased.curvature.corrected`). After a corrected fit
+        ``self.correction`` holds per block and factor what the correction changed
+        (:class:`~laplace_debiased.curvature.corrected.FactorCorrection`), and it is logged.
         """
         if null_space not in NULL_SPACE_MODES:
             raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
-        self._null_space = null_space
+        check_estimator(estimator, self._estimators, self._key[1], bool(kwargs.get("cross_fit")))
+        self._null_space, self._estimator = null_space, estimator
         super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
 
     def _reset_fit_state(self) -> None:
@@ -152,6 +161,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         self.H_facs = None
         self.H_facs_magnitude: Kron | None = None
         self.coverage: Coverage | None = None
+        self.correction: list[list[FactorCorrection]] | None = None
         self._fit_sizes = (0, 0)
         self._factor_rows: list[list[list[torch.Tensor | None]]] | None = None
 
@@ -208,6 +218,9 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
         and the role-swapped one."""
         rows = getattr(self, "_factor_rows", None) or [None]
+        if self._estimator == "corrected" and self.H_facs_magnitude is not self.H_facs:
+            self.H = self._corrected(self.H_facs, self.H_facs_magnitude)
+            return
         H = self._debiased(self.H_facs, self.H_facs_magnitude, rows[0], rows[-1])
         if self._cross_fit and self.H_facs_magnitude is not self.H_facs:
             swapped = self._debiased(self.H_facs_magnitude, self.H_facs, rows[-1], rows[0])
@@ -222,17 +235,15 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         factors set their round-off tolerance); under a process group rank 0 computes them, the
         others receive them (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
         null_space, terms = _null_space_rule(direction, magnitude, self._null_space), max(self._fit_sizes)
-        rank, _ = rank_world()
-        if rank == 0:
-            eigenvectors, eigenvalues = debiased_kron(
-                direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
-                factor=lambda D, M: debiased_factor_mode(D, M, null_space, terms), null_space=null_space,
-            )
-        else:
-            eigenvectors = [[torch.empty_like(F) for F in block] for block in direction.kfacs]
-            eigenvalues = [[F.new_empty(F.shape[0]) for F in block] for block in direction.kfacs]
-        broadcast_([t for blocks in (eigenvectors, eigenvalues) for b in blocks for t in b])
-        return self._decomposed(eigenvectors, eigenvalues)
+        return self._decomposed(*on_rank0(lambda: debiased_kron(
+            direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
+            factor=lambda D, M: debiased_factor_mode(D, M, null_space, terms), null_space=null_space,
+        ), direction.kfacs))
+
+    def _corrected(self, direction: Kron, magnitude: Kron) -> DebiasedKronDecomposed:
+        """The corrected estimate (:func:`corrected_decomposition`); its record in ``self.correction``."""
+        vecs, vals, self.correction = corrected_decomposition(direction.kfacs, magnitude.kfacs, self._fit_sizes, self._block_names())
+        return self._decomposed(vecs, vals)
 
     def _decomposed(self, eigenvectors: list, eigenvalues: list) -> DebiasedKronDecomposed:
         """The decomposed curvature; a :class:`SpannedKronDecomposed` where a dense

@@ -1,0 +1,73 @@
+"""fit(estimator="corrected") of debiased_kron against dense formulas, its reductions and its
+refusals (laplace_debiased.structures.kron_estimators)."""
+
+import logging
+
+import pytest
+import torch
+from laplace import KronLaplace
+
+from _models import dense_kfac, kfac_to_dense, loader, tiny_cnn, tiny_mlp, toy_data
+from laplace_debiased.curvature.corrected import corrected_kron
+from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace
+from laplace_debiased.structures.kron import DebiasedKronLaplace
+
+MODELS = {"mlp": (tiny_mlp, (4,)), "cnn": (tiny_cnn, (1, 5, 5))}
+
+
+def _dense(vecs, vals):
+    blocks = []
+    for Us, ls in zip(vecs, vals):
+        mats = [U @ torch.diag(lam) @ U.T for U, lam in zip(Us, ls)]
+        blocks.append(torch.kron(mats[0], mats[1]) if len(mats) == 2 else mats[0])
+    return torch.block_diag(*blocks)
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_corrected_fit_equals_the_dense_formula(name, likelihood, caplog):
+    make, shape = MODELS[name]
+    model = make()
+    N, m = 72, 24
+    ds = toy_data(N, shape, 3, likelihood)
+    X = ds.tensors[0]
+    la = DebiasedKronLaplace(model, likelihood)
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la.fit(loader(ds, m), estimator="corrected")
+    ref_B = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[:m], likelihood)]
+    ref_Bt = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[m:2 * m], likelihood)]
+    vecs, vals, _ = corrected_kron(ref_B, ref_Bt, m, m)
+    torch.testing.assert_close(la.H.to_matrix(), _dense(vecs, vals), atol=1e-9, rtol=1e-8)
+    # it is neither the paper's estimate nor the single batch B ∪ B̃
+    pooled = [[(a + b) / 2 for a, b in zip(FB, FM)] for FB, FM in zip(ref_B, ref_Bt)]
+    assert not torch.allclose(la.H.to_matrix(), kfac_to_dense(pooled), atol=1e-6)
+    paper = DebiasedKronLaplace(model, likelihood)
+    paper.fit(loader(ds, m))
+    assert not torch.allclose(la.H.to_matrix(), paper.H.to_matrix(), atol=1e-6)
+    assert len(la.correction) == len(la.H_facs.kfacs)
+    assert all(0 <= f.change and f.stderr >= 0 for b in la.correction for f in b)
+    assert any("corrected" in r.getMessage() and "changed by" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_corrected_with_the_same_batch_is_kron_laplace(name):
+    make, shape = MODELS[name]
+    model = make()
+    dl = loader(toy_data(8, shape, 3, "classification"), 8)
+    la = DebiasedKronLaplace(model, "classification", prior_precision=0.7)
+    la.fit(dl, magnitude_loader=dl, estimator="corrected")
+    ref = KronLaplace(model, "classification", prior_precision=0.7)
+    ref.fit(dl)
+    torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
+
+
+def test_refusals_say_what_to_pass():
+    ds = toy_data(16, (4,), 3, "classification")
+    la = DebiasedKronLaplace(tiny_mlp(), "classification")
+    with pytest.raises(ValueError, match=r"offers estimator in \('paper', 'corrected'\)"):
+        la.fit(loader(ds, 8), estimator="shrunk")
+    with pytest.raises(ValueError, match="drop cross_fit=True"):
+        la.fit(loader(ds, 8), estimator="corrected", cross_fit=True)
+    ek = DebiasedEKFACLaplace(tiny_mlp(), "classification")
+    with pytest.raises(ValueError, match=r"debiased_ekfac offers estimator in \('paper',\)"):
+        ek.fit(loader(ds, 8), estimator="corrected")
