@@ -126,3 +126,17 @@ def test_refuses_non_finite_and_empty_batches():
         corrected_factor(D * float("nan"), D, 3, 3)
     with pytest.raises(ValueError, match="need samples"):
         corrected_factor(D, D, 0, 3)
+
+
+def test_float32_factors_use_their_own_round_off_tolerance():
+    """Two float32 factors over one 5-dimensional subspace of R^40: along their common null
+    space the float32 sums are indefinite at float32 round-off, which must not be refused
+    (float64's eps would refuse it) and must not be read as curvature."""
+    g = torch.Generator().manual_seed(6)
+    W = torch.randn(5, 40, generator=g)
+    XB, XM = torch.randn(8, 5, generator=g) @ W, torch.randn(8, 5, generator=g) @ W
+    D, M = XB.T @ XB / 8, XM.T @ XM / 8  # float32 sums
+    U, lam, _ = corrected_factor(D, M, 8, 8, terms=8)
+    assert lam.dtype == torch.float32 and (lam >= 0).all()
+    scale = float(torch.linalg.matrix_norm(D.double()) + torch.linalg.matrix_norm(M.double()))
+    assert float(lam[:35].max()) <= 100 * 40 * torch.finfo(torch.float32).eps * scale
