@@ -24,7 +24,7 @@ DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
 #: probit, recorded for comparison.
 DEFAULT_LINKS: tuple[str, ...] = ("probit_projected", "probit")
 
-METHODS = ("kron_single", "kron_debiased", "kron_full", "lowrank_single", "lowrank_debiased",
+METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_full", "lowrank_single", "lowrank_debiased",
            "ekfac_single", "ekfac_debiased", "ekfac_full")
 
 DEFAULTS: dict = {

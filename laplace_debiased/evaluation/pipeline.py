@@ -9,6 +9,9 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
 * ``kron_single``: K-FAC of one mini-batch of ``--batch-size`` samples (B̃ = B), scaled to N;
 * ``kron_debiased``: debiased K-FAC, two disjoint batches of ``--batch-size/2`` samples
   (B chooses the eigenvectors, B̃ measures the eigenvalues);
+* ``kron_corrected``: the same two batches, ``fit(estimator="corrected")``: the eigenvectors of
+  B ∪ B̃ with eigenvalues less the regression-to-the-mean gap the batches measure against each
+  other (:mod:`laplace_debiased.curvature.corrected`);
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
 * ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
   from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.structures.lowrank`);
@@ -136,7 +139,7 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
 
 def _fit_loader(name: str, train: Dataset, opts: dict, repeat: int) -> tuple[DataLoader, int]:
     """The loader that method ``name``'s fit of ``repeat`` reads, and how many of its batches:
-    one of ``--batch-size`` (``*_single``), two of half that (``*_debiased``), or one of every
+    one of ``--batch-size`` (``*_single``), two of half that (``*_debiased``, ``*_corrected``), or one of every
     training point (``*_full``); the shuffling is seeded by ``--seed`` and the repeat."""
     if name.endswith("_full"):
         return DataLoader(train, batch_size=len(train)), 1
@@ -185,6 +188,8 @@ def _method(name: str, model, train: Dataset, opts: dict) -> Method:
         loader, _ = _fit_loader(name, train, opts, repeat)
         if name.endswith("_debiased"):  # its first two batches: B and B̃
             la.fit(loader)
+        elif name.endswith("_corrected"):
+            la.fit(loader, estimator="corrected")
         else:  # one batch of b, or every training point, B̃ = B
             la.fit(loader, magnitude_loader=loader)
         fitted[repeat] = la
