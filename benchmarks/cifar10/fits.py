@@ -162,17 +162,19 @@ def _loader(train: TensorDataset, idx: np.ndarray, batch_size: int) -> DataLoade
     return DataLoader(train, batch_size=batch_size, sampler=idx.tolist(), shuffle=False)
 
 
-def fit_kron(model, train, idx, debiased: bool, magnitude_batches: int = 1, null_space: str = "isotropic"):
+def fit_kron(model, train, idx, debiased: bool, magnitude_batches: int = 1, null_space: str = "isotropic",
+             estimator: str = "paper"):
     """Debiased K-FAC on ``idx``: B = its first ``|idx| / (1 + k)`` samples, B̃ = the other
     ``k`` x that many (``k = magnitude_batches`` loader batches; ``k = 1``: halves, the paper's
-    2 x b/2), B's null space treated by ``null_space``; or single-batch K-FAC on all of ``idx``
+    2 x b/2) with ``fit(estimator=...)``, B's null space treated by ``null_space``; or single-batch K-FAC on all of ``idx``
     (B̃ = B). Both scaled to ``N = len(train)``."""
     la = DebiasedKronLaplace(model, "classification")
     if debiased:
         size, rest = divmod(len(idx), 1 + magnitude_batches)
         if rest or not size:
             raise ValueError(f"{len(idx)} samples do not split into 1 + {magnitude_batches} equal batches.")
-        la.fit(_loader(train, idx, size), n_magnitude_batches=magnitude_batches, null_space=null_space)
+        la.fit(_loader(train, idx, size), n_magnitude_batches=magnitude_batches, null_space=null_space,
+               estimator=estimator)
     else:
         loader = _loader(train, idx, len(idx))
         la.fit(loader, magnitude_loader=loader)
@@ -243,10 +245,12 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path, log=print) -
         for i, b in enumerate(cfg.batch_sizes):
             for j, (k, idx) in enumerate(equal_sample_draws(rng, n, b, cfg.magnitude_batches).items()):
                 m = len(idx)
-                pair = [(f"kron-{m}", "kron", False, 1), (f"debiased_kron-{m}", "debiased_kron", True, k)]
-                for name, method, deb, kk in pair[:: -1 if (r + i + j) % 2 else 1]:
-                    record(name, method, m, r, "all", lambda idx=idx, deb=deb, kk=kk:
-                           fit_kron(model, train, idx, deb, kk, cfg.null_space), kk)
+                pair = [(f"kron-{m}", "kron", False, 1, "paper"), (f"debiased_kron-{m}", "debiased_kron", True, k, "paper")]
+                if "corrected" in cfg.estimators:
+                    pair.append((f"corrected_kron-{m}", "corrected_kron", True, k, "corrected"))
+                for name, method, deb, kk, est in pair[:: -1 if (r + i + j) % 2 else 1]:
+                    record(name, method, m, r, "all", lambda idx=idx, deb=deb, kk=kk, est=est:
+                           fit_kron(model, train, idx, deb, kk, cfg.null_space, est), kk)
         for i, b in enumerate(cfg.lowrank_batch_sizes):
             idx = low_rng.choice(n, size=b, replace=False)
             k = cfg.lowrank_rank

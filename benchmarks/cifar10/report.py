@@ -7,7 +7,9 @@ import numpy as np
 from .config import BASE_GRID, grid_index
 from .evaluate import CORRUPTED
 
-_ORDER = {"kron": 0, "debiased_kron": 1, "kron-full": 2, "lowrank_ll": 3, "debiased_lowrank_ll": 4, "lowrank_ll-full": 5}
+#: (family, position in the family) of each method: single batch, debiased, corrected, full batch
+_ORDER = {"kron": (0, 0), "debiased_kron": (0, 1), "corrected_kron": (0, 2), "kron-full": (0, 3),
+          "lowrank_ll": (1, 0), "debiased_lowrank_ll": (1, 1), "lowrank_ll-full": (1, 3)}
 
 
 def _pct(x: float) -> str:
@@ -22,8 +24,8 @@ def _ci(d: dict, which: str) -> str:
 def markdown(meta: dict, methods: dict, summary: dict, res: dict, tgt: list[dict]) -> str:
     cfg = meta["config"]
     # per family, by sample count, single batch next to debiased; full batch last
-    order = sorted(methods, key=lambda n: (_ORDER[methods[n]["method"]] // 3, methods[n]["b"] or np.inf,
-                                           _ORDER[methods[n]["method"]]))
+    order = sorted(methods, key=lambda n: (_ORDER[methods[n]["method"]][0], methods[n]["b"] or np.inf,
+                                           _ORDER[methods[n]["method"]][1]))
     mt, mtr = meta["map_test"], meta["map_train"]
     grid = meta["grid"]
     L = [f"# CIFAR-10 Laplace benchmark ({'quick' if cfg['quick'] else 'full'} mode)", "",
