@@ -286,7 +286,7 @@ def report_coverage(coverage: Coverage) -> None:
     sample-limited prior-only share reaches :data:`PRIOR_ONLY_WARN_SHARE` (:meth:`Coverage.advice`)."""
     for b in coverage.blocks:
         dims = " x ".join(f"{f.factor} {f.dimension} (rank B {f.rank_direction}, B̃ {f.rank_magnitude}, "
-                          f"B∪B̃ {f.rank_union}, zero {f.zero_eigenvalues})" for f in b.factors)
+                          f"B∪B̃ {f.rank_union}, zero {f.zero_eigenvalues}, completed {f.completed})" for f in b.factors)
         logger.info("coverage %s.%s: %s; prior-only weights %.1f %% (sample-limited %.1f %%)", b.layer,
                     b.parameter, dims, 100 * b.prior_only_share, 100 * b.sample_limited_share)
     text = coverage.advice()

@@ -71,3 +71,17 @@ def test_refusals_say_what_to_pass():
     ek = DebiasedEKFACLaplace(tiny_mlp(), "classification")
     with pytest.raises(ValueError, match=r"debiased_ekfac offers estimator in \('paper',\)"):
         ek.fit(loader(ds, 8), estimator="corrected")
+
+
+def test_coverage_log_says_how_many_directions_the_completion_filled(caplog):
+    """A Linear(12, ...) layer fitted on 2 × 4 samples: B's input factor has rank ≤ 4, so the
+    isotropic completion fills at least 8 of its 12 directions, and the log line says how many."""
+    ds = toy_data(8, (12,), 3, "classification")
+    la = DebiasedKronLaplace(tiny_mlp(n_in=12), "classification")
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la.fit(loader(ds, 4))
+    first = la.coverage.blocks[0].factors
+    completed = [f.completed for f in first]
+    assert max(completed) >= 8
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("coverage"))
+    assert all(f"completed {c}" in line for c in completed)
