@@ -485,6 +485,7 @@ def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], refere
     eval_seconds = time.perf_counter() - start - fit_seconds
     todo_sets = [es for es in eval_sets if es.name in need]
     coverage = getattr(la, "coverage", None)  # debiased K-FAC: what the curvature covers, per factor
+    correction = getattr(la, "correction", None)  # corrected K-FAC: what the correction changed
     rows = []
     for g, delta in enumerate(grid):
         for link in mlinks:
@@ -496,8 +497,11 @@ def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], refere
                 row.update(mets[es.name], fit_seconds=fit_seconds, eval_seconds=eval_seconds, **method.extra)
                 if es.kind == "validation":
                     row["log_marglik"] = marglik[delta]
-                if coverage is not None and es.kind == "test" and g == 0 and link == mlinks[0]:
-                    row["coverage"] = coverage.rows()  # once per fit (its first test row)
+                if es.kind == "test" and g == 0 and link == mlinks[0]:  # once per fit (its first test row)
+                    if coverage is not None:
+                        row["coverage"] = coverage.rows()
+                    if correction is not None:
+                        row["correction"] = correction.rows()
                 rows.append(row)
     return rows
 

@@ -35,8 +35,7 @@ from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
-from laplace_debiased.curvature.corrected import FactorCorrection
-from laplace_debiased.structures.kron_estimators import ESTIMATORS, check_estimator, corrected_decomposition, on_rank0
+from laplace_debiased.structures.kron_estimators import ESTIMATORS, Correction, check_estimator, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
 from laplace_debiased.structures.mixed import (
@@ -147,8 +146,8 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         ``"corrected"`` (the eigenvectors of B ∪ B̃, as a single batch of all their samples, with
         eigenvalues less the regression-to-the-mean gap that the two batches measure against
         each other; :mod:`laplace_debiased.curvature.corrected`). After a corrected fit
-        ``self.correction`` holds per block and factor what the correction changed
-        (:class:`~laplace_debiased.curvature.corrected.FactorCorrection`), and it is logged.
+        ``self.correction`` (:class:`~laplace_debiased.structures.kron_estimators.Correction`)
+        holds per block and factor what the correction changed, and it is logged.
         """
         if null_space not in NULL_SPACE_MODES:
             raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
@@ -161,7 +160,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         self.H_facs = None
         self.H_facs_magnitude: Kron | None = None
         self.coverage: Coverage | None = None
-        self.correction: list[list[FactorCorrection]] | None = None
+        self.correction: Correction | None = None
         self._fit_sizes = (0, 0)
         self._factor_rows: list[list[list[torch.Tensor | None]]] | None = None
 
@@ -320,7 +319,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a saved fit (``self.coverage`` is not saved: it is ``None`` after loading)."""
         super().load_state_dict(state_dict)
-        self.coverage = None
+        self.coverage = self.correction = None
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
         H = self._decomposed(state_dict["H_eigenvectors"], state_dict["H_eigenvalues"])
         if "H_swapped" in state_dict:

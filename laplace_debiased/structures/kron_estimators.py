@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from laplace_debiased.curvature.corrected import FactorCorrection, corrected_kron
 from laplace_debiased.structures.distributed import broadcast_, rank_world
 
-__all__ = ["ESTIMATORS", "check_estimator", "corrected_decomposition", "on_rank0", "report_correction"]
+__all__ = ["ESTIMATORS", "Correction", "check_estimator", "corrected_decomposition", "on_rank0"]
 
 logger = logging.getLogger("laplace_debiased")
 
@@ -48,13 +49,44 @@ def on_rank0(compute: Callable[[], tuple[list, list]], like: list[list[torch.Ten
     return eigenvectors, eigenvalues
 
 
-def report_correction(records: list[list[FactorCorrection]], names: list[tuple[str, str]]) -> None:
-    """Log (INFO, logger ``laplace_debiased``) per block how much the corrected estimate moved
-    each factor's single-batch (B ∪ B̃) spectrum, with the standard error from the two orders."""
-    for (layer, parameter), factors in zip(names, records):
-        text = ", ".join(f"{('output', 'input')[i] if len(factors) == 2 else 'factor'} "
-                         f"{100 * f.change:.1f} % ± {100 * f.stderr:.1f} %" for i, f in enumerate(factors))
-        logger.info("corrected %s.%s: spectrum of the single batch B ∪ B̃ changed by %s", layer, parameter, text)
+@dataclass(frozen=True)
+class Correction:
+    """What a corrected fit changed, per block and factor (``la.correction``).
+
+    Attributes:
+        names: ``(layer, parameter)`` per block, in ``Kron`` block order.
+        factors: per block, one :class:`~laplace_debiased.curvature.corrected.FactorCorrection`
+            per factor (output factor first, then input; one for a single-factor block).
+    """
+
+    names: list[tuple[str, str]]
+    factors: list[list[FactorCorrection]]
+
+    def rows(self) -> list[dict]:
+        """One JSON-able dict per block and factor: layer, parameter, factor, change, the two
+        orders' changes and the standard error (fractions)."""
+        return [{"layer": layer, "parameter": parameter, "factor": _factor_name(i, len(fs)),
+                 "change": f.change, "change_B": f.change_b, "change_B~": f.change_b_tilde, "stderr": f.stderr}
+                for (layer, parameter), fs in zip(self.names, self.factors) for i, f in enumerate(fs)]
+
+    def markdown(self) -> str:
+        """A Markdown table of :meth:`rows` in percent."""
+        lines = ["| layer | parameter | factor | change of the single-batch spectrum [%] | ± s.e. [%] |",
+                 "|---|---|---|---|---|"]
+        lines += [f"| {r['layer']} | {r['parameter']} | {r['factor']} | {100 * r['change']:.1f} | "
+                  f"{100 * r['stderr']:.1f} |" for r in self.rows()]
+        return "\n".join(lines)
+
+    def log(self) -> None:
+        """One INFO line per block (logger ``laplace_debiased``)."""
+        for (layer, parameter), fs in zip(self.names, self.factors):
+            text = ", ".join(f"{_factor_name(i, len(fs))} {100 * f.change:.1f} % ± {100 * f.stderr:.1f} %"
+                             for i, f in enumerate(fs))
+            logger.info("corrected %s.%s: spectrum of the single batch B ∪ B̃ changed by %s", layer, parameter, text)
+
+
+def _factor_name(i: int, n: int) -> str:
+    return ("output", "input")[i] if n == 2 else "factor"
 
 
 def corrected_decomposition(
@@ -62,10 +94,10 @@ def corrected_decomposition(
     magnitude_kfacs: list[list[torch.Tensor]],
     sizes: tuple[int, int],
     names: list[tuple[str, str]],
-) -> tuple[list, list, list[list[FactorCorrection]] | None]:
+) -> tuple[list, list, Correction | None]:
     """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples), on rank 0
-    and broadcast (:func:`on_rank0`); returns ``(eigenvectors, eigenvalues, records)`` with
-    rank 0's records (``None`` on the other ranks), logged per block (``names``)."""
+    and broadcast (:func:`on_rank0`); returns ``(eigenvectors, eigenvalues, correction)`` with
+    rank 0's :class:`Correction` (``None`` on the other ranks), logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:
@@ -74,5 +106,8 @@ def corrected_decomposition(
         return vecs, vals
 
     vecs, vals = on_rank0(compute, direction_kfacs)
-    report_correction(records, names)
-    return vecs, vals, records or None
+    if not records:
+        return vecs, vals, None
+    correction = Correction(list(names), records)
+    correction.log()
+    return vecs, vals, correction

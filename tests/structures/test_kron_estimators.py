@@ -44,8 +44,11 @@ def test_corrected_fit_equals_the_dense_formula(name, likelihood, caplog):
     paper = DebiasedKronLaplace(model, likelihood)
     paper.fit(loader(ds, m))
     assert not torch.allclose(la.H.to_matrix(), paper.H.to_matrix(), atol=1e-6)
-    assert len(la.correction) == len(la.H_facs.kfacs)
-    assert all(0 <= f.change and f.stderr >= 0 for b in la.correction for f in b)
+    assert len(la.correction.factors) == len(la.H_facs.kfacs)
+    rows = la.correction.rows()
+    assert len(rows) == sum(len(b) for b in la.H_facs.kfacs)
+    assert all(0 <= r["change"] and r["stderr"] >= 0 for r in rows)
+    assert la.correction.markdown().count("\n") == len(rows) + 1
     assert any("corrected" in r.getMessage() and "changed by" in r.getMessage() for r in caplog.records)
 
 
@@ -85,3 +88,36 @@ def test_coverage_log_says_how_many_directions_the_completion_filled(caplog):
     assert max(completed) >= 8
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("coverage"))
     assert all(f"completed {c}" in line for c in completed)
+
+
+def _wide_model_data():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(32, 24, generator=g), torch.randint(0, 3, (32,), generator=g)
+
+
+def test_diagnose_says_what_debiasing_changes_per_layer():
+    from laplace_debiased.commands.diagnose import correction_section
+
+    model, X, y = _wide_model_data()
+    text = correction_section(model, X, y, "classification", 8, 0)
+    assert "## What debiasing changes at this batch size" in text
+    # one row per block and factor: two weight blocks (output, input) and two bias blocks
+    assert text.count("| 0 | weight | ") == 2 and text.count("| 2 | bias | factor |") == 1
+
+
+def test_report_has_the_correction_table(tmp_path):
+    from laplace_debiased.evaluation.report import write_report
+
+    model, X, y = _wide_model_data()
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(loader(torch.utils.data.TensorDataset(X, y), 8), estimator="corrected")
+    metrics = {"nll": 1.0, "ece": 0.1, "accuracy": 0.5, "brier": 0.5, "n": 32}
+    rows = [{"method": "kron_corrected", "repeat": 0, "prior_precision": d, "eval_set": "test", "kind": "test",
+             "severity": None, "link": "probit_projected", "full_batch": False, **metrics,
+             **({"correction": la.correction.rows()} if d == 0.1 else {})} for d in (0.1, 1.0)]
+    text = write_report(rows, tmp_path / "rep").read_text()
+    assert "## What the corrected estimate changed" in text
+    first = la.correction.rows()[0]
+    assert f"| {first['layer']} | weight | output | {100 * first['change']:.1f} | {100 * first['stderr']:.1f} |" in text
