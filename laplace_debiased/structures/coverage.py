@@ -101,7 +101,8 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
     its tolerance and the sum's count for the part but not for the union.)
 
     Args:
-        Fd, Fm: B's and B̃'s factor ``(d, d)``.
+        Fd: B's factor ``(d, d)``.
+        Fm: B̃'s factor ``(d, d)`` (the same object for B̃ = B).
         rows: ``(B's rows, B̃'s rows)`` with ``XᵀX`` the factor, or None: a part with fewer rows
             than ``d`` is counted from its Gram matrix
             (:func:`~laplace_debiased.curvature.linalg.row_rank`).
