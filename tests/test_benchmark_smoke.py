@@ -61,6 +61,8 @@ def test_quick_run_writes_report(tiny_cifar, tmp_path):
         for metric in ("nll_rel", "ece", "accuracy"):
             row = tr[name][metric]
             assert row["mean"] <= row["worst"] + 1e-12
+            assert row["mean_ci"][0] <= row["mean"] <= row["mean_ci"][1]
+            assert row["worst_ci"][0] <= row["worst"] <= row["worst_ci"][1]
     # δ chosen on validation, never on test; the noise floor is two MC streams of one posterior
     assert all("val_nll" in s for s in res["summary"]["selected"].values())
     assert "kron-full#None@mc1" in res["curves"]

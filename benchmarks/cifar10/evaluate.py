@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from laplace_debiased.evaluation import metrics as M
+from laplace_debiased.evaluation.tracking import max_abs_interval
 
 from .config import WIDE_GRID, grid_index
 from .fits import Fit
@@ -105,19 +106,23 @@ def extension_needed(val_nll: dict[str, list[float]], fits: list[Fit], grid: lis
 # ---------------------------------------------------------------------------------------------
 # Tracking error vs the full-batch LA, with paired bootstrap and the MC noise floor
 # ---------------------------------------------------------------------------------------------
-def _gaps(m: dict, ref: dict, grid_mask: np.ndarray) -> dict[str, float]:
-    """Max over the grid points ``grid_mask`` of the relative NLL gap and absolute ECE/acc gaps."""
-    return {"nll_rel": float(np.max(np.abs(m["nll"] - ref["nll"])[grid_mask] / ref["nll"][grid_mask])),
-            "ece": float(np.max(np.abs(m["ece"] - ref["ece"])[grid_mask])),
-            "accuracy": float(np.max(np.abs(m["accuracy"] - ref["accuracy"])[grid_mask]))}
+def _signed_gaps(m: dict, ref: dict, grid_mask: np.ndarray) -> dict[str, np.ndarray]:
+    """Signed gaps at the grid points ``grid_mask``: relative NLL ``(NLL_m - NLL_ref) / NLL_ref``,
+    ECE and accuracy ``m - ref``; each ``(G,)``. Their absolute maximum is the tracking error."""
+    return {"nll_rel": ((m["nll"] - ref["nll"]) / ref["nll"])[grid_mask],
+            "ece": (m["ece"] - ref["ece"])[grid_mask],
+            "accuracy": (m["accuracy"] - ref["accuracy"])[grid_mask]}
 
 
 def tracking(probs: dict, sets: dict, groups: dict[str, list[Fit]], full_key: str, ref_of: dict[str, str],
              grid_mask: np.ndarray, n_boot: int, seed: int, set_name: str = "test") -> dict:
     """Per method: per-draw max gap over the grid, its mean and worst over draws, and 95 %
-    paired bootstrap intervals (test images resampled with replacement, the same resample for
-    the method and its reference); ``"noise_floor"``: the same gaps between two MC streams of
-    the full-batch K-FAC LA.  ``ref_of[name]``: the probs key of each method's reference."""
+    bootstrap intervals of both (test images resampled with replacement, the same resample for
+    the method and its reference; a simultaneous band of the signed gaps over grid points and
+    draws carried through the maximum, :func:`~laplace_debiased.evaluation.tracking.max_abs_interval`,
+    since percentiles of a resampled maximum can exclude its point estimate); ``"noise_floor"``:
+    the same gaps between two MC streams of the full-batch K-FAC LA. ``ref_of[name]``: the probs
+    key of each method's reference."""
     y = sets[set_name][1]
     P = probs[set_name]
     pis = {k: per_image(v, y) for k, v in P.items()}
@@ -127,15 +132,17 @@ def tracking(probs: dict, sets: dict, groups: dict[str, list[Fit]], full_key: st
     boot = {k: [stats(v, i) for i in boots] for k, v in pis.items()}
 
     def summarise(draw_keys: list[str], ref: str) -> dict:
-        per_draw = [_gaps(point[k], point[ref], grid_mask) for k in draw_keys]
+        signed = [_signed_gaps(point[k], point[ref], grid_mask) for k in draw_keys]
+        per_draw = [{m: float(np.max(np.abs(v))) for m, v in d.items()} for d in signed]
         row: dict = {"per_draw": per_draw}
         for metric in ("nll_rel", "ece", "accuracy"):
             vals = [d[metric] for d in per_draw]
-            bm = np.array([[_gaps(boot[k][b], boot[ref][b], grid_mask)[metric] for k in draw_keys]
-                           for b in range(n_boot)])  # (n_boot, draws)
+            bm = np.array([[_signed_gaps(boot[k][b], boot[ref][b], grid_mask)[metric] for k in draw_keys]
+                           for b in range(n_boot)])  # (n_boot, draws, grid points)
+            lower, upper = max_abs_interval(np.array([d[metric] for d in signed]), bm)
             row[metric] = {"mean": float(np.mean(vals)), "worst": float(np.max(vals)),
-                           "mean_ci": [float(v) for v in np.percentile(bm.mean(1), [2.5, 97.5])],
-                           "worst_ci": [float(v) for v in np.percentile(bm.max(1), [2.5, 97.5])]}
+                           "mean_ci": [float(lower.mean()), float(upper.mean())],
+                           "worst_ci": [float(lower.max()), float(upper.max())]}
         return row
 
     out = {name: summarise([f.key for f in fits], ref_of[name]) for name, fits in groups.items()}

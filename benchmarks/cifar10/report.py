@@ -45,7 +45,8 @@ def markdown(meta: dict, methods: dict, summary: dict, res: dict, tgt: list[dict
         L += [f"## (a) Tracking error on the test set over {grid_name}", "",
               "Per draw the maximum over the grid of the gap to the method's full-batch reference (K-FAC rows: "
               "full-batch K-FAC; last-layer low-rank rows: the rank-k LA of the full-data last-layer GGN); "
-              "mean and worst over draws with 95 % paired bootstrap intervals. NLL gaps relative in %, ECE and "
+              "mean and worst over draws with 95 % paired bootstrap intervals (a simultaneous band of the signed "
+              "gaps over grid points and draws, carried through the maximum). NLL gaps relative in %, ECE and "
               "accuracy gaps absolute in percentage points. Noise floor: the same gaps between two MC seeds of "
               "the full-batch K-FAC LA.", "",
               "| method | rel. NLL gap mean [%] | worst draw [%] | ECE gap mean [pt] | worst [pt] | acc. gap mean [pt] | worst [pt] |",

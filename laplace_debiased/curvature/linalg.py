@@ -389,11 +389,12 @@ def gram_eigenpairs(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return L, E
 
 
-def row_rank(X: torch.Tensor, dtype: torch.dtype) -> int:
-    """Number of eigenvalues of ``F = XᵀX`` above :func:`roundoff_tolerance` ``(F)`` (``F``
-    held in ``dtype``), from the Gram matrix ``XXᵀ`` (same nonzero spectrum, ``O(d n²)``)."""
+def row_rank(X: torch.Tensor, dtype: torch.dtype, tolerance: float | None = None) -> int:
+    """Number of eigenvalues of ``F = XᵀX`` above ``tolerance`` (default
+    :func:`roundoff_tolerance` ``(F)``, ``F`` held in ``dtype``), from the Gram matrix ``XXᵀ``
+    (same nonzero spectrum, ``O(d n²)``)."""
     K = X.double() @ X.double().T
-    tol = _tolerance(X.shape[1], dtype, float(torch.linalg.matrix_norm(K)))
+    tol = _tolerance(X.shape[1], dtype, float(torch.linalg.matrix_norm(K))) if tolerance is None else tolerance
     return int((torch.linalg.eigvalsh(K) > tol).sum())
 
 

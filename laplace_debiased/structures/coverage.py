@@ -10,8 +10,9 @@ along that Kronecker direction is the prior ``δ`` alone and their variance ``1/
 :func:`coverage_record` counts, for every block of a fit:
 
 * per factor: its dimension ``d``; the numerical ranks of B's factor, B̃'s factor and of their
-  sum (the span of B ∪ B̃), each the number of eigenvalues above
-  :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`; the debiased eigenvalues that
+  sum (the span of B ∪ B̃), each the number of eigenvalues above one tolerance, the
+  :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance` of the sum (:func:`factor_ranks`:
+  so the union's rank is at least each part's); the debiased eigenvalues that
   are exactly ``0``; the eigenvalues set by the isotropic completion of B's null space
   (:mod:`laplace_debiased.curvature.completion`);
 * per block: the share of its weights whose only curvature is the prior, i.e. of the Kronecker
@@ -26,7 +27,7 @@ implicit null space (:func:`~laplace_debiased.posterior.implicit_kron.extended_s
 record adds no ``d × d`` eigendecomposition to such a fit. Other factors use ``eigvalsh``.
 
 "Zero" is up to round-off: at most :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`
-of B̃'s factor (the same tolerance that sets the ranks and B's degenerate groups).
+of B̃'s factor (the tolerance that sets B's degenerate groups).
 
 Which zeros more data would cover. For samples in general position from a curvature whose
 support (at that tolerance) has dimension ``s``, ``rank B = min(|B|, s)``, ``rank B̃ = min(|B̃|, s)``
@@ -71,7 +72,7 @@ import torch
 from laplace_debiased.curvature.linalg import FactorRows, roundoff_tolerance, row_rank
 from laplace_debiased.posterior.implicit_kron import extended_spectrum
 
-__all__ = ["FactorCoverage", "BlockCoverage", "Coverage", "coverage_record", "numerical_rank",
+__all__ = ["FactorCoverage", "BlockCoverage", "Coverage", "coverage_record", "factor_ranks", "numerical_rank",
            "PRIOR_ONLY_WARN_SHARE", "report_coverage"]
 
 logger = logging.getLogger("laplace_debiased")
@@ -81,12 +82,40 @@ PRIOR_ONLY_WARN_SHARE = 0.01
 _FACTOR_NAMES = {2: ("output", "input"), 1: ("bias",)}
 
 
-def numerical_rank(F: torch.Tensor) -> int:
-    """Eigenvalues of the symmetric PSD ``F`` ``(d, d)`` (float64) above
-    :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance` ``(F)``."""
+def numerical_rank(F: torch.Tensor, tolerance: float | None = None) -> int:
+    """Eigenvalues of the symmetric PSD ``F`` ``(d, d)`` (float64) above ``tolerance`` (default
+    :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance` ``(F)``)."""
     F64 = F.double()
     L = torch.linalg.eigvalsh(0.5 * (F64 + F64.T))
-    return int((L > roundoff_tolerance(F)).sum())
+    return int((L > (roundoff_tolerance(F) if tolerance is None else tolerance)).sum())
+
+
+def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = None) -> tuple[int, int, int]:
+    """Numerical ranks of B's factor ``Fd``, B̃'s factor ``Fm`` and their union (``Fd + Fm``;
+    ``Fd`` alone when ``Fm is Fd``, B̃ = B), each ``(d, d)`` PSD, from the rows where known.
+
+    All three are counted at one tolerance, the union's
+    :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`: by Weyl's inequality
+    ``λ_i(Fd + Fm) ≥ λ_i(Fd)``, so ``rank(B ∪ B̃) ≥ max(rank B, rank B̃)``. (Each matrix at its own
+    norm-relative tolerance breaks this: the sum's norm is larger, and a part's eigenvalues between
+    its tolerance and the sum's count for the part but not for the union.)
+
+    Args:
+        Fd: B's factor ``(d, d)``.
+        Fm: B̃'s factor ``(d, d)`` (the same object for B̃ = B).
+        rows: ``(B's rows, B̃'s rows)`` with ``XᵀX`` the factor, or None: a part with fewer rows
+            than ``d`` is counted from its Gram matrix
+            (:func:`~laplace_debiased.curvature.linalg.row_rank`).
+
+    Returns:
+        ``(rank B, rank B̃, rank B ∪ B̃)``.
+    """
+    same = Fm is Fd
+    Xd, Xm = rows if rows is not None else (None, None)
+    union = Fd if same else Fd + Fm
+    union_rows = None if rows is None else (Xd if same else torch.cat([Xd, Xm]))
+    tol = roundoff_tolerance(union)
+    return _rank(Fd, Xd, tol), _rank(Fm, Xm, tol), _rank(union, union_rows, tol)
 
 
 @dataclass(frozen=True)
@@ -214,12 +243,12 @@ class Coverage:
         )
 
 
-def _rank(F: torch.Tensor, X: torch.Tensor | None) -> int:
-    """:func:`numerical_rank` ``(F)``; from the rows ``X`` (``XᵀX = F``) when they are fewer than
-    ``F``'s dimension (:func:`~laplace_debiased.curvature.linalg.row_rank`, same tolerance)."""
+def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float) -> int:
+    """:func:`numerical_rank` ``(F, tolerance)``; from the rows ``X`` (``XᵀX = F``) when they are
+    fewer than ``F``'s dimension (:func:`~laplace_debiased.curvature.linalg.row_rank`)."""
     if X is not None and len(X) < F.shape[0]:
-        return row_rank(X, F.dtype)
-    return numerical_rank(F)
+        return row_rank(X, F.dtype, tolerance)
+    return numerical_rank(F, tolerance)
 
 
 def _factor(
@@ -227,12 +256,10 @@ def _factor(
 ) -> FactorCoverage:
     """Ranks of B's, B̃'s and the summed factor (from ``rows`` where known), and the zero count
     of the debiased factor ``(Q, lam)`` (implicit null space counted ``d - r`` times)."""
-    Xd, Xm = rows if rows is not None else (None, None)
-    union = torch.cat([Xd, Xm]) if rows is not None else None
+    rank_d, rank_m, rank_u = factor_ranks(Fd, Fm, rows)
     ext, multiplicity = extended_spectrum(Q, lam)
     return FactorCoverage(
-        factor=name, dimension=Fd.shape[0], rank_direction=_rank(Fd, Xd),
-        rank_magnitude=_rank(Fm, Xm), rank_union=_rank(Fd + Fm, union),
+        factor=name, dimension=Fd.shape[0], rank_direction=rank_d, rank_magnitude=rank_m, rank_union=rank_u,
         zero_eigenvalues=int(multiplicity[ext <= roundoff_tolerance(Fm)].sum()), completed=0,
     )
 
