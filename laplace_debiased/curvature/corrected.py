@@ -29,7 +29,11 @@ with B choosing, ``m_B̃ g_{B̃,i} / 2`` with B̃ choosing); their mean gives
 
     \\hat λ_i = λ_{P,i} - (m_B g_{B,i} + m_{B̃} g_{B̃,i}) / (2 n),
 
-clamped at 0 (a curvature). The bias left is of third order, ``O(n^{-2})``; the noise added is
+clamped at 0 (a curvature). Batches drawn without replacement from ``N`` training data have
+the finite-population variance ``s_ij (1/m - 1/N)`` (up to ``N/(N-1)``), so each order's gap
+is scaled by ``(1/n - 1/N) / (1/m - 1/N)`` instead of ``m / n`` (the same for ``N → ∞``), and
+a pooled batch of all ``N`` data is left uncorrected: it is the full batch. The bias left is of
+third order, ``O(n^{-2})``; the noise added is
 that of the gaps, which shrink like ``1/m`` with the bias they measure, so for large batches the
 estimate tends to the single batch of ``n`` samples, and for small ones it removes the bias the
 single batch has. Eigenvalues are matched by position in the sorted spectra; inside a tied run
@@ -109,8 +113,19 @@ def _change(values: torch.Tensor, pooled: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(values - pooled)) / scale if scale > 0 else 0.0
 
 
+def _order_weight(m: int, n: int, n_data: int | None) -> float:
+    """``(1/n - 1/N) / (1/m - 1/N)``: the bias of a batch of ``n`` over that of ``m`` drawn from
+    ``N = n_data`` (``m / n`` for ``n_data=None``, an infinite population)."""
+    if n_data is None:
+        return m / n
+    if n > n_data:
+        raise ValueError(f"B ∪ B̃ has {n} samples but the data only {n_data}; pass the training-set size as n_data.")
+    return (1 / n - 1 / n_data) / (1 / m - 1 / n_data)
+
+
 def corrected_factor(
-    direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0
+    direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0,
+    n_data: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """Pooled eigenvectors and corrected eigenvalues of one factor (module docstring).
 
@@ -120,6 +135,8 @@ def corrected_factor(
         m_direction, m_magnitude: samples in B and B̃ (the pooled factor is their weighted
             mean, exactly the factor a single batch B ∪ B̃ gives).
         terms: samples summed into either factor (round-off tolerance of the quotients).
+        n_data: the number ``N`` of training data the batches were drawn from without
+            replacement (finite-population scaling); ``None``: an infinite population.
 
     Returns:
         ``(U, lam, record)``: ``U (d, d)`` orthonormal eigenvectors of the pooled factor
@@ -138,8 +155,8 @@ def corrected_factor(
     n = m_direction + m_magnitude
     pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
     L, U = symmetric_eigh64(pooled)
-    shift_b = m_direction * same_minus_cross(direction, magnitude, terms) / (2 * n)
-    shift_t = m_magnitude * same_minus_cross(magnitude, direction, terms) / (2 * n)
+    shift_b = _order_weight(m_direction, n, n_data) * same_minus_cross(direction, magnitude, terms) / 2
+    shift_t = _order_weight(m_magnitude, n, n_data) * same_minus_cross(magnitude, direction, terms) / 2
     lam = (L - shift_b - shift_t).clamp(min=0.0)
     L0 = L.clamp(min=0.0)
     one_b, one_t = (L - 2 * shift_b).clamp(min=0.0), (L - 2 * shift_t).clamp(min=0.0)
@@ -156,6 +173,7 @@ def corrected_kron(
     m_direction: int,
     m_magnitude: int,
     terms: int = 0,
+    n_data: int | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[FactorCorrection]]]:
     """:func:`corrected_factor` for every factor of a layer-wise K-FAC approximation.
 
@@ -167,6 +185,7 @@ def corrected_kron(
             ``Kron.kfacs`` order, each a list of one or two dense square factors.
         m_direction, m_magnitude: samples in B and B̃.
         terms: samples summed into the factors (round-off tolerance).
+        n_data: the training-set size the batches were drawn from (:func:`corrected_factor`).
 
     Returns:
         ``(eigenvectors, eigenvalues, records)``, lists of lists per block and factor, the
@@ -179,7 +198,7 @@ def corrected_kron(
         )
     vectors, values, records = [], [], []
     for F_dir, F_mag in zip(direction_kfacs, magnitude_kfacs):
-        block = [corrected_factor(D, M, m_direction, m_magnitude, terms) for D, M in zip(F_dir, F_mag)]
+        block = [corrected_factor(D, M, m_direction, m_magnitude, terms, n_data) for D, M in zip(F_dir, F_mag)]
         vectors.append([b[0] for b in block])
         values.append([b[1] for b in block])
         records.append([b[2] for b in block])

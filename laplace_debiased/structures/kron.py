@@ -180,7 +180,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         self.H_facs, self.H_facs_magnitude = direction, magnitude
         sizes = [sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in g) for g in groups]
         self._fit_sizes = (self._fit_sizes[0] + sizes[0], self._fit_sizes[1] + sizes[-1])
-        self._decompose()
+        self._decompose(self.n_data + N)
         self._record_coverage()
         return loss
 
@@ -213,12 +213,13 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         fits = [self._kfac(batches, N) for batches in groups]
         return sum(f[0] for f in fits), [f[1] for f in fits]
 
-    def _decompose(self) -> None:
+    def _decompose(self, n_data: int) -> None:
         """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
-        and the role-swapped one."""
+        and the role-swapped one, or the corrected one (``n_data``: the training data the
+        batches were drawn from, its finite-population scaling)."""
         rows = getattr(self, "_factor_rows", None) or [None]
         if self._estimator == "corrected" and self.H_facs_magnitude is not self.H_facs:
-            self.H = self._corrected(self.H_facs, self.H_facs_magnitude)
+            self.H = self._corrected(self.H_facs, self.H_facs_magnitude, n_data)
             return
         H = self._debiased(self.H_facs, self.H_facs_magnitude, rows[0], rows[-1])
         if self._cross_fit and self.H_facs_magnitude is not self.H_facs:
@@ -239,9 +240,10 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
             factor=lambda D, M: debiased_factor_mode(D, M, null_space, terms), null_space=null_space,
         ), direction.kfacs))
 
-    def _corrected(self, direction: Kron, magnitude: Kron) -> DebiasedKronDecomposed:
+    def _corrected(self, direction: Kron, magnitude: Kron, n_data: int) -> DebiasedKronDecomposed:
         """The corrected estimate (:func:`corrected_decomposition`); its record in ``self.correction``."""
-        vecs, vals, self.correction = corrected_decomposition(direction.kfacs, magnitude.kfacs, self._fit_sizes, self._block_names())
+        vecs, vals, self.correction = corrected_decomposition(
+            direction.kfacs, magnitude.kfacs, self._fit_sizes, self._block_names(), n_data)
         return self._decomposed(vecs, vals)
 
     def _decomposed(self, eigenvectors: list, eigenvalues: list) -> DebiasedKronDecomposed:

@@ -94,14 +94,16 @@ def corrected_decomposition(
     magnitude_kfacs: list[list[torch.Tensor]],
     sizes: tuple[int, int],
     names: list[tuple[str, str]],
+    n_data: int,
 ) -> tuple[list, list, Correction | None]:
-    """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples), on rank 0
+    """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
+    ``n_data`` training data), on rank 0
     and broadcast (:func:`on_rank0`); returns ``(eigenvectors, eigenvalues, correction)`` with
     rank 0's :class:`Correction` (``None`` on the other ranks), logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:
-        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes))
+        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data)
         records.extend(recs)
         return vecs, vals
 

@@ -140,3 +140,18 @@ def test_float32_factors_use_their_own_round_off_tolerance():
     assert lam.dtype == torch.float32 and (lam >= 0).all()
     scale = float(torch.linalg.matrix_norm(D.double()) + torch.linalg.matrix_norm(M.double()))
     assert float(lam[:35].max()) <= 100 * 40 * torch.finfo(torch.float32).eps * scale
+
+
+def test_a_pooled_batch_of_all_data_is_not_corrected():
+    """B ∪ B̃ = all N training data: the pooled factor is the full batch, which has no sampling
+    bias; the finite-population scaling leaves it as it is. With N → ∞ the weights are m/n."""
+    g = torch.Generator().manual_seed(7)
+    XB, XM = torch.randn(10, 4, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g, dtype=torch.float64)
+    U, lam, record = corrected_factor(_factor(XB), _factor(XM), 10, 6, n_data=16)
+    torch.testing.assert_close(U @ torch.diag(lam) @ U.T, _factor(torch.cat([XB, XM])), atol=1e-12, rtol=0)
+    assert record.change == 0
+    _, lam_inf, _ = corrected_factor(_factor(XB), _factor(XM), 10, 6)
+    _, lam_big, _ = corrected_factor(_factor(XB), _factor(XM), 10, 6, n_data=10**12)
+    torch.testing.assert_close(lam_big, lam_inf, atol=1e-9, rtol=1e-9)
+    with pytest.raises(ValueError, match="n_data"):
+        corrected_factor(_factor(XB), _factor(XM), 10, 6, n_data=12)

@@ -36,7 +36,7 @@ def test_corrected_fit_equals_the_dense_formula(name, likelihood, caplog):
         la.fit(loader(ds, m), estimator="corrected")
     ref_B = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[:m], likelihood)]
     ref_Bt = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[m:2 * m], likelihood)]
-    vecs, vals, _ = corrected_kron(ref_B, ref_Bt, m, m)
+    vecs, vals, _ = corrected_kron(ref_B, ref_Bt, m, m, n_data=N)
     torch.testing.assert_close(la.H.to_matrix(), _dense(vecs, vals), atol=1e-9, rtol=1e-8)
     # it is neither the paper's estimate nor the single batch B ∪ B̃
     pooled = [[(a + b) / 2 for a, b in zip(FB, FM)] for FB, FM in zip(ref_B, ref_Bt)]
