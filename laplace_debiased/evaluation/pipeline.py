@@ -254,6 +254,11 @@ def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str | int]
                 "description": f"debiased {structure}: directions (eigenvectors) from a batch B of {b // 2} "
                                f"training points, magnitudes re-measured on an independent batch B̃ of "
                                f"{b // 2}"}
+    if batches == "corrected":
+        return {"label": f"{structure}, corrected {b // 2} + {b // 2}", "samples": 2 * (b // 2),
+                "description": f"corrected {structure}: eigenvectors of both batches of {b // 2} training points "
+                               "together, eigenvalues less the regression-to-the-mean bias the two batches "
+                               "measure against each other (fit(estimator='corrected'))"}
     return {"label": f"{structure}, full batch of {n_train}", "samples": n_train,
             "description": f"{structure} over all N = {n_train} training points (the reference)"}
 

@@ -332,8 +332,8 @@ def _tracking_verdict(ctx: _Context, nll_gap: dict[str, float]) -> str:
     """Whether each debiased method tracks its reference more closely than the single batch of
     its structure with the same number of samples, and what that depends on."""
     sentences = []
-    for deb in (m for m in nll_gap if m.endswith("_debiased")):
-        single = deb.replace("_debiased", "_single")
+    for deb in (m for m in nll_gap if m.endswith(("_debiased", "_corrected"))):
+        single = deb.rsplit("_", 1)[0] + "_single"
         if single not in nll_gap or _samples(ctx, deb) != _samples(ctx, single):
             continue
         closer = nll_gap[deb] < nll_gap[single]
