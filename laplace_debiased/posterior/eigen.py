@@ -79,9 +79,10 @@ class EigenStructure:
             var = var + r.diagonal(dim1=-2, dim2=-1) / d[:, None, None]
         return var
 
-    @staticmethod
-    def _deltas(prior_precisions: Sequence[float | Tensor]) -> Tensor:
-        return torch.stack([_as_prior(delta, 1, torch.float64)[0] for delta in prior_precisions])
+    def _deltas(self, prior_precisions: Sequence[float | Tensor]) -> Tensor:
+        """The grid as a float64 vector on the device of the eigenpairs (a CUDA fit's Jacobians
+        and eigenvalues live there)."""
+        return torch.stack([_as_prior(delta, 1, torch.float64)[0] for delta in prior_precisions]).to(self.lam.device)
 
 
 def orthonormal_eigenpairs(U: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:

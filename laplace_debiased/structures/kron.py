@@ -213,13 +213,14 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         fits = [self._kfac(batches, N) for batches in groups]
         return sum(f[0] for f in fits), [f[1] for f in fits]
 
-    def _decompose(self, n_data: int) -> None:
+    def _decompose(self, n_data: int | None = None) -> None:
         """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
         and the role-swapped one, or the corrected one (``n_data``: the training data the
-        batches were drawn from, its finite-population scaling)."""
+        batches were drawn from, its finite-population scaling; default: those of the fits so
+        far, ``self.n_data``)."""
         rows = getattr(self, "_factor_rows", None) or [None]
         if self._estimator == "corrected" and self.H_facs_magnitude is not self.H_facs:
-            self.H = self._corrected(self.H_facs, self.H_facs_magnitude, n_data)
+            self.H = self._corrected(self.H_facs, self.H_facs_magnitude, n_data or self.n_data)
             return
         H = self._debiased(self.H_facs, self.H_facs_magnitude, rows[0], rows[-1])
         if self._cross_fit and self.H_facs_magnitude is not self.H_facs:
