@@ -43,14 +43,21 @@ were chosen); the fit logs it and keeps it as ``la.fit_batches``.
 
 Checks (``ValueError`` with a hint what to do): too few batches in a loader, a batch with
 fewer than two samples, NaN/Inf in inputs or targets, inputs whose squared norm overflows
-their dtype, mismatched batch types, and any
-sample whose input (and target) appears in both B and B̃ — detected by hashing the raw
-bytes of every sample, since batches carry no sample ids.
+their dtype, mismatched batch types, and a ``train_loader`` whose sampler draws with
+replacement when B̃ comes from it.
+
+Independence: B and B̃ drawn from one pass of ``train_loader`` (every split above) are
+disjoint by the sampler's indices, since a sampler without replacement yields each index once
+per pass. Rows of B̃ whose input and target bytes equal a row of B (hashed, since batches carry
+no sample ids) are then repeated data at other indices, and :func:`repeated_rows` names them in
+a ``UserWarning``. B̃ from a separate ``magnitude_loader`` has no index in common with B to go
+by, so there equal rows are refused as shared samples.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -306,18 +313,74 @@ def _sample_keys(batch: Batch, dict_key_x: str, dict_key_y: str) -> list[int]:
     return [hash((xb[i].tobytes(), tb[i].tobytes())) for i in range(len(xb))]
 
 
-def _check_disjoint(
+def repeated_rows(
     direction: list[Batch], magnitude: list[Batch], dict_key_x: str, dict_key_y: str
+) -> list[tuple[int, int, int, int]]:
+    """Rows of B̃ whose input and target bytes equal a row of B.
+
+    Returns:
+        ``(magnitude batch, row, direction batch, row)`` for every such row of B̃ (positions in
+        the lists ``magnitude`` and ``direction``, rows within the batch), in B̃'s order; the row
+        of B is the first one with those bytes.
+    """
+    seen: dict[int, tuple[int, int]] = {}
+    for i, b in enumerate(direction):
+        for r, k in enumerate(_sample_keys(b, dict_key_x, dict_key_y)):
+            seen.setdefault(k, (i, r))
+    return [
+        (j, r, *seen[k])
+        for j, b in enumerate(magnitude)
+        for r, k in enumerate(_sample_keys(b, dict_key_x, dict_key_y))
+        if k in seen
+    ]
+
+
+def _describe_rows(rows: list[tuple[int, int, int, int]], shown: int = 5) -> str:
+    text = ", ".join(f"magnitude batch {j} row {r} = direction batch {i} row {s}" for j, r, i, s in rows[:shown])
+    return text + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
+
+
+def _check_disjoint(
+    direction: list[Batch], magnitude: list[Batch], keys: tuple[str, str], by_index: bool
 ) -> None:
-    seen = {k for b in direction for k in _sample_keys(b, dict_key_x, dict_key_y)}
-    shared = sum(k in seen for b in magnitude for k in _sample_keys(b, dict_key_x, dict_key_y))
-    if shared:
-        raise ValueError(
-            f"{shared} sample(s) of the magnitude batch B̃ also occur in the direction batch "
-            "B; the two batches must be independent. Check that the loader does not repeat "
-            "samples and that magnitude_loader draws from data disjoint from the direction "
-            "batches (to use B̃ = B on purpose, pass magnitude_loader=train_loader)."
+    """Compare B and B̃ by their bytes: with ``by_index`` (both from one pass of a sampler that
+    draws without replacement, so disjoint by index) equal rows are repeated data, and a warning
+    names them; otherwise (B̃ from ``magnitude_loader``) they are refused."""
+    rows = repeated_rows(direction, magnitude, *keys)
+    if not rows:
+        return
+    if by_index:
+        warnings.warn(
+            f"{len(rows)} row(s) of the magnitude batch B̃ have the same input and target bytes as a "
+            f"row of the direction batch B: {_describe_rows(rows)}. B and B̃ come from one pass of "
+            "train_loader, at different indices, so these are repeated rows of the data set (token "
+            "windows, categorical features, duplicated images), not shared samples; if the data set "
+            "should not repeat rows, deduplicate it.",
+            UserWarning,
+            stacklevel=2,
         )
+        return
+    raise ValueError(
+        f"{len(rows)} sample(s) of the magnitude batch B̃ also occur in the direction batch B "
+        f"({_describe_rows(rows)}); the two batches must be independent, and with a separate "
+        "magnitude_loader only the bytes tell. Make magnitude_loader draw from data disjoint from "
+        "the direction batches, or drop magnitude_loader so that B and B̃ come from one pass of "
+        "train_loader (disjoint by index, so repeated rows are allowed); to use B̃ = B on purpose, "
+        "pass magnitude_loader=train_loader."
+    )
+
+
+def _check_without_replacement(loader: Iterable) -> None:
+    """Refuse a loader whose sampler draws with replacement: B and B̃ are disjoint by index only
+    because one pass of the sampler yields each index at most once."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if getattr(sampler, "replacement", False):
+            raise ValueError(
+                f"train_loader's sampler ({type(sampler).__name__}) draws with replacement, so B and B̃ "
+                "could share a sample (the same index in both) and would not be independent. Use a "
+                "sampler without replacement (shuffle=True, or replacement=False), or pass B̃'s data "
+                "as magnitude_loader."
+            )
 
 
 def _collect(loader: Iterable, n: int | None) -> list[Batch]:
@@ -439,6 +502,8 @@ def split_batches(
         form B and B̃.
     """
     n_data = _dataset_size(train_loader)
+    if magnitude_loader is None:
+        _check_without_replacement(train_loader)
     keys = (dict_key_x, dict_key_y)
     auto = _check_auto(n_magnitude_batches, magnitude_rule, split, magnitude_loader is train_loader)
     if split == "halves":
@@ -647,7 +712,7 @@ def _checked(
         if same:
             break
     if magnitude is not direction:
-        _check_disjoint(direction, magnitude, dict_key_x, dict_key_y)
+        _check_disjoint(direction, magnitude, keys, by_index=source == "train_loader")
     choice = BatchChoice(
         how=how,
         direction=tuple(direction_pos),
