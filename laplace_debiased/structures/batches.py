@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -66,7 +66,7 @@ import torch
 from torch.utils.data import DataLoader
 
 if TYPE_CHECKING:
-    from laplace_debiased.structures.auto_magnitude import AutoMagnitude
+    from laplace_debiased.structures.auto_magnitude import AutoMagnitude, FactorRowCount
 
 __all__ = [
     "Batch",
@@ -507,10 +507,7 @@ def split_batches(
     keys = (dict_key_x, dict_key_y)
     auto = _check_auto(n_magnitude_batches, magnitude_rule, split, magnitude_loader is train_loader)
     if split == "halves":
-        if n_direction_batches is not None or n_magnitude_batches is not None:
-            raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
-        if magnitude_loader is not None:
-            raise ValueError("split='halves' splits train_loader; do not pass magnitude_loader.")
+        _check_halves(n_direction_batches, n_magnitude_batches, magnitude_loader)
         return _choose_halves(train_loader, generator, n_data, keys, device)
     if split != "batches":
         raise ValueError(f"split must be 'batches' or 'halves', got {split!r}.")
@@ -521,6 +518,16 @@ def split_batches(
     if auto:
         return _choose_auto(train_loader, magnitude_loader, n_dir, magnitude_rule, generator, n_data, keys, device)
     return _choose_batches(train_loader, magnitude_loader, n_dir, n_mag, generator, n_data, keys, device)
+
+
+def _check_halves(
+    n_direction_batches: int | None, n_magnitude_batches: int | str | None, magnitude_loader: Iterable | None
+) -> None:
+    """Refuse the arguments ``split="halves"`` has no use for: it takes every batch of ``train_loader``."""
+    if n_direction_batches is not None or n_magnitude_batches is not None:
+        raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
+    if magnitude_loader is not None:
+        raise ValueError("split='halves' splits train_loader; do not pass magnitude_loader.")
 
 
 def _choose_batches(
@@ -598,8 +605,10 @@ def _choose_auto(
     """``n_magnitude_batches="auto"``: B as :func:`_choose_batches` chooses it, ``k = rule(B).wanted``,
     then B̃ = the next ``k`` batches of the same pass over ``train_loader`` (or of the order drawn
     with ``generator``), or the first (drawn) ``k`` of ``magnitude_loader``: the batches an
-    explicit ``n_magnitude_batches=k`` takes. A loader with fewer than ``k`` batches left gives
-    what it has (recorded in ``choice.auto.used``); none left raises."""
+    explicit ``n_magnitude_batches=k`` takes. Where B̃'s batches give a factor fewer rows than the
+    rule expected (a short batch), more follow (:func:`_made_up`). A loader with fewer batches left
+    gives what it has (recorded in ``choice.auto.used``, a factor still short in
+    ``choice.auto.short``); none left raises."""
     source = iter(train_loader)
     batches = _collect(source, n_dir if generator is None else None)
     order = _order(batches, n_dir, generator, "train_loader")
@@ -609,22 +618,67 @@ def _choose_auto(
     auto = rule(direction)
     name = "train_loader" if magnitude_loader is None else "magnitude_loader"
     if magnitude_loader is None:
-        if generator is None:
-            batches += _collect(source, auto.wanted)
-            order = list(range(len(batches)))
-        others, pos = batches, order[n_dir : n_dir + auto.wanted]
+        draw = _MagnitudeDraw(batches, order[n_dir:], source if generator is None else None)
+    elif generator is None:
+        draw = _MagnitudeDraw([], [], iter(magnitude_loader))
     else:
-        others = _collect(magnitude_loader, auto.wanted if generator is None else None)
-        pos = _order(others, 0, generator, name)[: auto.wanted]
+        others = _collect(magnitude_loader, None)
+        draw = _MagnitudeDraw(others, _order(others, 0, generator, name), None)
+    pos = draw.take(auto.wanted)
     if not pos:
         raise ValueError(
             f"{name} has no batch left for B̃ after the {n_dir} direction batch(es) of B; "
             "n_magnitude_batches='auto' needs at least one. Use a smaller batch_size, fewer direction "
             "batches, or an integer n_magnitude_batches (a one-batch loader is split into halves by default)."
         )
+    pos, short = _made_up(direction, draw, pos, rule, auto.cap, keys, device)
     how = "loader order" if generator is None else "random draw"
-    split = _finish(batches, order[:n_dir], others, pos, how, name, n_data, keys, device)
-    return replace(split, choice=replace(split.choice, auto=replace(auto, used=len(pos))))
+    split = _finish(batches, order[:n_dir], draw.batches, pos, how, name, n_data, keys, device)
+    return replace(split, choice=replace(split.choice, auto=replace(auto, used=len(pos), short=short)))
+
+
+class _MagnitudeDraw:
+    """The batches B̃ of "auto" is taken from, in the order it takes them: ``order`` (positions in
+    ``batches``), extended from ``rest`` (the rest of one pass in loader order, read only as far as
+    taken; ``None`` when ``batches`` already holds the whole pass)."""
+
+    def __init__(self, batches: list[Batch], order: list[int], rest: Iterator | None) -> None:
+        self.batches, self.order, self.rest = batches, order, rest
+
+    def take(self, k: int) -> list[int]:
+        """The positions of the first ``k`` batches (fewer when the source has fewer)."""
+        if self.rest is not None and len(self.order) < k:
+            new = _collect(self.rest, k - len(self.order))
+            self.order += range(len(self.batches), len(self.batches) + len(new))
+            self.batches += new
+        return self.order[:k]
+
+
+def _made_up(
+    direction: list[Batch],
+    draw: _MagnitudeDraw,
+    pos: list[int],
+    rule: Callable[[list[Batch]], AutoMagnitude],
+    cap: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+) -> tuple[list[int], FactorRowCount | None]:
+    """B̃'s positions once B ∪ B̃ spans every factor, and the factor still short, if any.
+
+    The rule, applied to B ∪ B̃, counts the rows they give every factor (one forward pass over
+    each batch). While a factor is short, B̃ holds fewer than ``cap`` batches and the source has
+    more, B̃ takes as many more as the rule asks for B ∪ B̃ (at most up to ``cap``)."""
+    while True:
+        magnitude = [on_device(draw.batches[i], device, f"magnitude batch {j}") for j, i in enumerate(pos)]
+        for j, b in enumerate(magnitude):
+            _check_batch(b, f"magnitude batch {j}", *keys)
+        union = rule(direction + magnitude)
+        if union.limiting is None or len(pos) >= cap:
+            return pos, union.limiting
+        more = draw.take(len(pos) + min(union.needed, cap - len(pos)))
+        if len(more) == len(pos):
+            return pos, union.limiting
+        pos = more
 
 
 def _choose_halves(

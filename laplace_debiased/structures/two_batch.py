@@ -102,8 +102,8 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
             number of loader batches in B and B̃ (default 1 each). ``n_magnitude_batches="auto"``
             (debiased_kron/ekfac over all weights): B̃ gets the smallest ``k >= 1`` batches with
             ``R_f + k · R_f / |B| >= d_f`` for every K-FAC factor ``f`` of dimension ``d_f`` wider
-            than the rows ``R_f`` B gives it (samples × positions; B ∪ B̃ then spans it), at most
-            ``AUTO_MAGNITUDE_CAP = 8``; ``k`` and why are in ``fit_batches[-1].auto``
+            than the rows ``R_f`` B gives it (more after a short batch), at most ``AUTO_MAGNITUDE_CAP = 8``;
+            ``k``, why, and any factor B ∪ B̃ still misses (a warning) are in ``fit_batches[-1].auto``
             (:mod:`~laplace_debiased.structures.auto_magnitude`).
         split : {"batches", "halves"}
             ``"halves"``: all batches, first half B, second half B̃ ("debiased full-batch").
@@ -153,6 +153,8 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         inputs compared, the batches checked, the curvature fitted and accumulated."""
         check_same_fit_inputs(self.model, batches.direction, batches.magnitude)
         logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
+        if batches.choice.auto is not None and batches.choice.auto.short is not None:
+            logger.warning("%s fit: %s", type(self).__name__, batches.choice.auto.describe())
         used = self._distinct(batches.direction, batches.magnitude)
         self._prepare_fit(batches.direction[0], used, override)
         self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
