@@ -12,8 +12,11 @@ Selection rules of :func:`split_batches` (the fit semantics of every two-batch L
     samples within one pass).  With a shuffling loader (``shuffle=True``) these are a random
     draw from the training set; in loader order they are whatever the dataset puts first.
     With ``generator`` the batches are instead drawn at random
-    (without replacement) from one pass over the loader, reproducibly for a fixed seed (a
-    shuffling loader must also be seeded for the whole selection to be reproducible).
+    (without replacement) from one pass over the loader, reproducibly for a fixed seed: the
+    loader passes run with torch's global RNG seeded from ``generator`` (:func:`loader_rng_from`),
+    so a shuffling loader without a generator of its own shuffles the same way each time too (and
+    the caller's global RNG is left as it was). A loader with its own ``DataLoader(generator=...)``
+    shuffles with that one, which the caller seeds.
 one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``)
     a loader that yields a single batch (full-batch training, a small fine-tuning set) has
     its samples split into two disjoint halves by a random permutation seeded with
@@ -56,6 +59,7 @@ by, so there equal rows are refused as shared samples.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
@@ -486,7 +490,8 @@ def split_batches(
     split : {"batches", "halves"}
         ``"halves"`` uses every batch of one pass, half for B and half for B̃.
     generator : torch.Generator, optional
-        draws the batches at random (reproducibly) instead of taking them in loader order.
+        draws the batches at random instead of taking them in loader order; the same seed gives
+        the same B and B̃, with a shuffling loader too (:func:`loader_rng_from`).
     dict_key_x, dict_key_y : str
         keys of dict batches.
     device : torch.device, optional
@@ -504,7 +509,45 @@ def split_batches(
     n_data = _dataset_size(train_loader)
     if magnitude_loader is None:
         _check_without_replacement(train_loader)
-    keys = (dict_key_x, dict_key_y)
+    with loader_rng_from(generator):
+        return _split(
+            train_loader, n_direction_batches, n_magnitude_batches, magnitude_loader, split, generator,
+            (dict_key_x, dict_key_y), device, magnitude_rule, n_data,
+        )
+
+
+@contextlib.contextmanager
+def loader_rng_from(generator: torch.Generator | None) -> Iterator[None]:
+    """With ``generator``: inside the block torch's global CPU RNG, which a shuffling loader without
+    a generator of its own shuffles with (and seeds its workers from), is seeded from ``generator``'s
+    state, and afterwards it is restored. Loader passes inside the block are then a function of
+    ``generator`` alone, and the caller's global RNG stream is untouched. The seed is drawn from a
+    copy of ``generator``, which is not advanced: its draws of batch positions are those it makes
+    without this block. Without ``generator``: nothing."""
+    if generator is None:
+        yield
+        return
+    copy_ = torch.Generator(device=generator.device)
+    copy_.set_state(generator.get_state())
+    seed = int(torch.randint(0, 2**62, (), generator=copy_, device=generator.device))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _split(
+    train_loader: DataLoader,
+    n_direction_batches: int | None,
+    n_magnitude_batches: int | Literal["auto"] | None,
+    magnitude_loader: DataLoader | None,
+    split: str,
+    generator: torch.Generator | None,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+    magnitude_rule: Callable[[list[Batch]], AutoMagnitude] | None,
+    n_data: int,
+) -> BatchSplit:
+    """:func:`split_batches` after its loader checks, dispatched by ``split`` and ``"auto"``."""
     auto = _check_auto(n_magnitude_batches, magnitude_rule, split, magnitude_loader is train_loader)
     if split == "halves":
         _check_halves(n_direction_batches, n_magnitude_batches, magnitude_loader)

@@ -108,7 +108,8 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         split : {"batches", "halves"}
             ``"halves"``: all batches, first half B, second half B̃ ("debiased full-batch").
         generator : torch.Generator, optional
-            draw the batches at random (reproducibly) instead of in loader order.
+            draw the batches at random instead of in loader order; a seed gives the same B and B̃
+            with a shuffling loader too (its global-RNG shuffle is seeded from ``generator``).
 
         Notes
         -----
