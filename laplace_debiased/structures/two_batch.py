@@ -21,7 +21,8 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
 The input checks live in :mod:`.fit_checks`, the token-output GLM overrides in
-:mod:`.token_outputs` and the grid search in :mod:`.gridsearch` (bases of the mixin).
+:mod:`.token_outputs`, the grid search in :mod:`.gridsearch` and the per-block layerwise marglik
+in :mod:`.block_priors` (bases of the mixin).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from laplace_debiased.structures.batches import (
     check_targets,
     split_batches,
 )
+from laplace_debiased.structures.block_priors import BlockPriorMixin
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     check_same_fit_inputs,
@@ -64,7 +66,7 @@ __all__ = ["TwoBatchLaplaceMixin"]
 logger = logging.getLogger(__name__)
 
 
-class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
+class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, BlockPriorMixin, FitChecksMixin):
     """Two-batch ``fit`` (B picks directions, B̃ measures magnitudes) for laplace-torch
     ``ParametricLaplace`` subclasses, plus a grid search that resets its metric."""
 
@@ -108,8 +110,7 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         split : {"batches", "halves"}
             ``"halves"``: all batches, first half B, second half B̃ ("debiased full-batch").
         generator : torch.Generator, optional
-            draw the batches at random instead of in loader order; a seed gives the same B and B̃
-            with a shuffling loader too (its global-RNG shuffle is seeded from ``generator``).
+            draw the batches at random; one seed, one B and B̃, with a shuffling loader too.
 
         Notes
         -----
