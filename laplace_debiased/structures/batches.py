@@ -69,6 +69,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
+from laplace_debiased.curvature.kfac import IGNORE_INDEX
+
 if TYPE_CHECKING:
     from laplace_debiased.structures.auto_magnitude import AutoMagnitude, FactorRowCount
 
@@ -82,7 +84,6 @@ __all__ = [
     "check_targets",
 ]
 
-IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss's default ignore_index
 
 Batch = Any  # (X, y) tuple/list of tensors, or a MutableMapping (dict batches)
 
@@ -278,10 +279,9 @@ def check_targets(
 
     Regression: ``y.shape[1:]`` must equal ``output_shape`` (MSE would otherwise broadcast
     silently). Classification / reward modelling with integer labels: every label must be in
-    ``[0, C)``, ``C = output_shape[-1]``. The label ``-100`` (``CrossEntropyLoss``'s
-    ``ignore_index``) is refused: laplace-torch's loss skips such samples, but its curvature
-    (the cross-entropy GGN does not depend on the label) and ``N = len(dataset)`` still count
-    them, so loss and curvature would describe different data sets.
+    ``[0, C)``, ``C = output_shape[-1]``, or be ``-100`` (``CrossEntropyLoss``'s
+    ``ignore_index``): a padded position, which the fit leaves out of the curvature and the loss
+    (:func:`~laplace_debiased.curvature.kfac.padded_rows`).
     """
     if likelihood == "regression":
         if tuple(y.shape[1:]) != tuple(output_shape):
@@ -294,17 +294,12 @@ def check_targets(
     if y.is_floating_point() or not output_shape:
         return  # class probabilities or scalar outputs: the loss function's business
     n_classes = output_shape[-1]
-    if (y == IGNORE_INDEX).any():
-        raise ValueError(
-            f"{where}: {int((y == IGNORE_INDEX).sum())} label(s) are -100, "
-            "CrossEntropyLoss's ignore_index. laplace-torch leaves such samples out of the "
-            "loss but counts them in the curvature and in N = len(dataset); remove them from "
-            "the dataset before fitting."
-        )
-    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n_classes):
+    labels = y[y != IGNORE_INDEX]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= n_classes):
         raise ValueError(
             f"{where}: class labels must be in the range [0, {n_classes}) of the model's "
-            f"{n_classes} outputs, got labels from {int(y.min())} to {int(y.max())}."
+            f"{n_classes} outputs (or -100 for a padded position), got labels from "
+            f"{int(labels.min())} to {int(labels.max())}."
         )
 
 

@@ -36,7 +36,7 @@ from laplace.lllaplace import LLLaplace
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
-from laplace_debiased.curvature.kfac import output_rows
+from laplace_debiased.curvature.kfac import output_rows, padded_rows
 from laplace_debiased.structures.batches import (
     Batch,
     BatchChoice,
@@ -184,10 +184,27 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, BlockPriorMixin, 
         (``self.fit_output_shape``: the per-sample output shape, ``([tokens, ...,] C)``)."""
         output_shape = self._output_shape(first)
         self.fit_output_shape = output_shape
+        padded = False
         for i, b in enumerate(used):
             _, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             check_targets(y, output_shape, self.likelihood, f"fit batch {i}")
+            padded = padded or bool(padded_rows(y).any())
+        if padded:
+            self._check_padding_supported()
         return output_shape[-1] if output_shape else 1
+
+    def _check_padding_supported(self) -> None:
+        """Refuse padded targets (-100) where laplace-torch's backend computes the K-FAC factors
+        (structures with ``_single_pass_fisher`` returning ``None``): it would count the padded
+        positions in the curvature. The package's own passes leave them out."""
+        single_pass = getattr(self, "_single_pass_fisher", None)
+        if single_pass is not None and single_pass() is None:
+            raise ValueError(
+                f"the fit batches have padded targets (-100), which {type(self.backend).__name__} "
+                f"(with asdl_fisher_kwargs={self._asdl_fisher_kwargs}) would count in the K-FAC factors. "
+                "Use the default CurvlinopsGGN (stochastic=False) or CurvlinopsEF backend without "
+                "asdl_fisher_kwargs, which leave padded positions out, or remove the padded positions."
+            )
 
     def _map_estimate(self) -> torch.Tensor:
         """The parameters being approximated as one vector (the posterior mean)."""
