@@ -46,8 +46,8 @@ class BlockPriorMixin:
         ``prior_structure="layerwise"`` on a curvature whose blocks span several parameter tensors
         optimises one value per block (:meth:`_block_marglik`); ``init_prior_prec`` is then a
         scalar, one value per block, or one per tensor with equal values within each block."""
-        spans = self._prior_spans()
-        if method != "marglik" or prior_structure != "layerwise" or all(span == 1 for span in spans):
+        spans = self._prior_spans() if method == "marglik" and prior_structure == "layerwise" else []
+        if all(span == 1 for span in spans):
             return super().optimize_prior_precision(
                 pred_type, method, n_steps, lr, init_prior_prec, prior_structure, *args, **kwargs
             )
