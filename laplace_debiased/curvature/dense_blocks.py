@@ -107,18 +107,24 @@ def norm_sample_grads(module: nn.Module, x_hat: Tensor, g: Tensor) -> Tensor:
 
 
 def embedding_input_sums(
-    module: nn.Embedding, idx: Tensor, segments: Sequence[tuple[int, int, int]], out: Tensor
+    module: nn.Embedding, idx: Tensor, segments: Sequence[tuple[int, int, int]], out: Tensor,
+    position_weights: Tensor | None = None,
 ) -> None:
-    """``out[group] += Σ_{n ∈ segment} (1/T) Σ_t e_{x_nt} e_{x_nt}ᵀ`` (a diagonal) per
+    """``out[group] += Σ_{n ∈ segment} Σ_t w_nt e_{x_nt} e_{x_nt}ᵀ`` (a diagonal) per
     ``(start, stop, group)``; ``idx`` ``(n, ...)`` token indices, ``T`` the tokens per sample,
-    ``out`` ``(n_groups, V, V)``.  Tokens at ``padding_idx`` are not counted."""
+    ``out`` ``(n_groups, V, V)``, ``w_nt = position_weights`` ``(n, T)`` (default ``1/T``: padded
+    target positions get other weights, :func:`~laplace_debiased.curvature.kfac.position_weights`).
+    Tokens at ``padding_idx`` are not counted."""
     if module.max_norm is not None:
         raise ValueError(
             "nn.Embedding with max_norm rescales its weight inside forward; its curvature is "
             "not a linear layer's. Use max_norm=None or freeze the embedding."
         )
     flat = idx.reshape(len(idx), -1)
-    weights = torch.full(flat.shape, 1.0 / flat.shape[1], dtype=out.dtype, device=out.device)
+    if position_weights is None:
+        weights = torch.full(flat.shape, 1.0 / flat.shape[1], dtype=out.dtype, device=out.device)
+    else:
+        weights = position_weights.to(dtype=out.dtype, device=out.device).clone()
     if module.padding_idx is not None:
         weights[flat == module.padding_idx] = 0.0
     V = module.num_embeddings

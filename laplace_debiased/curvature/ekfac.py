@@ -43,7 +43,7 @@ import torch
 from curvlinops import EKFACLinearOperator, FisherType
 from torch import Tensor, nn
 
-from laplace_debiased.curvature.inputs import target_rows
+from laplace_debiased.curvature.inputs import target_rows, unpadded_samples
 from laplace_debiased.curvature.linalg import _check_square, symmetric_eigh64
 
 __all__ = [
@@ -161,6 +161,9 @@ def measure_ekfac_eigenvalues(
             token_model, loss_func, params, token_batches, cast, fisher_type, mc_samples, batch_size_fn
         )
         values = lams if values is None else [v + lam for v, lam in zip(values, lams)]
+    if values is None:
+        raise ValueError("every target of the magnitude batches is -100 (padded), so they have no loss "
+                         "term to measure curvature on; give B̃ batches with unpadded targets.")
     return cast, values
 
 
@@ -185,16 +188,18 @@ def _per_token(
     checked against the model's outputs (:func:`~laplace_debiased.curvature.eigen.target_rows`)."""
     per_batch = [(X, *target_rows(model, X, y)) for X, y in batches]
     if all(len(shape) == 1 for _, _, shape in per_batch):
-        return [(model, list(batches))]
+        kept = unpadded_samples([(X, y) for X, y, _ in per_batch])
+        return [(model, kept)] if kept else []
     tokens = [math.prod(shape[:-1]) for _, _, shape in per_batch]
-    return [
+    per_token = [
         (
             _TokenOutput(model, t),
-            [(X, rows.reshape(len(rows) // T, T, *rows.shape[1:])[:, t])
-             for (X, rows, _), T in zip(per_batch, tokens) if t < T],
+            unpadded_samples([(X, rows.reshape(len(rows) // T, T, *rows.shape[1:])[:, t])
+                       for (X, rows, _), T in zip(per_batch, tokens) if t < T]),
         )  # fmt: skip
         for t in range(max(tokens))
     ]
+    return [(m, b) for m, b in per_token if b]  # a position padded in every sample adds nothing
 
 
 def _eigenvalue_correction(

@@ -30,7 +30,7 @@ from laplace_debiased.curvature.inputs import (
     take_rows,
     trainable_parameters,
 )
-from laplace_debiased.curvature.kfac import output_rows
+from laplace_debiased.curvature.kfac import kept_rows, output_rows, padded_rows
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +69,25 @@ def output_curvature_factor(f: Tensor, y: Tensor, likelihood: str, curvature: Cu
 
     ``f``: logits ``(n, C)``; ``y``: targets. Returns ``(n, C, R)`` — GGN: ``R = C`` (softmax
     cross-entropy: ``diag(√p) − p √pᵀ``, exact since ``Σ p = 1``; regression: identity);
-    EF: ``R = 1``, ``√factor · ∇_f lossfunc``.
+    EF: ``R = 1``, ``√factor · ∇_f lossfunc``. A row whose class label is ``-100`` (a padded
+    position, :func:`~laplace_debiased.curvature.kfac.padded_rows`) has no loss term: its
+    factor is zero.
     """
     _check_likelihood(likelihood)
     _check_curvature(curvature)
     f = f.detach()
     if curvature == "ef":
         if likelihood == "classification":
-            r = torch.softmax(f, -1) - nn.functional.one_hot(y, f.shape[-1]).to(f.dtype)
+            labels = y.masked_fill(padded_rows(y), 0)
+            r = torch.softmax(f, -1) - nn.functional.one_hot(labels, f.shape[-1]).to(f.dtype)
         else:
             r = 2.0 * (f - y)
-        return math.sqrt(loss_factor(likelihood)) * r.unsqueeze(-1)
+        return kept_rows(math.sqrt(loss_factor(likelihood)) * r.unsqueeze(-1), y)
     if likelihood == "regression":
         return torch.eye(f.shape[-1], dtype=f.dtype, device=f.device).expand(f.shape[0], -1, -1)
     p = torch.softmax(f, -1)
     sqrt_p = p.sqrt()
-    return torch.diag_embed(sqrt_p) - p.unsqueeze(-1) * sqrt_p.unsqueeze(-2)
+    return kept_rows(torch.diag_embed(sqrt_p) - p.unsqueeze(-1) * sqrt_p.unsqueeze(-2), y)
 
 
 def curvature_factor(

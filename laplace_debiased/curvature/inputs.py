@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from laplace_debiased.curvature.kfac import output_rows
+from laplace_debiased.curvature.kfac import output_rows, padded_rows
 
 Inputs = Tensor | Mapping[str, Any]
 Batch = tuple[Inputs, Tensor]
@@ -106,10 +106,27 @@ def count_rows(model: nn.Module, batches: Sequence[Batch]) -> int:
     return sum(len(target_rows(model, X, y)[0]) for X, y in batches)
 
 
+def unpadded_samples(batches: Sequence[tuple[Any, Tensor]]) -> list[tuple[Any, Tensor]]:
+    """The batches without their samples whose target is a padded position (class label -100,
+    :func:`~laplace_debiased.curvature.kfac.padded_rows`; targets with one row per sample): those
+    have no loss term, so they add no curvature (curvlinops' loss-Hessian square root does not
+    look at the label). A batch left without samples is dropped."""
+    out = []
+    for X, y in batches:
+        padded = padded_rows(y)
+        if not padded.any():
+            out.append((X, y))
+        elif not padded.all():
+            keep = (~padded).nonzero().squeeze(1)
+            out.append((take_rows(X, keep), y[keep]))
+    return out
+
+
 class _TokenRows(nn.Module):
     """``model`` on ``{"x": X, "rows": r}`` with its outputs ``(n, tokens, C)`` as the ``r``
     rows ``(r, C)``, so that curvlinops' losses see one row per loss term and weight a batch's
-    mean loss by its ``r`` rows (``batch_size_fn``)."""
+    mean loss by its ``r`` rows (``batch_size_fn``); with ``"keep"`` (indices of the rows that are
+    not padded positions) only those rows."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -117,7 +134,8 @@ class _TokenRows(nn.Module):
 
     def forward(self, inputs: Mapping[str, Any]) -> Tensor:
         f = self.model(inputs["x"])
-        return f.reshape(-1, f.shape[-1])
+        rows = f.reshape(-1, f.shape[-1])
+        return rows[inputs["keep"]] if "keep" in inputs else rows
 
 
 def is_mapping(X: Inputs) -> bool:

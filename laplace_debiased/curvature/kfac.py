@@ -52,6 +52,12 @@ __all__ = [
     "loss_hessian_sqrt",
     "loss_hessian_sqrt_columns",
     "output_rows",
+    "IGNORE_INDEX",
+    "kept_rows",
+    "labelled_rows",
+    "padded_rows",
+    "kept_positions",
+    "position_weights",
     "zero_sums",
 ]
 
@@ -173,7 +179,8 @@ def _keep_rows(
 
 
 def _install_sum_hooks(
-    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums
+    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums,
+    kept: torch.Tensor | None = None,
 ) -> list:
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
     (and keep its rows in ``into.input_rows`` where wanted, :func:`_keep_rows`) and hook the
@@ -195,9 +202,10 @@ def _install_sum_hooks(
         if isinstance(module, NORM_LAYERS):
             x_hats[i] = normalised_input(module, inputs[0].detach())
         elif isinstance(module, nn.Embedding):
-            embedding_input_sums(module, inputs[0], segments, into.input[i])
+            weights = None if kept is None else position_weights(kept, inputs[0][0].numel(), into.input[i].dtype)
+            embedding_input_sums(module, inputs[0], segments, into.input[i], weights)
         elif into.input[i] is not None:
-            a = _patches(inputs[0].detach(), module)
+            a = _position_weighted(_patches(inputs[0].detach(), module), kept)
             _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
             if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
                 into.input_rows[i] = None
@@ -223,6 +231,7 @@ def _backward_passes(
         else:
             C = rows.shape[-1]
             for c, column in enumerate(loss_hessian_sqrt_columns(rows, likelihood)):
+                column = kept_rows(column, targets)  # padded positions: no loss term, no curvature
                 torch.autograd.grad((rows * column).sum(), params, retain_graph=c < C - 1)
     return f.detach()
 
@@ -277,7 +286,7 @@ def group_kfac_sums(
     params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     if into is None:
         into = zero_sums(modules, n_groups, params[0], keep_rows)
-    handles = _install_sum_hooks(modules, segments, into)
+    handles = _install_sum_hooks(modules, segments, into, kept_positions(y, len(y)))
     try:
         f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher)
     finally:
@@ -305,6 +314,74 @@ def output_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.T
         )
     rows = f.reshape(-1, f.shape[-1])
     return rows, y.reshape(rows.shape[0], *y.shape[f.ndim - 1 :])
+
+
+#: ``torch.nn.CrossEntropyLoss``'s default ``ignore_index``: the class label of a padded position
+IGNORE_INDEX = -100
+
+
+def padded_rows(targets: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the rows whose target is a padded position: integer class labels equal to
+    :data:`IGNORE_INDEX`, which laplace-torch's ``CrossEntropyLoss`` leaves out of the loss
+    (all ``False`` for floating targets, which have no such label). Shape: ``targets.shape``
+    for labels, ``targets.shape[:1]`` for floating targets."""
+    if targets.is_floating_point():
+        return torch.zeros(targets.shape[:1], dtype=torch.bool, device=targets.device)
+    return targets == IGNORE_INDEX
+
+
+def labelled_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`output_rows` without the rows of padded positions (class label -100,
+    :func:`padded_rows`): the rows a predictive metric scores, as ``CrossEntropyLoss`` does."""
+    rows, targets = output_rows(f, y)
+    padded = padded_rows(targets)
+    if not padded.any():
+        return rows, targets
+    return rows[~padded], targets[~padded]
+
+
+def kept_rows(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``values`` (leading dimension: one entry per row) with the rows of padded positions
+    (:func:`padded_rows` of ``targets``) set to zero, so that they add no curvature."""
+    padded = padded_rows(targets)
+    if not padded.any():
+        return values
+    return values * (~padded).reshape(-1, *[1] * (values.ndim - 1)).to(values.dtype)
+
+
+def kept_positions(targets: torch.Tensor, n: int) -> torch.Tensor | None:
+    """Per sample, which of its output rows carry a loss term: ``(n, K)`` booleans for targets of
+    ``n`` samples with ``K`` rows each (``K = 1`` without tokens), ``None`` when no row is padded
+    (:func:`padded_rows`)."""
+    padded = padded_rows(targets)
+    if not padded.any():
+        return None
+    return ~padded.reshape(n, -1)
+
+
+def position_weights(kept: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``w_nt`` ``(n, T)`` of each of a layer's ``T`` positions in its input-side sum
+    ``Σ_n Σ_t w_nt a_nt a_ntᵀ``, from the kept output rows ``kept`` ``(n, K)``.
+
+    Where the layer's positions are the sample's output rows (``T = K``, a layer applied token by
+    token), the mean over the kept positions: ``w_nt = 1 / #kept_n`` at kept positions, 0 at padded
+    ones, as if the padded positions were cut off. Elsewhere ``w_nt = 1/T`` for a sample with any
+    kept row. A sample without one has no loss term: ``w_nt = 0``. Without padding this is the
+    ``1/T`` of the module docstring."""
+    kept = kept.to(dtype)
+    if kept.shape[1] == T:
+        return kept / kept.sum(1, keepdim=True).clamp(min=1.0)
+    return kept.amax(1, keepdim=True).expand(-1, T) / T
+
+
+def _position_weighted(a: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """Layer inputs ``a`` ``(n, T, d)`` scaled by ``√(T w_nt)`` (:func:`position_weights`), so that
+    the ``1/T``-scaled sums and rows of the hooks carry the weights ``w_nt``; unchanged when
+    ``kept`` is ``None`` (no padding)."""
+    if kept is None:
+        return a
+    T = a.shape[1]
+    return a * (T * position_weights(kept, T, a.dtype)).sqrt().unsqueeze(-1)
 
 
 def zero_sums(

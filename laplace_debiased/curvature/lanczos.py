@@ -26,7 +26,9 @@ from laplace_debiased.curvature.inputs import (
     parameter_count,
     target_rows,
     trainable_parameters,
+    unpadded_samples,
 )
+from laplace_debiased.curvature.kfac import padded_rows
 from laplace_debiased.curvature.thresholds import EigenPairs
 
 
@@ -107,12 +109,16 @@ def summed_curvature_product(
         return torch.zeros_like
     rows = [target_rows(model, X, y) for X, y in batches]
     if all(len(shape) == 1 for _, shape in rows):
-        op_model, data, n = model, list(batches), count_samples(batches)
+        data = unpadded_samples(batches)  # padded positions have no loss term
+        op_model, n = model, count_samples(data)
         batch_size_fn = mapping_rows if any(is_mapping(X) for X, _ in batches) else None
-    else:  # token outputs: one row per token
+    else:  # token outputs: one row per token, padded ones left out
         op_model = _TokenRows(model)
-        data = [({"x": X, "rows": len(t)}, t) for (X, _), (t, _) in zip(batches, rows)]
-        n, batch_size_fn = sum(len(t) for t, _ in rows), _rows_of
+        keeps = [(~padded_rows(t)).nonzero().squeeze(1) for t, _ in rows]
+        data = [({"x": X, "rows": len(k), "keep": k}, t[k]) for (X, _), (t, _), k in zip(batches, rows, keeps) if len(k)]
+        n, batch_size_fn = sum(len(k) for k in keeps), _rows_of
+    if not data:
+        return torch.zeros_like
     if likelihood == "classification":
         lossfunc, scale = nn.CrossEntropyLoss(), float(n)
     else:

@@ -51,7 +51,7 @@ from torch import Tensor
 from laplace_debiased._progress import progress_bar
 from laplace_debiased.evaluation import metrics
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, check_grid  # noqa: F401
-from laplace_debiased.curvature.kfac import output_rows
+from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_rows
 from laplace_debiased.structures.distributed import gather_results, local_fits, rank_world
@@ -271,7 +271,8 @@ def _metric_rows(
     """Metrics per eval set for one (method, prior, link): ``{eval name: metrics}``.
 
     Probabilities ``(N, [tokens, ...,] C)``: every token is one row (labels ``(N, [tokens])``),
-    as for the fit (:func:`~laplace_debiased.curvature.kfac.output_rows`).
+    as for the fit, tokens labelled -100 (padded) left out
+    (:func:`~laplace_debiased.curvature.kfac.labelled_rows`).
     """
     out = {}
     ref = logit_rows(probs[reference.name]) if reference is not None and reference.name in probs else None
@@ -280,7 +281,7 @@ def _metric_rows(
         if es.y is None:
             p = logit_rows(probs[es.name])
         else:
-            p, y = output_rows(probs[es.name], es.y)
+            p, y = labelled_rows(probs[es.name], es.y)
             m.update(metrics.classification_metrics(p, y))
             m["reliability"] = metrics.reliability_bins(p, y)
         if es.kind in ("corrupted", "ood") and ref is not None:

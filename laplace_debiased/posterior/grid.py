@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from laplace_debiased.curvature.kfac import output_rows
+from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.posterior.from_laplace import _curvature_kind, laplace_params, posterior_structure
 from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
 from laplace_debiased.posterior.links import ALL_LINKS, apply_link, probit_from_variances, project_classes
@@ -177,7 +177,8 @@ def grid_validation_scores(
     concatenated predictions.  Batches are ``(X, y)`` tensors (else :class:`UnsupportedBatches`).
     Outputs ``(n, tokens, C)`` are scored with every token as one row (``y`` ``(n, tokens)``;
     other target shapes raise a ``ValueError``), so a mean metric such as laplace-torch's
-    ``RunningNLLMetric`` is averaged over all tokens, as laplace-torch's LLM examples do.
+    ``RunningNLLMetric`` is averaged over all tokens, as laplace-torch's LLM examples do; tokens
+    whose label is -100 (padded) are left out, as ``CrossEntropyLoss`` leaves them out.
     ``"mc"`` draws its own samples, so its scores are a different Monte-Carlo estimate of the
     same predictive than laplace-torch's.
     """
@@ -201,7 +202,7 @@ def grid_validation_scores(
             raise UnsupportedBatches("grid_validation_scores needs (X, y) tensor batches")
         X, y = batch[0].to(la._device), batch[1].to(la._device)
         probs = pred.grid(X, grid, links=(link,), n_samples=n_samples)[link]
-        rows = [output_rows(p, y) for p in probs]  # tokens as rows; checks the targets' shape
+        rows = [labelled_rows(p, y) for p in probs]  # tokens as rows, padded ones left out
         for g, (p, y_rows) in enumerate(rows):
             if online:
                 metrics[g].update(p, y_rows)

@@ -23,9 +23,12 @@ The rule (:func:`auto_magnitude_batches`): after B (``|B| = n_direction_batches`
 ``R_f + k · R_f / |B| >= d_f``  for every factor with ``d_f > R_f``,
 
 i.e. ``k = max(1, max_f ⌈|B| (d_f - R_f) / R_f⌉)``, capped at :data:`AUTO_MAGNITUDE_CAP`. For data
-in general position ``rank(B ∪ B̃) = min(d_f, R_f + rows(B̃))``, so this ``k`` is the fewest
-batches with which B ∪ B̃ spans every factor, and no debiased eigenvalue is left at zero for lack
-of samples. Embedding and normalisation blocks are not counted. The limiting factor (the one
+in general position ``rank(B ∪ B̃) = min(d_f, R_f + rows(B̃))``, so when B̃'s batches give B's mean
+rows this ``k`` is the fewest batches with which B ∪ B̃ spans every factor, and no debiased
+eigenvalue is left at zero for lack of samples. The fit then applies the rule to B ∪ B̃ itself:
+where a shorter batch left a factor short it takes as many further batches as the rule asks, up to
+the cap; a factor still short (cap reached, loader exhausted) is recorded as
+:attr:`AutoMagnitude.short` and logged as a warning. Embedding and normalisation blocks are not counted. The limiting factor (the one
 needing most batches), the uncapped need and the batches the loader could give are recorded on
 the fit's :class:`~laplace_debiased.structures.batches.BatchChoice` (``la.fit_batches[-1].auto``)
 and logged with it.
@@ -100,6 +103,11 @@ class AutoMagnitude:
         :data:`AUTO_MAGNITUDE_CAP` at the time of the fit.
     limiting : FactorRowCount or None
         the factor needing most batches; ``None`` when no factor is wider than B's rows.
+    short : FactorRowCount or None
+        a factor that B ∪ B̃ still does not span after the fit's batches were counted (its
+        ``rows_direction`` counts the rows of B ∪ B̃, its ``n_direction_batches`` their batches):
+        B̃'s batches gave fewer rows than B's mean and the loader or the cap allowed no more;
+        ``None`` when B ∪ B̃ gives every factor at least its dimension in rows.
     """
 
     needed: int
@@ -107,6 +115,7 @@ class AutoMagnitude:
     used: int
     cap: int
     limiting: FactorRowCount | None
+    short: FactorRowCount | None = None
 
     @property
     def capped(self) -> bool:
@@ -126,9 +135,17 @@ class AutoMagnitude:
             )
             if self.capped:
                 text += f", capped at AUTO_MAGNITUDE_CAP = {self.cap}"
+        if self.used > self.wanted:
+            text += (f"; B̃'s batches gave fewer rows than B's mean, so 'auto' drew {self.used - self.wanted} more "
+                     f"(k = {self.used})")
         if self.used < self.wanted:
             text += (f"; the loader had only {self.used} further batch(es) for B̃, so B̃ has {self.used} "
                      f"instead of {self.wanted}")
+        if self.short is not None:
+            f = self.short
+            text += (f"; B ∪ B̃ gives layer '{f.layer}' {f.factor} factor {f.rows_direction} rows of its dimension "
+                     f"{f.dimension}, so it does not span it (la.coverage counts the eigenvalues left without "
+                     "samples); give B̃ more data: a loader with more batches left or larger batches")
         return text
 
 

@@ -12,8 +12,11 @@ Selection rules of :func:`split_batches` (the fit semantics of every two-batch L
     samples within one pass).  With a shuffling loader (``shuffle=True``) these are a random
     draw from the training set; in loader order they are whatever the dataset puts first.
     With ``generator`` the batches are instead drawn at random
-    (without replacement) from one pass over the loader, reproducibly for a fixed seed (a
-    shuffling loader must also be seeded for the whole selection to be reproducible).
+    (without replacement) from one pass over the loader, reproducibly for a fixed seed: the
+    loader passes run with torch's global RNG seeded from ``generator`` (:func:`loader_rng_from`),
+    so a shuffling loader without a generator of its own shuffles the same way each time too (and
+    the caller's global RNG is left as it was). A loader with its own ``DataLoader(generator=...)``
+    shuffles with that one, which the caller seeds.
 one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``)
     a loader that yields a single batch (full-batch training, a small fine-tuning set) has
     its samples split into two disjoint halves by a random permutation seeded with
@@ -43,23 +46,33 @@ were chosen); the fit logs it and keeps it as ``la.fit_batches``.
 
 Checks (``ValueError`` with a hint what to do): too few batches in a loader, a batch with
 fewer than two samples, NaN/Inf in inputs or targets, inputs whose squared norm overflows
-their dtype, mismatched batch types, and any
-sample whose input (and target) appears in both B and B̃ — detected by hashing the raw
-bytes of every sample, since batches carry no sample ids.
+their dtype, mismatched batch types, and a ``train_loader`` whose sampler draws with
+replacement when B̃ comes from it.
+
+Independence: B and B̃ drawn from one pass of ``train_loader`` (every split above) are
+disjoint by the sampler's indices, since a sampler without replacement yields each index once
+per pass. Rows of B̃ whose input and target bytes equal a row of B (hashed, since batches carry
+no sample ids) are then repeated data at other indices, and :func:`repeated_rows` names them in
+a ``UserWarning``. B̃ from a separate ``magnitude_loader`` has no index in common with B to go
+by, so there equal rows are refused as shared samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable, MutableMapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
 
+from laplace_debiased.curvature.kfac import IGNORE_INDEX
+
 if TYPE_CHECKING:
-    from laplace_debiased.structures.auto_magnitude import AutoMagnitude
+    from laplace_debiased.structures.auto_magnitude import AutoMagnitude, FactorRowCount
 
 __all__ = [
     "Batch",
@@ -71,7 +84,6 @@ __all__ = [
     "check_targets",
 ]
 
-IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss's default ignore_index
 
 Batch = Any  # (X, y) tuple/list of tensors, or a MutableMapping (dict batches)
 
@@ -267,10 +279,9 @@ def check_targets(
 
     Regression: ``y.shape[1:]`` must equal ``output_shape`` (MSE would otherwise broadcast
     silently). Classification / reward modelling with integer labels: every label must be in
-    ``[0, C)``, ``C = output_shape[-1]``. The label ``-100`` (``CrossEntropyLoss``'s
-    ``ignore_index``) is refused: laplace-torch's loss skips such samples, but its curvature
-    (the cross-entropy GGN does not depend on the label) and ``N = len(dataset)`` still count
-    them, so loss and curvature would describe different data sets.
+    ``[0, C)``, ``C = output_shape[-1]``, or be ``-100`` (``CrossEntropyLoss``'s
+    ``ignore_index``): a padded position, which the fit leaves out of the curvature and the loss
+    (:func:`~laplace_debiased.curvature.kfac.padded_rows`).
     """
     if likelihood == "regression":
         if tuple(y.shape[1:]) != tuple(output_shape):
@@ -283,17 +294,12 @@ def check_targets(
     if y.is_floating_point() or not output_shape:
         return  # class probabilities or scalar outputs: the loss function's business
     n_classes = output_shape[-1]
-    if (y == IGNORE_INDEX).any():
-        raise ValueError(
-            f"{where}: {int((y == IGNORE_INDEX).sum())} label(s) are -100, "
-            "CrossEntropyLoss's ignore_index. laplace-torch leaves such samples out of the "
-            "loss but counts them in the curvature and in N = len(dataset); remove them from "
-            "the dataset before fitting."
-        )
-    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n_classes):
+    labels = y[y != IGNORE_INDEX]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= n_classes):
         raise ValueError(
             f"{where}: class labels must be in the range [0, {n_classes}) of the model's "
-            f"{n_classes} outputs, got labels from {int(y.min())} to {int(y.max())}."
+            f"{n_classes} outputs (or -100 for a padded position), got labels from "
+            f"{int(labels.min())} to {int(labels.max())}."
         )
 
 
@@ -306,18 +312,74 @@ def _sample_keys(batch: Batch, dict_key_x: str, dict_key_y: str) -> list[int]:
     return [hash((xb[i].tobytes(), tb[i].tobytes())) for i in range(len(xb))]
 
 
-def _check_disjoint(
+def repeated_rows(
     direction: list[Batch], magnitude: list[Batch], dict_key_x: str, dict_key_y: str
+) -> list[tuple[int, int, int, int]]:
+    """Rows of B̃ whose input and target bytes equal a row of B.
+
+    Returns:
+        ``(magnitude batch, row, direction batch, row)`` for every such row of B̃ (positions in
+        the lists ``magnitude`` and ``direction``, rows within the batch), in B̃'s order; the row
+        of B is the first one with those bytes.
+    """
+    seen: dict[int, tuple[int, int]] = {}
+    for i, b in enumerate(direction):
+        for r, k in enumerate(_sample_keys(b, dict_key_x, dict_key_y)):
+            seen.setdefault(k, (i, r))
+    return [
+        (j, r, *seen[k])
+        for j, b in enumerate(magnitude)
+        for r, k in enumerate(_sample_keys(b, dict_key_x, dict_key_y))
+        if k in seen
+    ]
+
+
+def _describe_rows(rows: list[tuple[int, int, int, int]], shown: int = 5) -> str:
+    text = ", ".join(f"magnitude batch {j} row {r} = direction batch {i} row {s}" for j, r, i, s in rows[:shown])
+    return text + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
+
+
+def _check_disjoint(
+    direction: list[Batch], magnitude: list[Batch], keys: tuple[str, str], by_index: bool
 ) -> None:
-    seen = {k for b in direction for k in _sample_keys(b, dict_key_x, dict_key_y)}
-    shared = sum(k in seen for b in magnitude for k in _sample_keys(b, dict_key_x, dict_key_y))
-    if shared:
-        raise ValueError(
-            f"{shared} sample(s) of the magnitude batch B̃ also occur in the direction batch "
-            "B; the two batches must be independent. Check that the loader does not repeat "
-            "samples and that magnitude_loader draws from data disjoint from the direction "
-            "batches (to use B̃ = B on purpose, pass magnitude_loader=train_loader)."
+    """Compare B and B̃ by their bytes: with ``by_index`` (both from one pass of a sampler that
+    draws without replacement, so disjoint by index) equal rows are repeated data, and a warning
+    names them; otherwise (B̃ from ``magnitude_loader``) they are refused."""
+    rows = repeated_rows(direction, magnitude, *keys)
+    if not rows:
+        return
+    if by_index:
+        warnings.warn(
+            f"{len(rows)} row(s) of the magnitude batch B̃ have the same input and target bytes as a "
+            f"row of the direction batch B: {_describe_rows(rows)}. B and B̃ come from one pass of "
+            "train_loader, at different indices, so these are repeated rows of the data set (token "
+            "windows, categorical features, duplicated images), not shared samples; if the data set "
+            "should not repeat rows, deduplicate it.",
+            UserWarning,
+            stacklevel=2,
         )
+        return
+    raise ValueError(
+        f"{len(rows)} sample(s) of the magnitude batch B̃ also occur in the direction batch B "
+        f"({_describe_rows(rows)}); the two batches must be independent, and with a separate "
+        "magnitude_loader only the bytes tell. Make magnitude_loader draw from data disjoint from "
+        "the direction batches, or drop magnitude_loader so that B and B̃ come from one pass of "
+        "train_loader (disjoint by index, so repeated rows are allowed); to use B̃ = B on purpose, "
+        "pass magnitude_loader=train_loader."
+    )
+
+
+def _check_without_replacement(loader: Iterable) -> None:
+    """Refuse a loader whose sampler draws with replacement: B and B̃ are disjoint by index only
+    because one pass of the sampler yields each index at most once."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if getattr(sampler, "replacement", False):
+            raise ValueError(
+                f"train_loader's sampler ({type(sampler).__name__}) draws with replacement, so B and B̃ "
+                "could share a sample (the same index in both) and would not be independent. Use a "
+                "sampler without replacement (shuffle=True, or replacement=False), or pass B̃'s data "
+                "as magnitude_loader."
+            )
 
 
 def _collect(loader: Iterable, n: int | None) -> list[Batch]:
@@ -423,7 +485,8 @@ def split_batches(
     split : {"batches", "halves"}
         ``"halves"`` uses every batch of one pass, half for B and half for B̃.
     generator : torch.Generator, optional
-        draws the batches at random (reproducibly) instead of taking them in loader order.
+        draws the batches at random instead of taking them in loader order; the same seed gives
+        the same B and B̃, with a shuffling loader too (:func:`loader_rng_from`).
     dict_key_x, dict_key_y : str
         keys of dict batches.
     device : torch.device, optional
@@ -439,13 +502,50 @@ def split_batches(
         form B and B̃.
     """
     n_data = _dataset_size(train_loader)
-    keys = (dict_key_x, dict_key_y)
+    if magnitude_loader is None:
+        _check_without_replacement(train_loader)
+    with loader_rng_from(generator):
+        return _split(
+            train_loader, n_direction_batches, n_magnitude_batches, magnitude_loader, split, generator,
+            (dict_key_x, dict_key_y), device, magnitude_rule, n_data,
+        )
+
+
+@contextlib.contextmanager
+def loader_rng_from(generator: torch.Generator | None) -> Iterator[None]:
+    """With ``generator``: inside the block torch's global CPU RNG, which a shuffling loader without
+    a generator of its own shuffles with (and seeds its workers from), is seeded from ``generator``'s
+    state, and afterwards it is restored. Loader passes inside the block are then a function of
+    ``generator`` alone, and the caller's global RNG stream is untouched. The seed is drawn from a
+    copy of ``generator``, which is not advanced: its draws of batch positions are those it makes
+    without this block. Without ``generator``: nothing."""
+    if generator is None:
+        yield
+        return
+    copy_ = torch.Generator(device=generator.device)
+    copy_.set_state(generator.get_state())
+    seed = int(torch.randint(0, 2**62, (), generator=copy_, device=generator.device))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _split(
+    train_loader: DataLoader,
+    n_direction_batches: int | None,
+    n_magnitude_batches: int | Literal["auto"] | None,
+    magnitude_loader: DataLoader | None,
+    split: str,
+    generator: torch.Generator | None,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+    magnitude_rule: Callable[[list[Batch]], AutoMagnitude] | None,
+    n_data: int,
+) -> BatchSplit:
+    """:func:`split_batches` after its loader checks, dispatched by ``split`` and ``"auto"``."""
     auto = _check_auto(n_magnitude_batches, magnitude_rule, split, magnitude_loader is train_loader)
     if split == "halves":
-        if n_direction_batches is not None or n_magnitude_batches is not None:
-            raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
-        if magnitude_loader is not None:
-            raise ValueError("split='halves' splits train_loader; do not pass magnitude_loader.")
+        _check_halves(n_direction_batches, n_magnitude_batches, magnitude_loader)
         return _choose_halves(train_loader, generator, n_data, keys, device)
     if split != "batches":
         raise ValueError(f"split must be 'batches' or 'halves', got {split!r}.")
@@ -456,6 +556,16 @@ def split_batches(
     if auto:
         return _choose_auto(train_loader, magnitude_loader, n_dir, magnitude_rule, generator, n_data, keys, device)
     return _choose_batches(train_loader, magnitude_loader, n_dir, n_mag, generator, n_data, keys, device)
+
+
+def _check_halves(
+    n_direction_batches: int | None, n_magnitude_batches: int | str | None, magnitude_loader: Iterable | None
+) -> None:
+    """Refuse the arguments ``split="halves"`` has no use for: it takes every batch of ``train_loader``."""
+    if n_direction_batches is not None or n_magnitude_batches is not None:
+        raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
+    if magnitude_loader is not None:
+        raise ValueError("split='halves' splits train_loader; do not pass magnitude_loader.")
 
 
 def _choose_batches(
@@ -533,8 +643,10 @@ def _choose_auto(
     """``n_magnitude_batches="auto"``: B as :func:`_choose_batches` chooses it, ``k = rule(B).wanted``,
     then B̃ = the next ``k`` batches of the same pass over ``train_loader`` (or of the order drawn
     with ``generator``), or the first (drawn) ``k`` of ``magnitude_loader``: the batches an
-    explicit ``n_magnitude_batches=k`` takes. A loader with fewer than ``k`` batches left gives
-    what it has (recorded in ``choice.auto.used``); none left raises."""
+    explicit ``n_magnitude_batches=k`` takes. Where B̃'s batches give a factor fewer rows than the
+    rule expected (a short batch), more follow (:func:`_made_up`). A loader with fewer batches left
+    gives what it has (recorded in ``choice.auto.used``, a factor still short in
+    ``choice.auto.short``); none left raises."""
     source = iter(train_loader)
     batches = _collect(source, n_dir if generator is None else None)
     order = _order(batches, n_dir, generator, "train_loader")
@@ -544,22 +656,67 @@ def _choose_auto(
     auto = rule(direction)
     name = "train_loader" if magnitude_loader is None else "magnitude_loader"
     if magnitude_loader is None:
-        if generator is None:
-            batches += _collect(source, auto.wanted)
-            order = list(range(len(batches)))
-        others, pos = batches, order[n_dir : n_dir + auto.wanted]
+        draw = _MagnitudeDraw(batches, order[n_dir:], source if generator is None else None)
+    elif generator is None:
+        draw = _MagnitudeDraw([], [], iter(magnitude_loader))
     else:
-        others = _collect(magnitude_loader, auto.wanted if generator is None else None)
-        pos = _order(others, 0, generator, name)[: auto.wanted]
+        others = _collect(magnitude_loader, None)
+        draw = _MagnitudeDraw(others, _order(others, 0, generator, name), None)
+    pos = draw.take(auto.wanted)
     if not pos:
         raise ValueError(
             f"{name} has no batch left for B̃ after the {n_dir} direction batch(es) of B; "
             "n_magnitude_batches='auto' needs at least one. Use a smaller batch_size, fewer direction "
             "batches, or an integer n_magnitude_batches (a one-batch loader is split into halves by default)."
         )
+    pos, short = _made_up(direction, draw, pos, rule, auto.cap, keys, device)
     how = "loader order" if generator is None else "random draw"
-    split = _finish(batches, order[:n_dir], others, pos, how, name, n_data, keys, device)
-    return replace(split, choice=replace(split.choice, auto=replace(auto, used=len(pos))))
+    split = _finish(batches, order[:n_dir], draw.batches, pos, how, name, n_data, keys, device)
+    return replace(split, choice=replace(split.choice, auto=replace(auto, used=len(pos), short=short)))
+
+
+class _MagnitudeDraw:
+    """The batches B̃ of "auto" is taken from, in the order it takes them: ``order`` (positions in
+    ``batches``), extended from ``rest`` (the rest of one pass in loader order, read only as far as
+    taken; ``None`` when ``batches`` already holds the whole pass)."""
+
+    def __init__(self, batches: list[Batch], order: list[int], rest: Iterator | None) -> None:
+        self.batches, self.order, self.rest = batches, order, rest
+
+    def take(self, k: int) -> list[int]:
+        """The positions of the first ``k`` batches (fewer when the source has fewer)."""
+        if self.rest is not None and len(self.order) < k:
+            new = _collect(self.rest, k - len(self.order))
+            self.order += range(len(self.batches), len(self.batches) + len(new))
+            self.batches += new
+        return self.order[:k]
+
+
+def _made_up(
+    direction: list[Batch],
+    draw: _MagnitudeDraw,
+    pos: list[int],
+    rule: Callable[[list[Batch]], AutoMagnitude],
+    cap: int,
+    keys: tuple[str, str],
+    device: torch.device | str | None,
+) -> tuple[list[int], FactorRowCount | None]:
+    """B̃'s positions once B ∪ B̃ spans every factor, and the factor still short, if any.
+
+    The rule, applied to B ∪ B̃, counts the rows they give every factor (one forward pass over
+    each batch). While a factor is short, B̃ holds fewer than ``cap`` batches and the source has
+    more, B̃ takes as many more as the rule asks for B ∪ B̃ (at most up to ``cap``)."""
+    while True:
+        magnitude = [on_device(draw.batches[i], device, f"magnitude batch {j}") for j, i in enumerate(pos)]
+        for j, b in enumerate(magnitude):
+            _check_batch(b, f"magnitude batch {j}", *keys)
+        union = rule(direction + magnitude)
+        if union.limiting is None or len(pos) >= cap:
+            return pos, union.limiting
+        more = draw.take(len(pos) + min(union.needed, cap - len(pos)))
+        if len(more) == len(pos):
+            return pos, union.limiting
+        pos = more
 
 
 def _choose_halves(
@@ -647,7 +804,7 @@ def _checked(
         if same:
             break
     if magnitude is not direction:
-        _check_disjoint(direction, magnitude, dict_key_x, dict_key_y)
+        _check_disjoint(direction, magnitude, keys, by_index=source == "train_loader")
     choice = BatchChoice(
         how=how,
         direction=tuple(direction_pos),

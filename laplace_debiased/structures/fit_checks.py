@@ -15,6 +15,17 @@ from laplace_debiased.structures.batches import Batch, batch_inputs_targets
 _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 
 
+def batch_statistics_layers(model: nn.Module) -> list[str]:
+    """``"'name' (Type)"`` of every BatchNorm layer of ``model`` without running statistics
+    (``track_running_stats=False``): such a layer normalises with its batch's statistics in eval
+    mode too, so its output for one sample depends on the other samples of the batch."""
+    return [
+        f"'{name}' ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is None
+    ]
+
+
 class FitChecksMixin:
     """Checks of the model and the fit batches before a two-batch fit."""
 
@@ -25,12 +36,22 @@ class FitChecksMixin:
             )
 
     def _check_model_mode(self) -> None:
-        """Refuse Dropout/BatchNorm layers left in train mode.
+        """Refuse Dropout/BatchNorm layers left in train mode, and BatchNorm layers without
+        running statistics (:func:`batch_statistics_layers`), before any forward pass.
 
         The layers' own ``training`` flags decide, not the wrapper's: laplace-torch's
         last-layer ``FeatureExtractor`` is created in train mode around a model the user put
         in eval mode, and that model must fit (as ``LLLaplace`` does).
         """
+        batch_stats = batch_statistics_layers(self.model)
+        if batch_stats:
+            raise ValueError(
+                f"{', '.join(batch_stats)} normalise with the statistics of the batch they are given "
+                "even in eval mode (track_running_stats=False), so the network's output, its curvature "
+                "and the predictive for one input would depend on the batch it comes in. Build these "
+                "layers with track_running_stats=True and estimate the running statistics on the "
+                "training data (a pass in train mode), or replace them by LayerNorm / GroupNorm."
+            )
         stochastic = [
             f"'{name}' ({type(m).__name__})"
             for name, m in self.model.named_modules()

@@ -36,6 +36,7 @@ __all__ = [
     "SpannedImplicitKronStructure",
     "SpannedKronStructure",
     "SpannedStructure",
+    "block_deltas",
     "block_modules",
     "block_spans",
     "curvature_modules",
@@ -125,9 +126,10 @@ def expected_block_shapes(modules: Sequence[nn.Module]) -> list[list[tuple[int, 
     return shapes
 
 
-def _block_deltas(deltas: Tensor, spans: Sequence[int]) -> Tensor:
+def block_deltas(deltas: Tensor, spans: Sequence[int]) -> Tensor:
     """Per-tensor prior precisions (one per parameter tensor) -> one per block; a scalar or
-    per-block tensor passes through. A block whose tensors have different values raises."""
+    per-block tensor passes through. A block whose tensors have different values raises: the
+    block's posterior precision ``G + δ I`` has one ``δ`` for all its tensors."""
     if deltas.ndim == 0 or len(deltas) in (1, len(spans)) or len(deltas) != sum(spans):
         return deltas
     out, start = [], 0
@@ -137,7 +139,8 @@ def _block_deltas(deltas: Tensor, spans: Sequence[int]) -> Tensor:
             raise ValueError(
                 f"prior precisions {part.tolist()} for the parameter tensors {start}..{start + span - 1}, "
                 "which share one dense curvature block (a normalisation layer's weight and "
-                "bias): give them the same value."
+                "bias): give them the same value. optimize_prior_precision(method='marglik', "
+                "prior_structure='layerwise') does so itself when init_prior_prec is a scalar."
             )
         out.append(part[0])
         start += span
@@ -157,7 +160,7 @@ class Spanned:
         return other
 
     def __add__(self, deltas: Tensor) -> Any:
-        return self._with(super().__add__(_block_deltas(deltas, self.spans)))
+        return self._with(super().__add__(block_deltas(deltas, self.spans)))
 
     def __mul__(self, scalar: Tensor | float) -> Any:
         return self._with(super().__mul__(scalar))
@@ -207,7 +210,7 @@ class SpannedStructure:
 
     def _deltas(self, prior_precisions: Sequence[float | Tensor]) -> Tensor:
         per_block = [
-            _block_deltas(torch.as_tensor(d, dtype=torch.float64).reshape(-1), self.spans)
+            block_deltas(torch.as_tensor(d, dtype=torch.float64).reshape(-1), self.spans)
             for d in prior_precisions
         ]
         return super()._deltas(per_block)

@@ -21,7 +21,8 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
 The input checks live in :mod:`.fit_checks`, the token-output GLM overrides in
-:mod:`.token_outputs` and the grid search in :mod:`.gridsearch` (bases of the mixin).
+:mod:`.token_outputs`, the grid search in :mod:`.gridsearch` and the per-block layerwise marglik
+in :mod:`.block_priors` (bases of the mixin).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from laplace.lllaplace import LLLaplace
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
-from laplace_debiased.curvature.kfac import output_rows
+from laplace_debiased.curvature.kfac import output_rows, padded_rows
 from laplace_debiased.structures.batches import (
     Batch,
     BatchChoice,
@@ -45,6 +46,7 @@ from laplace_debiased.structures.batches import (
     check_targets,
     split_batches,
 )
+from laplace_debiased.structures.block_priors import BlockPriorMixin
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     check_same_fit_inputs,
@@ -64,7 +66,7 @@ __all__ = ["TwoBatchLaplaceMixin"]
 logger = logging.getLogger(__name__)
 
 
-class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
+class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, BlockPriorMixin, FitChecksMixin):
     """Two-batch ``fit`` (B picks directions, B̃ measures magnitudes) for laplace-torch
     ``ParametricLaplace`` subclasses, plus a grid search that resets its metric."""
 
@@ -102,13 +104,13 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
             number of loader batches in B and B̃ (default 1 each). ``n_magnitude_batches="auto"``
             (debiased_kron/ekfac over all weights): B̃ gets the smallest ``k >= 1`` batches with
             ``R_f + k · R_f / |B| >= d_f`` for every K-FAC factor ``f`` of dimension ``d_f`` wider
-            than the rows ``R_f`` B gives it (samples × positions; B ∪ B̃ then spans it), at most
-            ``AUTO_MAGNITUDE_CAP = 8``; ``k`` and why are in ``fit_batches[-1].auto``
+            than the rows ``R_f`` B gives it (more after a short batch), at most ``AUTO_MAGNITUDE_CAP = 8``;
+            ``k``, why, and any factor B ∪ B̃ still misses (a warning) are in ``fit_batches[-1].auto``
             (:mod:`~laplace_debiased.structures.auto_magnitude`).
         split : {"batches", "halves"}
             ``"halves"``: all batches, first half B, second half B̃ ("debiased full-batch").
         generator : torch.Generator, optional
-            draw the batches at random (reproducibly) instead of in loader order.
+            draw the batches at random; one seed, one B and B̃, with a shuffling loader too.
 
         Notes
         -----
@@ -153,6 +155,8 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         inputs compared, the batches checked, the curvature fitted and accumulated."""
         check_same_fit_inputs(self.model, batches.direction, batches.magnitude)
         logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
+        if batches.choice.auto is not None and batches.choice.auto.short is not None:
+            logger.warning("%s fit: %s", type(self).__name__, batches.choice.auto.describe())
         used = self._distinct(batches.direction, batches.magnitude)
         self._prepare_fit(batches.direction[0], used, override)
         self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
@@ -180,10 +184,27 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
         (``self.fit_output_shape``: the per-sample output shape, ``([tokens, ...,] C)``)."""
         output_shape = self._output_shape(first)
         self.fit_output_shape = output_shape
+        padded = False
         for i, b in enumerate(used):
             _, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             check_targets(y, output_shape, self.likelihood, f"fit batch {i}")
+            padded = padded or bool(padded_rows(y).any())
+        if padded:
+            self._check_padding_supported()
         return output_shape[-1] if output_shape else 1
+
+    def _check_padding_supported(self) -> None:
+        """Refuse padded targets (-100) where laplace-torch's backend computes the K-FAC factors
+        (structures with ``_single_pass_fisher`` returning ``None``): it would count the padded
+        positions in the curvature. The package's own passes leave them out."""
+        single_pass = getattr(self, "_single_pass_fisher", None)
+        if single_pass is not None and single_pass() is None:
+            raise ValueError(
+                f"the fit batches have padded targets (-100), which {type(self.backend).__name__} "
+                f"(with asdl_fisher_kwargs={self._asdl_fisher_kwargs}) would count in the K-FAC factors. "
+                "Use the default CurvlinopsGGN (stochastic=False) or CurvlinopsEF backend without "
+                "asdl_fisher_kwargs, which leave padded positions out, or remove the padded positions."
+            )
 
     def _map_estimate(self) -> torch.Tensor:
         """The parameters being approximated as one vector (the posterior mean)."""

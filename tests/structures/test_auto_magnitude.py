@@ -229,3 +229,36 @@ def test_auto_refusals(kwargs, message):
     la = Laplace(_mlp(4), "classification", subset_of_weights="all", hessian_structure="debiased_kron")
     with pytest.raises(ValueError, match=message):
         la.fit(train_loader, **kwargs)
+
+
+def _uneven_loader(d_in: int, sizes: list[int]) -> DataLoader:
+    """Batches of the given sizes, in order (Gaussian inputs of dimension ``d_in``)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    batches = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
+    return DataLoader(_data(sum(sizes), (d_in,)), batch_sampler=batches)
+
+
+def test_a_short_last_batch_that_leaves_a_factor_unspanned_is_reported(caplog):
+    """40 samples in batches 16, 16, 8 and an input factor of dimension 48: B's 16 rows per batch
+    ask for k = 2, whose 24 rows leave B ∪ B̃ at rank 40 of 48. The record, its line and a warning
+    in the log say so."""
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la = _fit(_mlp(48), _uneven_loader(48, [16, 16, 8]), n_magnitude_batches="auto")
+    auto = la.fit_batches[-1].auto
+    assert (auto.wanted, auto.used) == (2, 2)
+    assert (auto.short.layer, auto.short.factor, auto.short.dimension, auto.short.rows_direction) == ("0", "input", 48, 40)
+    assert "B ∪ B̃ gives layer '0' input factor 40 rows of its dimension 48" in auto.describe()
+    assert any(r.levelname == "WARNING" and "does not span" in r.getMessage() for r in caplog.records)
+    assert _input_factor(la).rank_union == 40
+
+
+def test_a_short_batch_is_made_up_by_drawing_one_more():
+    """Batches 16, 16, 8, 16: k = 2 would give B ∪ B̃ 40 rows of 48, so "auto" takes the next
+    batch too (k = 3, the batches of the explicit n_magnitude_batches=3) and B ∪ B̃ spans."""
+    train_loader = _uneven_loader(48, [16, 16, 8, 16])
+    la = _fit(_mlp(48), train_loader, n_magnitude_batches="auto")
+    auto = la.fit_batches[-1].auto
+    assert (auto.wanted, auto.used, auto.short) == (2, 3, None)
+    assert "drew 1 more" in auto.describe()
+    assert la.fit_batches[-1].magnitude == (1, 2, 3)
+    assert _input_factor(la).rank_union == 48
