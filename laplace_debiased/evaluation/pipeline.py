@@ -186,7 +186,9 @@ def _method(name: str, model, train: Dataset, opts: dict) -> Method:
             return fitted[repeat]
         la = make(name.split("_")[0])
         loader, _ = _fit_loader(name, train, opts, repeat)
-        if name.endswith("_debiased"):  # its first two batches: B and B̃
+        if name == "kron_debiased":  # its first two batches: B and B̃, the paper's estimate
+            la.fit(loader, estimator="paper")
+        elif name.endswith("_debiased"):
             la.fit(loader)
         elif name.endswith("_corrected"):
             la.fit(loader, estimator="corrected")

@@ -35,7 +35,7 @@ from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
-from laplace_debiased.structures.kron_estimators import ESTIMATORS, Correction, check_estimator, corrected_decomposition, on_rank0
+from laplace_debiased.structures.kron_estimators import ESTIMATORS, Correction, corrected_decomposition, on_rank0, resolve_estimator
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
 from laplace_debiased.structures.mixed import (
@@ -127,7 +127,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     _estimators: tuple[str, ...] = ESTIMATORS
 
     def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False, *,
-            null_space: str = "isotropic", estimator: str = "paper", **kwargs: Any) -> None:
+            null_space: str = "isotropic", estimator: str | None = None, **kwargs: Any) -> None:
         """Fit as :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`
         (and ``cross_fit``), plus ``null_space``: how directions that B's factors do not
         distinguish (their null space, where a factor is wider than B) get their magnitude.
@@ -142,17 +142,19 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         ``debiased_ekfac`` (a subclass with its own eigenbasis and eigenvalues) does not use
         ``null_space`` and records no coverage.
 
-        ``estimator``: ``"paper"`` (default; B's eigenvectors, B̃'s Rayleigh quotients) or
-        ``"corrected"`` (the eigenvectors of B ∪ B̃, as a single batch of all their samples, with
-        eigenvalues less the regression-to-the-mean gap that the two batches measure against
-        each other; :mod:`laplace_debiased.curvature.corrected`). After a corrected fit
+        ``estimator``: ``"paper"`` (default; B's eigenvectors, B̃'s Rayleigh quotients; the only one
+        of ``debiased_ekfac``) or ``"corrected"`` (the eigenvectors of B ∪ B̃, as a single batch of
+        all their samples, with eigenvalues less the regression-to-the-mean gap that the two
+        batches measure against each other; :mod:`laplace_debiased.curvature.corrected`;
+        ``null_space`` does not apply; measured against the paper's in docs/guide/choosing-batches.md).
+        After a corrected fit
         ``self.correction`` (:class:`~laplace_debiased.structures.kron_estimators.Correction`)
         holds per block and factor what the correction changed, and it is logged.
         """
         if null_space not in NULL_SPACE_MODES:
             raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
-        check_estimator(estimator, self._estimators, self._key[1], bool(kwargs.get("cross_fit")))
-        self._null_space, self._estimator = null_space, estimator
+        self._null_space = null_space
+        self._estimator = resolve_estimator(estimator, self._estimators, self._key[1], bool(kwargs.get("cross_fit")))
         super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
 
     def _reset_fit_state(self) -> None:

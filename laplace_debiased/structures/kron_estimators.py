@@ -18,7 +18,7 @@ import torch
 from laplace_debiased.curvature.corrected import FactorCorrection, corrected_kron
 from laplace_debiased.structures.distributed import broadcast_, rank_world
 
-__all__ = ["ESTIMATORS", "Correction", "check_estimator", "corrected_decomposition", "on_rank0"]
+__all__ = ["ESTIMATORS", "Correction", "corrected_decomposition", "on_rank0", "resolve_estimator"]
 
 logger = logging.getLogger("laplace_debiased")
 
@@ -26,13 +26,18 @@ logger = logging.getLogger("laplace_debiased")
 ESTIMATORS = ("paper", "corrected")
 
 
-def check_estimator(estimator: str, offered: Sequence[str], structure: str, cross_fit: bool) -> None:
-    """Raise a ``ValueError`` that says what to pass if ``estimator`` is not one of ``offered``
-    or is combined with ``cross_fit`` (the corrected estimate already uses both orders)."""
+def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: str, cross_fit: bool) -> str:
+    """The estimate a fit uses: ``estimator``, by default ``"paper"`` (the first of ``offered``).
+
+    Raises a ``ValueError`` that says what to pass if ``estimator`` is not one of ``offered`` or
+    ``"corrected"`` is combined with ``cross_fit`` (the corrected estimate already uses both orders)."""
+    if estimator is None:
+        return offered[0]
     if estimator not in offered:
         raise ValueError(f"{structure} offers estimator in {tuple(offered)}, got {estimator!r}.")
     if estimator == "corrected" and cross_fit:
         raise ValueError("estimator='corrected' already uses both orders of B and B̃; drop cross_fit=True.")
+    return estimator
 
 
 def on_rank0(compute: Callable[[], tuple[list, list]], like: list[list[torch.Tensor]]) -> tuple[list, list]:
