@@ -27,15 +27,16 @@ rank ``< d_in`` is then decomposed through its Gram matrix instead of its ``d_in
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from curvlinops.kfac_utils import extract_patches
 from torch import nn
 
+from laplace_debiased.curvature.attention import AttentionProjection, attention_parts
 from laplace_debiased.curvature.dense_blocks import (
     NORM_LAYERS,
     block_dims,
@@ -178,8 +179,8 @@ def _install_sum_hooks(
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
     (and keep its rows in ``into.input_rows`` where wanted, :func:`_keep_rows`) and hook the
     outputs so that every backward pass adds its output-gradient sums to ``into.output``;
-    returns the handles (remove them after the passes)."""
-    handles = []
+    the projections of an ``nn.MultiheadAttention`` through one hook on the attention
+    (:func:`_install_attention_hooks`). Returns the handles (remove them after the passes)."""
     x_hats: dict[int, torch.Tensor] = {}  # normalisation layers: x̂ of this pass
 
     def on_output_grad(grad: torch.Tensor, i: int) -> None:
@@ -197,15 +198,57 @@ def _install_sum_hooks(
         elif isinstance(module, nn.Embedding):
             embedding_input_sums(module, inputs[0], segments, into.input[i])
         elif into.input[i] is not None:
-            a = _patches(inputs[0].detach(), module)
-            _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
-            if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
-                into.input_rows[i] = None
+            _input_sums(inputs[0].detach(), module, segments, into, i)
         output.register_hook(partial(on_output_grad, i=i))
 
+    handles = [
+        m.register_forward_hook(partial(on_forward, i=i))
+        for i, m in enumerate(modules)
+        if not isinstance(m, AttentionProjection)
+    ]
+    return handles + _install_attention_hooks(modules, segments, into, on_output_grad)
+
+
+def _input_sums(
+    a: torch.Tensor, module: nn.Module, segments: Sequence[tuple[int, int, int]], into: GroupKfacSums, i: int
+) -> None:
+    """Add the input-side sums of module ``i``'s input ``a`` (``(n, ..., d_in)``, conv: the
+    unfolded patches) per segment to ``into.input[i]``, keeping rows where wanted."""
+    a = _patches(a, module)
+    _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
+    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
+        into.input_rows[i] = None
+
+
+def _install_attention_hooks(
+    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums,
+    on_output_grad: Callable[..., None],
+) -> list:
+    """One forward hook per ``nn.MultiheadAttention`` whose projections are among ``modules``
+    (:class:`~laplace_debiased.curvature.attention.AttentionProjection`): it re-evaluates the
+    attention with :func:`~laplace_debiased.curvature.attention.attention_parts`, adds the
+    input-side sums of both projections, hooks their outputs with ``on_output_grad`` and
+    returns the re-evaluated output in place of the module's."""
+    slots: dict[int, dict[str, int]] = {}
+    attentions: dict[int, nn.MultiheadAttention] = {}
     for i, m in enumerate(modules):
-        handles.append(m.register_forward_hook(partial(on_forward, i=i)))
-    return handles
+        if isinstance(m, AttentionProjection):
+            slots.setdefault(id(m.attention), {})[m.part] = i
+            attentions[id(m.attention)] = m.attention
+            into.input_rows[i] = None  # no low-rank rows: the sums are cheap at these widths
+
+    def on_attention(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple:
+        parts = attention_parts(module, args, kwargs)
+        for part, a, out in (("in_proj", parts.inputs, parts.projections), ("out_proj", parts.heads, parts.output)):
+            i = slots[id(module)].get(part)
+            if i is None:
+                continue
+            if into.input[i] is not None:
+                _input_sums(a.detach(), modules[i], segments, into, i)
+            out.register_hook(partial(on_output_grad, i=i))
+        return parts.result
+
+    return [a.register_forward_hook(on_attention, with_kwargs=True) for a in attentions.values()]
 
 
 def _backward_passes(
