@@ -174,13 +174,15 @@ def _keep_rows(
 
 
 def _install_sum_hooks(
-    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums
+    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums, n_rows: int
 ) -> list:
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
     (and keep its rows in ``into.input_rows`` where wanted, :func:`_keep_rows`) and hook the
     outputs so that every backward pass adds its output-gradient sums to ``into.output``;
     the projections of an ``nn.MultiheadAttention`` through one hook on the attention
-    (:func:`_install_attention_hooks`). Returns the handles (remove them after the passes)."""
+    (:func:`_install_attention_hooks`). Every layer's input must hold the ``n_rows`` samples of
+    the pass along its first dimension (:func:`_check_batch_first`). Returns the handles
+    (remove them after the passes)."""
     x_hats: dict[int, torch.Tensor] = {}  # normalisation layers: x̂ of this pass
 
     def on_output_grad(grad: torch.Tensor, i: int) -> None:
@@ -193,6 +195,7 @@ def _install_sum_hooks(
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
     ) -> None:
+        _check_batch_first(module, inputs[0], n_rows)
         if isinstance(module, NORM_LAYERS):
             x_hats[i] = normalised_input(module, inputs[0].detach())
         elif isinstance(module, nn.Embedding):
@@ -206,7 +209,20 @@ def _install_sum_hooks(
         for i, m in enumerate(modules)
         if not isinstance(m, AttentionProjection)
     ]
-    return handles + _install_attention_hooks(modules, segments, into, on_output_grad)
+    return handles + _install_attention_hooks(modules, segments, into, on_output_grad, n_rows)
+
+
+def _check_batch_first(module: nn.Module, x: torch.Tensor, n_rows: int) -> None:
+    """Raise a ``ValueError`` unless ``x`` (a layer's input, batch first) has ``n_rows`` rows:
+    the sums are split by sample along the first dimension."""
+    if x.shape[0] != n_rows:
+        raise ValueError(
+            f"a {type(module).__name__} layer receives an input of shape {tuple(x.shape)} for a "
+            f"pass over {n_rows} samples; debiased_kron/debiased_ekfac need every layer's input "
+            "batch first (for nn.MultiheadAttention and nn.TransformerEncoderLayer: "
+            "batch_first=True; no flattening of the batch with other dimensions). Use "
+            "hessian_structure='debiased_full' or 'debiased_lowrank' otherwise."
+        )
 
 
 def _input_sums(
@@ -222,7 +238,7 @@ def _input_sums(
 
 def _install_attention_hooks(
     modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums,
-    on_output_grad: Callable[..., None],
+    on_output_grad: Callable[..., None], n_rows: int,
 ) -> list:
     """One forward hook per ``nn.MultiheadAttention`` whose projections are among ``modules``
     (:class:`~laplace_debiased.curvature.attention.AttentionProjection`): it re-evaluates the
@@ -239,6 +255,7 @@ def _install_attention_hooks(
 
     def on_attention(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple:
         parts = attention_parts(module, args, kwargs)
+        _check_batch_first(module, parts.inputs, n_rows)
         for part, a, out in (("in_proj", parts.inputs, parts.projections), ("out_proj", parts.heads, parts.output)):
             i = slots[id(module)].get(part)
             if i is None:
@@ -320,7 +337,7 @@ def group_kfac_sums(
     params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     if into is None:
         into = zero_sums(modules, n_groups, params[0], keep_rows)
-    handles = _install_sum_hooks(modules, segments, into)
+    handles = _install_sum_hooks(modules, segments, into, len(y))
     try:
         f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher)
     finally:
