@@ -180,9 +180,9 @@ def _install_sum_hooks(
     (and keep its rows in ``into.input_rows`` where wanted, :func:`_keep_rows`) and hook the
     outputs so that every backward pass adds its output-gradient sums to ``into.output``;
     the projections of an ``nn.MultiheadAttention`` through one hook on the attention
-    (:func:`_install_attention_hooks`). Every layer's input must hold the ``n_rows`` samples of
-    the pass along its first dimension (:func:`_check_batch_first`). Returns the handles
-    (remove them after the passes)."""
+    (:func:`_install_attention_hooks`). A layer whose input holds the ``n_rows`` samples of the
+    pass along its second dimension is refused (:func:`_check_batch_first`). Returns the
+    handles (remove them after the passes)."""
     x_hats: dict[int, torch.Tensor] = {}  # normalisation layers: x̂ of this pass
 
     def on_output_grad(grad: torch.Tensor, i: int) -> None:
@@ -213,15 +213,16 @@ def _install_sum_hooks(
 
 
 def _check_batch_first(module: nn.Module, x: torch.Tensor, n_rows: int) -> None:
-    """Raise a ``ValueError`` unless ``x`` (a layer's input, batch first) has ``n_rows`` rows:
-    the sums are split by sample along the first dimension."""
-    if x.shape[0] != n_rows:
+    """Raise a ``ValueError`` if ``x`` (a layer's input in a pass over ``n_rows`` samples) holds
+    the samples along its second dimension instead of its first (tokens first): the sums are
+    split by sample along the first dimension."""
+    if x.ndim >= 2 and x.shape[0] != n_rows and x.shape[1] == n_rows:
         raise ValueError(
             f"a {type(module).__name__} layer receives an input of shape {tuple(x.shape)} for a "
-            f"pass over {n_rows} samples; debiased_kron/debiased_ekfac need every layer's input "
-            "batch first (for nn.MultiheadAttention and nn.TransformerEncoderLayer: "
-            "batch_first=True; no flattening of the batch with other dimensions). Use "
-            "hessian_structure='debiased_full' or 'debiased_lowrank' otherwise."
+            f"pass over {n_rows} samples (tokens first); debiased_kron/debiased_ekfac need every "
+            "layer's input batch first (for nn.MultiheadAttention and "
+            "nn.TransformerEncoderLayer: batch_first=True). Use hessian_structure='debiased_full' "
+            "or 'debiased_lowrank' otherwise."
         )
 
 

@@ -406,3 +406,126 @@ def test_frozen_unsupported_attention_is_accepted():
         p.requires_grad_(False)
     la = _fit(model, _data(8), "debiased_kron", batch=4, same=False)
     assert len(la.H_facs.kfacs) == 2
+
+
+# -------------------------------------------------------------------------- GPT-2 Conv1D
+class Conv1D(nn.Module):
+    """Local stand-in for ``transformers.pytorch_utils.Conv1D``: ``weight`` ``(nx, nf)``, ``bias``
+    ``(nf,)``, ``y = x @ weight + bias``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(0.4 * torch.randn(nx, nf))
+        self.bias = nn.Parameter(0.1 * torch.randn(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+def _transposed(conv: nn.Module) -> nn.Linear:
+    lin = nn.Linear(*conv.weight.shape).double()
+    with torch.no_grad():
+        lin.weight.copy_(conv.weight.T), lin.bias.copy_(conv.bias)
+    return lin
+
+
+class GPT2Block(nn.Module):
+    """Linear embedding, a GPT-2 block (pre-LN causal attention with ``c_attn``/``c_proj``, MLP
+    ``c_fc``/``c_out``, all ``Conv1D`` unless ``linear`` twin), last-token linear head."""
+
+    def __init__(self, conv: type = Conv1D, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(D_IN, D)
+        self.ln_1, self.c_attn, self.c_proj = nn.LayerNorm(D), conv(3 * D, D), conv(D, D)
+        self.ln_2, self.c_fc, self.c_out = nn.LayerNorm(D), conv(16, D), conv(D, 16)
+        self.head = nn.Linear(D, N_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        q, k, v = (_heads(t) for t in self.c_attn(self.ln_1(h)).split(D, dim=-1))
+        T = x.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(D // HEADS)).masked_fill(causal, -math.inf)
+        h = h + self.c_proj((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(h.shape))
+        h = h + self.c_out(F.gelu(self.c_fc(self.ln_2(h))))
+        return self.head(h[:, -1])
+
+
+def gpt2_block(conv: type = Conv1D) -> GPT2Block:
+    return GPT2Block(conv).double().eval()
+
+
+def linear_twin(model: GPT2Block) -> GPT2Block:
+    twin = copy.deepcopy(model)
+    for name in ("c_attn", "c_proj", "c_fc", "c_out"):
+        setattr(twin, name, _transposed(getattr(model, name)))
+    return twin
+
+
+CONV1D_BLOCKS = (3, 5, 8, 10)  # weight blocks of c_attn, c_proj, c_fc, c_out (a LayerNorm is one block)
+
+
+def test_conv1d_is_recognised_by_class_name_and_shape():
+    assert is_conv1d(Conv1D(3, 2))
+    assert not is_conv1d(nn.Conv1d(2, 3, 1)) and not is_conv1d(nn.Linear(2, 3))
+    transformers = pytest.importorskip("transformers")
+    assert is_conv1d(transformers.pytorch_utils.Conv1D(3, 2))
+
+
+def test_conv1d_blocks_are_the_transposed_linear_blocks():
+    """Every ``Conv1D`` weight block ``A ⊗ G`` (input index slow, ``weight.flatten()`` order)
+    is the K-FAC block ``G ⊗ A`` of the same layer as ``nn.Linear`` with the index orders
+    swapped; biases, LayerNorm and Linear blocks are equal as they are."""
+    model = gpt2_block()
+    data = _data(8)
+    la = _fit(model, data, "debiased_kron", batch=8, same=True)
+    ref = _fit(linear_twin(model), data, "debiased_kron", batch=8, same=True)
+    assert len(la.H_facs.kfacs) == len(ref.H_facs.kfacs)
+    for k, (ours, theirs) in enumerate(zip(la.H_facs.kfacs, ref.H_facs.kfacs)):
+        if k in CONV1D_BLOCKS:
+            nx, nf = len(ours[0]), len(ours[1])
+            conv = torch.kron(ours[0], ours[1]).reshape(nx, nf, nx, nf).permute(1, 0, 3, 2)
+            _close(conv, torch.kron(theirs[0], theirs[1]).reshape(nf, nx, nf, nx))
+        else:
+            for F1, F2 in zip(ours, theirs, strict=True):
+                _close(F1, F2)
+
+
+@pytest.mark.parametrize("structure", KRON_STRUCTURES)
+def test_conv1d_posterior_is_the_transposed_linear_posterior(structure):
+    """Two batches: the debiased K-FAC of the Conv1D model is that of its Linear twin with each
+    Conv1D weight's indices transposed (debiased_ekfac: Conv1D and attention projections get
+    debiased K-FAC blocks, so only debiased_kron is compared whole; ekfac's LayerNorm and bias
+    blocks match)."""
+    model = gpt2_block()
+    data = _data(16)
+    la = _fit(model, data, structure, batch=8, same=False)
+    ref = _fit(linear_twin(model), data, "debiased_kron", batch=8, same=False)
+    perm, start = [], 0
+    for p in model.parameters():
+        idx = torch.arange(start, start + p.numel())
+        if p.ndim == 2 and p is not model.embed.weight and p is not model.head.weight:
+            idx = idx.reshape(p.shape[1], p.shape[0]).T.reshape(-1)  # Conv1D (i, j) -> Linear's index of W[j, i]
+        perm.append(idx)
+        start += p.numel()
+    perm = torch.cat(perm)
+    H, H_ref = la.H.to_matrix(), ref.H.to_matrix()[perm][:, perm]
+    if structure == "debiased_kron":
+        _close(H, H_ref)
+    else:
+        for k in CONV1D_BLOCKS:
+            s = _block_range(la, k)
+            _close(H[s, s], H_ref[s, s])
+
+
+def test_transformers_conv1d_gives_the_local_conv1d_fit():
+    transformers = pytest.importorskip("transformers")
+    model = gpt2_block()
+    real = gpt2_block(lambda nf, nx: transformers.pytorch_utils.Conv1D(nf, nx))
+    real.load_state_dict(model.state_dict())
+    data = _data(8)
+    a = _fit(model, data, "debiased_kron", batch=4, same=False)
+    b = _fit(real, data, "debiased_kron", batch=4, same=False)
+    _close(b.H.to_matrix(), a.H.to_matrix())
