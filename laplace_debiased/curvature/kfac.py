@@ -13,7 +13,9 @@ the convention of laplace-torch's default backend):
   root ``S_n S_nᵀ = Λ_n`` of the per-sample loss Hessian (``fisher="type2"``, exact GGN), or
   of the per-sample loss itself (``fisher="empirical"``, one column);
 * input side, per trainable weight: ``Σ_{n ∈ group} (1/T) Σ_t a_nt a_ntᵀ`` with ``T`` the
-  number of positions (unfolded patches for ``Conv2d``; ``T = 1`` for ``Linear``).
+  number of positions (unfolded patches for ``Conv2d``; ``T = 1`` for ``Linear`` on
+  ``(n, d_in)``, the tokens for ``Linear``, ``Conv1D`` and attention projections on
+  ``(n, T, d_in)``: :mod:`laplace_debiased.curvature.attention`).
 
 Both are *sums over the samples of a group*: dividing the input side by the group size gives
 the factor a backend call over that group returns, and sums from disjoint shards of a group
@@ -311,11 +313,11 @@ def group_kfac_sums(
         maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output
         (its own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once,
         in its current mode.
-    modules : sequence of nn.Linear / nn.Conv2d / nn.Embedding / normalisation layers
-        the layers with trainable parameters, in ``Kron`` block order; an ``Embedding``'s
-        input side is its diagonal token-frequency sum, a normalisation layer's output side is
-        its exact dense GGN block and it has no input side
-        (:mod:`laplace_debiased.curvature.dense_blocks`).
+    modules : sequence of curvature layers (:func:`laplace_debiased.structures.mixed.curvature_modules`)
+        in ``Kron`` block order; an ``Embedding``'s input side is its diagonal token-frequency
+        sum, a normalisation layer's output side is its exact dense GGN block, without input
+        side (:mod:`~laplace_debiased.curvature.dense_blocks`); attention projections and
+        ``Conv1D``: :mod:`~laplace_debiased.curvature.attention`.
     X, y : Tensor
         stacked inputs and targets of all rows of this pass.
     segments : sequence of (start, stop, group)

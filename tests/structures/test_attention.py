@@ -529,3 +529,53 @@ def test_transformers_conv1d_gives_the_local_conv1d_fit():
     a = _fit(model, data, "debiased_kron", batch=4, same=False)
     b = _fit(real, data, "debiased_kron", batch=4, same=False)
     _close(b.H.to_matrix(), a.H.to_matrix())
+
+
+# -------------------------------------------------------------------------- token outputs
+class CausalTokenModel(nn.Module):
+    """Linear embedding, causal self-attention (``nn.MultiheadAttention``, or the explicit twin
+    with ``nn.Linear`` projections), a linear head on every token: ``(n, T, 4)`` -> ``(n, T, 3)``."""
+
+    def __init__(self, explicit: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(D_IN, D).double()
+        self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True).double()
+        self.head = nn.Linear(D, N_CLASSES).double()
+        if explicit:
+            self.qkv, self.proj = nn.Linear(D, 3 * D).double(), nn.Linear(D, D).double()
+            with torch.no_grad():
+                self.qkv.weight.copy_(self.attn.in_proj_weight), self.qkv.bias.copy_(self.attn.in_proj_bias)
+                self.proj.weight.copy_(self.attn.out_proj.weight), self.proj.bias.copy_(self.attn.out_proj.bias)
+            del self.attn
+            self.head = self._modules.pop("head")  # after the projections, in parameter order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        T = x.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        if hasattr(self, "attn"):
+            return self.head(self.attn(h, h, h, attn_mask=causal, need_weights=False)[0])
+        q, k, v = (_heads(t) for t in self.qkv(h).chunk(3, dim=-1))
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(D // HEADS)).masked_fill(causal, -math.inf)
+        return self.head(self.proj((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(h.shape)))
+
+
+@pytest.mark.parametrize("structure", KRON_STRUCTURES)
+def test_token_outputs_with_attention_equal_the_linear_twin(structure):
+    """Every token an output (targets ``(n, T)``): the attention model's debiased posterior is
+    its ``nn.Linear`` twin's (debiased_ekfac: the attention blocks, which are K-FAC blocks)."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, TOKENS, D_IN, generator=g, dtype=torch.float64),
+                         torch.randint(0, N_CLASSES, (16, TOKENS), generator=g))
+    model, twin = CausalTokenModel().eval(), CausalTokenModel(explicit=True).eval()
+    _close(twin(data.tensors[0]), model(data.tensors[0]))
+    la = _fit(model, data, structure, batch=8, same=False)
+    ref = _fit(twin, data, "debiased_kron", batch=8, same=False)
+    H, H_ref = la.H.to_matrix(), ref.H.to_matrix()
+    if structure == "debiased_kron":
+        _close(H, H_ref)
+    else:
+        for k in ATTENTION_BLOCKS:
+            s = _block_range(la, k)
+            _close(H[s, s], H_ref[s, s])
