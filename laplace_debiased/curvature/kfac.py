@@ -254,7 +254,6 @@ def _install_attention_hooks(
         if isinstance(m, AttentionProjection):
             slots.setdefault(id(m.attention), {})[m.part] = i
             attentions[id(m.attention)] = m.attention
-            into.input_rows[i] = None  # no low-rank rows: the sums are cheap at these widths
 
     def on_attention(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple:
         parts = attention_parts(module, args, kwargs)
@@ -374,7 +373,8 @@ def zero_sums(
     modules: Sequence[nn.Module], n_groups: int, like: torch.Tensor, keep_rows: bool = False
 ) -> GroupKfacSums:
     """Zero sums for ``modules`` and ``n_groups`` groups, dtype and device of ``like`` (with
-    empty row lists for the input sides if ``keep_rows``)."""
+    empty row lists for the input sides of ``nn.Linear`` / ``nn.Conv2d`` weights if
+    ``keep_rows``: the other layers' blocks are debiased from their sums)."""
     def z(d: int) -> torch.Tensor:
         return torch.zeros(n_groups, d, d, dtype=like.dtype, device=like.device)
 
@@ -384,7 +384,10 @@ def zero_sums(
         output.append(z(d_out))
         inputs.append(None if d_in is None else z(d_in))
     loss = torch.zeros(n_groups, dtype=like.dtype, device=like.device)
-    rows = [[[] for _ in range(n_groups)] if keep_rows and A is not None else None for A in inputs]
+    rows = [
+        [[] for _ in range(n_groups)] if keep_rows and A is not None and isinstance(m, (nn.Linear, nn.Conv2d)) else None
+        for m, A in zip(modules, inputs)
+    ]
     return GroupKfacSums(output, inputs, loss, rows)
 
 
