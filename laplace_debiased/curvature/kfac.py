@@ -196,15 +196,19 @@ def _install_sum_hooks(
 
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
-    ) -> None:
-        _check_batch_first(module, inputs[0], n_rows)
+    ) -> torch.Tensor:
+        x = inputs[0]
+        if isinstance(module, nn.Embedding):
+            x, output = _shared_ids_per_sample(x, output, n_rows)
+        _check_batch_first(module, x, n_rows)
         if isinstance(module, NORM_LAYERS):
-            x_hats[i] = normalised_input(module, inputs[0].detach())
+            x_hats[i] = normalised_input(module, x.detach())
         elif isinstance(module, nn.Embedding):
-            embedding_input_sums(module, inputs[0], segments, into.input[i])
+            embedding_input_sums(module, x, segments, into.input[i])
         elif into.input[i] is not None:
-            _input_sums(inputs[0].detach(), module, segments, into, i)
+            _input_sums(x.detach(), module, segments, into, i)
         output.register_hook(partial(on_output_grad, i=i))
+        return output
 
     handles = [
         m.register_forward_hook(partial(on_forward, i=i))
@@ -212,6 +216,25 @@ def _install_sum_hooks(
         if not isinstance(m, AttentionProjection)
     ]
     return handles + _install_attention_hooks(modules, segments, into, on_output_grad, n_rows)
+
+
+def _shared_ids_per_sample(
+    ids: torch.Tensor, output: torch.Tensor, n_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An embedding's ids and output with the samples of a pass over ``n_rows`` samples first.
+
+    Ids shared by every sample (position ids ``(T,)`` with ``T != n_rows``, or ``(1, T)`` as
+    GPT-2 passes them) give an output the model broadcasts over the batch, whose gradient is
+    the sum over the samples. Per sample they are the same ids, so they are expanded to
+    ``(n_rows, T)`` and the output to ``(n_rows, T, D)``; the expanded output (returned by the
+    forward hook in place of the module's, the same values) carries the per-sample gradients.
+    Other ids and outputs are returned unchanged."""
+    one_d = ids.ndim == 1 and ids.shape[0] != n_rows
+    if not (one_d or (ids.ndim > 1 and ids.shape[0] == 1 and n_rows > 1)):
+        return ids, output
+    if one_d:
+        ids, output = ids.unsqueeze(0), output.unsqueeze(0)
+    return ids.expand(n_rows, *ids.shape[1:]), output.expand(n_rows, *output.shape[1:])
 
 
 def _check_batch_first(module: nn.Module, x: torch.Tensor, n_rows: int) -> None:

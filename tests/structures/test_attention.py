@@ -579,3 +579,54 @@ def test_token_outputs_with_attention_equal_the_linear_twin(structure):
         for k in ATTENTION_BLOCKS:
             s = _block_range(la, k)
             _close(H[s, s], H_ref[s, s])
+
+
+# -------------------------------------------------------------------------- shared position embeddings
+class PositionEmbedded(nn.Module):
+    """Token and position embeddings, causal self-attention, last-token head: ``(n, T)`` token
+    ids -> ``(n, 3)``. ``positions``: how the position ids are passed, ``"1d"`` ``(T,)``,
+    ``"row"`` ``(1, T)`` (as GPT-2 does) or ``"per_sample"`` ``(n, T)``."""
+
+    def __init__(self, positions: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos = nn.Embedding(7, D).double(), nn.Embedding(TOKENS, D).double()
+        self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True).double()
+        self.head = nn.Linear(D, N_CLASSES).double()
+        self.positions = positions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(x.shape[1])
+        ids = {"1d": ids, "row": ids.unsqueeze(0), "per_sample": ids.expand(len(x), -1)}[self.positions]
+        h = self.tok(x) + self.pos(ids)
+        return self.head(self.attn(h, h, h, need_weights=False)[0][:, -1])
+
+
+@pytest.mark.parametrize("structure", KRON_STRUCTURES)
+@pytest.mark.parametrize("positions", ["1d", "row"])
+def test_shared_position_ids_give_the_per_sample_posterior(structure, positions):
+    """Position ids shared by the batch (no batch dimension, or one of size 1) are, per sample,
+    the same ids: the posterior equals that of the model that passes them per sample."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 7, (16, TOKENS), generator=g), torch.randint(0, N_CLASSES, (16,), generator=g))
+    shared = _fit(PositionEmbedded(positions).eval(), data, structure, batch=8, same=False)
+    ref = _fit(PositionEmbedded("per_sample").eval(), data, structure, batch=8, same=False)
+    _close(shared.H.to_matrix(), ref.H.to_matrix())
+
+
+@pytest.mark.parametrize("structure", KRON_STRUCTURES)
+def test_transformers_gpt2_fits_over_all_weights(structure):
+    """A tiny ``transformers`` GPT-2 sequence classifier (token and position embeddings, Conv1D
+    projections, LayerNorms, left-padded ``BatchEncoding`` batches) over all 1,144 weights: one
+    block per parameter tensor, a finite marginal likelihood and a predictive that sums to one."""
+    pytest.importorskip("transformers")
+    from tests.structures.test_parity import SequenceClassifier, hf_loaders, tiny_gpt2
+
+    model = SequenceClassifier(tiny_gpt2()).eval()
+    train, x_test = hf_loaders()
+    la = Laplace(model, "classification", "all", structure)
+    la.fit(train)
+    assert la.n_params == sum(p.numel() for p in model.parameters())
+    assert torch.isfinite(la.log_marginal_likelihood())
+    probs = la(x_test, link_approx="probit")
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(probs)), atol=1e-5, rtol=0)
