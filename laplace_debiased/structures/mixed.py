@@ -87,9 +87,9 @@ def named_curvature_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         if isinstance(module, nn.MultiheadAttention):
             inside.add(id(module.out_proj))
-            projections = [AttentionProjection(module, part) for part in ("in_proj", "out_proj")]
-            if any(_owned(p) for p in projections):
+            if _owned(module) or _owned(module.out_proj):
                 check_attention(name, module)
+            projections = [AttentionProjection(module, part) for part in ("in_proj", "out_proj")]
             out.extend((f"{name}.{p.part}", p) for p in projections if _owned(p))
             continue
         if not _owned(module):

@@ -630,3 +630,12 @@ def test_transformers_gpt2_fits_over_all_weights(structure):
     assert torch.isfinite(la.log_marginal_likelihood())
     probs = la(x_test, link_approx="probit")
     torch.testing.assert_close(probs.sum(-1), torch.ones(len(probs)), atol=1e-5, rtol=0)
+
+
+def test_trainable_extra_attention_parameters_are_refused_with_frozen_projections():
+    """``bias_k``/``bias_v`` trainable while both projections are frozen: still named."""
+    model = CrossAttention(add_bias_kv=True).eval()
+    for p in (model.attn.in_proj_weight, model.attn.in_proj_bias, *model.attn.out_proj.parameters()):
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        _fit(model, _data(8), "debiased_kron", batch=4, same=False)
