@@ -280,7 +280,7 @@ def test_debiased_attention_blocks_equal_the_two_batch_formula():
     for k in ATTENTION_BLOCKS:
         Us = [torch.linalg.eigh(F)[1] for F in B[k]]
         lams = [((M @ U) * U).sum(0) for M, U in zip(Bt[k], Us)]
-        U = _kron_block(Us) if len(Us) == 2 else Us[0]
+        U = _kron_block(Us)
         lam = torch.kron(lams[0], lams[1]) if len(lams) == 2 else lams[0]
         s = _block_range(la, k)
         _close(H[s, s], 2.0 * (U * lam) @ U.T)
