@@ -38,6 +38,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from laplace_debiased.curvature.attention import is_conv1d
+
 __all__ = [
     "NORM_LAYERS",
     "block_dims",
@@ -57,12 +59,15 @@ def _trainable(module: nn.Module) -> list[tuple[str, Tensor]]:
 def block_dims(module: nn.Module) -> tuple[int, int | None]:
     """Sizes ``(d_out, d_in)`` of a module's per-group K-FAC sums (``d_in`` ``None``: no input
     side).  Normalisation: ``(d, None)`` with ``d`` its trainable affine parameters (a dense
-    block); ``Embedding`` ``(V, D)``: ``(D, V)``; ``Linear``/``Conv2d``: ``(d_out, d_in)``, input
-    side only if the weight is trainable."""
+    block); ``Embedding`` ``(V, D)``: ``(D, V)``; GPT-2 ``Conv1D`` ``(nx, nf)``: ``(nf, nx)``;
+    ``Linear``/``Conv2d`` (and attention projections): ``(d_out, d_in)``; input side only if
+    the weight is trainable."""
     if isinstance(module, NORM_LAYERS):
         return sum(p.numel() for _, p in _trainable(module)), None
     if isinstance(module, nn.Embedding):
         return module.weight.shape[1], module.weight.shape[0]
+    if is_conv1d(module):
+        return module.weight.shape[1], (module.weight.shape[0] if module.weight.requires_grad else None)
     return module.weight.shape[0], (module.weight[0].numel() if module.weight.requires_grad else None)
 
 

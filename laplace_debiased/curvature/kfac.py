@@ -13,7 +13,9 @@ the convention of laplace-torch's default backend):
   root ``S_n S_nᵀ = Λ_n`` of the per-sample loss Hessian (``fisher="type2"``, exact GGN), or
   of the per-sample loss itself (``fisher="empirical"``, one column);
 * input side, per trainable weight: ``Σ_{n ∈ group} (1/T) Σ_t a_nt a_ntᵀ`` with ``T`` the
-  number of positions (unfolded patches for ``Conv2d``; ``T = 1`` for ``Linear``).
+  number of positions (unfolded patches for ``Conv2d``; ``T = 1`` for ``Linear`` on
+  ``(n, d_in)``, the tokens for ``Linear``, ``Conv1D`` and attention projections on
+  ``(n, T, d_in)``: :mod:`laplace_debiased.curvature.attention`).
 
 Both are *sums over the samples of a group*: dividing the input side by the group size gives
 the factor a backend call over that group returns, and sums from disjoint shards of a group
@@ -27,15 +29,16 @@ rank ``< d_in`` is then decomposed through its Gram matrix instead of its ``d_in
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from curvlinops.kfac_utils import extract_patches
 from torch import nn
 
+from laplace_debiased.curvature.attention import AttentionProjection, attention_parts
 from laplace_debiased.curvature.dense_blocks import (
     NORM_LAYERS,
     block_dims,
@@ -179,14 +182,16 @@ def _keep_rows(
 
 
 def _install_sum_hooks(
-    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums,
+    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums, n_rows: int,
     kept: torch.Tensor | None = None,
 ) -> list:
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
     (and keep its rows in ``into.input_rows`` where wanted, :func:`_keep_rows`) and hook the
     outputs so that every backward pass adds its output-gradient sums to ``into.output``;
-    returns the handles (remove them after the passes)."""
-    handles = []
+    the projections of an ``nn.MultiheadAttention`` through one hook on the attention
+    (:func:`_install_attention_hooks`). A layer whose input holds the ``n_rows`` samples of the
+    pass along its second dimension is refused (:func:`_check_batch_first`). Returns the
+    handles (remove them after the passes)."""
     x_hats: dict[int, torch.Tensor] = {}  # normalisation layers: x̂ of this pass
 
     def on_output_grad(grad: torch.Tensor, i: int) -> None:
@@ -198,22 +203,104 @@ def _install_sum_hooks(
 
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
-    ) -> None:
+    ) -> torch.Tensor:
+        x = inputs[0]
+        if isinstance(module, nn.Embedding):
+            x, output = _shared_ids_per_sample(x, output, n_rows)
+        _check_batch_first(module, x, n_rows)
         if isinstance(module, NORM_LAYERS):
-            x_hats[i] = normalised_input(module, inputs[0].detach())
+            x_hats[i] = normalised_input(module, x.detach())
         elif isinstance(module, nn.Embedding):
-            weights = None if kept is None else position_weights(kept, inputs[0][0].numel(), into.input[i].dtype)
-            embedding_input_sums(module, inputs[0], segments, into.input[i], weights)
+            weights = None if kept is None else position_weights(kept, x[0].numel(), into.input[i].dtype)
+            embedding_input_sums(module, x, segments, into.input[i], weights)
         elif into.input[i] is not None:
-            a = _position_weighted(_patches(inputs[0].detach(), module), kept)
-            _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
-            if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
-                into.input_rows[i] = None
+            _input_sums(x.detach(), module, segments, into, i, kept)
         output.register_hook(partial(on_output_grad, i=i))
+        return output
 
+    handles = [
+        m.register_forward_hook(partial(on_forward, i=i))
+        for i, m in enumerate(modules)
+        if not isinstance(m, AttentionProjection)
+    ]
+    return handles + _install_attention_hooks(modules, segments, into, on_output_grad, n_rows, kept)
+
+
+def _shared_ids_per_sample(
+    ids: torch.Tensor, output: torch.Tensor, n_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An embedding's ids and output with the samples of a pass over ``n_rows`` samples first.
+
+    Ids shared by every sample (position ids ``(T,)`` with ``T != n_rows``, or ``(1, T)`` as
+    GPT-2 passes them) give an output the model broadcasts over the batch, whose gradient is
+    the sum over the samples. Per sample they are the same ids, so they are expanded to
+    ``(n_rows, T)`` and the output to ``(n_rows, T, D)``; the expanded output (returned by the
+    forward hook in place of the module's, the same values) carries the per-sample gradients.
+    Other ids and outputs are returned unchanged."""
+    one_d = ids.ndim == 1 and ids.shape[0] != n_rows
+    if not (one_d or (ids.ndim > 1 and ids.shape[0] == 1 and n_rows > 1)):
+        return ids, output
+    if one_d:
+        ids, output = ids.unsqueeze(0), output.unsqueeze(0)
+    return ids.expand(n_rows, *ids.shape[1:]), output.expand(n_rows, *output.shape[1:])
+
+
+def _check_batch_first(module: nn.Module, x: torch.Tensor, n_rows: int) -> None:
+    """Raise a ``ValueError`` if ``x`` (a layer's input in a pass over ``n_rows`` samples) holds
+    the samples along its second dimension instead of its first (tokens first): the sums are
+    split by sample along the first dimension."""
+    if x.ndim >= 2 and x.shape[0] != n_rows and x.shape[1] == n_rows:
+        raise ValueError(
+            f"a {type(module).__name__} layer receives an input of shape {tuple(x.shape)} for a "
+            f"pass over {n_rows} samples (tokens first); debiased_kron/debiased_ekfac need every "
+            "layer's input batch first (for nn.MultiheadAttention and "
+            "nn.TransformerEncoderLayer: batch_first=True). Use hessian_structure='debiased_full' "
+            "or 'debiased_lowrank' otherwise."
+        )
+
+
+def _input_sums(
+    a: torch.Tensor, module: nn.Module, segments: Sequence[tuple[int, int, int]], into: GroupKfacSums, i: int,
+    kept: torch.Tensor | None = None,
+) -> None:
+    """Add the input-side sums of module ``i``'s input ``a`` (``(n, ..., d_in)``, conv: the
+    unfolded patches) per segment to ``into.input[i]``, keeping rows where wanted; padded
+    positions (``kept``, :func:`_position_weighted`) are left out."""
+    a = _position_weighted(_patches(a, module), kept)
+    _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
+    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
+        into.input_rows[i] = None
+
+
+def _install_attention_hooks(
+    modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums,
+    on_output_grad: Callable[..., None], n_rows: int, kept: torch.Tensor | None = None,
+) -> list:
+    """One forward hook per ``nn.MultiheadAttention`` whose projections are among ``modules``
+    (:class:`~laplace_debiased.curvature.attention.AttentionProjection`): it re-evaluates the
+    attention with :func:`~laplace_debiased.curvature.attention.attention_parts`, adds the
+    input-side sums of both projections, hooks their outputs with ``on_output_grad`` and
+    returns the re-evaluated output in place of the module's."""
+    slots: dict[int, dict[str, int]] = {}
+    attentions: dict[int, nn.MultiheadAttention] = {}
     for i, m in enumerate(modules):
-        handles.append(m.register_forward_hook(partial(on_forward, i=i)))
-    return handles
+        if isinstance(m, AttentionProjection):
+            slots.setdefault(id(m.attention), {})[m.part] = i
+            attentions[id(m.attention)] = m.attention
+
+    def on_attention(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple:
+        parts = attention_parts(module, args, kwargs)
+        _check_batch_first(module, parts.inputs, n_rows)
+        for part, a, out in (("in_proj", parts.inputs, parts.projections), ("out_proj", parts.heads, parts.output)):
+            i = slots[id(module)].get(part)
+            if i is None:
+                continue
+            if into.input[i] is not None:
+                _input_sums(a.detach(), modules[i], segments, into, i, kept)
+            out.register_hook(partial(on_output_grad, i=i))
+        return parts.result
+
+    return [a.register_forward_hook(on_attention, with_kwargs=True) for a in attentions.values()]
 
 
 def _backward_passes(
@@ -259,11 +346,11 @@ def group_kfac_sums(
         maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output
         (its own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once,
         in its current mode.
-    modules : sequence of nn.Linear / nn.Conv2d / nn.Embedding / normalisation layers
-        the layers with trainable parameters, in ``Kron`` block order; an ``Embedding``'s
-        input side is its diagonal token-frequency sum, a normalisation layer's output side is
-        its exact dense GGN block and it has no input side
-        (:mod:`laplace_debiased.curvature.dense_blocks`).
+    modules : sequence of curvature layers (:func:`laplace_debiased.structures.mixed.curvature_modules`)
+        in ``Kron`` block order; an ``Embedding``'s input side is its diagonal token-frequency
+        sum, a normalisation layer's output side is its exact dense GGN block, without input
+        side (:mod:`~laplace_debiased.curvature.dense_blocks`); attention projections and
+        ``Conv1D``: :mod:`~laplace_debiased.curvature.attention`.
     X, y : Tensor
         stacked inputs and targets of all rows of this pass.
     segments : sequence of (start, stop, group)
@@ -286,7 +373,7 @@ def group_kfac_sums(
     params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     if into is None:
         into = zero_sums(modules, n_groups, params[0], keep_rows)
-    handles = _install_sum_hooks(modules, segments, into, kept_positions(y, len(y)))
+    handles = _install_sum_hooks(modules, segments, into, len(y), kept_positions(y, len(y)))
     try:
         f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher)
     finally:
@@ -388,7 +475,8 @@ def zero_sums(
     modules: Sequence[nn.Module], n_groups: int, like: torch.Tensor, keep_rows: bool = False
 ) -> GroupKfacSums:
     """Zero sums for ``modules`` and ``n_groups`` groups, dtype and device of ``like`` (with
-    empty row lists for the input sides if ``keep_rows``)."""
+    empty row lists for the input sides of ``nn.Linear`` / ``nn.Conv2d`` weights if
+    ``keep_rows``: the other layers' blocks are debiased from their sums)."""
     def z(d: int) -> torch.Tensor:
         return torch.zeros(n_groups, d, d, dtype=like.dtype, device=like.device)
 
@@ -398,7 +486,10 @@ def zero_sums(
         output.append(z(d_out))
         inputs.append(None if d_in is None else z(d_in))
     loss = torch.zeros(n_groups, dtype=like.dtype, device=like.device)
-    rows = [[[] for _ in range(n_groups)] if keep_rows and A is not None else None for A in inputs]
+    rows = [
+        [[] for _ in range(n_groups)] if keep_rows and A is not None and isinstance(m, (nn.Linear, nn.Conv2d)) else None
+        for m, A in zip(modules, inputs)
+    ]
     return GroupKfacSums(output, inputs, loss, rows)
 
 

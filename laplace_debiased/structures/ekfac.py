@@ -237,7 +237,9 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
     ``cross_fit``.  After fitting, ``H_facs`` is B's K-FAC (``Kron``, scaled to ``n_data``), and
     ``H`` an :class:`EKFACDecomposed` (or, cross-fitted, a :class:`CrossFitDecomposed`).
     Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
-    conv weight gradient is summed over positions before it is rotated and squared).
+    conv weight gradient is summed over positions before it is rotated and squared); embeddings,
+    attention projections and GPT-2 ``Conv1D`` get debiased K-FAC blocks, normalisation layers
+    their dense blocks (:mod:`laplace_debiased.structures.mixed`).
     Backends as ``debiased_kron``: the GGN backends give the exact GGN diagonal (``stochastic``
     ones an MC Fisher), EF backends the empirical Fisher.  ``damping`` is not supported (the
     eigenvalues are not Kronecker-factored), nor are online fits (``override=False``).

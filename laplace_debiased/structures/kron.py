@@ -117,8 +117,8 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     (``fit(..., cross_fit=True)``: a
     :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed` mixture of it and the
     role-swapped one, B̃'s eigenvectors with B's Rayleigh quotients).
-    Supported layers: ``nn.Linear`` and ``nn.Conv2d``; backends: Curvlinops GGN/EF (default
-    GGN) and ASDL GGN/EF (BackPACK only for models without Conv2d).
+    Layers: :mod:`~laplace_debiased.structures.mixed` (beyond Linear/Conv2d only with the default
+    Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
     """
 
     _key = ("all", "debiased_kron")

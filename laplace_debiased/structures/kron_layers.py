@@ -14,7 +14,13 @@ from laplace.curvature.curvature import EFInterface, GGNInterface
 from torch import nn
 
 from laplace_debiased.structures.batches import Batch
-from laplace_debiased.structures.mixed import curvature_modules, expected_block_shapes, is_extra
+from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
+from laplace_debiased.structures.mixed import (
+    curvature_modules,
+    expected_block_shapes,
+    is_extra,
+    named_curvature_modules,
+)
 
 _KFAC_LAYERS = (nn.Linear, nn.Conv2d)
 
@@ -23,14 +29,13 @@ class KronLayersMixin:
     """The layers and K-FAC blocks of the model that :class:`DebiasedKronLaplace` fits."""
 
     def _block_names(self) -> list[tuple[str, str]]:
-        """``(layer name, "weight"/"bias")`` per ``Kron`` block, in block order."""
-        names = [
-            (name or type(m).__name__, p)
-            for name, m in self._layers().named_modules()
-            if isinstance(m, _KFAC_LAYERS)
-            for p in ("weight", "bias")
-            if getattr(m, p) is not None and getattr(m, p).requires_grad
-        ]
+        """``(layer name, "weight"/"bias")`` per ``Kron`` block, in block order (a
+        normalisation layer's one dense block: ``"weight+bias"``)."""
+        names = []
+        for name, m in named_curvature_modules(self._layers()):
+            owned = [k for k, p in m.named_parameters(recurse=False) if p.requires_grad]
+            parts = ["+".join(owned)] if isinstance(m, NORM_LAYERS) else owned
+            names.extend((name or type(m).__name__, part) for part in parts)
         if len(names) != len(self.H_facs.kfacs):
             return [(f"block {i}", "") for i in range(len(self.H_facs.kfacs))]
         return names
@@ -90,8 +95,8 @@ class KronLayersMixin:
             )
 
     def _check_extra_layers(self, modules: list[nn.Module]) -> None:
-        """Embedding and normalisation blocks come from the shared K-FAC pass only, and a
-        normalisation block is exact only for one output row per sample."""
+        """Embedding, normalisation, attention and ``Conv1D`` blocks come from the shared K-FAC
+        pass only, and a normalisation block is exact only for one output row per sample."""
         extra = [m for m in modules if is_extra(m)]
         if not extra:
             return
@@ -102,7 +107,7 @@ class KronLayersMixin:
                 f"asdl_fisher_kwargs; got {type(self.backend).__name__}. Use one of them, or "
                 "freeze these layers."
             )
-        if len(self.fit_output_shape) > 1 and not all(isinstance(m, nn.Embedding) for m in extra):
+        if len(self.fit_output_shape) > 1 and any(isinstance(m, NORM_LAYERS) for m in extra):
             raise ValueError(
                 f"outputs of shape (batch, {', '.join(map(str, self.fit_output_shape))}) (every "
                 "token an output): the dense normalisation blocks of debiased_kron/debiased_ekfac "

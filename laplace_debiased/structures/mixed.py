@@ -7,6 +7,11 @@
   ``[G, A]`` for the weight, a one-factor block ``[G]`` for the bias;
 * ``nn.Embedding`` ``(V, D)``: a K-FAC block ``[A, G]`` (vocabulary factor first, the order of
   ``weight.flatten()``; ``A`` diagonal);
+* ``nn.MultiheadAttention`` (self-attention): its packed input projection (``in_proj_weight``
+  ``(3E, E)``, ``in_proj_bias``) and its output projection (``out_proj``) as two linear layers
+  over token positions, blocks as for ``nn.Linear``; GPT-2 ``Conv1D`` ``(nx, nf)``: a K-FAC
+  block ``[A, G]`` (input factor first, the order of ``weight.flatten()``) and a bias block
+  ``[G]`` (:mod:`laplace_debiased.curvature.attention`);
 * normalisation layers (BatchNorm, LayerNorm, GroupNorm): **one** dense block ``[G]`` over all
   their trainable affine parameters (weight and bias together, ``2C``), the exact GGN block
   (:mod:`laplace_debiased.curvature.dense_blocks`).
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from laplace_debiased.curvature.attention import AttentionProjection, check_attention, is_conv1d
 from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
 from laplace_debiased.posterior.jacobians import LayerJacobian
 from laplace_debiased.posterior.implicit_kron import ImplicitKronStructure
@@ -43,9 +49,12 @@ __all__ = [
     "expected_block_shapes",
     "is_extra",
     "module_blocks",
+    "named_curvature_modules",
 ]
 
-#: Layers with curvature blocks (K-FAC, embedding K-FAC, dense normalisation blocks).
+#: Layers with curvature blocks (K-FAC, embedding K-FAC, dense normalisation blocks); besides
+#: these, ``nn.MultiheadAttention`` (as two :class:`AttentionProjection` layers) and GPT-2
+#: ``Conv1D`` (:func:`~laplace_debiased.curvature.attention.is_conv1d`).
 CURVATURE_LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, *NORM_LAYERS)
 
 
@@ -54,28 +63,48 @@ def _owned(module: nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def is_extra(module: nn.Module) -> bool:
-    """Whether ``module``'s blocks are the ones stock K-FAC lacks (embedding, normalisation)."""
-    return isinstance(module, (nn.Embedding, *NORM_LAYERS))
+    """Whether ``module``'s blocks are the ones stock K-FAC lacks (embedding, normalisation,
+    attention projections, GPT-2 ``Conv1D``): they come from the package's own K-FAC pass only,
+    and ``debiased_ekfac`` gives them debiased K-FAC eigenvalues."""
+    return isinstance(module, (nn.Embedding, AttentionProjection, *NORM_LAYERS)) or is_conv1d(module)
 
 
 def curvature_modules(root: nn.Module) -> list[nn.Module]:
-    """The modules of ``root`` owning trainable parameters, in ``parameters()`` order.
+    """The modules of ``root`` owning trainable parameters, in ``parameters()`` order; an
+    ``nn.MultiheadAttention`` stands as its :class:`AttentionProjection` layers (``in_proj``,
+    then ``out_proj``, those with trainable parameters).
 
     Raises a ``ValueError`` naming the first layer that has trainable parameters but no
     curvature block (freeze it, or use a structure built on GGN products)."""
-    out = []
+    return [m for _, m in named_curvature_modules(root)]
+
+
+def named_curvature_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`curvature_modules` with their names (``"<attention>.in_proj"`` for an attention's
+    input projection)."""
+    out, inside = [], set()
     for name, module in root.named_modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, nn.MultiheadAttention):
+            inside.add(id(module.out_proj))
+            if _owned(module) or _owned(module.out_proj):
+                check_attention(name, module)
+            projections = [AttentionProjection(module, part) for part in ("in_proj", "out_proj")]
+            out.extend((f"{name}.{p.part}", p) for p in projections if _owned(p))
+            continue
         if not _owned(module):
             continue
-        if not isinstance(module, CURVATURE_LAYERS):
+        if not (isinstance(module, CURVATURE_LAYERS) or is_conv1d(module)):
             raise ValueError(
                 f"layer '{name}' ({type(module).__name__}) has trainable parameters but the "
                 "debiased K-FAC/EKFAC has blocks only for nn.Linear, nn.Conv2d, nn.Embedding, "
-                "BatchNorm, LayerNorm and GroupNorm. Freeze it (p.requires_grad_(False) for its "
-                "parameters), use hessian_structure='debiased_full' or 'debiased_lowrank', or "
+                "nn.MultiheadAttention, GPT-2 Conv1D, BatchNorm, LayerNorm and GroupNorm. Freeze "
+                "it (p.requires_grad_(False) for its parameters), use "
+                "hessian_structure='debiased_full' or 'debiased_lowrank', or "
                 "subset_of_weights='last_layer'."
             )
-        out.append(module)
+        out.append((name, module))
     return out
 
 
@@ -83,12 +112,16 @@ def module_blocks(module: nn.Module, G: Tensor, A: Tensor | None, m: int) -> lis
     """The curvature blocks of one module from the sums of ``m`` samples, ``G`` (output side)
     and ``A`` (input side), in module-docstring order, with the first factor the sum (to be
     scaled to ``N`` points) and the second the mean: ``[G, A/m]`` for a weight, ``[G]`` for a
-    bias or a normalisation layer, ``[A, G/m]`` for an embedding (``A ⊗ G/m = (A/m) ⊗ G``)."""
+    bias or a normalisation layer, ``[A, G/m]`` for an embedding or a ``Conv1D`` weight
+    (``A ⊗ G/m = (A/m) ⊗ G``)."""
     if isinstance(module, NORM_LAYERS):
         return [[G]]
     if isinstance(module, nn.Embedding):
         return [[A, G / m]]
-    blocks = [[G, A / m]] if A is not None else []
+    if is_conv1d(module):
+        blocks = [[A, G / m]] if A is not None else []
+    else:
+        blocks = [[G, A / m]] if A is not None else []
     if module.bias is not None and module.bias.requires_grad:
         blocks.append([G])
     return blocks
@@ -117,6 +150,12 @@ def expected_block_shapes(modules: Sequence[nn.Module]) -> list[list[tuple[int, 
         elif isinstance(m, nn.Embedding):
             V, D = m.weight.shape
             shapes.append([(V, V), (D, D)])
+        elif is_conv1d(m):
+            nx, nf = m.weight.shape
+            if "weight" in owned:
+                shapes.append([(nx, nx), (nf, nf)])
+            if "bias" in owned:
+                shapes.append([(nf, nf)])
         else:
             d_out = m.weight.shape[0]
             if "weight" in owned:

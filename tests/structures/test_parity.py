@@ -290,14 +290,23 @@ def test_gpt2_sequence_classifier_workflow(stock, debiased, setup):
         ("marglik_prior", lambda la: (la.optimize_prior_precision(method="marglik"), la.prior_precision)[1]),
     ]
     results = {}
-    for structure in (stock, debiased):
+
+    def run(structure: str) -> None:
         model = prepare(SequenceClassifier(tiny_gpt2())).eval()
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure, **kwargs)
         results[structure] = run_steps(la, steps)
         if setup != "last_layer" and not isinstance(results[structure]["fit"], Exception):
             assert la.n_params == n_trainable  # only requires_grad parameters are weights
-    assert_parity(results[stock], results[debiased], debiased)
+
+    run(stock)
+    run(debiased)
+    # stock K-FAC refuses GPT-2's Conv1D ("parameters in un-supported layers") and its later
+    # steps see an unfitted object; debiased_kron fits it and is held against the full GGN then
+    reference = stock
+    if isinstance(results[stock]["fit"], Exception) and stock != "full":
+        run(reference := "full")
+    assert_parity(results[reference], results[debiased], debiased)
     if not isinstance(results[stock]["predict_probit"], Exception):
         torch.testing.assert_close(results[debiased]["predict_probit"].sum(-1), torch.ones(5), atol=1e-5, rtol=0)
 
