@@ -69,8 +69,9 @@ class FactorCorrection:
     Attributes:
         change: ``‖λ̂ - λ_P‖₂ / ‖λ_P‖₂``, the relative change of the pooled (single-batch)
             spectrum; 0 where nothing was corrected.
-        change_b, change_b_tilde: the same change from one order alone (B choosing, B̃
-            choosing), each an independent estimate of ``change``.
+        change_b: the same change from one order alone (B choosing the directions), an
+            estimate of ``change`` of its own.
+        change_b_tilde: the same with B̃ choosing.
         stderr: ``|change_b - change_b_tilde| / 2``, the standard error of ``change`` from the
             two orders (one degree of freedom: a rough scale, not a confidence bound).
     """
@@ -132,8 +133,9 @@ def corrected_factor(
     Args:
         direction: ``(d, d)`` PSD factor of B, scaled as an estimate of the full-data factor.
         magnitude: ``(d, d)`` PSD factor of B̃, same layer, position and scale.
-        m_direction, m_magnitude: samples in B and B̃ (the pooled factor is their weighted
-            mean, exactly the factor a single batch B ∪ B̃ gives).
+        m_direction: samples in B (the pooled factor is the samples-weighted mean of the two,
+            exactly the factor a single batch B ∪ B̃ gives).
+        m_magnitude: samples in B̃.
         terms: samples summed into either factor (round-off tolerance of the quotients).
         n_data: the number ``N`` of training data the batches were drawn from without
             replacement (finite-population scaling); ``None``: an infinite population.
@@ -181,9 +183,11 @@ def corrected_kron(
     (each factor is corrected on its own).
 
     Args:
-        direction_kfacs, magnitude_kfacs: one entry per parameter block in laplace-torch
+        direction_kfacs: B's factors, one entry per parameter block in laplace-torch
             ``Kron.kfacs`` order, each a list of one or two dense square factors.
-        m_direction, m_magnitude: samples in B and B̃.
+        magnitude_kfacs: B̃'s factors, the same blocks.
+        m_direction: samples in B.
+        m_magnitude: samples in B̃.
         terms: samples summed into the factors (round-off tolerance).
         n_data: the training-set size the batches were drawn from (:func:`corrected_factor`).
 

@@ -95,12 +95,13 @@ def single_pass_kfacs(
     """K-FAC of each batch set in ``groups``, scaled to ``N`` points (module docstring).
 
     Args:
-        model: the network; ``modules`` its layers with trainable parameters, in block order.
+        model: the network.
+        modules: its layers with trainable parameters, in block order.
         groups: the batch sets (B, B̃, ...), each a list of loader batches.
         N: the number of training data the factors are scaled to.
-        likelihood, backend, fisher: the Laplace class's likelihood, its curvature backend
-            (``lossfunc`` and ``factor`` are read) and the curvature type
-            (``"type2"`` exact GGN or ``"empirical"``).
+        likelihood: the Laplace class's likelihood.
+        backend: its curvature backend (``lossfunc`` and ``factor`` are read).
+        fisher: the curvature type (``"type2"`` exact GGN or ``"empirical"``).
         keys: ``(dict_key_x, dict_key_y)`` of dict batches.
         mean: the model output's reduction over token positions (``zero_sums``).
 
