@@ -657,14 +657,20 @@ def _auroc_severity(ctx: _Context, doc: _Doc) -> None:
     _save(fig, ctx, doc, "auroc_severity.png", "AUROC vs severity")
 
 
+def _first_records(ctx: _Context, key: str) -> dict[str, list[dict]]:
+    """Per method, the per-factor records a sweep stored under ``key`` with its first fit."""
+    fits: dict[str, list[dict]] = {}
+    for r in ctx.rows:
+        if r.get(key) and r["method"] not in fits:
+            fits[r["method"]] = r[key]
+    return fits
+
+
 def _coverage(ctx: _Context, doc: _Doc) -> None:
     """What each debiased K-FAC fit's curvature covers (first repeat; issue 23): per layer and
     factor the ranks B, B̃ and B ∪ B̃ reach, exact zeros, and the share of weights left with
     only the prior (variance 1/δ, which rules the predictive at small δ)."""
-    fits = {}
-    for r in ctx.rows:
-        if r.get("coverage") and r["method"] not in fits:
-            fits[r["method"]] = r["coverage"]
+    fits = _first_records(ctx, "coverage")
     if not fits:
         return
     doc.h("Curvature coverage")
@@ -689,10 +695,7 @@ def _correction(ctx: _Context, doc: _Doc) -> None:
     """What each corrected K-FAC fit changed (first repeat): per layer and factor, how far the
     correction moved the spectrum of the single batch B ∪ B̃, with the standard error from the
     two orders of the batches."""
-    fits = {}
-    for r in ctx.rows:
-        if r.get("correction") and r["method"] not in fits:
-            fits[r["method"]] = r["correction"]
+    fits = _first_records(ctx, "correction")
     if not fits:
         return
     doc.h("What the corrected estimate changed")
