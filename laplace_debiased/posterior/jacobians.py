@@ -24,7 +24,8 @@ class LayerJacobian:
 
     Either *factored*, ``J[n, c, :] = vec(g[n, c, :] ⊗ a[n, :])`` (a ``Linear`` weight with 2-D
     input; ``g`` ``(n, C, out)`` output gradients, ``a`` ``(n, in)`` inputs; row-major like
-    ``weight.flatten()``), or *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order.
+    ``weight.flatten()``), or *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order
+    (for a ``Conv2d`` weight with its factors over positions, ``positions``, too).
     A leading size 1 of ``g`` or ``dense`` means the same for every input (broadcast): the
     output layer's ``g`` is the identity, which is then never materialised per input.
     """
@@ -32,6 +33,10 @@ class LayerJacobian:
     g: Tensor | None = None
     a: Tensor | None = None
     dense: Tensor | None = None
+    positions: tuple[Tensor, Tensor] | None = None
+    """Optional factors of a dense Jacobian that is a sum over positions (a ``Conv2d`` weight):
+    ``(g (n, C, out, T), u (n, k, T))`` with ``J[n, c] = vec(Σ_t g[n, c, :, t] u[n, :, t]ᵀ)``, in
+    ``weight.flatten()`` order; ``dense`` holds that same Jacobian."""
 
     def full(self) -> Tensor:
         """The dense ``(n, C, numel)`` Jacobian (leading size 1 if shared, see above)."""
@@ -153,7 +158,7 @@ def _module_jacobian(mod: nn.Module, name: str, a: Tensor, g: Tensor) -> LayerJa
         if name == "bias":
             return LayerJacobian(dense=g.sum(-1))
         unf = F.unfold(a, mod.kernel_size, mod.dilation, mod.padding, mod.stride)
-        return LayerJacobian(dense=torch.einsum("ncot,nkt->ncok", g, unf).flatten(2))
+        return LayerJacobian(dense=torch.einsum("ncot,nkt->ncok", g, unf).flatten(2), positions=(g, unf))
     if a.ndim == 2:  # Linear on (n, in): rank-one per class
         return LayerJacobian(dense=g) if name == "bias" else LayerJacobian(g=g, a=a)
     g = g.flatten(2, -2)  # Linear applied to (n, ..., in): sum over the extra positions; (n, C, T, out)
