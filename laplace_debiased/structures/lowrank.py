@@ -357,8 +357,11 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLapla
     ``G_B`` with non-zero eigenvalue, ``λ̃ = diag(Uᵀ G_B̃ U)`` and ``Π`` the projector onto ``G_B``'s
     null space (empty when ``|B|·C ≥ P`` up to the null space all batches share, where
     ``G_B̃ = 0`` too; then ``H = U diag(λ̃) Uᵀ`` over a full eigenbasis). The range of ``G_B``
-    comes from ``VᵀV`` when ``|B|·C < P``, so the cost is that of an ``min(P, |B|·C)``
-    eigenproblem plus a few ``P × P`` products. ``direction_eigenvalues`` and ``eigenvalues``
+    comes from ``VᵀV`` when ``|B|·C < P``, and when ``|B̃|·C < P`` the null-space part from the
+    factor of ``G_B̃`` (:func:`laplace_debiased.curvature.eigen.factored_null_space_compression`),
+    so the cost is that of ``min(P, |B|·C)`` and ``|B̃|·C`` eigenproblems plus a few ``P × P``
+    products; the resulting eigenpairs of ``H`` are kept (:meth:`curvature_eigenpairs`) for the
+    marginal likelihood and the scalar-prior predictive. ``direction_eigenvalues`` and ``eigenvalues``
     hold B's non-zero eigenvalues and their ``λ̃`` (descending in B's order, scaled to
     ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one, as
     ``FullLaplace`` adds curvature.
