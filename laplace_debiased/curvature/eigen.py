@@ -242,12 +242,18 @@ def range_eigenpairs(
     by ``G_B`` (any basis of its null space is one).
     """
     n_params = parameter_count(model)
-    n_out = _n_outputs(model, batches)
-    n_columns = count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
+    n_columns = factor_columns(model, batches, curvature)
     if n_columns < n_params:
         pairs = _topk_gram(curvature_factor(model, batches, likelihood, curvature), n_columns)
         return threshold_eigenpairs(pairs, n_params * torch.finfo(torch.float64).eps)
     return dense_range_eigenpairs(dense_curvature(model, batches, likelihood, curvature))
+
+
+def factor_columns(model: nn.Module, batches: Sequence[Batch], curvature: Curvature = "ggn") -> int:
+    """Number of columns ``M = rows · R`` of the factor ``V`` of ``G_B = V Vᵀ``
+    (:func:`curvature_factor`): ``R`` = outputs for the GGN, 1 for the empirical Fisher."""
+    n_out = _n_outputs(model, batches)
+    return count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
 
 
 def dense_range_eigenpairs(G: Tensor) -> EigenPairs:
@@ -271,3 +277,21 @@ def eigenbasis_debiased_curvature(U: Tensor, remeasured: Tensor, G_magnitude: Te
     UtGU = U.T @ GU
     H = (U * remeasured.double()) @ U.T + G - GU @ U.T - U @ GU.T + U @ UtGU @ U.T
     return 0.5 * (H + H.T)
+
+
+def factored_null_space_compression(U: Tensor, V_magnitude: Tensor) -> tuple[Tensor, EigenPairs]:
+    """For ``G_B̃ = V Vᵀ`` (``V`` ``(P, M)``): ``λ̃ = diag(Uᵀ G_B̃ U)`` ``(r,)`` and the eigenpairs
+    ``(μ, N)`` of ``Π G_B̃ Π`` (``Π = I − U Uᵀ``), all float64, from ``V`` alone.
+
+    ``λ̃_i = ‖(UᵀV)_i‖²``; with ``Z = Π V`` the non-zero eigenpairs of ``Z Zᵀ = Π G_B̃ Π`` come
+    from the ``M × M`` Gram ``ZᵀZ`` (``O(P M²)``, no ``P × P`` eigenproblem); eigenvalues
+    ``≤ P · eps · max(λ̃, μ)`` are round-off and dropped. Then
+    ``eigenbasis_debiased_curvature(U, λ̃, G_B̃) = U diag(λ̃) Uᵀ + N diag(μ) Nᵀ`` (to round-off),
+    an eigendecomposition of the debiased curvature up to the orthogonality of ``[U, N]``."""
+    U, V = U.double(), V_magnitude.double()
+    UtV = U.T @ V
+    remeasured = UtV.square().sum(dim=1)
+    pairs = _topk_gram(V - U @ UtV, V.shape[1])
+    scale = torch.cat([remeasured, pairs.values, remeasured.new_zeros(1)]).max()
+    keep = pairs.values > U.shape[0] * torch.finfo(torch.float64).eps * scale
+    return remeasured, EigenPairs(pairs.values[keep], pairs.vectors[:, keep], "gram")

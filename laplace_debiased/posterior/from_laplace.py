@@ -40,13 +40,17 @@ def posterior_structure(la) -> KronStructure | EigenStructure:
     """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
 
     ``KronDecomposed`` -> :class:`KronStructure`; a dense ``(P, P)`` tensor ->
-    :class:`EigenStructure` (full); a pair ``(U, λ)`` -> :class:`EigenStructure` (low rank).
+    :class:`EigenStructure` (full; from ``la.curvature_eigenpairs()`` ``(Q, h)`` where the object
+    has them, low rank when ``H`` has rank ``< P``); a pair ``(U, λ)`` -> :class:`EigenStructure`
+    (low rank).
     """
     kind, H, s = _curvature_kind(la), getattr(la, "H", None), la._H_factor
     if kind == "own":  # a curvature that knows its basis (debiased EKFAC)
         return H.grid_structure(s, [p.numel() for p in laplace_params(la)])
     if kind == "kron":
         return KronStructure(H, s, [p.numel() for p in laplace_params(la)])
+    if kind == "dense" and callable(getattr(la, "curvature_eigenpairs", None)):
+        return EigenStructure(*la.curvature_eigenpairs(), s)  # kept by the fit: no P × P eigh
     if kind == "dense":
         return EigenStructure.from_dense(H, s)
     if kind == "low_rank":

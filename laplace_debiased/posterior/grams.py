@@ -56,8 +56,10 @@ def weighted_grams(A: Tensor, W: Tensor) -> Tensor:
 
 
 def _jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
-    if jac.dense is not None:
-        return LayerJacobian(dense=jac.dense.double())
+    """``jac`` in float64, factored (``g``, ``a``) or dense (a sum over positions formed densely
+    in its own dtype)."""
+    if jac.g is None:
+        return LayerJacobian(dense=jac.full().double())
     return LayerJacobian(g=jac.g.double(), a=jac.a.double())
 
 

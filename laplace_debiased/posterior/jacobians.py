@@ -24,7 +24,10 @@ class LayerJacobian:
 
     Either *factored*, ``J[n, c, :] = vec(g[n, c, :] ⊗ a[n, :])`` (a ``Linear`` weight with 2-D
     input; ``g`` ``(n, C, out)`` output gradients, ``a`` ``(n, in)`` inputs; row-major like
-    ``weight.flatten()``), or *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order.
+    ``weight.flatten()``), *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order, or a
+    *sum over positions* (a ``Conv2d`` weight), ``positions = (g (n, C, out, T), u (n, k, T))``
+    with ``J[n, c] = vec(Σ_t g[n, c, :, t] u[n, :, t]ᵀ)`` (``u`` the unfolded input), formed
+    densely only by :meth:`full`.
     A leading size 1 of ``g`` or ``dense`` means the same for every input (broadcast): the
     output layer's ``g`` is the identity, which is then never materialised per input.
     """
@@ -32,23 +35,28 @@ class LayerJacobian:
     g: Tensor | None = None
     a: Tensor | None = None
     dense: Tensor | None = None
+    positions: tuple[Tensor, Tensor] | None = None
 
     def full(self) -> Tensor:
         """The dense ``(n, C, numel)`` Jacobian (leading size 1 if shared, see above)."""
         if self.dense is not None:
             return self.dense
+        if self.positions is not None:
+            g, u = self.positions
+            return torch.einsum("ncot,nkt->ncok", g, u).flatten(2)
         return (self.g.unsqueeze(-1) * self.a[:, None, None, :]).flatten(2)
 
     def gram(self) -> Tensor:
         """``J Jᵀ`` of shape ``(n, C, C)``."""
-        if self.dense is not None:
-            return self.dense @ self.dense.transpose(1, 2)
+        if self.g is None:
+            J = self.full()
+            return J @ J.transpose(1, 2)
         return (self.g @ self.g.transpose(1, 2)) * self.a.square().sum(-1)[:, None, None]
 
     def matmul(self, V: Tensor) -> Tensor:
         """``J V`` for ``V`` of shape ``(numel, k)`` -> ``(n, C, k)``."""
-        if self.dense is not None:
-            return self.dense @ V
+        if self.g is None:
+            return self.full() @ V
         o, i = self.g.shape[-1], self.a.shape[-1]
         return self.g @ torch.einsum("ni,oik->nok", self.a, V.reshape(o, i, -1))
 
@@ -153,7 +161,7 @@ def _module_jacobian(mod: nn.Module, name: str, a: Tensor, g: Tensor) -> LayerJa
         if name == "bias":
             return LayerJacobian(dense=g.sum(-1))
         unf = F.unfold(a, mod.kernel_size, mod.dilation, mod.padding, mod.stride)
-        return LayerJacobian(dense=torch.einsum("ncot,nkt->ncok", g, unf).flatten(2))
+        return LayerJacobian(positions=(g, unf))
     if a.ndim == 2:  # Linear on (n, in): rank-one per class
         return LayerJacobian(dense=g) if name == "bias" else LayerJacobian(g=g, a=a)
     g = g.flatten(2, -2)  # Linear applied to (n, ..., in): sum over the extra positions; (n, C, T, out)

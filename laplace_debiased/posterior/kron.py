@@ -38,9 +38,15 @@ class KronStructure:
             )
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
-        """Prior-independent work: Jacobians (float64) in the eigenbasis of each block."""
+        """Prior-independent work: Jacobians (float64) in the eigenbasis of each block. A
+        Jacobian that is a sum over positions (``Conv2d``) is rotated factor by factor where
+        that is cheaper (:func:`rotate_positions`)."""
         out = []
-        for jac, Qs in zip(map(_jacobian_float64, jacs), self.Qs):
+        for jac, Qs in zip(jacs, self.Qs):
+            if len(Qs) == 2 and jac.positions is not None and positions_cheaper(jac.positions):
+                out.append(("dense", rotate_positions(*jac.positions, Qs[0], Qs[1]), None))
+                continue
+            jac = _jacobian_float64(jac)
             if len(Qs) == 2 and jac.dense is None:
                 out.append(("factored", jac.g @ Qs[0], (jac.a @ Qs[1]).square()))
             elif len(Qs) == 2:
@@ -106,3 +112,23 @@ class KronStructure:
             else:
                 var += (A2 @ W.T).permute(2, 0, 1)
         return var
+
+
+def positions_cheaper(positions: tuple[Tensor, Tensor]) -> bool:
+    """Whether :func:`rotate_positions` costs fewer multiply-adds than rotating the dense
+    Jacobian: ``T k² + C T o² + C o T k`` against ``C o k (o + k)`` per input (``o`` outputs,
+    ``k`` unfolded inputs, ``T`` positions, ``C`` classes)."""
+    g, u = positions
+    C, o, T = g.shape[-3:]
+    k = u.shape[-2]
+    return T * k * k + C * T * o * o + C * o * T * k < C * o * k * (o + k)
+
+
+def rotate_positions(g: Tensor, u: Tensor, Q_G: Tensor, Q_A: Tensor) -> Tensor:
+    """``Q_Gᵀ J Q_A`` (flattened, ``(n, C, o·k)``, float64) of ``J[n, c] = Σ_t g[n, c, :, t]
+    u[n, :, t]ᵀ`` (``g`` ``(n, C, o, T)``, ``u`` ``(n, k, T)``) as ``Σ_t (Q_Gᵀ g_t)(Q_Aᵀ u_t)ᵀ``:
+    the factors are rotated before the sum over positions."""
+    n, C, o, T = g.shape
+    g_rot = (Q_G.T @ g.double()).reshape(n, C * o, T)
+    u_rot = (Q_A.T @ u.double()).transpose(1, 2)  # (n, T, k)
+    return torch.bmm(g_rot, u_rot).reshape(n, C, -1)  # one (C·o × T)(T × k) product per input

@@ -67,7 +67,11 @@ from laplace_debiased.structures.distributed import (
     run_with_reduced_operator,
 )
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
+from laplace_debiased.curvature.linalg import symmetric_eigh64
+from laplace_debiased.posterior.eigen import orthonormal_eigenpairs
 from laplace_debiased.posterior.lowrank import dense_posterior_scale, lowrank_functional_covariance
+from laplace_debiased.posterior.marglik import eigen_functional_covariance
+from laplace_debiased.structures.eigen_marglik import EigenMarglikMixin
 
 __all__ = [
     "DebiasedLowRankLaplace",
@@ -152,7 +156,7 @@ class _PairHead(nn.Module):
         return out.flatten(1) if x.ndim == 3 else out
 
 
-class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRankLaplace):
+class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLaplaceMixin, LowRankLaplace):
     """Two-batch debiased low-rank Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_lowrank")``).
 
@@ -282,6 +286,10 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, LowRank
         values, vectors = run_with_reduced_operator(product, lanczos, n_params, first.dtype, first.device)
         return eigen.EigenPairs(values, vectors, "lanczos")
 
+    def _decompose_curvature(self) -> tuple[Tensor, Tensor]:
+        """``H = (U, λ̃)`` re-orthonormalised in float64 (:func:`orthonormal_eigenpairs`), ``O(P r²)``."""
+        return orthonormal_eigenpairs(*self.H)
+
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
         "prior term minus low-rank correction" cancellation
@@ -340,7 +348,7 @@ class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
     _key = ("last_layer", "debiased_lowrank")
 
 
-class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplace):
+class DebiasedFullLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLaplaceMixin, FullLaplace):
     """Two-batch debiased full Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_full")``), for small models.
 
@@ -349,8 +357,11 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
     ``G_B`` with non-zero eigenvalue, ``λ̃ = diag(Uᵀ G_B̃ U)`` and ``Π`` the projector onto ``G_B``'s
     null space (empty when ``|B|·C ≥ P`` up to the null space all batches share, where
     ``G_B̃ = 0`` too; then ``H = U diag(λ̃) Uᵀ`` over a full eigenbasis). The range of ``G_B``
-    comes from ``VᵀV`` when ``|B|·C < P``, so the cost is that of an ``min(P, |B|·C)``
-    eigenproblem plus a few ``P × P`` products. ``direction_eigenvalues`` and ``eigenvalues``
+    comes from ``VᵀV`` when ``|B|·C < P``, and when ``|B̃|·C < P`` the null-space part from the
+    factor of ``G_B̃`` (:func:`laplace_debiased.curvature.eigen.factored_null_space_compression`),
+    so the cost is that of ``min(P, |B|·C)`` and ``|B̃|·C`` eigenproblems plus a few ``P × P``
+    products; the resulting eigenpairs of ``H`` are kept (:meth:`curvature_eigenpairs`) for the
+    marginal likelihood and the scalar-prior predictive. ``direction_eigenvalues`` and ``eigenvalues``
     hold B's non-zero eigenvalues and their ``λ̃`` (descending in B's order, scaled to
     ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one, as
     ``FullLaplace`` adds curvature.
@@ -359,32 +370,57 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
     _key = ("all", "debiased_full")
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
-        """Debiased dense curvature (:func:`_debiased_full`). Under a process group every rank
-        computes the dense curvature of its rows of B and B̃, the shares are all-reduced, and
-        rank 0 decomposes and broadcasts the result."""
+        """Debiased dense curvature (:func:`_debiased_full`) and its float64 eigenpairs. Under a
+        process group every rank computes the dense curvature of its rows of B and B̃, the shares
+        are all-reduced, and rank 0 decomposes and broadcasts the result (the eigenpairs are then
+        decomposed from ``H`` when first needed)."""
         curvature = self._curvature_type()
         module = self._curvature_module()
         scale_B = N / self._n_samples(direction_batches)
         scale_mag = N / self._n_samples(magnitude_batches)
-        G_mag = None
-        if magnitude_batches is not direction_batches:  # B̃ = B: H = G_B (FullLaplace on B)
-            G_mag = self._dense_curvature(module, magnitude_batches, curvature)
         if is_distributed():
+            G_mag = None
+            if magnitude_batches is not direction_batches:  # B̃ = B: H = G_B (FullLaplace on B)
+                G_mag = self._dense_curvature(module, magnitude_batches, curvature) * scale_mag
             G_B = self._dense_curvature(module, direction_batches, curvature)
             values, lam, H = broadcast_computed(
-                lambda: _debiased_full(eigen.dense_range_eigenpairs(G_B), G_mag, scale_B, scale_mag),
-                self._device,
+                lambda: _debiased_full(eigen.dense_range_eigenpairs(G_B), G_mag, scale_B)[:3], self._device
             )
+            Q_h = None
         else:
             pairs = eigen.range_eigenpairs(
                 module, self._module_batches(direction_batches), self._fit_likelihood, curvature
             )
-            values, lam, H = _debiased_full(pairs, G_mag, scale_B, scale_mag)
+            G_mag = self._magnitude_curvature(module, direction_batches, magnitude_batches, curvature, scale_mag)
+            values, lam, H, Q_h = _debiased_full(pairs, G_mag, scale_B)
+        first_fit = self.n_data == 0
         self.H = self.H + H.to(self._device, self._dtype)
+        if first_fit and Q_h is not None:
+            self._remember_eigenpairs(*orthonormal_eigenpairs(*Q_h))
         self.direction_eigenvalues = values.to(self._dtype)
         self.eigenvalues = lam.to(self._dtype)
         self._posterior_scale = None
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
+
+    def _magnitude_curvature(
+        self, module: nn.Module, direction_batches: list[Batch], magnitude_batches: list[Batch],
+        curvature: eigen.Curvature, scale: float,
+    ) -> Tensor | None:
+        """``G_B̃`` times ``scale``: ``None`` for B̃ = B, the factor ``√scale · V`` (``P × M``,
+        ``G_B̃ = V Vᵀ``) when ``M < P``, else the dense ``P × P`` matrix."""
+        if magnitude_batches is direction_batches:
+            return None
+        batches = self._module_batches(magnitude_batches)
+        if eigen.factor_columns(module, batches, curvature) < eigen.parameter_count(module):
+            V = eigen.curvature_factor(module, batches, self._fit_likelihood, curvature)
+            return V.double() * scale**0.5
+        return self._dense_curvature(module, magnitude_batches, curvature) * scale
+
+    def _decompose_curvature(self) -> tuple[Tensor, Tensor]:
+        """Float64 eigendecomposition of the dense ``H`` (``O(P³)``, once): for fits whose
+        eigenpairs are not known from the fit (distributed, ``override=False``, loaded state)."""
+        h, Q = symmetric_eigh64(self.H)
+        return Q, h.clamp_min(0.0)
 
     def _compute_scale(self) -> None:
         """Posterior scale from a float64 eigendecomposition (laplace-torch's Cholesky fails or
@@ -395,7 +431,13 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
         self._posterior_scale = self._posterior_scale64.to(self._dtype)
 
     def functional_variance(self, Js: Tensor) -> Tensor:
-        """``(J S)(J S)ᵀ`` ``(n, C, C)`` with the float64 scale ``S Sᵀ = P⁻¹``, cast to ``Js.dtype``."""
+        """``J P⁻¹ Jᵀ`` ``(n, C, C)`` in ``Js.dtype``, float64 inside. A scalar prior ``δ`` shares
+        the curvature's eigenbasis (:func:`~laplace_debiased.posterior.marglik.eigen_functional_covariance`,
+        no factorisation per ``δ``); another prior uses the float64 scale ``S Sᵀ = P⁻¹``."""
+        prior = self._prior_for_log_det()
+        if prior.numel() == 1:
+            Q, h = self.curvature_eigenpairs()
+            return eigen_functional_covariance(Js, Q, float(self._H_factor) * h, prior[0].detach())
         if self._posterior_scale is None:
             self._compute_scale()
         JS = Js.double() @ self._posterior_scale64
@@ -425,21 +467,28 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, TwoBatchLaplaceMixin, FullLaplac
 
 
 def _debiased_full(
-    pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float, scale_magnitude: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """B's range eigenvalues ``(r,)``, their re-measured ``λ̃`` ``(r,)`` and the symmetric debiased
-    curvature ``(P, P)`` (:func:`~laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`),
-    all float64 and rescaled: ``pairs`` (range of ``G_B``) times ``scale_B``, ``G_magnitude``
-    (``G_B̃``) times ``scale_magnitude``; ``G_magnitude=None`` means B̃ = B (``H = G_B``)."""
+    pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float
+) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """B's range eigenvalues ``(r,)``, their re-measured ``λ̃`` ``(r,)``, the symmetric debiased
+    curvature ``(P, P)`` (:func:`~laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`)
+    and, where the route gives them, eigenpairs ``([U, N] (P, r'), [λ̃, μ] (r',))`` of it (not yet
+    re-orthonormalised), all float64. ``pairs`` (range of ``G_B``) are scaled by ``scale_B``;
+    ``G_magnitude`` is ``G_B̃`` already scaled: ``None`` for B̃ = B (``H = G_B``), a factor
+    ``(P, M)`` with ``M < P`` (``G_B̃ = V Vᵀ``; :func:`~laplace_debiased.curvature.eigen.factored_null_space_compression`),
+    or the dense ``(P, P)`` matrix (no eigenpairs)."""
     U = pairs.vectors.double()
     values = pairs.values.double() * scale_B
     if G_magnitude is None:
-        lam, H = values, (U * values) @ U.T
-    else:
-        G = G_magnitude.double() * scale_magnitude
-        lam = remeasure_eigenvalues(U, G).double()
-        H = eigen.eigenbasis_debiased_curvature(U, lam, G)
-    return values, lam, 0.5 * (H + H.T)
+        return values, values, (U * values) @ U.T, (U, values)
+    G = G_magnitude.double()
+    if G.shape[0] != G.shape[1]:  # a factor: H = U diag(λ̃) Uᵀ + N diag(μ) Nᵀ
+        lam, null = eigen.factored_null_space_compression(U, G)
+        Q, h = torch.cat([U, null.vectors], dim=1), torch.cat([lam, null.values])
+        H = (Q * h) @ Q.T
+        return values, lam, 0.5 * (H + H.T), (Q, h)
+    lam = remeasure_eigenvalues(U, G).double()
+    H = eigen.eigenbasis_debiased_curvature(U, lam, G)
+    return values, lam, 0.5 * (H + H.T), None
 
 
 class DebiasedFullLLLaplace(DebiasedFullLaplace, FullLLLaplace):
