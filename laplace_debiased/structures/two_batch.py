@@ -20,7 +20,8 @@ After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.fit_ba
 unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
-The input checks live in :mod:`.fit_checks`, the token-output GLM overrides in
+The input checks live in :mod:`.fit_checks`, the predictive over chunks of the inputs in
+:mod:`.chunked`, the GLM predictive overrides (token outputs, per-example Jacobians) in
 :mod:`.token_outputs` and the grid search in :mod:`.gridsearch` (bases of the mixin).
 """
 
@@ -45,6 +46,7 @@ from laplace_debiased.structures.batches import (
     check_targets,
     split_batches,
 )
+from laplace_debiased.structures.chunked import ChunkedPredictiveMixin
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     check_same_fit_inputs,
@@ -64,7 +66,7 @@ __all__ = ["TwoBatchLaplaceMixin"]
 logger = logging.getLogger(__name__)
 
 
-class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
+class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, GridSearchMixin, FitChecksMixin):
     """Two-batch ``fit`` (B picks directions, B̃ measures magnitudes) for laplace-torch
     ``ParametricLaplace`` subclasses, plus a grid search that resets its metric."""
 
