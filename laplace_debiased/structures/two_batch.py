@@ -165,12 +165,14 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, GridSearch
         self._accumulate(loss, used, batches)
 
     def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
-        """Check the batches against the model, switch to eval mode, find the last layer
+        """Check the batches against the model, switch to eval mode, check that a classifier
+        outputs logits, find the last layer
         (last-layer classes, first fit), check there is something to fit, and forget
         earlier fits when ``override``."""
         for b in used:
             self._check_batch_matches_model(b)
         self.model.eval()
+        self._check_outputs_are_logits(first)
         if isinstance(self, LLLaplace) and self.model.last_layer is None:
             self._setup_last_layer(first)
         self._check_trainable()
