@@ -2,8 +2,10 @@
 (:class:`ChunkedPredictiveMixin`, a base of
 :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`).
 
-``la(x)``, ``la.predictive_samples(x)`` and ``la.functional_samples(x)`` split a tensor ``x``
-into chunks of ``la.predictive_chunk_size`` inputs along its first dimension, run laplace-torch's
+``la(x)``, ``la.predictive_samples(x)`` and ``la.functional_samples(x)`` split the inputs ``x``
+(a tensor; or a mapping, Hugging Face style, whose tensors with the leading size of
+``x[la.dict_key_x]`` are split alike and whose other entries are kept whole) into chunks of
+``la.predictive_chunk_size`` inputs along their first dimension, run laplace-torch's
 predictive on each chunk and concatenate the results along the input dimension (dimension 0 of
 ``la(x)``, dimension 1 of the ``(S, n, ...)`` samples).  The marginal predictive of an input
 depends on that input alone, so the chunked result equals the one-piece result up to float
@@ -19,19 +21,20 @@ Jacobians ``(chunk, outputs, P)`` take at most ``PREDICTIVE_CHUNK_BYTES / JACOBI
 ``MAX_AUTO_CHUNK``; :func:`auto_chunk_size`.
 
 Not chunked: the joint regression predictive (``joint=True``, whose ``(n·C)²`` covariance couples
-all inputs) and inputs that are not a tensor (dict batches).
+all inputs).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
 from laplace.utils.enums import LinkApprox, PredType
 
-__all__ = ["ChunkedPredictiveMixin", "auto_chunk_size", "concat_chunks", "rng_rewinder"]
+__all__ = ["ChunkedPredictiveMixin", "auto_chunk_size", "concat_chunks", "input_chunks", "rng_rewinder"]
 
 PREDICTIVE_CHUNK_BYTES = 2**28
 """Memory the default chunk size allows the GLM predictive of one chunk (256 MiB)."""
@@ -75,6 +78,31 @@ def rng_rewinder(generator: torch.Generator | None, device: torch.device) -> Cal
             torch.cuda.set_rng_state(cuda_state, device)
 
     return rewind
+
+
+def input_chunks(x: Any, size: int, dict_key_x: str) -> list[Any]:
+    """``x`` split into chunks of ``size`` inputs along the first dimension.
+
+    A tensor is split with ``Tensor.split``.  A mapping is copied per chunk (``copy.copy``, so a
+    ``BatchEncoding`` stays one), with every tensor entry whose leading size is that of
+    ``x[dict_key_x]`` sliced and the other entries kept whole.  Anything else, and inputs of at
+    most ``size`` rows, come back as ``[x]``.
+    """
+    if isinstance(x, torch.Tensor):
+        return list(x.split(size)) if x.ndim and len(x) > size else [x]
+    if not isinstance(x, MutableMapping) or not isinstance(x.get(dict_key_x), torch.Tensor):
+        return [x]
+    n = len(x[dict_key_x])
+    if n <= size:
+        return [x]
+    chunks = []
+    for start in range(0, n, size):
+        chunk = copy.copy(x)
+        for key, value in x.items():
+            if isinstance(value, torch.Tensor) and value.ndim and len(value) == n:
+                chunk[key] = value[start : start + size]
+        chunks.append(chunk)
+    return chunks
 
 
 def concat_chunks(parts: Sequence[Output], dim: int) -> Output:
@@ -160,14 +188,14 @@ class ChunkedPredictiveMixin:
     def _chunked(
         self, predict: Callable[[Any], Output], x: Any, generator: torch.Generator | None, dim: int
     ) -> Output:
-        """``predict`` over chunks of a tensor ``x``, concatenated along ``dim``; each chunk
+        """``predict`` over :func:`input_chunks` of ``x``, concatenated along ``dim``; each chunk
         starts from the generators' states at the call (module docstring)."""
-        size = self.chunk_size()
-        if not isinstance(x, torch.Tensor) or len(x) <= size:
+        chunks = input_chunks(x, self.chunk_size(), self.dict_key_x)
+        if len(chunks) == 1:
             return predict(x)
         rewind = rng_rewinder(generator, self._device)
         parts = []
-        for chunk in x.split(size):
+        for chunk in chunks:
             rewind()
             parts.append(predict(chunk))
         return concat_chunks(parts, dim)

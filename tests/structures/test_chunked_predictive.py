@@ -146,3 +146,33 @@ def test_bad_chunk_size_is_refused(bad):
     la.predictive_chunk_size = bad
     with pytest.raises(ValueError, match="predictive_chunk_size must be a positive integer or None"):
         la(x)
+
+
+@pytest.mark.parametrize("structure", ["debiased_kron", "debiased_full"])
+def test_chunked_dict_inputs_equal_one_piece(structure):
+    """Mapping inputs (Hugging Face style): the tensors of the batch's leading size are split,
+    other entries are passed whole to every chunk."""
+    from torch.utils.data import DataLoader
+
+    from tests._models import DictData, DictModel
+
+    data = toy_data(40, (4,), 3, "classification")
+    la = Laplace(DictModel().double(), "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(DataLoader(DictData(*data.tensors), batch_size=10))
+    X = toy_data(N, (4,), 3, "classification", seed=1).tensors[0]
+    x = {"input_ids": X, "labels": torch.zeros(N, dtype=torch.long), "note": torch.tensor(1.0)}
+    whole, chunked = _both(la, x, CALLS["glm mc"])
+    _close(whole, chunked)
+    torch.testing.assert_close(chunked, _both(la, X, CALLS["glm mc"])[1], rtol=RTOL, atol=RTOL)
+
+
+def test_input_chunks_split_only_batch_sized_tensors():
+    from laplace_debiased.structures.chunked import input_chunks
+
+    x = {"input_ids": torch.arange(10), "mask": torch.ones(10, 3), "scale": torch.ones(3), "name": "a"}
+    chunks = input_chunks(x, 4, "input_ids")
+    assert [len(c["input_ids"]) for c in chunks] == [4, 4, 2]
+    assert [c["mask"].shape[0] for c in chunks] == [4, 4, 2]
+    assert all(c["scale"] is x["scale"] and c["name"] == "a" for c in chunks)
+    assert torch.equal(torch.cat([c["input_ids"] for c in chunks]), x["input_ids"])
+    assert input_chunks(x, 10, "input_ids") == [x] and input_chunks("text", 1, "input_ids") == ["text"]
