@@ -176,3 +176,24 @@ def test_input_chunks_split_only_batch_sized_tensors():
     assert all(c["scale"] is x["scale"] and c["name"] == "a" for c in chunks)
     assert torch.equal(torch.cat([c["input_ids"] for c in chunks]), x["input_ids"])
     assert input_chunks(x, 10, "input_ids") == [x] and input_chunks("text", 1, "input_ids") == ["text"]
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+def test_chunked_token_outputs_equal_one_piece(likelihood):
+    """Outputs ``(n, tokens, C)``: chunks of sequences, results back in the token shape."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(24, 3, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (24, 3), generator=g) if likelihood == "classification" else torch.randn(
+        24, 3, 3, generator=g, dtype=torch.float64)
+    la = Laplace(tiny_mlp(), likelihood, subset_of_weights="all", hessian_structure="debiased_kron")
+    la.fit(loader(TensorDataset(X, y), 8))
+    x = torch.randn(N, 3, 4, generator=g, dtype=torch.float64)
+    calls = [lambda la, x: la(x, pred_type="glm", link_approx="probit"),
+             lambda la, x: la.predictive_samples(x, pred_type="glm", n_samples=5,
+                                                 generator=torch.Generator().manual_seed(3))]
+    for call in calls:
+        whole, chunked = _both(la, x, call)
+        _close(whole, chunked)
+    assert _both(la, x, calls[1])[1].shape == (5, N, 3, 3)
