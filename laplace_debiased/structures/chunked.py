@@ -176,7 +176,7 @@ class ChunkedPredictiveMixin:
         """Inputs per chunk: ``predictive_chunk_size`` or :func:`auto_chunk_size`."""
         size = self.predictive_chunk_size
         if size is None:
-            outputs = math.prod(getattr(self, "fit_output_shape", ())) or self.n_outputs
+            outputs = math.prod(getattr(self, "fit_output_shape", (self.n_outputs or 1,)))
             itemsize = torch.empty((), dtype=self._dtype).element_size()
             return auto_chunk_size(outputs, self.n_params, itemsize)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
