@@ -44,9 +44,9 @@ def fit(model, loader: DataLoader, val_loader: DataLoader, method: str, magnitud
 
 
 def predict(la, x: torch.Tensor) -> torch.Tensor:
-    """The quick start's ``la(x, pred_type="glm", link_approx="probit")``, 100 inputs at a time
-    (the Jacobians of a whole test set at once would need tens of GB)."""
-    return torch.cat([la(chunk, pred_type="glm", link_approx="probit") for chunk in x.split(100)])
+    """The quick start's ``la(x, pred_type="glm", link_approx="probit")`` on a whole test set
+    (the debiased classes predict in chunks of ``la.predictive_chunk_size`` inputs)."""
+    return la(x, pred_type="glm", link_approx="probit")
 
 
 def main() -> None:

@@ -6,23 +6,97 @@ factory call, and any such call is preceded by ``import laplace``.  ``import lap
 therefore defines them at once if ``laplace`` is already imported, and otherwise right after
 ``laplace`` finishes importing (a one-shot meta-path hook).  The CLI's ``--help`` thus never
 imports torch (about 2 s) or laplace-torch.
+
+Two more things happen at registration:
+
+* laplace-torch's ``Laplace(...)`` factory is wrapped (:func:`explain_unknown_keys`) so that an
+  unknown ``(subset_of_weights, hessian_structure)`` names the valid keys and the closest
+  structure name; valid keys build the same classes as before.
+* laplace-torch's import logs through the root logger (``logging.info`` at module level), which
+  gives the root logger a WARNING handler (``logging.basicConfig()``) and so turns a later
+  ``logging.basicConfig(level=logging.INFO)`` of the user into a no-op.  When
+  ``import laplace_debiased`` comes first, the handlers that laplace-torch's import added to the
+  root logger are removed again, so the fit's INFO line on the batches it used appears under
+  ``logging.basicConfig(level=logging.INFO)``.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib
 import importlib.abc
+import logging
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Callable, Iterable
 from types import ModuleType
+from typing import Any
 
 
 def register() -> None:
-    """Define (and so register) every debiased Laplace class."""
+    """Define (and so register) every debiased Laplace class, and wrap the factory."""
     importlib.import_module("laplace_debiased.structures.kron")  # "debiased_kron"
     importlib.import_module("laplace_debiased.structures.lowrank")  # "debiased_lowrank", "debiased_full"
     importlib.import_module("laplace_debiased.structures.ekfac")  # "debiased_ekfac"
+    wrap_factory()
+
+
+def unknown_key_message(subset_of_weights: object, hessian_structure: object, keys: Iterable[tuple]) -> str:
+    """The error for a ``(subset_of_weights, hessian_structure)`` pair that no Laplace class has:
+    the valid structures for that subset (or all keys), and the closest structure name."""
+    keys = sorted({(str(s), str(h)) for s, h in keys})
+    structures = sorted({h for s, h in keys if s == str(subset_of_weights)}) or sorted({h for _, h in keys})
+    subsets = sorted({s for s, _ in keys})
+    message = (
+        f"Unsupported Laplace combination: subset_of_weights={subset_of_weights!r}, "
+        f"hessian_structure={hessian_structure!r}. Valid subset_of_weights: {subsets}; valid "
+        f"hessian_structure for subset_of_weights={subset_of_weights!r}: {structures}."
+    )
+    close = difflib.get_close_matches(str(hessian_structure), structures, n=2, cutoff=0.6)
+    if close:
+        message += " Did you mean " + " or ".join(f"hessian_structure={c!r}" for c in close) + "?"
+    return message
+
+
+def explain_unknown_keys(factory: Callable[..., Any], keys: Callable[[], Iterable[tuple]]) -> Callable[..., Any]:
+    """``factory`` (laplace-torch's ``Laplace``), whose "Unsupported Laplace combination" error
+    is replaced by :func:`unknown_key_message` over the registered ``keys()``."""
+
+    @functools.wraps(factory)
+    def laplace_factory(model, likelihood, subset_of_weights="last_layer", hessian_structure="kron", *args, **kwargs):
+        try:
+            return factory(model, likelihood, subset_of_weights, hessian_structure, *args, **kwargs)
+        except ValueError as err:
+            if not str(err).startswith("Unsupported Laplace combination"):
+                raise
+            raise ValueError(unknown_key_message(subset_of_weights, hessian_structure, keys())) from err
+
+    laplace_factory.explains_unknown_keys = True
+    return laplace_factory
+
+
+def wrap_factory() -> None:
+    """Replace ``laplace.Laplace`` (and ``laplace.laplace.Laplace``) by
+    :func:`explain_unknown_keys` of it, once."""
+    import laplace
+    import laplace.laplace as factory_module
+    from laplace.baselaplace import BaseLaplace
+
+    if getattr(laplace.Laplace, "explains_unknown_keys", False):
+        return
+
+    def keys() -> list[tuple]:
+        found, todo = [], [BaseLaplace]
+        while todo:
+            cls = todo.pop()
+            todo.extend(cls.__subclasses__())
+            if hasattr(cls, "_key"):
+                found.append(cls._key)
+        return found
+
+    laplace.Laplace = factory_module.Laplace = explain_unknown_keys(factory_module.Laplace, keys)
 
 
 def _structures_initialising() -> bool:
@@ -50,8 +124,14 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         exec_module = spec.loader.exec_module
 
         def exec_then_register(module: ModuleType) -> None:
+            root = logging.getLogger()
+            handlers = list(root.handlers)
             exec_module(module)
-            if not _structures_initialising():  # else the structures package registers them itself
+            for handler in [h for h in root.handlers if h not in handlers]:  # laplace-torch's basicConfig()
+                root.removeHandler(handler)
+            if _structures_initialising():  # the structures package defines the classes itself
+                wrap_factory()
+            else:
                 register()
 
         spec.loader.exec_module = exec_then_register  # the loader object belongs to this spec alone

@@ -101,3 +101,29 @@ def test_coverage_rows_of_a_debiased_fit_are_its_coverage_record():
     train, idx = _draw()
     la = fit_kron(tiny_mlp(), train, idx, debiased=True)
     assert coverage_rows(la) == la.coverage.rows()
+
+
+def test_run_fits_warms_up_before_the_first_timed_fit(tmp_path, monkeypatch):
+    """The first fit on a device pays one-time start-up costs (on CUDA: the context, kernel
+    loading, library handles), so an untimed single-batch and debiased fit run before the first
+    timed one, and no warm-up runs when every fit comes from the cache."""
+    import benchmarks.cifar10.fits as fits
+    from benchmarks.cifar10.config import Config
+
+    events: list[str] = []
+    real_fit, real_measured = fits.fit_kron, fits.measured
+
+    def spy_fit(model, train, idx, debiased, *args, **kwargs):
+        events.append(f"fit debiased={debiased}")
+        return real_fit(model, train, idx, debiased, *args, **kwargs)
+
+    monkeypatch.setattr(fits, "fit_kron", spy_fit)
+    monkeypatch.setattr(fits, "measured", lambda fn: (events.append("timed"), real_measured(fn))[1])
+    train = toy_data(N, (4,), 3, "classification", seed=2)
+    cfg = Config(batch_sizes=(8,), magnitude_batches=(1,), repeats=1, lowrank_batch_sizes=(), full_batch_size=N)
+    fits.run_fits(tiny_mlp(), train, cfg, tmp_path, log=lambda *_: None)
+    first_timed = events.index("timed")
+    assert sorted(events[:first_timed]) == ["fit debiased=False", "fit debiased=True"], events
+    events.clear()
+    fits.run_fits(tiny_mlp(), train, cfg, tmp_path, log=lambda *_: None)  # all cached now
+    assert events == [], events

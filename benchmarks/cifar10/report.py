@@ -94,7 +94,8 @@ def markdown(meta: dict, methods: dict, summary: dict, res: dict, tgt: list[dict
             L.append(f"| {e['label']} | {crit} | {deltas}{flag} | {steps} | "
                      f"{at('test', 'nll'):.4f} | {_pct(at('test', 'ece'))} | {_pct(at('test', 'accuracy'))} | "
                      f"{at('c3', 'nll'):.4f} | {at('c5', 'nll'):.4f} | {at('c5', 'auroc'):.4f} | {at('ood', 'auroc'):.4f} |")
-    L += ["", "## (c) Fit cost (same run; single-batch and debiased fits of a draw back to back)", "",
+    L += ["", "## (c) Fit cost (same run; single-batch and debiased fits of a draw back to back, after an "
+          "untimed warm-up fit of each)", "",
           "| method | fit time [s] (mean) | debiased / single (median of pairs) | peak RSS increase [MiB] (mean) |",
           "|---|---|---|---|"]
     for n in order:

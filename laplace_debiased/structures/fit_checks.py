@@ -7,12 +7,25 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
+import torch
 from laplace.lllaplace import LLLaplace
 from torch import nn
 
 from laplace_debiased.structures.batches import Batch, batch_inputs_targets
 
 _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
+LOGIT_CHECK_ROWS = 8
+"""Inputs of the first fit batch whose outputs :meth:`FitChecksMixin._check_outputs_are_logits` inspects."""
+
+
+def outputs_are_probabilities(f: torch.Tensor) -> bool:
+    """Whether every output row ``f[..., :]`` (``C >= 2`` classes) is a probability vector:
+    entries ``>= 0`` summing to 1 within ``10 · C · eps`` of ``f``'s dtype (the round-off of a
+    softmax).  Logits of a network pass this only by accident."""
+    if f.ndim < 2 or f.shape[-1] < 2 or not f.is_floating_point():
+        return False
+    tol = 10 * f.shape[-1] * torch.finfo(f.dtype).eps
+    return bool((f >= 0).all() and ((f.sum(-1) - 1).abs() <= tol).all())
 
 
 def batch_statistics_layers(model: nn.Module) -> list[str]:
@@ -77,6 +90,24 @@ class FitChecksMixin:
             raise ValueError(
                 "every parameter of the model has requires_grad=False, so there is nothing "
                 "to approximate; unfreeze the parameters the posterior should cover."
+            )
+
+    @torch.no_grad()
+    def _check_outputs_are_logits(self, batch: Batch) -> None:
+        """Refuse, for ``"classification"``, a model whose outputs on the first
+        ``LOGIT_CHECK_ROWS`` inputs of ``batch`` are probabilities (a final ``nn.Softmax``):
+        laplace-torch's likelihood applies the softmax itself, so the fit and the predictive
+        would treat probabilities as logits."""
+        if self.likelihood != "classification":
+            return
+        X, _ = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
+        net = self.model.model if isinstance(self, LLLaplace) else self.model  # the wrapped network
+        f = net(X[:LOGIT_CHECK_ROWS] if isinstance(X, torch.Tensor) else X)
+        if outputs_are_probabilities(f):
+            raise ValueError(
+                "the model's outputs are probabilities (every row is >= 0 and sums to 1): it ends in a "
+                "softmax. The 'classification' likelihood expects logits and applies the softmax "
+                "itself; remove the final nn.Softmax (for an nn.Sequential, fit model[:-1]) and fit again."
             )
 
     def _check_batch_matches_model(self, batch: Batch) -> None:

@@ -2,11 +2,18 @@
 :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`): one predictive pass for the
 whole grid where :mod:`laplace_debiased.posterior.grid` can, else laplace-torch's ``validate``
 per point with the metric reset before each.
+
+Regression: the default score is the Gaussian predictive NLL with the object's ``sigma_noise``
+(:class:`GaussianPredictiveNLL`), so that δ is chosen for calibration; laplace-torch's default,
+the MSE of the predictive mean, does not depend on δ under the GLM predictive (the mean is the
+MAP output), so every grid point would tie and the bottom of the grid would win.  An MSE passed
+as ``loss`` with the GLM predictive is refused.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -20,8 +27,74 @@ from torch.utils.data import DataLoader
 from laplace_debiased.posterior.grid import UnsupportedBatches, grid_validation_scores, gridsearch_supported
 
 
+class GaussianPredictiveNLL(torchmetrics.Metric):
+    """Mean negative log density of regression targets under the Gaussian predictive
+    ``N(f, Σ_f + σ² I)``, computed in float64.
+
+    ``update(mean, var, y)``: ``mean`` ``(n, [tokens, ...,] C)``; ``var`` the predictive
+    covariance of the function ``(..., C, C)`` or its diagonal (the shape of ``mean``); ``y`` the
+    targets, reshaped to ``mean``'s shape.  ``compute()``: the NLL summed over the ``C`` outputs,
+    averaged over the rows (inputs, or inputs × tokens).
+
+    Args:
+        sigma_noise: observation noise standard deviation ``σ`` (scalar tensor or float).
+    """
+
+    full_state_update = False
+
+    def __init__(self, sigma_noise: torch.Tensor | float) -> None:
+        super().__init__()
+        self.noise_var = float(torch.as_tensor(sigma_noise, dtype=torch.float64)) ** 2
+        self.add_state("nll_sum", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("rows", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> None:
+        mean = mean.detach().double()
+        var = var.detach().double()
+        if var.shape == mean.shape:
+            var = torch.diag_embed(var)
+        cov = var + self.noise_var * torch.eye(mean.shape[-1], dtype=torch.float64, device=mean.device)
+        log_p = torch.distributions.MultivariateNormal(mean, covariance_matrix=cov).log_prob(
+            y.detach().double().reshape(mean.shape)
+        )
+        self.nll_sum -= log_p.sum()
+        self.rows += log_p.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.nll_sum / self.rows
+
+
 class GridSearchMixin:
-    """A grid search that resets its metric and scores the grid in one pass where it can."""
+    """A grid search that resets its metric and scores the grid in one pass where it can, and
+    scores regression by the Gaussian predictive NLL."""
+
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """laplace-torch's ``optimize_prior_precision`` (same arguments).  With
+        ``method="gridsearch"`` and ``likelihood="regression"`` the default ``loss`` is
+        :class:`GaussianPredictiveNLL` with ``self.sigma_noise``, and an MSE ``loss`` with
+        ``pred_type="glm"`` raises ``ValueError``."""
+        parent = super().optimize_prior_precision
+        bound = inspect.signature(parent).bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        if arguments["method"] == "gridsearch" and self.likelihood == "regression":
+            arguments["loss"] = self._regression_grid_loss(arguments["loss"], arguments["pred_type"])
+        parent(*bound.args, **bound.kwargs)
+
+    def _regression_grid_loss(self, loss: Any, pred_type: PredType | str) -> Any:
+        """The regression grid search's score: ``loss``, or :class:`GaussianPredictiveNLL` if
+        none; an MSE under the GLM predictive is refused."""
+        if loss is None:
+            return GaussianPredictiveNLL(self.sigma_noise).to(self._device)
+        if pred_type == "glm" and isinstance(loss, (torchmetrics.MeanSquaredError, torch.nn.MSELoss)):
+            raise ValueError(
+                "the MSE of the GLM predictive mean does not depend on the prior precision (the mean "
+                "is the MAP output), so a grid search by MSE picks the bottom of the grid. Pass "
+                "loss=None (the default: the Gaussian predictive NLL with la.sigma_noise) or a score "
+                "of the predictive variance, e.g. GaussianPredictiveNLL(sigma_noise) from "
+                "laplace_debiased.structures.gridsearch."
+            )
+        return loss
 
     def _gridsearch(
         self,

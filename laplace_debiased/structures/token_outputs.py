@@ -10,6 +10,11 @@ covariance ``(n, tokens, C, C)``; ``joint=True`` stays flat over the rows), GLM 
 sense laplace-torch's LLM examples use: each token's marginal ``N(f_t, J_t P⁻¹ J_tᵀ)``.
 The GLM functional samples come from a float64 square root (laplace-torch's float32 Cholesky
 fails at small prior precision).
+
+Outputs ``(n, C)`` of a tensor input, all weights, without ``enable_backprop``: the Jacobians are
+per-example (:func:`laplace_debiased.posterior.jacobians.logit_jacobians`), so the memory of the
+GLM predictive grows linearly with ``n``; laplace-torch's ``torch.func.jacrev`` over the batch
+pushes all ``n·C`` cotangents through all ``n`` inputs, quadratic in ``n``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from laplace.lllaplace import LLLaplace
 from laplace.utils.enums import LinkApprox
 
 from laplace_debiased.curvature.inputs import backward_hooks_detached
+from laplace_debiased.posterior.jacobians import logit_jacobians
 from laplace_debiased.posterior.links import normal_samples
 
 
@@ -65,13 +71,17 @@ class TokenOutputsMixin:
     def _glm_predictive_distribution(
         self, X: Any, joint: bool = False, diagonal_output: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """laplace-torch's GLM predictive ``(f, J P⁻¹ Jᵀ)``; for token outputs over the token
-        rows: ``f`` ``(n·tokens, C)``, covariance ``(n·tokens, C, C)`` (``joint``: flat mean and
+        """laplace-torch's GLM predictive ``(f, J P⁻¹ Jᵀ)``, from per-example Jacobians where
+        :meth:`_per_example_jacobians_apply`; for token outputs over the token rows: ``f``
+        ``(n·tokens, C)``, covariance ``(n·tokens, C, C)`` (``joint``: flat mean and
         ``(n·tokens·C)²`` covariance; ``diagonal_output``: ``(n·tokens, C)``)."""
         self._glm_token_shape = None
-        if not self._has_token_outputs():
+        if self._has_token_outputs():
+            Js, f_mu = self._token_jacobians(X)
+        elif self._per_example_jacobians_apply(X):
+            Js, f_mu = self._per_example_jacobians(X)
+        else:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
-        Js, f_mu = self._token_jacobians(X)
         if joint:
             f_mu, f_var = f_mu.flatten(), self.functional_covariance(Js)
         else:
@@ -81,6 +91,20 @@ class TokenOutputsMixin:
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var
+
+    def _per_example_jacobians_apply(self, X: Any) -> bool:
+        """Whether :meth:`_per_example_jacobians` replaces laplace-torch's Jacobians: a tensor
+        input, all weights (not last-layer), no backpropagation through the predictive."""
+        return isinstance(X, torch.Tensor) and not isinstance(self, LLLaplace) and not self.enable_backprop
+
+    def _per_example_jacobians(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Jacobians ``(n, C, P)`` (in the order of ``self.params``) and outputs ``(n, C)`` from
+        per-example Jacobians (:func:`laplace_debiased.posterior.jacobians.logit_jacobians`):
+        memory linear in ``n``, where laplace-torch's ``torch.func.jacrev`` over the batch pushes
+        all ``n·C`` cotangents through all ``n`` inputs (memory quadratic in ``n``)."""
+        f, layers = logit_jacobians(self.model, self.params, X)
+        Js = torch.cat([layer.full().expand(len(f), -1, -1) for layer in layers], dim=-1)
+        return Js, f
 
     def _token_jacobians(self, X: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Jacobians ``(n·tokens, C, P)`` and outputs ``(n·tokens, C)`` of the token rows, with

@@ -20,7 +20,8 @@ After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.fit_ba
 unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
-The input checks live in :mod:`.fit_checks`, the token-output GLM overrides in
+The input checks live in :mod:`.fit_checks`, the predictive over chunks of the inputs in
+:mod:`.chunked`, the GLM predictive overrides (token outputs, per-example Jacobians) in
 :mod:`.token_outputs`, the grid search in :mod:`.gridsearch` and the per-block layerwise marglik
 in :mod:`.block_priors` (bases of the mixin).
 """
@@ -47,6 +48,7 @@ from laplace_debiased.structures.batches import (
     split_batches,
 )
 from laplace_debiased.structures.block_priors import BlockPriorMixin
+from laplace_debiased.structures.chunked import ChunkedPredictiveMixin
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     check_same_fit_inputs,
@@ -66,7 +68,7 @@ __all__ = ["TwoBatchLaplaceMixin"]
 logger = logging.getLogger(__name__)
 
 
-class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, BlockPriorMixin, FitChecksMixin):
+class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, GridSearchMixin, BlockPriorMixin, FitChecksMixin):
     """Two-batch ``fit`` (B picks directions, B̃ measures magnitudes) for laplace-torch
     ``ParametricLaplace`` subclasses, plus a grid search that resets its metric."""
 
@@ -167,12 +169,14 @@ class TwoBatchLaplaceMixin(TokenOutputsMixin, GridSearchMixin, BlockPriorMixin, 
         self._accumulate(loss, used, batches)
 
     def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
-        """Check the batches against the model, switch to eval mode, find the last layer
+        """Check the batches against the model, switch to eval mode, check that a classifier
+        outputs logits, find the last layer
         (last-layer classes, first fit), check there is something to fit, and forget
         earlier fits when ``override``."""
         for b in used:
             self._check_batch_matches_model(b)
         self.model.eval()
+        self._check_outputs_are_logits(first)
         if isinstance(self, LLLaplace) and self.model.last_layer is None:
             self._setup_last_layer(first)
         self._check_trainable()
