@@ -68,7 +68,7 @@ __all__ = ["TwoBatchLaplaceMixin"]
 logger = logging.getLogger(__name__)
 
 
-class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, GridSearchMixin, BlockPriorMixin, FitChecksMixin):
+class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPriorMixin, GridSearchMixin, FitChecksMixin):
     """Two-batch ``fit`` (B picks directions, B̃ measures magnitudes) for laplace-torch
     ``ParametricLaplace`` subclasses, plus a grid search that resets its metric."""
 
