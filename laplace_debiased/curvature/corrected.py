@@ -53,7 +53,7 @@ import torch
 
 from laplace_debiased.curvature.completion import group_means
 from laplace_debiased.curvature.linalg import (
-    clamp_roundoff_negatives,
+    remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
     tied_groups,
@@ -97,10 +97,8 @@ def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: in
     """
     _check_finite(direction, "the direction batch")
     L, U = symmetric_eigh64(direction)
-    M64 = magnitude.double()
-    cross = ((0.5 * (M64 + M64.T) @ U) * U).sum(dim=0)  # diag(Uᵀ M U), float64
-    # the tolerance of M's own precision (a float32 factor is PSD only to float32 round-off)
-    cross = clamp_roundoff_negatives(cross, roundoff_tolerance(magnitude, terms), "remeasured curvature")
+    # diag(Uᵀ M U) in float64, at the round-off tolerance of M's own precision
+    cross = remeasure_eigenvalues(U, magnitude, terms, dtype=torch.float64)
     return group_means(L - cross, tied_groups(L, roundoff_tolerance(direction)))
 
 

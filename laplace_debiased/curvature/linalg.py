@@ -126,7 +126,9 @@ def clamp_roundoff_negatives(
     return values.clamp(min=0.0)
 
 
-def remeasure_eigenvalues(U: torch.Tensor, C: torch.Tensor, terms: int = 0) -> torch.Tensor:
+def remeasure_eigenvalues(
+    U: torch.Tensor, C: torch.Tensor, terms: int = 0, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Debiased eigenvalues ``diag(Uᵀ C U)``: curvature of ``C`` along the columns of ``U``.
 
     Parameters
@@ -139,11 +141,13 @@ def remeasure_eigenvalues(U: torch.Tensor, C: torch.Tensor, terms: int = 0) -> t
     terms : int
         outer products (samples) summed into ``C``: widens the round-off tolerance of the
         negativity check (:func:`roundoff_tolerance`).
+    dtype : torch.dtype, optional
+        the dtype of the result (computed in float64 either way); default ``C.dtype``.
 
     Returns
     -------
     torch.Tensor
-        ``(k,)`` non-negative values ``U[:, i]ᵀ C U[:, i]`` in ``C.dtype``; round-off
+        ``(k,)`` non-negative values ``U[:, i]ᵀ C U[:, i]`` in ``dtype``; round-off
         negatives are clamped to 0, larger negatives raise ``ValueError``.
     """
     _check_square(C, "magnitude curvature")
@@ -155,7 +159,7 @@ def remeasure_eigenvalues(U: torch.Tensor, C: torch.Tensor, terms: int = 0) -> t
     C64 = 0.5 * (C64 + C64.T)
     values = ((C64 @ U64) * U64).sum(dim=0)
     values = clamp_roundoff_negatives(values, roundoff_tolerance(C, terms), "remeasured curvature")
-    return values.to(C.dtype)
+    return values.to(dtype or C.dtype)
 
 
 def symmetric_eigh64(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
