@@ -38,10 +38,12 @@ DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
 
 @dataclass(frozen=True)
 class PriorGrid:
-    """An immutable grid of prior precisions δ, each positive, finite, rounded and given once.
+    """An immutable grid of prior precisions δ, each positive, finite and given once.
 
-    The values keep the order they were given in (a sweep writes its rows in that order); the
-    edges are the smallest and the largest value.
+    :meth:`parse` rounds user input by :func:`round_precision` (the values rows store); the
+    constructor takes values as they are (e.g. read back from rows).  The values keep the order
+    they were given in (a sweep writes its rows in that order); the edges are the smallest and
+    the largest value.
 
     Attributes:
         values: The prior precisions, shape ``(G,)`` as a tuple, ``G >= 1``.
@@ -56,9 +58,6 @@ class PriorGrid:
         bad = [d for d in self.values if not (math.isfinite(d) and d > 0)]
         if bad:
             raise ValueError(f"prior precisions must be positive and finite, got {bad}")
-        unrounded = [d for d in self.values if round_precision(d) != d]
-        if unrounded:
-            raise ValueError(f"prior precisions {unrounded} are not rounded; build the grid with PriorGrid.parse")
         if len(set(self.values)) != len(self.values):
             raise ValueError(f"repeated prior precision in {list(self.values)} "
                              f"(rounded to {SIGNIFICANT_DIGITS} significant digits); give each once")
@@ -133,6 +132,12 @@ class PriorGrid:
         return PriorGrid.parse(new).values if new else ()
 
 
+def check_criterion(criterion: str) -> None:
+    """Refuses a choice criterion other than :data:`CRITERIA`."""
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be 'nll' or 'log_marglik', got {criterion!r}")
+
+
 def choose_prior_precision(scores: Mapping[float, float], criterion: str = "nll") -> float | None:
     """The prior precision of the best score: the lowest NLL or the highest log marginal likelihood.
 
@@ -146,8 +151,7 @@ def choose_prior_precision(scores: Mapping[float, float], criterion: str = "nll"
     Raises:
         ValueError: For an unknown ``criterion``.
     """
-    if criterion not in CRITERIA:
-        raise ValueError(f"criterion must be 'nll' or 'log_marglik', got {criterion!r}")
+    check_criterion(criterion)
     sign = 1.0 if criterion == "nll" else -1.0
     best: tuple[float, float] | None = None
     for delta, score in sorted(scores.items()):

@@ -50,11 +50,12 @@ def test_bad_grids_are_refused(values, match):
         PriorGrid.parse(values)
 
 
-def test_an_unrounded_grid_cannot_be_built_directly():
-    with pytest.raises(ValueError, match="PriorGrid.parse"):
-        PriorGrid((1.0, 1 / 3))
-    with pytest.raises(Exception):  # immutable
+def test_the_grid_is_immutable_and_checked_when_built_directly():
+    with pytest.raises(AttributeError):
         PriorGrid.default().values = (1.0,)
+    with pytest.raises(ValueError, match="repeated"):
+        PriorGrid([1.0, 2.0, 1.0])
+    assert PriorGrid([1.0, 1 / 3]).values == (1.0, 1 / 3)  # values read back from rows are kept as they are
 
 
 def test_default_grid_is_the_papers_log_spaced_grid_plus_ten():
