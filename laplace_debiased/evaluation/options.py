@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
 from laplace_debiased._progress import add_quiet_argument
+from laplace_debiased.evaluation.grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
 
-#: The paper's 13 log-spaced prior precisions 1e-4 ... 1, plus 10 (14 points).
-DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
-    float(f"{v:.6g}") for v in [*(10.0 ** (-4 + k / 3) for k in range(13)), 10.0]
-)
 #: Default links: the projected probit (right, deterministic) and laplace-torch's diagonal
 #: probit, recorded for comparison.
 DEFAULT_LINKS: tuple[str, ...] = ("probit_projected", "probit")
@@ -129,7 +125,8 @@ def resolve_options(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {opts[key]}")
     if opts["batch_size"] < 2:
         raise ValueError("--batch-size must be at least 2 (the debiased methods split it in halves)")
-    check_grid(opts["prior_precisions"], opts["links"])
+    check_links(opts["links"])
+    PriorGrid.parse(opts["prior_precisions"])
     if len(set(opts["methods"])) != len(opts["methods"]):
         raise ValueError(f"repeated method in --methods {opts['methods']}; give each once")
     if opts["lock_timeout"] < 0:
@@ -139,12 +136,8 @@ def resolve_options(args: argparse.Namespace) -> dict:
     return opts
 
 
-def check_grid(prior_precisions: Sequence[float], links: Sequence[str]) -> list[float]:
-    """Validated grid (each value rounded to 6 significant digits, as rows store it).
-
-    Refuses an empty grid, values that are not finite and positive, unknown links, and repeated
-    prior precisions or links (they would give duplicated or misaligned rows).
-    """
+def check_links(links: Sequence[str]) -> None:
+    """Refuses unknown link approximations and a link given twice (it would duplicate rows)."""
     from laplace_debiased.posterior.links import LINKS  # imports torch: only when validating
 
     for link in links:
@@ -152,12 +145,3 @@ def check_grid(prior_precisions: Sequence[float], links: Sequence[str]) -> list[
             raise ValueError(f"unknown link {link!r}; choose from {LINKS}")
     if len(set(links)) != len(links):
         raise ValueError(f"repeated link approximation in {list(links)}; give each once")
-    grid = [float(f"{float(d):.6g}") for d in prior_precisions]
-    if not grid:
-        raise ValueError("give at least one prior precision")
-    bad = [d for d in grid if not (math.isfinite(d) and d > 0)]
-    if bad:
-        raise ValueError(f"prior precisions must be positive and finite, got {bad}")
-    if len(set(grid)) != len(grid):
-        raise ValueError(f"repeated prior precision in {grid} (rounded to 6 significant digits); give each once")
-    return grid

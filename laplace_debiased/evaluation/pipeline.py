@@ -60,8 +60,9 @@ from torch.utils.data import DataLoader, Dataset
 
 # the flags live in the torch-free options module (fast --help); re-exported here
 from laplace_debiased.evaluation.options import (  # noqa: F401
-    DEFAULTS, METHODS, add_pipeline_arguments, check_grid, load_config, resolve_options,
+    DEFAULTS, METHODS, add_pipeline_arguments, load_config, resolve_options,
 )
+from laplace_debiased.evaluation.grid import PriorGrid
 from laplace_debiased.evaluation.report import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
 from laplace_debiased.structures.distributed import fetch_rows, gather_results, rank_world
@@ -293,22 +294,17 @@ def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: st
 
 
 def _grid_extension(rows: list[dict], link: str) -> list[float]:
-    """One new prior precision beyond each grid edge where a method's validation choice lies."""
+    """One new prior precision beyond each grid edge where a method's validation choice lies
+    (:meth:`~laplace_debiased.evaluation.grid.PriorGrid.extension`)."""
     from laplace_debiased.evaluation.report import chosen_prior_precisions
 
     val = next((r["eval_set"] for r in rows if r.get("kind") == "validation"), None)
     if val is None:
         return []
-    grid = sorted({r["prior_precision"] for r in rows if r["method"] != "map" and r["eval_set"] == val})
-    if len(grid) < 2:
+    deltas = sorted({r["prior_precision"] for r in rows if r["method"] != "map" and r["eval_set"] == val})
+    if not deltas:
         return []
-    chosen = set(chosen_prior_precisions(rows, val, link, "nll").values())
-    new = []
-    if grid[0] in chosen:
-        new.append(grid[0] ** 2 / grid[1])
-    if grid[-1] in chosen:
-        new.append(grid[-1] ** 2 / grid[-2])
-    return [float(f"{d:.6g}") for d in new]
+    return list(PriorGrid(tuple(deltas)).extension(chosen_prior_precisions(rows, val, link, "nll").values()))
 
 
 def run_pipeline(opts: dict, *, report: bool = True) -> dict[str, Path]:
@@ -378,22 +374,21 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
         (out / SETTING_NAME).write_text(json.dumps(setting, indent=2, ensure_ascii=False))
     methods = [_method(m, model, train, opts) for m in opts["methods"]]
     results = out / "results.jsonl"
-    configured = [float(f"{d:.6g}") for d in opts["prior_precisions"]]
+    configured = PriorGrid.parse(opts["prior_precisions"])
     grid = configured
     while True:
-        rows = run_sweep(methods, eval_sets, results, prior_precisions=grid, links=opts["links"],
+        rows = run_sweep(methods, eval_sets, results, prior_precisions=list(grid), links=opts["links"],
                          n_samples=opts["n_samples"], seed=opts["seed"], chunk_size=opts["chunk_size"],
                          progress=not opts["quiet"], log=log, map_model=model)
         ours = [r for r in rows if r["method"] in opts["methods"] or r["method"] == "map"]
         # a resumed run starts from the grid an earlier run already grew (counted from the rows)
-        grid = sorted({*grid, *(r["prior_precision"] for r in ours if r["method"] != "map")})
-        grown = sum(d < min(configured) or d > max(configured) for d in grid)
+        grid = grid.union(r["prior_precision"] for r in ours if r["method"] != "map")
         new = _grid_extension(ours, opts["links"][0])
-        if not new or grown >= MAX_EXTENSIONS:
+        if not new or grid.n_outside(configured) >= MAX_EXTENSIONS:
             break
         if log:
             log(f"a validation choice of δ lies on the grid edge: extending the grid by {new}")
-        grid = sorted({*grid, *new})
+        grid = grid.union(new)
     paths = {"results": results}
     if report:
         from laplace_debiased.evaluation.report import write_report

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from laplace_debiased.evaluation.grid import PriorGrid, check_criterion, choose_prior_precision
 from laplace_debiased.evaluation.sweep import load_rows
 from laplace_debiased.evaluation.tracking import max_gap_per_draw, reference_of
 
@@ -121,19 +122,19 @@ def chosen_prior_precisions(rows: list[dict], eval_set: str, link: str, criterio
     """Per Laplace method: the prior precision chosen on ``eval_set`` with ``link``.
 
     ``criterion="nll"``: lowest NLL (mean over repeats); ``"log_marglik"``: highest log marginal
-    likelihood (mean over repeats; methods without one are left out).
+    likelihood (mean over repeats; methods without one are left out).  The rule, ties included,
+    is :func:`~laplace_debiased.evaluation.grid.choose_prior_precision`.
     """
-    if criterion not in ("nll", "log_marglik"):
-        raise ValueError(f"criterion must be 'nll' or 'log_marglik', got {criterion!r}")
-    sign = 1.0 if criterion == "nll" else -1.0
+    check_criterion(criterion)
     vals = _mean_by([r for r in rows if r["eval_set"] == eval_set and r["link"] == link and r["method"] != "map"],
                     ("method", "prior_precision"), criterion)
-    best: dict[str, tuple[float, float]] = {}
-    for (method, delta), v in sorted(vals.items(), key=lambda kv: kv[0][1]):
-        m = sign * float(np.mean(v))
-        if math.isfinite(m) and (method not in best or m < best[method][1]):
-            best[method] = (delta, m)
-    return {k: v[0] for k, v in best.items()}
+    means = [(method, delta, float(np.mean(v))) for (method, delta), v in sorted(vals.items(), key=lambda kv: kv[0][1])]
+    scores: dict[str, dict[float, float]] = {}
+    for method, delta, mean in means:
+        scores.setdefault(method, {})[delta] = mean
+    # methods in the order their first finite score appears along the grid (the tables' order)
+    order = dict.fromkeys(method for method, _, mean in means if math.isfinite(mean))
+    return {m: choose_prior_precision(scores[m], criterion) for m in order}
 
 
 @dataclass
@@ -164,6 +165,10 @@ class _Context:
     def chosen(self, link: str, criterion: str = "nll") -> dict[str, float]:
         """Each method's prior precision chosen on the validation set (on test if there is none)."""
         return chosen_prior_precisions(self.rows, self.val_set or self.test_set, link, criterion)
+
+    def grid(self, method: str) -> PriorGrid:
+        """The prior precisions of ``method``'s rows."""
+        return PriorGrid(tuple(sorted({r["prior_precision"] for r in self.lap if r["method"] == method})))
 
     def n_repeats(self, method: str) -> int:
         return len({r["repeat"] for r in self.lap if r["method"] == method})
@@ -456,8 +461,7 @@ def _headline(ctx: _Context, doc: _Doc) -> None:
           "better. AUROC: how well the normalised predictive entropy tells the OOD inputs from the "
           "clean test inputs (50 % is chance).")
     doc.table(header, table)
-    grid_of = {m: sorted({r["prior_precision"] for r in ctx.lap if r["method"] == m}) for m in ctx.methods}
-    edge = [ctx.label(m) for m, d in by_nll.items() if d in (grid_of[m][0], grid_of[m][-1])]
+    edge = [ctx.label(m) for m, d in by_nll.items() if ctx.grid(m).on_edge(d)]
     if edge:
         doc.p(f"Chosen δ on a grid edge (the optimum may lie beyond the grid): {', '.join(edge)}.")
     doc.p(_verdict(ctx, by_nll, "validation NLL" if ctx.val_set else "test NLL (oracle)"))
@@ -524,7 +528,6 @@ def _best_table(ctx: _Context, doc: _Doc) -> None:
     doc.h("Chosen prior precision per method and link")
     for link in ctx.links:
         best = ctx.chosen(link)
-        grid_of = {m: [r["prior_precision"] for r in ctx.lap if r["method"] == m] for m in ctx.methods}
         header = ["method", "δ", *(f"test {h}" for _, h in _BEST_COLUMNS)] + [f"AUROC {e} (%)" for e in shift_sets]
         scale = {"accuracy": 100.0, "ece": 100.0, "auroc": 100.0}
         pct = lambda vals, k: [scale.get(k, 1.0) * v for v in vals]  # noqa: E731
@@ -535,7 +538,7 @@ def _best_table(ctx: _Context, doc: _Doc) -> None:
         for m in ctx.methods:
             if m not in best:
                 continue
-            edge = best[m] in (min(grid_of[m]), max(grid_of[m]))
+            edge = ctx.grid(m).on_edge(best[m])
             table.append([ctx.label(m), f"{best[m]:.3g}" + (" (grid edge)" if edge else ""),
                           *[_fmt(pct(ctx.at(m, best[m], ctx.test_set, k, link), k)) for k, _ in _BEST_COLUMNS]]
                          + [_fmt(pct(ctx.at(m, best[m], e, "auroc", link), "auroc")) for e in shift_sets])

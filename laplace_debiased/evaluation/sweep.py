@@ -50,7 +50,8 @@ from torch import Tensor
 
 from laplace_debiased._progress import progress_bar
 from laplace_debiased.evaluation import metrics
-from laplace_debiased.evaluation.options import DEFAULT_LINKS, DEFAULT_PRIOR_PRECISIONS, check_grid  # noqa: F401
+from laplace_debiased.evaluation.grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
+from laplace_debiased.evaluation.options import DEFAULT_LINKS, check_links
 from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_rows
@@ -347,9 +348,10 @@ def _checked_sweep(
     methods: Sequence[Method], eval_sets: Sequence[EvalSet], prior_precisions: Sequence[float], links: Sequence[str]
 ) -> tuple[list[float], list[str], EvalSet | None]:
     """The checked grid, the eval set names (unique) and the reference (first test) set."""
-    grid = check_grid(prior_precisions, links)
+    check_links(links)
+    grid = list(PriorGrid.parse(prior_precisions))
     for m in methods:
-        check_grid(grid, tuple(m.links or links))
+        check_links(tuple(m.links or links))
     names = [es.name for es in eval_sets]
     if len(set(names)) != len(names):
         raise ValueError(f"eval set names must be unique, got {names}")
