@@ -9,8 +9,9 @@
   made safe across processes) is spread test by test instead.
 * **Order.** Units holding a test marked ``slow`` are collected first, in their original order,
   then the rest: xdist hands out units in collection order (``--no-loadscope-reorder``), so the
-  long tests start at once and the short ones fill the gaps at the end (longest first, the
-  classic greedy schedule) instead of a long test starting last while the other worker idles.
+  long tests start at once and the short ones fill the gaps at the end (roughly the
+  longest-first greedy schedule) instead of a long test starting last while the other worker
+  idles.
 * **Shared model cache.** :func:`digits_cache` trains the default digits MAP model once per run,
   for every worker.
 """
@@ -25,11 +26,18 @@ import torch
 from filelock import FileLock
 
 
+def worker_threads(cores: int, workers: int) -> int:
+    """Torch threads of one of ``workers`` test processes sharing ``cores``: an equal share, at
+    least one."""
+    return max(1, cores // workers)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """One share of the cores per xdist worker, as torch intra-op threads."""
+    """One share of this process's cores (its CPU affinity) per xdist worker, as torch threads."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(worker_threads(cores, int(workers)))
 
 
 def _module_unit(item: pytest.Item) -> str | None:
