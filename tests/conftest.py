@@ -12,6 +12,9 @@
   long tests start at once and the short ones fill the gaps at the end (roughly the
   longest-first greedy schedule) instead of a long test starting last while the other worker
   idles.
+* **Threads kept.** Each test starts with the worker's torch threads: a test that changes them
+  (an in-process CLI run applies its ``--threads``, by default every core) does not pass the
+  change on to the tests after it on that worker.
 * **Shared model cache.** :func:`digits_cache` trains the default digits MAP model once per run,
   for every worker.
 """
@@ -19,6 +22,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,6 +43,23 @@ def pytest_configure(config: pytest.Config) -> None:
     if workers:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(worker_threads(cores, int(workers)))
+
+
+@contextmanager
+def kept_torch_threads() -> Iterator[None]:
+    """Restores torch's intra-op thread count on exit to its value on entry."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _threads_kept_per_test() -> Iterator[None]:
+    with kept_torch_threads():
+        yield
 
 
 def _module_unit(item: pytest.Item) -> str | None:

@@ -1,11 +1,12 @@
 """The xdist scheduling of tests/conftest.py: module groups, per-test modules, slow units first,
-and the torch threads of a worker."""
+and the torch threads of a worker (an equal share, restored after each test)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import conftest
 
@@ -54,3 +55,15 @@ def test_an_explicit_xdist_group_is_kept():
 @pytest.mark.parametrize(("cores", "workers", "threads"), [(2, 2, 1), (16, 2, 8), (1, 2, 1), (7, 2, 3)])
 def test_worker_threads_share_the_cores(cores, workers, threads):
     assert conftest.worker_threads(cores, workers) == threads
+
+
+def test_threads_a_test_changes_are_restored():
+    before = torch.get_num_threads()
+    with conftest.kept_torch_threads():
+        torch.set_num_threads(before + 1)
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), conftest.kept_torch_threads():
+        torch.set_num_threads(before + 2)
+        raise RuntimeError("a failing test")
+    assert torch.get_num_threads() == before
