@@ -32,8 +32,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m laplace_debiased
 
+# The suite on TEST_WORKERS pytest-xdist processes: each module is one work unit (its fixtures
+# are built once), modules with slow tests start first, and each worker gets its share of the
+# cores as torch threads (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 clean-venv:
 	rm -rf $(VENV) $(DOCS_VENV)

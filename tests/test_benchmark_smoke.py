@@ -45,11 +45,14 @@ def tiny_cifar(tmp_path, monkeypatch):
     return root
 
 
+@pytest.mark.slow
 def test_quick_run_writes_report(tiny_cifar, tmp_path):
     out = tmp_path / "out"
-    # 20 corrupted images per severity and 20 OOD images (of 80 test images): the predictive of
-    # these sets is most of the run's time, and 20 exercise every step
-    args = ["--data", str(tiny_cifar), "--out", str(out), "--quick", "--threads", "1", "--n-corrupt", "20", "--n-ood", "20"]
+    # 30 validation images (of 60), 40 test images (of 80), 10 corrupted images per severity and
+    # 10 OOD images: the predictive of these sets is most of the run's time, and a few images
+    # exercise every step (the bootstrap, the grid choice and the targets see every set)
+    args = ["--data", str(tiny_cifar), "--out", str(out), "--quick", "--threads", "1", "--n-val", "30",
+            "--n-test", "40", "--n-corrupt", "10", "--n-ood", "10"]
     assert main(args) == 0
     res = json.loads((out / "quick" / "results.json").read_text())
     grid = res["meta"]["grid"]

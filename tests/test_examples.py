@@ -1,7 +1,10 @@
 """Every script in examples/ runs end to end, prints its table and no debug lines (smoke tests).
 
-The scripts share one cache (so the MAP model is trained once for the module) and run with one
-thread; each takes more than 20 s on a busy 2-core machine, so all are marked ``slow``.  Each asserts the table's point where it is robust: finite numbers, the rows it promises.
+The scripts share one model cache, which already holds the default digits MAP model (the
+``digits_cache`` fixture of conftest.py trains it once per run), and run with one thread; each
+takes more than 20 s on a busy 2-core machine, so all are marked ``slow``.  They are independent,
+so xdist spreads them test by test over its workers.  Each asserts the table's point where it is
+robust: finite numbers, the rows it promises.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+XDIST_PER_TEST = True  # see conftest.py: each example is its own xdist work unit
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("example-cache")
+@pytest.fixture
+def cache(digits_cache) -> Path:
+    """The run's shared model cache: the digits MAP model is loaded, not trained again; each
+    example adds the entries only it uses (other models, evaluation sets), each under its own key."""
+    return digits_cache
 
 
 def _run(args: list[str], cache: Path) -> str:

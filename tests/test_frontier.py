@@ -50,6 +50,7 @@ def test_shared_jacobian_nll_matches_grid_predictive(tiny_cifar):
     assert got["kron"] != got["cross"]
 
 
+@pytest.mark.slow
 def test_cifar10_setting_smoke(tiny_cifar, tmp_path, monkeypatch):
     monkeypatch.setattr(frontier, "KS", (1, 2))  # B̃ of 1 and 2 batches: the same code, fewer fits
     out = tmp_path / "out"

@@ -69,6 +69,7 @@ def test_no_merge_conflict_markers_are_committed():
     assert not hits, f"conflict markers in {hits}"
 
 
+@pytest.mark.slow
 def test_a_posterior_module_imported_first_does_not_meet_a_partly_imported_one():
     """``posterior.implicit_kron`` imports laplace-torch, whose import registers the structures,
     which subclass ``implicit_kron``'s class: the registration must wait for ``structures``."""

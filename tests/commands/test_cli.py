@@ -86,6 +86,7 @@ def test_cli_and_every_help_import_no_torch():
     assert res.stdout.strip() == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["laplace_debiased", "laplace_debiased.structures.two_batch",
                                    "laplace_debiased.structures.lowrank"])
 def test_import_registers_the_debiased_structures_after_a_later_laplace_import(first):
@@ -183,6 +184,7 @@ def test_config_file_keys_mirror_flags_and_unknown_keys_fail(tmp_path):
     assert cli.main(["sweep", "--config", str(bad)]) == 2
 
 
+@pytest.mark.slow
 def test_tiny_end_to_end_run_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("LAPLACE_DEBIASED_CACHE", str(tmp_path / "cache"))
     cfg = tmp_path / "tiny.json"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -49,6 +50,7 @@ def test_ekfac_methods_fit_the_debiased_ekfac_structure_with_the_kron_batches(mo
             assert method.repeats == (1 if name == "ekfac_full" else opts["repeats"])
 
 
+@pytest.mark.slow
 def test_tiny_end_to_end_run_with_the_ekfac_methods(tmp_path, monkeypatch):
     monkeypatch.setenv("LAPLACE_DEBIASED_CACHE", str(tmp_path / "cache"))
     cfg = tmp_path / "tiny.json"

@@ -55,14 +55,15 @@ def test_bad_settings_raise_clear_errors(tmp_path):
         train_map(_model(), _data(), TrainConfig(epochs=3, lr=1e30, optimizer="sgd"), cache_dir=tmp_path, log=None)
 
 
-def test_default_digits_model_interpolates_and_is_overconfident(tmp_path, monkeypatch):
+def test_default_digits_model_interpolates_and_is_overconfident(digits_cache, monkeypatch):
     """The main job's MAP (DIGITS_CONFIG on the default split) is converged and overconfident:
     near-zero training loss, a test NLL many times larger and a test ECE of several percent,
-    the regime in which a Laplace approximation has something to fix."""
+    the regime in which a Laplace approximation has something to fix.  The model is the one
+    ``default_digits_model()`` trained into the run's shared cache (conftest.py)."""
     from laplace_debiased.evaluation.metrics import ece
     from laplace_debiased.evaluation.training import default_digits_model
 
-    monkeypatch.setenv("LAPLACE_DEBIASED_CACHE", str(tmp_path))
+    monkeypatch.setenv("LAPLACE_DEBIASED_CACHE", str(digits_cache))
     model, splits = default_digits_model(log=None)
     assert [len(splits[k]) for k in ("train", "val", "test")] == [300, 497, 1000]
     train = evaluate_loss(model, DataLoader(splits["train"], batch_size=1024))

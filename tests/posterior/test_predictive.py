@@ -158,6 +158,7 @@ def test_mc_statistically_invariant_to_all_ones_and_matches_probit_roughly():
     torch.testing.assert_close(mc_softmax(f, 0 * cov, 3), torch.softmax(f, -1))
 
 
+@pytest.mark.slow
 def test_parameter_sampling_logits_have_the_structured_covariance():
     """Eq. 18 path (θ_s ~ posterior, JVPs) vs the rotated-Jacobian covariance Σ(δ)."""
     la, X = _fit("kron", "all")
@@ -177,6 +178,7 @@ def test_parameter_sampling_logits_have_the_structured_covariance():
     assert (samples.mean(0) - f).abs().max() < 4 * cov.diagonal(dim1=1, dim2=2).sqrt().max() / S**0.5
 
 
+@pytest.mark.slow
 def test_mc_grid_agrees_with_parameter_sampling_eq18():
     la, X = _fit("kron", "all")
     delta, S, x = 0.05, 3000, X[:8]
