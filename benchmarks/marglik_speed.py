@@ -191,7 +191,8 @@ def _previous() -> dict:
     if not path.exists():
         return {"commands": {}}
     res = json.loads(path.read_text())
-    res.setdefault("commands", {key: res.pop("command", "") for key in SECTIONS.values()})
+    command = res.pop("command", "")
+    res.setdefault("commands", dict.fromkeys(SECTIONS.values(), command))
     return res
 
 
