@@ -23,7 +23,8 @@ training digits, loader batches of 32, classification.
 All times are CPU seconds of this process (``time.process_time``) with one thread: on a machine
 shared with other jobs that is the work done, whatever else runs.
 
-Command (writes ``benchmarks/results/marglik_speed.{json,md}``)::
+Command (writes ``benchmarks/results/marglik_speed.{json,md}``; ``--sections b`` runs (b) only and
+keeps the committed results of the others)::
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice python benchmarks/marglik_speed.py
 """
@@ -146,11 +147,17 @@ def epochs(data: dict, structure: str, n_epochs: int) -> dict:
             "final_neg_log_marglik": float(margliks[-1]), "delta": float(la.prior_precision)}
 
 
+SECTIONS = {"a": "per_step", "b": "end_to_end", "c": "marglik_training"}
+
+
 def _markdown(res: dict) -> str:
+    commands = res["commands"]
     lines = [
         "# Marglik prior tuning: debiased_full (eigenbasis) vs stock full and kron (`benchmarks/marglik_speed.py`)",
-        "", f"`{res['command']}`. {res['device']}. CPU seconds of the process; all ratios from this one run.", "",
+        "", f"{res['device']}. CPU seconds of the process; the ratios within a section come from one run "
+        "(its command is under its heading).", "",
         "## (a) Per marglik step (scalar prior; B̃ = B, so the same curvature as stock full on B)", "",
+        f"`{commands['per_step']}`", "",
         "| P | stock full [s/step] | debiased_full [s/step] | speed-up | rel. diff. of δ after the same steps "
         "| debiased_full optimum δ* (100 steps) | ∂logZ/∂logδ at δ*: ours, stock full "
         "| debiased fit (B ≠ B̃): rank of H, optimum δ |",
@@ -163,17 +170,30 @@ def _markdown(res: dict) -> str:
             f"{r['ours_optimum_delta_100']:.4g} | {r['ours_grad_at_optimum']:.3e}, {r['stock_grad_at_ours_optimum']:.3e} | "
             f"{r['rank_of_H_debiased']}, {r['debiased_optimum_delta_100']:.4g} |")
     lines += ["", "## (b) laplace-torch's README snippet end to end (P = 3,760; fit, 100 marglik steps, "
-              "probit on 500 test digits)", "",
+              "probit on 500 test digits)", "", f"`{commands['end_to_end']}`", "",
               "| structure | fit [s] | tune [s] | predict [s] | total [s] | δ | test NLL |", "|---|---|---|---|---|---|---|"]
     for r in res["end_to_end"]:
         lines.append(f"| {r['structure']} | {r['fit_s']:.2f} | {r['tune_s']:.2f} | {r['predict_s']:.2f} | "
                      f"{r['total_s']:.2f} | {r['delta']:.4g} | {r['test_nll']:.3f} |")
     lines += ["", "## (c) marglik_training on the snippet model (scalar prior, 10 hyper-steps per epoch)", "",
+              f"`{commands['marglik_training']}`", "",
               "| structure | epochs | s / epoch | final −log marglik | δ |", "|---|---|---|---|---|"]
     for r in res["marglik_training"]:
         lines.append(f"| {r['structure']} | {r['epochs']} | {r['s_per_epoch']:.2f} | "
                      f"{r['final_neg_log_marglik']:.1f} | {r['delta']:.4g} |")
     return "\n".join(lines) + "\n"
+
+
+def _previous() -> dict:
+    """The committed results, so that a run of some sections keeps the others (each with the
+    command that produced it)."""
+    path = RESULTS / "marglik_speed.json"
+    if not path.exists():
+        return {"commands": {}}
+    res = json.loads(path.read_text())
+    command = res.pop("command", "")
+    res.setdefault("commands", dict.fromkeys(SECTIONS.values(), command))
+    return res
 
 
 def main() -> None:
@@ -182,18 +202,27 @@ def main() -> None:
                         help="stock full's marglik steps for P = 3,760 and P = 9,760")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sections", default="abc",
+                        help="which sections to run (a subset of 'abc'); the others keep their committed results")
     args = parser.parse_args()
+    if not set(args.sections) <= set(SECTIONS):
+        parser.error(f"--sections takes letters of 'abc', got {args.sections!r}")
     torch.set_num_threads(args.threads)
     data = _data()
-    res = {
-        "command": f"PYTHONPATH=. OMP_NUM_THREADS={args.threads} nice python benchmarks/marglik_speed.py "
-                   f"--stock-steps {args.stock_steps[0]} {args.stock_steps[1]} --epochs {args.epochs}",
-        "device": f"CPU ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-                  "a machine shared with other jobs (high load)",
-        "per_step": [per_step(h, data, k) for h, k in zip((50, 130), args.stock_steps)],
-        "end_to_end": [end_to_end(data, s) for s in ("kron", "debiased_full")],
-        "marglik_training": [epochs(data, s, args.epochs) for s in ("full", "debiased_full")],
+    run = {
+        "per_step": lambda: [per_step(h, data, k) for h, k in zip((50, 130), args.stock_steps)],
+        "end_to_end": lambda: [end_to_end(data, s) for s in ("kron", "debiased_full")],
+        "marglik_training": lambda: [epochs(data, s, args.epochs) for s in ("full", "debiased_full")],
     }
+    command = (f"PYTHONPATH=. OMP_NUM_THREADS={args.threads} nice python benchmarks/marglik_speed.py "
+               f"--stock-steps {args.stock_steps[0]} {args.stock_steps[1]} --epochs {args.epochs} "
+               f"--sections {args.sections}")
+    res = _previous()
+    res["device"] = (f"CPU ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+                     "a machine shared with other jobs (high load)")
+    for letter in sorted(set(args.sections)):
+        key = SECTIONS[letter]
+        res[key], res["commands"][key] = run[key](), command
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "marglik_speed.json").write_text(json.dumps(res, indent=2))
     (RESULTS / "marglik_speed.md").write_text(_markdown(res))

@@ -13,6 +13,8 @@ Everything is differentiable in ``s`` and ``p`` (marglik tuning uses autograd).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -50,13 +52,32 @@ def eigen_functional_covariance(J: Tensor, Q: Tensor, h_scaled: Tensor, delta: f
     """``J (Q diag(h̃) Qᵀ + δ I)⁻¹ Jᵀ`` for a scalar prior ``δ``: J ``(n, C, P)``, Q ``(P, r)``
     orthonormal, ``h̃ = s·h`` ``(r,)`` ``≥ 0`` -> ``(n, C, C)`` in ``J.dtype``, computed in float64.
 
-    ``(JQ) diag(1/(h̃ + δ)) (JQ)ᵀ + R Rᵀ/δ`` with the residual ``R = J − (JQ)Qᵀ`` (absent when
-    ``r = P``): two Gram matrices with positive weights, PSD for every ``δ > 0``."""
+    ``(JQ) diag(1/(h̃ + δ)) (JQ)ᵀ + J (I − QQᵀ) Jᵀ/δ``; the residual term is absent when
+    ``r = P``. It is formed as ``(JJᵀ − (JQ)(JQ)ᵀ)/δ`` (one ``n C P r`` product, that of ``JQ``)
+    where that difference's float64 cancellation stays below the rounding of ``J.dtype``
+    (:func:`gram_residual_is_exact`), else as ``R Rᵀ/δ`` with ``R = J − (JQ)Qᵀ`` (a second
+    ``n C P r`` product, PSD for every ``δ > 0`` whatever the round-off)."""
     d = _float64(delta).reshape(())
-    J64, Q64 = J.double(), Q.double()
+    J64, Q64, h64 = J.double(), Q.double(), h_scaled.double()
     JQ = J64 @ Q64
-    cov = (JQ / (h_scaled.double() + d)) @ JQ.transpose(-1, -2)
-    if Q.shape[1] < Q.shape[0]:
-        R = J64 - JQ @ Q64.T
-        cov = cov + R @ R.transpose(-1, -2) / d
+    if Q.shape[1] == Q.shape[0]:
+        return ((JQ / (h64 + d)) @ JQ.transpose(-1, -2)).to(J.dtype)
+    if gram_residual_is_exact(h64, d, Q.shape[0], J.dtype):
+        weights = h64 / (d * (h64 + d))  # 1/δ − 1/(h̃ + δ) >= 0
+        cov = J64 @ J64.transpose(-1, -2) / d - (JQ * weights) @ JQ.transpose(-1, -2)
+        return cov.to(J.dtype)
+    R = J64 - JQ @ Q64.T
+    cov = (JQ / (h64 + d)) @ JQ.transpose(-1, -2) + R @ R.transpose(-1, -2) / d
     return cov.to(J.dtype)
+
+
+def gram_residual_is_exact(h_scaled: Tensor, delta: Tensor, n_params: int, dtype: torch.dtype) -> bool:
+    """Whether ``JJᵀ/δ − (JQ) diag(1/δ − 1/(h̃+δ)) (JQ)ᵀ`` in float64 is as accurate as ``dtype``.
+
+    Its terms are of size ``‖J‖²/δ`` and their float64 round-off ``~ √P · ε₆₄ · ‖J‖²/δ`` (inner
+    products of length ``P``, and ``QᵀQ = I`` to that order); the result is at least
+    ``‖J‖²/(max h̃ + δ)`` on its diagonal. The relative error ``√P · ε₆₄ · (max h̃ + δ)/δ`` must
+    not exceed ``ε`` of ``dtype``: true for a float32 result up to a condition number of about
+    ``10⁷``, never for a float64 result."""
+    kappa = float((h_scaled.max() + delta) / delta) if h_scaled.numel() else 1.0
+    return math.sqrt(n_params) * torch.finfo(torch.float64).eps * kappa <= torch.finfo(dtype).eps

@@ -34,7 +34,7 @@ class EigenMarglikMixin:
         else :meth:`_decompose_curvature` once for the current ``la.H`` object."""
         self._check_H_init()
         cached = getattr(self, "_eigenpairs_of_H", None)
-        if cached is None or cached[0] is not self.H:
+        if cached is None or cached[0] is not self._curvature_version():
             self._remember_eigenpairs(*self._decompose_curvature())
             cached = self._eigenpairs_of_H
         return cached[1], cached[2]
@@ -42,14 +42,18 @@ class EigenMarglikMixin:
     def _remember_eigenpairs(self, Q: Tensor, h: Tensor) -> None:
         """Keep ``(Q, h)`` as the eigenpairs of the current ``la.H`` (a new ``H`` object, as every
         fit and ``load_state_dict`` sets, invalidates them)."""
-        self._eigenpairs_of_H = (self.H, Q, h)
+        self._eigenpairs_of_H = (self._curvature_version(), Q, h)
+
+    def _curvature_version(self) -> object:
+        """An object that changes whenever ``la.H`` is assigned: here ``la.H`` itself."""
+        return self.H
 
     def state_dict(self) -> dict[str, Any]:
         """The base's state plus the eigenpairs the fit kept for ``H`` (``None`` if none), so a
         loaded object computes exactly what the saved one did."""
         state = super().state_dict()
         cached = getattr(self, "_eigenpairs_of_H", None)
-        known = cached is not None and cached[0] is self.H
+        known = cached is not None and cached[0] is self._curvature_version()
         state["curvature_eigenvectors"] = cached[1] if known else None
         state["curvature_eigenvalues"] = cached[2] if known else None
         return state

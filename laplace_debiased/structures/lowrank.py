@@ -72,6 +72,7 @@ from laplace_debiased.posterior.eigen import orthonormal_eigenpairs
 from laplace_debiased.posterior.lowrank import dense_posterior_scale, lowrank_functional_covariance
 from laplace_debiased.posterior.marglik import eigen_functional_covariance
 from laplace_debiased.structures.eigen_marglik import EigenMarglikMixin
+from laplace_debiased.structures.lazy_curvature import LazyDenseCurvatureMixin, symmetric_outer
 
 __all__ = [
     "DebiasedLowRankLaplace",
@@ -348,7 +349,7 @@ class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
     _key = ("last_layer", "debiased_lowrank")
 
 
-class DebiasedFullLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLaplaceMixin, FullLaplace):
+class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMarglikMixin, TwoBatchLaplaceMixin, FullLaplace):
     """Two-batch debiased full Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_full")``), for small models.
 
@@ -361,7 +362,8 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLapla
     factor of ``G_B̃`` (:func:`laplace_debiased.curvature.eigen.factored_null_space_compression`),
     so the cost is that of ``min(P, |B|·C)`` and ``|B̃|·C`` eigenproblems plus a few ``P × P``
     products; the resulting eigenpairs of ``H`` are kept (:meth:`curvature_eigenpairs`) for the
-    marginal likelihood and the scalar-prior predictive. ``direction_eigenvalues`` and ``eigenvalues``
+    marginal likelihood and the scalar-prior predictive, and where they are known the dense ``H``
+    is formed only when read (:class:`~laplace_debiased.structures.lazy_curvature.LazyDenseCurvatureMixin`). ``direction_eigenvalues`` and ``eigenvalues``
     hold B's non-zero eigenvalues and their ``λ̃`` (descending in B's order, scaled to
     ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one, as
     ``FullLaplace`` adds curvature.
@@ -384,23 +386,32 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLapla
                 G_mag = self._dense_curvature(module, magnitude_batches, curvature) * scale_mag
             G_B = self._dense_curvature(module, direction_batches, curvature)
             values, lam, H = broadcast_computed(
-                lambda: _debiased_full(eigen.dense_range_eigenpairs(G_B), G_mag, scale_B)[:3], self._device
+                lambda: _dense_debiased_full(eigen.dense_range_eigenpairs(G_B), G_mag, scale_B), self._device
             )
-            Q_h = None
+            self.H = self.H + H.to(self._device, self._dtype)
         else:
             pairs = eigen.range_eigenpairs(
                 module, self._module_batches(direction_batches), self._fit_likelihood, curvature
             )
             G_mag = self._magnitude_curvature(module, direction_batches, magnitude_batches, curvature, scale_mag)
             values, lam, H, Q_h = _debiased_full(pairs, G_mag, scale_B)
-        first_fit = self.n_data == 0
-        self.H = self.H + H.to(self._device, self._dtype)
-        if first_fit and Q_h is not None:
-            self._remember_eigenpairs(*orthonormal_eigenpairs(*Q_h))
+            self._add_curvature(H, Q_h)
         self.direction_eigenvalues = values.to(self._dtype)
         self.eigenvalues = lam.to(self._dtype)
         self._posterior_scale = None
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
+
+    def _add_curvature(self, H: Tensor | None, Q_h: tuple[Tensor, Tensor] | None) -> None:
+        """Add this fit's curvature, the dense float64 ``H`` or (``H is None``) its eigenpairs
+        ``Q_h``, to ``la.H``. A first fit keeps the eigenpairs (re-orthonormalised) and leaves
+        ``la.H`` to be formed from them when read; a later one (``override=False``) adds densely."""
+        if self.n_data == 0 and Q_h is not None:
+            self._set_H_from_eigenpairs(*Q_h)
+            self._remember_eigenpairs(*orthonormal_eigenpairs(*Q_h))
+            return
+        if H is None:
+            H = symmetric_outer(*Q_h)
+        self.H = self.H + H.to(self._device, self._dtype)
 
     def _magnitude_curvature(
         self, module: nn.Module, direction_batches: list[Batch], magnitude_batches: list[Batch],
@@ -468,27 +479,35 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLapla
 
 def _debiased_full(
     pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float
-) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-    """B's range eigenvalues ``(r,)``, their re-measured ``λ̃`` ``(r,)``, the symmetric debiased
-    curvature ``(P, P)`` (:func:`~laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`)
-    and, where the route gives them, eigenpairs ``([U, N] (P, r'), [λ̃, μ] (r',))`` of it (not yet
-    re-orthonormalised), all float64. ``pairs`` (range of ``G_B``) are scaled by ``scale_B``;
-    ``G_magnitude`` is ``G_B̃`` already scaled: ``None`` for B̃ = B (``H = G_B``), a factor
-    ``(P, M)`` with ``M < P`` (``G_B̃ = V Vᵀ``; :func:`~laplace_debiased.curvature.eigen.factored_null_space_compression`),
-    or the dense ``(P, P)`` matrix (no eigenpairs)."""
+) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+    """B's range eigenvalues ``(r,)``, their re-measured ``λ̃`` ``(r,)``, and the debiased
+    curvature (:func:`~laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`), all
+    float64: either as eigenpairs ``([U, N] (P, r'), [λ̃, μ] (r',))`` (not yet
+    re-orthonormalised; the dense matrix is then ``None``) or, where the route does not give
+    them, as the symmetric dense ``(P, P)`` matrix (the eigenpairs are then ``None``). ``pairs``
+    (range of ``G_B``) are scaled by ``scale_B``; ``G_magnitude`` is ``G_B̃`` already scaled:
+    ``None`` for B̃ = B (``H = G_B``), a factor ``(P, M)`` with ``M < P`` (``G_B̃ = V Vᵀ``;
+    :func:`~laplace_debiased.curvature.eigen.factored_null_space_compression`), or the dense
+    ``(P, P)`` matrix."""
     U = pairs.vectors.double()
     values = pairs.values.double() * scale_B
     if G_magnitude is None:
-        return values, values, (U * values) @ U.T, (U, values)
+        return values, values, None, (U, values)
     G = G_magnitude.double()
     if G.shape[0] != G.shape[1]:  # a factor: H = U diag(λ̃) Uᵀ + N diag(μ) Nᵀ
         lam, null = eigen.factored_null_space_compression(U, G)
-        Q, h = torch.cat([U, null.vectors], dim=1), torch.cat([lam, null.values])
-        H = (Q * h) @ Q.T
-        return values, lam, 0.5 * (H + H.T), (Q, h)
+        return values, lam, None, (torch.cat([U, null.vectors], dim=1), torch.cat([lam, null.values]))
     lam = remeasure_eigenvalues(U, G).double()
     H = eigen.eigenbasis_debiased_curvature(U, lam, G)
     return values, lam, 0.5 * (H + H.T), None
+
+
+def _dense_debiased_full(
+    pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_debiased_full` with the curvature always as the dense ``(P, P)`` matrix."""
+    values, lam, H, Q_h = _debiased_full(pairs, G_magnitude, scale_B)
+    return values, lam, symmetric_outer(*Q_h) if H is None else H
 
 
 class DebiasedFullLLLaplace(DebiasedFullLaplace, FullLLLaplace):

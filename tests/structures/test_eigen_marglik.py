@@ -18,6 +18,7 @@ from laplace_debiased.posterior.marglik import eigen_functional_covariance, eige
 from tests.curvature.test_eigen import make_batch, tiny_mlp
 
 EPS64 = torch.finfo(torch.float64).eps
+EPS32 = torch.finfo(torch.float32).eps
 KEYS = [("all", "debiased_full"), ("last_layer", "debiased_full"), ("all", "debiased_lowrank"),
         ("last_layer", "debiased_lowrank")]
 
@@ -193,3 +194,28 @@ def test_full_glm_predictive_with_scalar_prior_equals_dense_inverse():
     Js, _ = la.backend.jacobians(X)
     Sigma = torch.linalg.inv(la._H_factor * la.H + 0.05 * torch.eye(la.n_params, dtype=torch.float64))
     torch.testing.assert_close(f_var, Js @ Sigma @ Js.transpose(-1, -2), atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("r", [3, 8])
+@pytest.mark.parametrize("h_max", [5.0, 1e12])
+def test_float32_eigen_functional_covariance_is_the_dense_one(r, h_max):
+    """A float32 result, conditioned (Gram form) or ill-conditioned (explicit residual), is the
+    float64 dense one to float32 accuracy relative to the largest variance."""
+    from laplace_debiased.posterior.marglik import gram_residual_is_exact
+
+    g = torch.Generator().manual_seed(r)
+    P, n, C = 8, 5, 3
+    basis, _ = torch.linalg.qr(torch.randn(P, P, generator=g, dtype=torch.float64))
+    Q = basis[:, :r]
+    h = torch.rand(r, generator=g, dtype=torch.float64) * h_max
+    J = torch.randn(n, C, P, generator=g).double()  # float32 values
+    delta = torch.tensor(0.3, dtype=torch.float64)
+    assert gram_residual_is_exact(h, delta, P, torch.float32) == (h_max < 1e6)
+    assert not gram_residual_is_exact(h, delta, P, torch.float64)
+    h_full = torch.cat([h, torch.zeros(P - r, dtype=torch.float64)])
+    Sigma = (basis / (h_full + delta)) @ basis.T  # the inverse from the full eigenbasis, no solve
+    expected = J @ Sigma @ J.transpose(-1, -2)
+    got = eigen_functional_covariance(J.float(), Q, h, delta)
+    assert got.dtype == torch.float32
+    scale = float(expected.diagonal(dim1=-2, dim2=-1).max())
+    torch.testing.assert_close(got.double(), expected, atol=4 * EPS32 * scale, rtol=0)
