@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from laplace_debiased.curvature.corrected import corrected_factor, same_minus_cross
+from laplace_debiased.curvature.linalg import remeasure_eigenvalues, symmetric_eigh64
 
 HERE = Path(__file__).resolve().parent
 D, N, DRAWS, DELTAS = 60, 10_000, 10, (1e-2, 1.0, 1e2, 1e4)
@@ -43,13 +44,13 @@ def candidates(XB: torch.Tensor, XM: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each candidate's factor estimate ``(D, D)`` from the rows of B and B̃ (m each)."""
     m = len(XB)
     Db, Dm = XB.T @ XB / m, XM.T @ XM / m
-    L, U = torch.linalg.eigh((Db + Dm) / 2)
+    L, U = symmetric_eigh64((Db + Dm) / 2)
     cb = same_minus_cross(Db, Dm) / 2  # each order's estimate of the shift, m/n = 1/2
     ct = same_minus_cross(Dm, Db) / 2
     c = (cb + ct) / 2
     w = max(0.0, 1 - float(((cb - ct) ** 2).sum() / (4 * (c ** 2).sum()))) if float((c ** 2).sum()) > 0 else 0.0
-    Ub = torch.linalg.eigh(Db)[1]
-    paper = (Ub.T @ Dm * Ub.T).sum(1)
+    Ub = symmetric_eigh64(Db)[1]
+    paper = remeasure_eigenvalues(Ub, Dm)
     Uc, lc, _ = corrected_factor(Db, Dm, m, m)
 
     def mat(V: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
