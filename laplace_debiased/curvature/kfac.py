@@ -149,19 +149,26 @@ def _segment_sums(
 
 @torch.no_grad()
 def layer_positions(model: nn.Module, modules: Sequence[nn.Module], X: object) -> list[int]:
-    """Per module (``nn.Linear`` / ``nn.Conv2d``), the rows ``n · T`` that one pass over ``X``
-    adds to its K-FAC sums: the samples ``n`` times the positions ``T`` of the layer's output
-    (:func:`_rows`; a convolution's output pixels, which are its unfolded input patches; the
-    tokens, or any other dimensions between the batch and the feature dimension, of a
-    ``Linear``). The input-side sum of the pass is a sum of ``n · T`` outer products, so its rank
-    is at most that. One forward pass of ``model`` on ``X`` without gradients."""
+    """Per module (``nn.Linear``, ``nn.Conv2d``, GPT-2 ``Conv1D`` or an attention's
+    :class:`~laplace_debiased.curvature.attention.AttentionProjection`), the rows ``n · T`` that
+    one pass over ``X`` adds to its K-FAC sums: the samples ``n`` times the positions ``T`` of
+    the layer's output (:func:`_rows`; a convolution's output pixels, which are its unfolded
+    input patches; the tokens, or any other dimensions between the batch and the feature
+    dimension, of a ``Linear`` or ``Conv1D``; the tokens of the attention, for both of its
+    projections, in either layout). The input-side sum of the pass is a sum of ``n · T`` outer
+    products, so its rank is at most that. One forward pass of ``model`` on ``X`` without
+    gradients."""
     positions = [0] * len(modules)
 
-    def count(module: nn.Module, inputs: tuple, output: torch.Tensor, i: int) -> None:
+    def count(module: nn.Module, inputs: tuple, output: torch.Tensor | tuple, i: int) -> None:
+        if isinstance(output, tuple):  # an attention's (output, weights): one row per token
+            positions[i] = output[0].numel() // output[0].shape[-1]
+            return
         rows = _rows(output, module)
         positions[i] = rows.shape[0] * rows.shape[1]
 
-    handles = [m.register_forward_hook(partial(count, i=i)) for i, m in enumerate(modules)]
+    hooked = [m.attention if isinstance(m, AttentionProjection) else m for m in modules]
+    handles = [m.register_forward_hook(partial(count, i=i)) for i, m in enumerate(hooked)]
     try:
         model(X)
     finally:

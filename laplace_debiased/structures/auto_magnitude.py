@@ -3,8 +3,9 @@ K-FAC factor (issue 23).
 
 A K-FAC factor of dimension ``d`` is a sum of outer products, one per *row* its batch gives it,
 so a batch with ``r`` rows gives it rank at most ``r``, and B ∪ B̃ at most
-``rows(B) + rows(B̃)``. The rows of a ``Linear`` / ``Conv2d`` layer's factors, per pass over a
-batch of ``n`` samples (:func:`~laplace_debiased.curvature.kfac.layer_positions`):
+``rows(B) + rows(B̃)``. The rows of a ``Linear`` / ``Conv2d`` / GPT-2 ``Conv1D`` layer's factors
+(and of an ``nn.MultiheadAttention`` projection's), per pass over a batch of ``n`` samples
+(:func:`~laplace_debiased.curvature.kfac.layer_positions`):
 
 * input factor ``A`` (``d = d_in``, a conv's ``C_in/groups · k_h · k_w``): ``n · T``, with ``T``
   the positions of the layer's output (a conv's output pixels, a sequence's tokens; ``T = 1`` for
@@ -181,11 +182,17 @@ class AutoMagnitudeMixin:
 
     def _factor_row_counts(self, direction: list[Batch]) -> list[FactorRowCount]:
         """Dimension and rows from B of the input and output factor of every ``Linear`` /
-        ``Conv2d`` layer with trainable parameters (one forward pass per batch of B)."""
+        ``Conv2d`` / GPT-2 ``Conv1D`` layer and attention projection (``"<attention>.in_proj"``,
+        ``".out_proj"``) with trainable parameters (one forward pass per batch of B)."""
+        from laplace_debiased.curvature.attention import AttentionProjection, is_conv1d
+        from laplace_debiased.structures.mixed import named_curvature_modules
+
         for b in direction:
             self._check_batch_matches_model(b)
-        names = {id(m): name or type(m).__name__ for name, m in self._layers().named_modules()}
-        modules = [m for m in self._kfac_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+        named = [(name or type(m).__name__, m) for name, m in named_curvature_modules(self._layers())
+                 if isinstance(m, (nn.Linear, nn.Conv2d, AttentionProjection)) or is_conv1d(m)]
+        names = {id(m): name for name, m in named}
+        modules = [m for _, m in named]
         positions = [0] * len(modules)
         for b in direction:
             X, _ = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)

@@ -262,3 +262,61 @@ def test_a_short_batch_is_made_up_by_drawing_one_more():
     assert "drew 1 more" in auto.describe()
     assert la.fit_batches[-1].magnitude == (1, 2, 3)
     assert _input_factor(la).rank_union == 48
+
+
+class _TokenAttention(nn.Module):
+    """``nn.MultiheadAttention`` (width 16, 2 heads) on ``(n, T, 16)`` tokens, a linear head on
+    every token: outputs ``(n, T, 3)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, N_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x)[0])
+
+
+def test_attention_projections_are_counted():
+    """Batches of n = 2 sequences of T = 3 tokens, C = 3: every factor gets n·T = 6 rows per
+    batch on its input side, 6·(C - 1) = 12 on its output side. The widest factor is the input
+    projection's output side (d = 3·16 = 48, 12 rows per batch: 12 + k·12 >= 48 needs k = 3); the
+    head's input factor (16, 6 rows) would need only k = 2."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(20, 3, 16, generator=g, dtype=torch.float64)
+    data = TensorDataset(X, torch.randint(0, N_OUT, (20, 3), generator=g))
+    la = _fit(_TokenAttention().double().eval(), DataLoader(data, batch_size=2), n_magnitude_batches="auto")
+    auto = la.fit_batches[-1].auto
+    limiting = auto.limiting
+    assert (limiting.layer, limiting.factor, limiting.dimension, limiting.rows_direction) == ("attn.in_proj", "output", 48, 12)
+    assert auto.used == 3
+
+
+class Conv1D(nn.Module):
+    """GPT-2's ``Conv1D`` (``transformers.pytorch_utils``; recognised by its class name):
+    ``weight`` ``(nx, nf)``, ``x @ weight + bias``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.4 * torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+def test_conv1d_layers_are_counted():
+    """``_mlp(20)`` with its first layer a ``Conv1D`` (nx = 20 inputs): its input factor (d = 20,
+    4 rows per batch of 4) needs 4 + k·4 >= 20, k = 4, as the ``nn.Linear`` layer does; every
+    other factor has at most 3 dimensions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(3, 20), nn.ReLU(), nn.Linear(3, N_OUT)).double()
+    la = _fit(model, _loader(20, 4, 8), n_magnitude_batches="auto")
+    auto = la.fit_batches[-1].auto
+    limiting = auto.limiting
+    assert (limiting.layer, limiting.factor, limiting.dimension, limiting.rows_direction) == ("0", "input", 20, 4)
+    assert auto.used == 4
+    # B ∪ B̃ spans it (la.coverage lists a Conv1D block's factors in Kron order, input first)
+    block = next(b for b in la.coverage.blocks if b.layer == "0" and b.parameter == "weight")
+    assert [(f.dimension, f.rank_union) for f in block.factors if f.dimension == 20] == [(20, 20)]
