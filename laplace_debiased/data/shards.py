@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-__all__ = ["shard_range", "HeldRows", "tensor_rows", "held_bytes", "check_indices", "own_copy"]
+__all__ = ["shard_range", "chunk_shard", "HeldRows", "tensor_rows", "held_bytes", "check_indices", "own_copy"]
 
 
 def shard_range(n: int, rank: int, world: int) -> range:
@@ -33,6 +33,20 @@ def shard_range(n: int, rank: int, world: int) -> range:
     q, extra = divmod(n, world)
     start = rank * q + min(rank, extra)
     return range(start, start + q + (rank < extra))
+
+
+def chunk_shard(n: int, chunk: int, rank: int, world: int) -> range:
+    """The global indices of rank ``rank``'s rows among ``n`` rows read in chunks of ``chunk``
+    (``range(0, n, chunk)``, the last one shorter), split over ``world`` ranks in whole chunks.
+
+    Rank ``rank`` gets the chunks :func:`shard_range` ``(⌈n/chunk⌉, rank, world)``, so every chunk
+    it reads is a chunk of the single-process pass, row for row; the ranges of ranks
+    ``0..world-1`` partition ``range(n)`` in order (a rank may get none).
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk}")
+    chunks = shard_range(-(-n // chunk), rank, world)
+    return range(min(chunks.start * chunk, n), min(chunks.stop * chunk, n))
 
 
 def tensor_rows(ds: TensorDataset, rows: range) -> TensorDataset:

@@ -8,7 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
-from laplace_debiased.data.shards import HeldRows, check_indices, held_bytes, own_copy, shard_range, tensor_rows
+from laplace_debiased.data.shards import (
+    HeldRows, check_indices, chunk_shard, held_bytes, own_copy, shard_range, tensor_rows,
+)
 
 
 @given(n=st.integers(0, 200), world=st.integers(1, 9))
@@ -17,6 +19,23 @@ def test_shard_ranges_partition_the_rows_with_ceil_or_floor_sizes(n, world):
     assert [i for part in ranges for i in part] == list(range(n))  # every row once, in order
     assert sorted({len(p) for p in ranges}) in ([n // world], [n // world, -(-n // world)])
     assert [len(p) for p in ranges] == [len(t) for t in torch.tensor_split(torch.arange(n), world)]
+
+
+@given(n=st.integers(0, 200), chunk=st.integers(1, 17), world=st.integers(1, 9))
+def test_chunk_shards_partition_the_rows_in_whole_chunks(n, chunk, world):
+    """In order, every row once, each rank's rows the single-process chunks
+    ``range(0, n, chunk)`` that :func:`shard_range` gives it over the chunk count."""
+    ranges = [chunk_shard(n, chunk, r, world) for r in range(world)]
+    assert [i for part in ranges for i in part] == list(range(n))
+    starts = list(range(0, n, chunk))
+    for r, part in enumerate(ranges):
+        mine = [starts[c] for c in shard_range(len(starts), r, world)]
+        assert [i for i in part if i % chunk == 0] == mine
+
+
+def test_chunk_shard_refuses_an_empty_chunk():
+    with pytest.raises(ValueError, match="chunk must be a positive integer"):
+        chunk_shard(10, 0, 0, 1)
 
 
 def test_shard_range_refuses_a_rank_outside_the_world():
