@@ -74,3 +74,48 @@ def test_classification_metrics_and_errors():
         metrics.accuracy(P, Y[:2])
     with pytest.raises(ValueError, match="classes"):
         metrics.ood_metrics(P, P[:, :2])
+
+
+def _random_probs(n: int, C: int, seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(n, C, generator=g, dtype=dtype)
+    return torch.softmax(logits, -1), torch.randint(0, C, (n,), generator=g)
+
+
+def test_ece_equals_torchmetrics_including_confidence_one():
+    """The bins of torchmetrics' multiclass_calibration_error, confidence 1 in its own bin;
+    torchmetrics sums in float32, so they agree to float32 round-off of N terms (N u₃₂)."""
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    P, y = _random_probs(500, 5, 0)
+    P[:40] = torch.nn.functional.one_hot(y[:40], 5).float()  # right with confidence exactly 1
+    P[40:60] = torch.nn.functional.one_hot((y[40:60] + 1) % 5, 5).float()  # wrong with confidence 1
+    want = float(multiclass_calibration_error(P, y, num_classes=5, n_bins=metrics.ECE_BINS, norm="l1"))
+    assert metrics.ece(P, y) == pytest.approx(want, abs=len(P) * 2.0**-24)
+    assert metrics.reliability_bins(P, y)["count"][-1] >= 60  # confidence 1 in the last diagram bin
+
+
+@pytest.mark.parametrize("cut", [0, 1, 137, 300])
+def test_sums_of_a_split_set_give_the_metrics_of_the_whole(cut):
+    """Metrics from the added sums of two parts equal the whole set's to the round-off of
+    summing N non-negative float64 terms in another order: 2 N u₆₄ relative (ECE: its bins'
+    sums add to at most accuracy + confidence <= 2, so 4 N u₆₄ absolute)."""
+    P, y = _random_probs(300, 7, 1, torch.float64)
+    whole = metrics.classification_sums(P, y)
+    parts = metrics.add_sums([metrics.classification_sums(P[:cut], y[:cut]), metrics.classification_sums(P[cut:], y[cut:])])
+    assert parts["count"] == whole["count"] and torch.equal(parts["bin_count"], whole["bin_count"])
+    u, n = 2.0**-53, len(P)
+    got, want = metrics.metrics_from_sums(parts), metrics.metrics_from_sums(whole)
+    assert want == metrics.classification_metrics(P, y)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=2 * n * u, abs=4 * n * u if key == "ece" else 0), key
+    # the OOD scores of the parts, concatenated, are the whole set's
+    scores = torch.cat([metrics.ood_scores(P[:cut]), metrics.ood_scores(P[cut:])])
+    assert torch.equal(scores, metrics.ood_scores(P))
+
+
+def test_no_rows_give_zero_sums_and_no_metrics():
+    sums = metrics.classification_sums(torch.empty(0, 3), torch.empty(0, dtype=torch.long))
+    assert all(float(t.abs().sum()) == 0 for t in sums.values())
+    with pytest.raises(ValueError, match="empty"):
+        metrics.metrics_from_sums(sums)
