@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
-from torch import Tensor
+import copy
+
+from torch import Tensor, nn
 
 from laplace_debiased.posterior.eigen import EigenStructure
 from laplace_debiased.posterior.kron import KronStructure
@@ -16,6 +18,27 @@ def laplace_params(la) -> list[Tensor]:
     if last is not None and la.n_params == sum(p.numel() for p in last.parameters()):
         return list(last.parameters())
     return list(la.params)
+
+
+def predictive_parts(la) -> tuple[nn.Module, list[Tensor]]:
+    """The network and the parameters of ``la``'s posterior (:func:`laplace_params`) as objects
+    that pickle, for evaluating the posterior in another process.
+
+    Over all weights: ``la.model`` and its parameters. Last layer: a copy of the network inside
+    laplace-torch's ``FeatureExtractor`` without the extractor's feature hook (a local function,
+    which does not pickle, and which the predictive does not need) and that copy's last-layer
+    parameters; ``la`` is left as it was."""
+    from laplace.utils.feature_extractor import FeatureExtractor
+
+    params = laplace_params(la)
+    if not isinstance(la.model, FeatureExtractor):
+        return la.model, params
+    model, params = copy.deepcopy((la.model.model, params))
+    for module in model.modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "__qualname__", "").startswith("FeatureExtractor."):
+                del module._forward_hooks[key]
+    return model, params
 
 
 def _curvature_kind(la) -> str | None:

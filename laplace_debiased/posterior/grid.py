@@ -34,7 +34,7 @@ import copy
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.posterior.from_laplace import _curvature_kind, laplace_params, posterior_structure
@@ -70,6 +70,19 @@ class GridPredictive:
         self.chunk_size = int(chunk_size)
         if self.chunk_size < 1:
             raise ValueError("chunk_size must be a positive integer")
+
+    @classmethod
+    def from_parts(cls, model: nn.Module, params: Sequence[Tensor], structure, chunk_size: int = 64) -> GridPredictive:
+        """The predictive of a classification posterior ``structure`` (:func:`posterior_structure`)
+        over the parameters ``params`` of ``model``, without its laplace-torch object (e.g. one
+        fitted in another process: :func:`~laplace_debiased.posterior.from_laplace.predictive_parts`).
+        Calling it needs an explicit ``prior_precision``."""
+        pred = cls.__new__(cls)
+        pred.la, pred.model, pred.params, pred.structure = None, model, list(params), structure
+        pred.chunk_size = int(chunk_size)
+        if pred.chunk_size < 1:
+            raise ValueError("chunk_size must be a positive integer")
+        return pred
 
     @torch.no_grad()
     def grid(
