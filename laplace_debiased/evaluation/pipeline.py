@@ -41,9 +41,12 @@ to the other ranks; the sweep shards its (method, repeat) jobs over the ranks
 Each rank loads only its rows ``shard_range(N, rank, W)`` of the training set
 (:mod:`laplace_debiased.data.shards`) and fetches from their owners the rows its own fits draw
 (:func:`fit_rows`, :func:`~laplace_debiased.structures.distributed.fetch_rows`); rank 0 fetches
-every row only to train the MAP model on a cache miss.
-The rows equal a single-process run's bitwise in every metric field.  A failure on any rank
-raises on every rank (:func:`~laplace_debiased.structures.distributed.gather_results`).
+every row only to train the MAP model on a cache miss.  Of every evaluation set each rank reads
+and predicts only its rows ``chunk_shard(n, --chunk-size, rank, W)``, for every fitted posterior;
+the metrics combine the ranks' sums (:func:`~laplace_debiased.evaluation.sweep.run_sweep`).
+The rows equal a single-process run's up to the round-off of adding the ranks' sums (the
+predictions of every row bitwise).  A failure on any rank raises on every rank
+(:func:`~laplace_debiased.structures.distributed.gather_results`).
 """
 
 from __future__ import annotations
@@ -73,9 +76,12 @@ MAX_EXTENSIONS = 4
 DIGITS_NOISE = {1: 0.1, 2: 0.2, 3: 0.4}
 
 
-def _tensors(ds: Dataset, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    n = len(ds) if limit is None else min(limit, len(ds))
-    xs, ys = zip(*(ds[i] for i in range(n)))
+def _tensors(ds: Dataset, rows: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """Items ``rows`` of ``ds`` as stacked inputs and labels (no rows: empty, shaped as item 0)."""
+    if not rows:
+        x, _ = ds[0]
+        return torch.empty((0, *torch.as_tensor(x).shape)), torch.empty(0, dtype=torch.long)
+    xs, ys = zip(*(ds[i] for i in rows))
     return torch.stack([torch.as_tensor(x) for x in xs]), torch.as_tensor(ys, dtype=torch.long)
 
 
@@ -110,7 +116,15 @@ def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.M
         noisy = (x + sigma * torch.randn(x.shape, generator=gen)).clamp(0, 1)
         sets.append(EvalSet(f"noise-{sev}", noisy, y, "corrupted", sev))
     sets.append(EvalSet("inverted (OOD)", 1 - x, None, "ood"))
+    rank, world = rank_world()
+    if world > 1:  # this rank's rows (the embedded data set is small: made whole, then cut)
+        sets = [_copied_rows(es.shard(opts["chunk_size"], rank, world)) for es in sets]
     return train, sets, digits_cnn, "digits_cnn"
+
+
+def _copied_rows(es: EvalSet) -> EvalSet:
+    """``es`` with its rows copied (a cut is a view that would keep the whole set alive)."""
+    return replace(es, x=es.x.clone(), y=None if es.y is None else es.y.clone())
 
 
 def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
@@ -123,14 +137,19 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
     load = load_cifar100 if opts["data"] == "cifar100" else load_cifar10
     train = _held_train(official_size(opts["data"], "train"),
                         lambda rows: load(opts["data_root"], "train", rows=rows), opts)
+    from laplace_debiased.data.shards import chunk_shard
+
+    rank, world = rank_world()
     sets, have_test = [], False
     for spec in opts["eval"]:
         ds = resolve_eval_set(spec, opts["data_root"], seed=opts["seed"])
-        x, y = _tensors(ds, opts["eval_size"])
+        n = min(opts["eval_size"], len(ds)) if opts["eval_size"] else len(ds)
+        rows = chunk_shard(n, opts["chunk_size"], rank, world)  # this rank reads only these
+        x, y = _tensors(ds, rows)
         corrupted = "-c" in spec.split(":")[0]
         kind = "corrupted" if corrupted else ("ood" if have_test else "test")
         severity = int(spec.rsplit(":", 1)[1]) if corrupted and spec.rsplit(":", 1)[1].isdigit() else None
-        sets.append(EvalSet(spec, x, y if kind != "ood" else None, kind, severity))
+        sets.append(EvalSet(spec, x, y if kind != "ood" else None, kind, severity, size=n, offset=rows.start))
         have_test = have_test or kind == "test"
     if not have_test:
         raise ValueError("give a clean in-distribution --eval set first, e.g. --eval cifar10-test")
@@ -267,7 +286,7 @@ def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str | int]
 
 
 def _describe_eval_set(es: EvalSet, data: str) -> str:
-    n = f"{len(es.x):,} points"
+    n = f"{es.size:,} points"
     if data != "digits":
         return {"test": f"{es.name}, the in-distribution test set ({n})",
                 "validation": f"{es.name}, used to choose δ ({n})",

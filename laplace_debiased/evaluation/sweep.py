@@ -7,10 +7,11 @@ by ``(method, repeat, prior_precision, eval_set, link)``: rerunning the same swe
 already in the file, and a (method, repeat) whose rows are all present is neither fitted nor
 evaluated again.
 
-Reproducibility: every cell draws its Monte-Carlo samples from its own generator, seeded by a
-hash of ``(seed, method, repeat, eval_set, prior_precision, link)`` (:func:`cell_seed`), so any
-subset of cells (a resumed run, another eval-set order) recomputes bitwise-identically for the
-same grid, ``n_samples`` and ``chunk_size``.
+Reproducibility: every cell draws its Monte-Carlo samples for each chunk of ``chunk_size`` inputs
+from its own generator, seeded by a hash of ``(seed, method, repeat, eval_set, prior_precision,
+link)`` (:func:`cell_seed`) and the chunk's index (:func:`chunk_seed`), so any subset of cells (a
+resumed run, another eval-set order) or of chunks (another rank) recomputes bitwise-identically
+for the same grid, ``n_samples`` and ``chunk_size``.
 
 Files: the writer holds an exclusive lock on the output folder (:func:`output_lock`, an ``fcntl``
 lock file), so two sweeps into one folder never interleave; the second refuses (or waits up to
@@ -21,7 +22,9 @@ Any other line that is not a row object (``{}``, ``[]``, ``42``, NUL bytes, ...)
 naming the file and line.
 
 Under an initialised ``torch.distributed`` group the (method, repeat) jobs are sharded over the
-ranks, each fitted locally; rank 0 alone locks the folder and writes (:func:`run_sweep`).
+ranks, each fitted locally and sent to every rank, and the rows of every evaluation set are
+sharded too: each rank predicts its own chunks, the metrics come from the ranks' summed
+statistics; rank 0 alone locks the folder and writes (:func:`run_sweep`).
 
 Row fields: ``method, repeat, prior_precision`` (``null`` for MAP), ``eval_set, kind``
 (``test``, ``validation``, ``corrupted``, ``ood``), ``severity, link, full_batch`` and the
@@ -41,8 +44,8 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -53,6 +56,8 @@ from laplace_debiased.evaluation import metrics
 from laplace_debiased.evaluation.grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, check_links
 from laplace_debiased.curvature.kfac import labelled_rows
+from laplace_debiased.data.shards import chunk_shard
+from laplace_debiased.posterior.from_laplace import posterior_structure, predictive_parts
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_rows
 from laplace_debiased.structures.distributed import gather_results, local_fits, rank_world
@@ -76,12 +81,36 @@ class EvalSet:
     y: Tensor | None = None
     kind: str = "test"
     severity: int | None = None
+    #: rows of the whole set (``None``: ``len(x)``, ``x`` is the whole set)
+    size: int | None = None
+    #: global index of ``x[0]`` in the whole set (a shard holds rows ``offset .. offset + len(x) - 1``)
+    offset: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"eval set kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind != "ood" and self.y is None:
             raise ValueError(f"eval set {self.name!r} of kind {self.kind!r} needs labels")
+        if self.size is None:
+            self.size = len(self.x)
+        if not 0 <= self.offset <= self.offset + len(self.x) <= self.size:
+            raise ValueError(f"eval set {self.name!r}: rows {self.offset}..{self.offset + len(self.x) - 1} "
+                             f"do not lie within its {self.size} rows")
+
+    def shard(self, chunk_size: int, rank: int, world: int) -> EvalSet:
+        """The rows rank ``rank`` of ``world`` evaluates,
+        :func:`~laplace_debiased.data.shards.chunk_shard` ``(size, chunk_size, rank, world)``: cut
+        from the whole set, or this set itself when it holds exactly those rows."""
+        rows = chunk_shard(self.size, chunk_size, rank, world)
+        if (self.offset, len(self.x)) == (rows.start, len(rows)):
+            return self
+        if self.offset == 0 and len(self.x) == self.size:
+            cut = slice(rows.start, rows.stop)
+            return replace(self, x=self.x[cut], y=None if self.y is None else self.y[cut], offset=rows.start)
+        raise ValueError(
+            f"eval set {self.name!r} holds rows {self.offset}..{self.offset + len(self.x) - 1} of {self.size}, but "
+            f"rank {rank} of {world} evaluates rows {rows.start}..{rows.stop - 1} (chunk_shard(size, chunk_size, "
+            "rank, world) of laplace_debiased.data.shards): give it the whole set or exactly those rows")
 
 
 @dataclass
@@ -260,42 +289,17 @@ def _is_current(fd: int, path: Path) -> bool:
 
 def cell_seed(*, seed: int, method: str, repeat: int, eval_set: str, prior_precision: float | None,
               link: str) -> int:
-    """Seed of one cell's generator: a stable hash (SHA-256, 63 bits) of the cell's key."""
+    """Seed of one cell: a stable hash (SHA-256, 63 bits) of the cell's key."""
     key = json.dumps([int(seed), method, int(repeat), eval_set, _fmt_prior(prior_precision), link])
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
-
-def _metric_rows(
-    probs: dict[str, Tensor], eval_sets: Sequence[EvalSet], reference: EvalSet | None
-) -> dict[str, dict]:
-    """Metrics per eval set for one (method, prior, link): ``{eval name: metrics}``.
-
-    Probabilities ``(N, [tokens, ...,] C)``: every token is one row (labels ``(N, [tokens])``),
-    as for the fit, tokens labelled -100 (padded) left out
-    (:func:`~laplace_debiased.curvature.kfac.labelled_rows`).
-    """
-    out = {}
-    ref = logit_rows(probs[reference.name]) if reference is not None and reference.name in probs else None
-    for es in eval_sets:
-        m: dict = {}
-        if es.y is None:
-            p = logit_rows(probs[es.name])
-        else:
-            p, y = labelled_rows(probs[es.name], es.y)
-            m.update(metrics.classification_metrics(p, y))
-            m["reliability"] = metrics.reliability_bins(p, y)
-        if es.kind in ("corrupted", "ood") and ref is not None:
-            m.update(metrics.ood_metrics(ref, p))
-        out[es.name] = m
-    return out
-
-
-def _row_base(name: str, repeat: int, delta: float | None, es: EvalSet, link: str, full_batch: bool) -> dict:
-    return {
-        "method": name, "repeat": repeat, "prior_precision": delta, "eval_set": es.name,
-        "kind": es.kind, "severity": es.severity, "link": link, "full_batch": full_batch,
-    }
+def chunk_seed(cell: int, chunk: int) -> int:
+    """Seed of chunk ``chunk`` (its index among the set's chunks) of the cell seeded ``cell``
+    (:func:`cell_seed`): a stable hash (SHA-256, 63 bits) of both, so a chunk's draws do not
+    depend on which process evaluates it or on the chunks before it."""
+    key = json.dumps([int(cell), int(chunk)])
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
 @torch.no_grad()
@@ -306,15 +310,79 @@ def cell_probabilities(
     links: Sequence[str],
     n_samples: int,
     seeds: dict[tuple[float, str], int],
-) -> dict[str, Tensor]:
-    """``GridPredictive.grid`` with one generator per cell: ``link -> (G, N, C)``.
+    first_chunk: int = 0,
+) -> dict[str, Tensor] | None:
+    """``GridPredictive.grid`` chunk by chunk with one generator per cell and chunk: ``link ->
+    (G, N, [tokens,] C)``; ``None`` for no rows.
 
-    ``seeds[(δ, link)]`` seeds that cell's generator, which is carried across the input chunks
-    (so the draws depend on ``pred.chunk_size``, and on nothing outside the cell).
+    ``x`` is read in chunks of ``pred.chunk_size``, the first being chunk ``first_chunk`` of its
+    set; chunk ``j`` of cell ``(δ, link)`` draws from a generator seeded ``chunk_seed(seeds[(δ,
+    link)], j)``. So the rows of a chunk get the same probabilities whichever process evaluates
+    it and whatever it evaluates besides (they depend on ``pred.chunk_size``).
     """
-    gens = {k: torch.Generator().manual_seed(v) for k, v in seeds.items()}
-    probs = pred.grid(x, grid, links=tuple(links), n_samples=n_samples, cell_generators=gens)
-    return {link: probs[link] for link in links}
+    if len(x) == 0:
+        return None
+    parts = []
+    for j, chunk in enumerate(x.split(pred.chunk_size), start=first_chunk):
+        gens = {k: torch.Generator().manual_seed(chunk_seed(v, j)) for k, v in seeds.items()}
+        parts.append(pred.grid(chunk, grid, links=tuple(links), n_samples=n_samples, cell_generators=gens))
+    return {link: torch.cat([p[link] for p in parts], dim=1) for link in links}
+
+
+def _set_statistics(probs: Tensor | None, es: EvalSet, reference: bool) -> dict:
+    """What the metrics of ``es`` need from the probabilities ``(n, [tokens,] C)`` of its rows
+    held here (``None``: no rows): ``sums`` (:func:`~.metrics.classification_sums` of the
+    labelled rows; tokens labelled -100 left out) for a labelled set, ``scores``
+    (:func:`~.metrics.ood_scores`) for a corrupted or OOD set, ``reference_scores`` (of every
+    row) for the reference set."""
+    if probs is None:
+        return {}
+    out: dict = {}
+    if es.y is not None:
+        p, y = labelled_rows(probs, es.y)
+        out["sums"] = metrics.classification_sums(p, y)
+    else:
+        p = logit_rows(probs)
+    if es.kind in ("corrupted", "ood"):
+        out["scores"] = metrics.ood_scores(p)
+    if reference:
+        out["reference_scores"] = metrics.ood_scores(logit_rows(probs))
+    return out
+
+
+def _combined(parts: Sequence[dict]) -> dict:
+    """One set's statistics from those of the ranks' rows (in rank order): sums added, scores
+    concatenated."""
+    out: dict = {}
+    sums = [p["sums"] for p in parts if "sums" in p]
+    if sums:
+        out["sums"] = metrics.add_sums(sums)
+    for key in ("scores", "reference_scores"):
+        scores = [p[key] for p in parts if key in p]
+        if scores:
+            out[key] = torch.cat(scores)
+    return out
+
+
+def _set_metrics(stats: dict, es: EvalSet, reference: dict | None) -> dict:
+    """The metrics of one set from its combined statistics (:func:`_combined`) and the
+    reference set's (``None``: no reference evaluated)."""
+    m: dict = {}
+    if es.y is not None:
+        if "sums" not in stats:
+            raise ValueError(f"eval set {es.name!r} has no rows to evaluate")
+        m.update(metrics.metrics_from_sums(stats["sums"]))
+        m["reliability"] = metrics.reliability_from_sums(stats["sums"])
+    if es.kind in ("corrupted", "ood") and reference is not None:
+        m.update(metrics.ood_metrics_from_scores(reference["reference_scores"], stats["scores"]))
+    return m
+
+
+def _row_base(name: str, repeat: int, delta: float | None, es: EvalSet, link: str, full_batch: bool) -> dict:
+    return {
+        "method": name, "repeat": repeat, "prior_precision": delta, "eval_set": es.name,
+        "kind": es.kind, "severity": es.severity, "link": link, "full_batch": full_batch,
+    }
 
 
 def _log_marglik(la, delta: float) -> float | None:
@@ -329,19 +397,38 @@ def _log_marglik(la, delta: float) -> float | None:
         la.prior_precision = before
 
 
-def _map_rows(map_model: torch.nn.Module, eval_sets: Sequence[EvalSet], reference: EvalSet | None,
-              done: set[str]) -> list[dict]:
+def _needed(names: set[str], eval_sets: Sequence[EvalSet], reference: EvalSet | None) -> list[EvalSet]:
+    """The sets named in ``names``, and the reference if any of them is scored against it."""
+    names = set(names)
+    if reference is not None and any(es.kind in ("corrupted", "ood") for es in eval_sets if es.name in names):
+        names.add(reference.name)
+    return [es for es in eval_sets if es.name in names]
+
+
+def _map_rows(map_model: torch.nn.Module, eval_sets: Sequence[EvalSet], shards: Sequence[EvalSet],
+              reference: EvalSet | None, done: set[str], chunk_size: int) -> list[dict]:
+    """The missing MAP rows (collective): every rank predicts its rows of each set, in chunks of
+    ``chunk_size``; the statistics of every rank make each set's metrics."""
     todo = [es for es in eval_sets if row_key(_row_base("map", 0, None, es, "map", False)) not in done]
     if not todo:
         return []
-    need = todo + ([reference] if reference is not None and reference not in todo else [])
-    with torch.no_grad():
+    need = {es.name for es in _needed({es.name for es in todo}, eval_sets, reference)}
+
+    @torch.no_grad()
+    def local() -> dict[str, dict]:
         was = map_model.training
         map_model.eval()
-        probs = {es.name: torch.cat([torch.softmax(map_model(x), -1) for x in es.x.split(256)]) for es in need}
-        map_model.train(was)
-    mets = _metric_rows(probs, todo, reference)
-    return [{**_row_base("map", 0, None, es, "map", False), **mets[es.name]} for es in todo]
+        try:
+            return {es.name: _set_statistics(
+                torch.cat([torch.softmax(map_model(x), -1) for x in es.x.split(chunk_size)]) if len(es.x) else None,
+                es, reference is not None and es.name == reference.name) for es in shards if es.name in need}
+        finally:
+            map_model.train(was)
+
+    per_rank = gather_results(local)
+    stats = {name: _combined([part[name] for part in per_rank]) for name in need}
+    ref = stats.get(reference.name) if reference is not None else None
+    return [{**_row_base("map", 0, None, es, "map", False), **_set_metrics(stats[es.name], es, ref)} for es in todo]
 
 
 def _checked_sweep(
@@ -359,19 +446,12 @@ def _checked_sweep(
     return grid, names, refs[0] if refs else None
 
 
-def _resume(
-    stack: ExitStack, out_path: Path, lock_timeout: float, map_model: torch.nn.Module | None,
-    eval_sets: Sequence[EvalSet], reference: EvalSet | None,
-) -> set[str]:
+def _resume(stack: ExitStack, out_path: Path, lock_timeout: float) -> set[str]:
     """The writer's start: take the output lock for the rest of ``stack``, cut a partial last
-    line, append the missing MAP rows of ``map_model``; returns the keys of the rows done."""
+    line; returns the keys of the rows done."""
     stack.enter_context(output_lock(out_path.parent, lock_timeout))
     _cut_partial_line(out_path)
-    done = {row_key(r) for r in load_rows(out_path)}
-    if map_model is not None:
-        for row in _map_rows(map_model, eval_sets, reference, done):
-            append_row(out_path, row)
-    return done
+    return {row_key(r) for r in load_rows(out_path)}
 
 
 def run_sweep(
@@ -397,67 +477,91 @@ def run_sweep(
     ``lock_timeout`` seconds for another writer).
 
     Under an initialised ``torch.distributed`` group (call it on every rank with the same
-    arguments) the (method, repeat) jobs are sharded: job ``k`` runs on rank ``k % world``, in
-    rounds of ``world`` jobs. ``Method.fit`` then runs inside
-    :func:`~laplace_debiased.structures.distributed.local_fits`: a local fit of that rank alone,
-    so it must not call collectives itself. After each round the rows are gathered and rank 0
-    alone holds the lock and writes them, in the single-process order; per-cell seeds make them
-    bitwise the rows of a single-process sweep. Every rank returns the same rows.
+    arguments) the evaluation sets are sharded: rank ``r`` of ``W`` predicts only the rows
+    :func:`~laplace_debiased.data.shards.chunk_shard` ``(size, chunk_size, r, W)`` of each set
+    (whole chunks of the single-process pass). An :class:`EvalSet` may hold the whole set or
+    exactly those rows (:meth:`EvalSet.shard`), so a rank need not read the rest. Each set's
+    metrics come from the sums of every rank's rows (:func:`~.metrics.classification_sums`,
+    ECE from summed bin counts) and the concatenated OOD scores; rank 0 alone holds the lock and
+    writes the rows, in the single-process order. The probabilities of every row are the
+    single-process ones bitwise (per-chunk seeds, :func:`cell_probabilities`), so the metrics
+    equal a single-process sweep's up to the round-off of adding the ranks' sums in another
+    order (the ranking metrics auroc, aupr, fpr95 and the counts exactly). Every rank returns
+    the same rows.
 
-    ``shard_jobs=False`` is for collective fits (``debiased_kron`` sharding its batches, which
-    every rank must call): every rank runs every job's ``Method.fit`` under the group, and the
-    job's eval sets are sharded instead (set ``i`` on rank ``i % world``); the rows then equal a
-    single-process sweep's to the round-off of the distributed fit. Without a group (or with one
-    rank) both modes are the single-process sweep.
+    The (method, repeat) jobs: with ``shard_jobs`` job ``k`` is fitted on rank ``k % world``, in
+    rounds of ``world`` jobs, inside
+    :func:`~laplace_debiased.structures.distributed.local_fits` (a local fit of that rank alone,
+    so ``Method.fit`` must not call collectives itself); each fitted posterior (network,
+    parameters and curvature: :func:`~laplace_debiased.posterior.from_laplace.predictive_parts`)
+    is then sent to every rank. ``shard_jobs=False`` is for collective fits (``debiased_kron``
+    sharding its batches, which every rank must call): every rank runs every job's
+    ``Method.fit`` under the group; the rows then equal a single-process sweep's to the
+    round-off of the distributed fit. Without a group (or with one rank) both modes are the
+    single-process sweep.
     """
     grid, names, reference = _checked_sweep(methods, eval_sets, prior_precisions, links)
     out_path = Path(out_path)
     rank, world = rank_world()
     writer = rank == 0
     jobs = [(m, r) for m in methods for r in range(m.repeats)]
-    part = (0, 1) if shard_jobs else (rank, world)
+    shards = [es.shard(chunk_size, rank, world) for es in eval_sets]
     with ExitStack() as stack:
-        done = gather_results(
-            lambda: _resume(stack, out_path, lock_timeout, map_model, eval_sets, reference) if writer else None
-        )[0]
-        args = (eval_sets, reference, grid, done)
-        kw = dict(n_samples=n_samples, seed=seed, chunk_size=chunk_size, log=log, links=links, part=part)
-        step = world if shard_jobs else 1
-        for first in progress_bar(range(0, len(jobs), step), desc="fit + sweep",
-                                  unit="round" if step > 1 else "fit", quiet=not progress or not writer):
-            k = first + rank if shard_jobs else first
-            rows = [row for got in gather_results(lambda: _job_rows(jobs, k, shard_jobs, args, kw)) for row in got]
-            if not shard_jobs:  # one job's cells from every rank: back to the single-process order
-                rows = _single_process_order(rows, grid, tuple(jobs[first][0].links or links), names)
+        done = gather_results(lambda: _resume(stack, out_path, lock_timeout) if writer else None)[0]
+
+        def write(rows: list[dict]) -> None:
             for row in rows:
                 if writer:
                     append_row(out_path, row)
                 done.add(row_key(row))
+
+        if map_model is not None:
+            write(_map_rows(map_model, eval_sets, shards, reference, done, chunk_size))
+        kw = dict(eval_sets=eval_sets, grid=grid, done=done, links=links, log=log)
+        step = world if shard_jobs else 1
+        for first in progress_bar(range(0, len(jobs), step), desc="fit + sweep",
+                                  unit="round" if step > 1 else "fit", quiet=not progress or not writer):
+            mine: list[_Posterior | None] = [None]
+
+            def fit() -> _Posterior | None:
+                if not shard_jobs:  # collective: every rank fits the job and keeps its own posterior
+                    mine[0] = _fit_job(*jobs[first], **kw)
+                    return None
+                if first + rank >= len(jobs):
+                    return None
+                with local_fits():
+                    return _fit_job(*jobs[first + rank], **kw)
+
+            sent = gather_results(fit)
+            posts = [(first + r, p) for r, p in enumerate(sent) if p is not None] if shard_jobs else \
+                [(first, p) for p in mine if p is not None]
+            per_rank = gather_results(lambda: {k: _job_statistics(
+                *jobs[k], post, shards, reference, grid, n_samples=n_samples, seed=seed, chunk_size=chunk_size,
+                links=links) for k, post in posts})
+            for k, post in posts:
+                write(_job_rows(*jobs[k], post, [part[k] for part in per_rank], eval_sets, reference, grid, links))
         return gather_results(lambda: load_rows(out_path) if writer else None)[0]
 
 
-def _job_rows(jobs: list[tuple[Method, int]], k: int, shard_jobs: bool, args: tuple, kw: dict) -> list[dict]:
-    """The rows of job ``k`` (none past the last job): :func:`_sweep_one`, a local fit of this
-    rank alone when the jobs are sharded."""
-    if k >= len(jobs):
-        return []
-    with local_fits() if shard_jobs else nullcontext():
-        return _sweep_one(*jobs[k], *args, **kw)
+@dataclass
+class _Posterior:
+    """One fitted (method, repeat) as every rank needs it to evaluate its rows: the network,
+    parameters and curvature of the predictive (picklable), the keys ``(eval set, δ, link)`` of
+    its missing rows, and what only the fitting rank can compute."""
+
+    missing: set[tuple[str, float, str]]
+    model: torch.nn.Module
+    params: list[Tensor]
+    structure: object
+    fit_seconds: float
+    marglik: dict[float, float | None]
+    coverage: list | None
+    correction: list | None
 
 
-def _single_process_order(rows: list[dict], grid: list[float], links: tuple[str, ...], names: list[str]) -> list[dict]:
-    """One job's rows from every rank in the order of a single-process sweep."""
-    return sorted(rows, key=lambda r: (grid.index(r["prior_precision"]), links.index(r["link"]),
-                                       names.index(r["eval_set"])))
-
-
-def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], reference: EvalSet | None,
-               grid: list[float], done: set[str], *, n_samples: int, seed: int,
-               chunk_size: int, log: Callable[[str], None] | None, links: Sequence[str],
-               part: tuple[int, int] = (0, 1)) -> list[dict]:
-    """Fit one (method, repeat) if any of its rows is missing (not in ``done``), and return the
-    missing rows of the eval sets of part ``(rank, world)``: set ``i`` where ``i % world == rank``
-    (the fit runs whenever any set has missing rows, so a collective fit runs on every rank)."""
+def _fit_job(method: Method, repeat: int, *, eval_sets: Sequence[EvalSet], grid: list[float], done: set[str],
+             links: Sequence[str], log: Callable[[str], None] | None) -> _Posterior | None:
+    """Fit one (method, repeat) if any of its rows is missing (not in ``done``); ``None`` if none."""
     mlinks = tuple(method.links or links)
     keys = {
         (es.name, d, link): row_key(_row_base(method.name, repeat, d, es, link, method.full_batch))
@@ -465,46 +569,68 @@ def _sweep_one(method: Method, repeat: int, eval_sets: Sequence[EvalSet], refere
     }
     missing = {k for k, v in keys.items() if v not in done}
     if not missing:
-        return []
+        return None
     if log:
         log(f"{method.name} repeat {repeat}: {len(missing)} rows to compute")
     start = time.perf_counter()
     la = method.fit(repeat)
     fit_seconds = time.perf_counter() - start
-    mine = {es.name for i, es in enumerate(eval_sets) if i % part[1] == part[0]}
-    missing = {k for k in missing if k[0] in mine}
-    pred = GridPredictive(la, chunk_size=chunk_size)
-    need = {es.name for es in eval_sets if any(k[0] == es.name for k in missing)}
-    if reference is not None and any(es.kind not in ("test", "validation") for es in eval_sets if es.name in need):
-        need.add(reference.name)
-    probs = {}
-    for es in eval_sets:
-        if es.name in need:
-            seeds = {(d, link): cell_seed(seed=seed, method=method.name, repeat=repeat, eval_set=es.name,
-                                          prior_precision=d, link=link) for d in grid for link in mlinks}
-            probs[es.name] = cell_probabilities(pred, es.x, grid, mlinks, n_samples, seeds)
-    marglik = ({d: _log_marglik(la, d) for d in grid}
-               if any(es.kind == "validation" and es.name in need for es in eval_sets) else {})
-    eval_seconds = time.perf_counter() - start - fit_seconds
-    todo_sets = [es for es in eval_sets if es.name in need]
+    validation = any(es.kind == "validation" and k[0] == es.name for es in eval_sets for k in missing)
+    marglik = {d: _log_marglik(la, d) for d in grid} if validation else {}
     coverage = getattr(la, "coverage", None)  # debiased K-FAC: what the curvature covers, per factor
     correction = getattr(la, "correction", None)  # corrected K-FAC: what the correction changed
+    model, params = predictive_parts(la)
+    return _Posterior(missing, model, params, posterior_structure(la), fit_seconds, marglik,
+                      None if coverage is None else coverage.rows(),
+                      None if correction is None else correction.rows())
+
+
+def _job_statistics(method: Method, repeat: int, post: _Posterior, shards: Sequence[EvalSet],
+                    reference: EvalSet | None, grid: list[float], *, n_samples: int, seed: int, chunk_size: int,
+                    links: Sequence[str]) -> tuple[dict, float]:
+    """This rank's statistics (:func:`_set_statistics`) of one job, ``{(eval set, δ, link): ...}``
+    for the sets with missing rows (and the reference they are scored against), and the
+    seconds they took."""
+    start = time.perf_counter()
+    mlinks = tuple(method.links or links)
+    pred = GridPredictive.from_parts(post.model, post.params, post.structure, chunk_size=chunk_size)
+    stats = {}
+    for es in _needed({k[0] for k in post.missing}, shards, reference):
+        seeds = {(d, link): cell_seed(seed=seed, method=method.name, repeat=repeat, eval_set=es.name,
+                                      prior_precision=d, link=link) for d in grid for link in mlinks}
+        probs = cell_probabilities(pred, es.x, grid, mlinks, n_samples, seeds, first_chunk=es.offset // chunk_size)
+        is_reference = reference is not None and es.name == reference.name
+        for g, d in enumerate(grid):
+            for link in mlinks:
+                stats[(es.name, d, link)] = _set_statistics(None if probs is None else probs[link][g], es, is_reference)
+    return stats, time.perf_counter() - start
+
+
+def _job_rows(method: Method, repeat: int, post: _Posterior, per_rank: Sequence[tuple[dict, float]],
+              eval_sets: Sequence[EvalSet], reference: EvalSet | None, grid: list[float],
+              links: Sequence[str]) -> list[dict]:
+    """The missing rows of one job, in the single-process order, from every rank's statistics;
+    ``eval_seconds`` is the slowest rank's."""
+    mlinks = tuple(method.links or links)
+    eval_seconds = max(seconds for _, seconds in per_rank)
+    todo_sets = _needed({k[0] for k in post.missing}, eval_sets, reference)
     rows = []
     for g, delta in enumerate(grid):
         for link in mlinks:
-            mets = _metric_rows({n: p[link][g] for n, p in probs.items()}, todo_sets, reference)
+            stats = {es.name: _combined([part[(es.name, delta, link)] for part, _ in per_rank]) for es in todo_sets}
+            ref = stats.get(reference.name) if reference is not None else None
             for es in todo_sets:
-                if (es.name, delta, link) not in missing:
+                if (es.name, delta, link) not in post.missing:
                     continue
                 row = _row_base(method.name, repeat, delta, es, link, method.full_batch)
-                row.update(mets[es.name], fit_seconds=fit_seconds, eval_seconds=eval_seconds, **method.extra)
+                row.update(_set_metrics(stats[es.name], es, ref), fit_seconds=post.fit_seconds,
+                           eval_seconds=eval_seconds, **method.extra)
                 if es.kind == "validation":
-                    row["log_marglik"] = marglik[delta]
+                    row["log_marglik"] = post.marglik[delta]
                 if es.kind == "test" and g == 0 and link == mlinks[0]:  # once per fit (its first test row)
-                    if coverage is not None:
-                        row["coverage"] = coverage.rows()
-                    if correction is not None:
-                        row["correction"] = correction.rows()
+                    if post.coverage is not None:
+                        row["coverage"] = post.coverage
+                    if post.correction is not None:
+                        row["correction"] = post.correction
                 rows.append(row)
     return rows
-

@@ -70,12 +70,33 @@ def runs(tmp_path_factory):
     return tmp, single, multi
 
 
+def _assert_close(got, want, where: str, tol: float) -> None:
+    """Equal structure and non-float values; floats within ``tol · max(1, |want|)``."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _assert_close(got[key], want[key], f"{where} {key}", tol)
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, f"{where}[{i}]", tol)
+    elif isinstance(want, float):
+        assert abs(got - want) <= tol * max(1.0, abs(want)), (where, got, want)
+    else:
+        assert got == want, where
+
+
 @pytest.mark.slow
 def test_distributed_pipeline_rows_equal_the_single_process_run(runs):
-    """Same rows, same order, bitwise in every field but the timings; none written twice."""
+    """Same rows, same order, every field but the timings equal to the round-off of adding the
+    ranks' sums of N per-row terms in another order (4 N u₆₄ · max(1, |value|), N <= 1,797 digits
+    images; tests/evaluation/test_distributed_sweep.py derives it); none written twice."""
     tmp, _, _ = runs
     single, multi = _metrics(tmp / "single" / "results.jsonl"), _metrics(tmp / "multi" / "results.jsonl")
-    assert multi == single
+    assert len(multi) == len(single)
+    for got, want in zip(multi, single):
+        _assert_close(got, want, str([want[k] for k in ("method", "repeat", "prior_precision", "eval_set", "link")]),
+                      4 * 1797 * 2.0**-53)
     keys = [(r["method"], r["repeat"], r["prior_precision"], r["eval_set"], r["link"]) for r in multi]
     assert len(set(keys)) == len(keys)
     assert {r["repeat"] for r in multi if r["method"] != "map"} == {0, 1}

@@ -1,6 +1,6 @@
 """The prior-precision sweep under torch.distributed: 2 local gloo processes (127.0.0.1) shard
-the (method, repeat) jobs, rank 0 alone writes, and the rows equal a single-process sweep's
-bitwise in every metric field.
+the (method, repeat) jobs and the rows of every evaluation set, rank 0 alone writes, and the rows
+equal a single-process sweep's to the round-off of adding the ranks' sums.
 
 One spawn runs every case (starting processes costs seconds); each test checks one aspect.
 """
@@ -17,6 +17,8 @@ from laplace import Laplace
 from _env import spawn_ranks
 from _models import loader, tiny_mlp, toy_data
 import laplace_debiased.evaluation.sweep as sweep_module
+import laplace_debiased.posterior.grid as grid_module
+from laplace_debiased.data.shards import chunk_shard
 from laplace_debiased.evaluation.sweep import LOCK_NAME, EvalSet, Method, load_rows, row_key, run_sweep
 from laplace_debiased.structures.distributed import local_fits, rank_world
 
@@ -75,8 +77,24 @@ def _job(rank: int, out: Path) -> dict:
     sweep_module.output_lock = recorded_lock
     with local_fits():
         result["local_rank_world"] = rank_world()
-    result["rows"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
-                               map_model=tiny_mlp(), **SWEEP)
+    ids = {row.numpy().tobytes(): (es.name, i) for es in _eval_sets() for i, row in enumerate(es.x)}
+    touched = {"laplace": set(), "map": set()}
+
+    def record(kind: str, x: torch.Tensor) -> None:  # rows of the eval sets (fits read others)
+        touched[kind].update(ids[r] for r in (row.numpy().tobytes() for row in x) if r in ids)
+
+    real_jacobians = grid_module.logit_jacobians
+
+    def recorded_jacobians(model, params, x):
+        record("laplace", x)
+        return real_jacobians(model, params, x)
+
+    grid_module.logit_jacobians = recorded_jacobians
+    map_model = tiny_mlp()
+    map_model.register_forward_pre_hook(lambda module, args: record("map", args[0]))
+    result["rows"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl", map_model=map_model, **SWEEP)
+    grid_module.logit_jacobians = real_jacobians
+    result["touched"] = touched
     result["file_after_first"] = (out / "dist" / "r.jsonl").read_bytes()
     result["rows_again"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
                                      map_model=tiny_mlp(), **SWEEP)
@@ -108,18 +126,45 @@ def _metrics(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in TIMINGS}
 
 
+#: float64 unit round-off
+U64 = 2.0**-53
+
+
 @pytest.mark.slow
-def test_distributed_sweep_rows_equal_single_process_bitwise(runs):
+def test_distributed_sweep_rows_equal_single_process(runs):
+    """Every row's probabilities are the single-process ones bitwise (whole chunks, per-chunk MC
+    seeds), so the metrics differ only in the order their N per-row terms are summed (the ranks'
+    partial sums, then their sum): for N non-negative terms two orders differ by at most
+    2 γ_N Σ|x| ≈ 2 N u of the sum, and an ECE (bin sums adding to at most 2 N) by 4 N u; so
+    4 N u · max(1, |value|) bounds every float. Counts and the ranking metrics are exact."""
     single, ranks, out = runs
     written = load_rows(out / "dist" / "r.jsonl")
     assert len(single) == 3 + 3 * (2 * 3 * 2)  # MAP: one row per set; 3 fits x 2 priors x 3 sets x 2 links
     assert sorted(map(row_key, written)) == sorted(map(row_key, single))
     want = {row_key(r): _metrics(r) for r in single}
+    sizes = {es.name: len(es.x) for es in _eval_sets()}
     for row in written:
-        assert _metrics(row) == want[row_key(row)], row_key(row)
+        tol = 4 * sizes[row["eval_set"]] * U64
+        _assert_close(_metrics(row), want[row_key(row)], row_key(row), rel=tol, abs=tol)
+        for key in ("auroc", "aupr", "fpr95", "accuracy"):
+            assert row.get(key) == want[row_key(row)].get(key), (row_key(row), key)
+        if "reliability" in row:
+            assert row["reliability"]["count"] == want[row_key(row)]["reliability"]["count"]
     # the Monte-Carlo cells differ between repeats (their seeds do), so equality is not trivial
     by = {row_key(r): r for r in written}
     assert by["kron|0|1.0|test|mc"]["nll"] != by["kron|1|1.0|test|mc"]["nll"]
+
+
+@pytest.mark.slow
+def test_distributed_sweep_each_rank_evaluates_only_its_rows(runs):
+    """Rank r predicts (Laplace and MAP) exactly the rows ``chunk_shard(n, chunk_size, r, W)``
+    of every evaluation set: whole chunks of the single-process pass, every row on one rank."""
+    _, ranks, _ = runs
+    for r in range(WORLD):
+        want = {(es.name, i) for es in _eval_sets() for i in chunk_shard(len(es.x), SWEEP["chunk_size"], r, WORLD)}
+        assert want, r
+        assert ranks[r]["touched"]["laplace"] == want, r
+        assert ranks[r]["touched"]["map"] == want, r
 
 
 @pytest.mark.slow
@@ -162,26 +207,26 @@ def test_distributed_sweep_failure_on_one_rank_raises_on_every_rank(runs):
     assert not (out / "fail" / "r.jsonl").exists()  # the round failed: nothing written
 
 
-def _assert_close(got, want, where: str) -> None:
-    """Equal structure and non-float values; floats to 1e-6 (relative) or 1e-9."""
+def _assert_close(got, want, where: str, rel: float = 1e-6, abs: float = 1e-9) -> None:
+    """Equal structure and non-float values; floats to ``rel`` (relative) or ``abs``."""
     if isinstance(want, dict):
         assert got.keys() == want.keys(), where
         for key in want:
-            _assert_close(got[key], want[key], f"{where} {key}")
+            _assert_close(got[key], want[key], f"{where} {key}", rel, abs)
     elif isinstance(want, list):
         assert len(got) == len(want), where
         for i, (g, w) in enumerate(zip(got, want)):
-            _assert_close(g, w, f"{where}[{i}]")
+            _assert_close(g, w, f"{where}[{i}]", rel, abs)
     elif isinstance(want, float):
-        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), where
+        assert got == pytest.approx(want, rel=rel, abs=abs), where
     else:
         assert got == want, where
 
 
 @pytest.mark.slow
 def test_distributed_sweep_collective_fits_shard_the_eval_sets(runs):
-    """shard_jobs=False: every rank fits every job with the distributed debiased_kron fit, the
-    eval sets are split over the ranks; the rows equal the single-process ones to the fit's
+    """shard_jobs=False: every rank fits every job with the distributed debiased_kron fit and
+    evaluates its rows of every eval set; the rows equal the single-process ones to the fit's
     round-off, in the single-process order, each written once."""
     single, ranks, out = runs
     want = [r for r in single if r["method"] == "kron"]

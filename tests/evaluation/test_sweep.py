@@ -183,11 +183,27 @@ def test_cell_probabilities_match_grid_predictive():
     ours = sweep.cell_probabilities(pred, x, GRID, ("probit_projected", "mc"), 30, seeds)
     ref = pred.grid(x, GRID, links=("probit_projected",))
     torch.testing.assert_close(ours["probit_projected"], ref["probit_projected"], rtol=0, atol=0)
-    # one chunk, one generator: MC equals grid's MC for a one-point grid with the same seed
+    # one chunk, one generator: MC equals grid's MC for a one-point grid with the chunk's seed
     one = sweep.GridPredictive(pred.la, chunk_size=100)
     mc = sweep.cell_probabilities(one, x, [1.0], ("mc",), 30, {(1.0, "mc"): 7})["mc"]
     torch.testing.assert_close(mc, one.grid(x, [1.0], links=("mc",), n_samples=30,
-                                            generator=torch.Generator().manual_seed(7))["mc"])
+                                            generator=torch.Generator().manual_seed(sweep.chunk_seed(7, 0)))["mc"])
+
+
+def test_cell_probabilities_of_later_chunks_do_not_depend_on_earlier_ones():
+    """Rows 5.. read as chunks 1.. (first_chunk=1, as the rank holding them reads them) get the
+    probabilities of the whole pass bitwise, MC included; another seed changes the MC draws."""
+    _, eval_sets, methods, _ = _setup()
+    pred = sweep.GridPredictive(methods[0].fit(0), chunk_size=5)
+    x, links = eval_sets[0].x, ("probit_projected", "mc")
+    seeds = {(d, link): 7 for d in GRID for link in links}
+    whole = sweep.cell_probabilities(pred, x, GRID, links, 30, seeds)
+    tail = sweep.cell_probabilities(pred, x[5:], GRID, links, 30, seeds, first_chunk=1)
+    for link in links:
+        assert torch.equal(tail[link], whole[link][:, 5:]), link
+    other = sweep.cell_probabilities(pred, x[5:], GRID, links, 30, seeds, first_chunk=2)
+    assert not torch.equal(other["mc"], whole["mc"][:, 5:])
+    assert sweep.cell_probabilities(pred, x[:0], GRID, links, 30, seeds) is None
 
 
 def _val_rows(nll_by_delta: dict[float, float], method: str = "kron") -> list[dict]:
