@@ -50,7 +50,7 @@ from torch import nn
 
 from laplace_debiased.curvature.dense_blocks import block_dims
 from laplace_debiased.curvature.kfac import layer_positions
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets
+from laplace_debiased.data.batch import Batch, batch_inputs_targets
 
 __all__ = ["AUTO_MAGNITUDE_CAP", "AutoMagnitude", "FactorRowCount", "auto_magnitude_batches"]
 

@@ -64,28 +64,23 @@ import copy
 import warnings
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.utils.data import DataLoader
 
 from laplace_debiased.curvature.kfac import IGNORE_INDEX
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size, input_tensor, on_device
 
 if TYPE_CHECKING:
     from laplace_debiased.structures.auto_magnitude import AutoMagnitude, FactorRowCount
 
 __all__ = [
-    "Batch",
     "BatchChoice",
     "BatchSplit",
     "split_batches",
-    "batch_inputs_targets",
-    "batch_size",
     "check_targets",
 ]
-
-
-Batch = Any  # (X, y) tuple/list of tensors, or a MutableMapping (dict batches)
 
 
 ONE_BATCH_SEED = 0  # seed of the one-batch split when no generator is given
@@ -178,77 +173,9 @@ class BatchSplit:
         return self.magnitude is self.direction
 
 
-def batch_inputs_targets(
-    batch: Batch, dict_key_x: str = "input_ids", dict_key_y: str = "labels"
-) -> tuple[Any, torch.Tensor]:
-    """Split a loader batch into ``(X, y)`` the way laplace-torch does.
-
-    For a ``MutableMapping`` batch, ``X`` is the whole mapping (the model consumes it) and
-    ``y = batch[dict_key_y]``; otherwise the batch must be a pair ``(X, y)``. A mapping
-    without ``dict_key_x`` or ``dict_key_y`` raises ``KeyError`` (as laplace-torch does).
-    """
-    if isinstance(batch, MutableMapping):
-        missing = [key for key in (dict_key_x, dict_key_y) if key not in batch]
-        if missing:
-            raise KeyError(
-                f"dict batch has no key {missing[0]!r} (its keys: {sorted(batch)}); set "
-                "dict_key_x / dict_key_y on the Laplace object to the input and target keys."
-            )
-        return batch, batch[dict_key_y]
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ValueError(
-            "each loader batch must be a pair (X, y) or a dict-like batch; "
-            f"got {type(batch).__name__}."
-        )
-    return batch[0], batch[1]
-
-
-def _input_tensor(X: Any, dict_key_x: str) -> torch.Tensor:
-    return X[dict_key_x] if isinstance(X, MutableMapping) else X
-
-
-def batch_size(batch: Batch, dict_key_x: str = "input_ids", dict_key_y: str = "labels") -> int:
-    """Number of samples in a batch (length of the targets' leading dimension)."""
-    _, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
-    return int(y.shape[0])
-
-
-def _moved(t: Any, where: str, device: torch.device | str) -> Any:
-    """``t.to(device)`` for a tensor (anything else unchanged); a tensor on the ``meta`` device
-    has no values and is refused."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    if t.is_meta:
-        raise ValueError(f"{where}: a tensor is on the meta device (shapes only, no values); load real data.")
-    return t.to(device)
-
-
-def on_device(batch: Batch, device: torch.device | str | None, where: str = "batch") -> Batch:
-    """``batch`` with its tensors on ``device`` (``None``: unchanged), as laplace-torch's ``fit``
-    moves every batch to the model's device.
-
-    Pairs ``(X, y)`` become tuples; dict batches (and dict inputs ``X``) become shallow copies
-    with every tensor value moved.  Tensors already on ``device`` are not copied.
-    """
-    if device is None:
-        return batch
-
-    def move_all(mapping: MutableMapping) -> MutableMapping:
-        out = copy.copy(mapping)
-        for key, value in mapping.items():
-            out[key] = _moved(value, where, device)
-        return out
-
-    if isinstance(batch, MutableMapping):
-        return move_all(batch)
-    X, y = batch
-    X = move_all(X) if isinstance(X, MutableMapping) else _moved(X, where, device)
-    return (X, _moved(y, where, device))
-
-
 def _check_batch(batch: Batch, where: str, dict_key_x: str, dict_key_y: str) -> None:
     X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
-    x = _input_tensor(X, dict_key_x)
+    x = input_tensor(X, dict_key_x)
     for name, t in (("inputs", x), ("targets", y)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}.")
@@ -306,7 +233,7 @@ def check_targets(
 def _sample_keys(batch: Batch, dict_key_x: str, dict_key_y: str) -> list[int]:
     """One hash per sample of the raw bytes of its input and target."""
     X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
-    x = _input_tensor(X, dict_key_x).detach().cpu().reshape(y.shape[0], -1).contiguous()
+    x = input_tensor(X, dict_key_x).detach().cpu().reshape(y.shape[0], -1).contiguous()
     t = y.detach().cpu().reshape(y.shape[0], -1).contiguous()
     xb, tb = x.numpy(), t.numpy()
     return [hash((xb[i].tobytes(), tb[i].tobytes())) for i in range(len(xb))]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from laplace_debiased.data.shards import HeldRows, check_indices, own_copy
-from laplace_debiased.structures.batches import Batch, batch_size
+from laplace_debiased.data.batch import Batch, batch_size
 from laplace_debiased.structures.rank_failures import PeerRankError, announce, peer_failure, report_failure
 
 __all__ = [

@@ -40,7 +40,7 @@ from laplace_debiased.curvature.ekfac import (
     measure_ekfac_eigenvalues,
 )
 from laplace_debiased.posterior.kron import KronStructure
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,

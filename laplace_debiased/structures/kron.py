@@ -33,7 +33,7 @@ from laplace_debiased.structures.auto_magnitude import AutoMagnitudeMixin
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMixin
 from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
 from laplace_debiased.structures.kron_estimators import ESTIMATORS, Correction, corrected_decomposition, on_rank0, resolve_estimator
 from laplace_debiased.curvature.linalg import debiased_kron

@@ -13,7 +13,7 @@ from laplace.curvature.backpack import BackPackInterface
 from laplace.curvature.curvature import EFInterface, GGNInterface
 from torch import nn
 
-from laplace_debiased.structures.batches import Batch
+from laplace_debiased.data.batch import Batch
 from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
 from laplace_debiased.structures.mixed import (
     curvature_modules,

@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader
 
 from laplace_debiased.curvature import eigen
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.distributed import (
     all_reduce_sum_,
     broadcast_computed,

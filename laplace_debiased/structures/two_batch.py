@@ -38,15 +38,8 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
 from laplace_debiased.curvature.kfac import output_rows, padded_rows
-from laplace_debiased.structures.batches import (
-    Batch,
-    BatchChoice,
-    BatchSplit,
-    batch_inputs_targets,
-    batch_size,
-    check_targets,
-    split_batches,
-)
+from laplace_debiased.structures.batches import BatchChoice, BatchSplit, check_targets, split_batches
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.block_priors import BlockPriorMixin
 from laplace_debiased.structures.chunked import ChunkedPredictiveMixin
 from laplace_debiased.structures.distributed import (

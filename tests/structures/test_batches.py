@@ -194,7 +194,7 @@ def test_one_batch_split_of_dict_batches():
 
 
 def test_on_device_moves_every_tensor_and_keeps_the_batch_kind():
-    from laplace_debiased.structures.batches import on_device
+    from laplace_debiased.data.batch import on_device
 
     x, y = torch.ones(3, 2), torch.zeros(3, dtype=torch.long)
     pair = on_device((x, y), "meta")
