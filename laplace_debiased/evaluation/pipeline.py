@@ -40,10 +40,10 @@ to the other ranks; the sweep shards its (method, repeat) jobs over the ranks
 (:func:`~laplace_debiased.evaluation.sweep.run_sweep`), rank 0 writes every row and the report.
 Each rank loads only its rows ``shard_range(N, rank, W)`` of the training set
 (:mod:`laplace_debiased.data.shards`) and fetches from their owners the rows its own fits draw
-(:func:`fit_rows`, :func:`~laplace_debiased.structures.distributed.fetch_rows`); rank 0 fetches
+(:func:`fit_rows`, :func:`~laplace_debiased.parallel.distributed.fetch_rows`); rank 0 fetches
 every row only to train the MAP model on a cache miss.
 The rows equal a single-process run's bitwise in every metric field.  A failure on any rank
-raises on every rank (:func:`~laplace_debiased.structures.distributed.gather_results`).
+raises on every rank (:func:`~laplace_debiased.parallel.distributed.gather_results`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from laplace_debiased.evaluation.options import (  # noqa: F401
 from laplace_debiased.evaluation.grid import PriorGrid
 from laplace_debiased.evaluation.report import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
-from laplace_debiased.structures.distributed import fetch_rows, gather_results, rank_world
+from laplace_debiased.parallel.distributed import fetch_rows, gather_results, rank_world
 
 #: grid extensions at most, so that every method's validation choice of δ is interior
 MAX_EXTENSIONS = 4

@@ -55,7 +55,7 @@ from laplace_debiased.evaluation.options import DEFAULT_LINKS, check_links
 from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_rows
-from laplace_debiased.structures.distributed import gather_results, local_fits, rank_world
+from laplace_debiased.parallel.distributed import gather_results, local_fits, rank_world
 
 KINDS = ("test", "validation", "corrupted", "ood")
 #: Name of the lock file a writer holds in its output folder.
@@ -399,7 +399,7 @@ def run_sweep(
     Under an initialised ``torch.distributed`` group (call it on every rank with the same
     arguments) the (method, repeat) jobs are sharded: job ``k`` runs on rank ``k % world``, in
     rounds of ``world`` jobs. ``Method.fit`` then runs inside
-    :func:`~laplace_debiased.structures.distributed.local_fits`: a local fit of that rank alone,
+    :func:`~laplace_debiased.parallel.distributed.local_fits`: a local fit of that rank alone,
     so it must not call collectives itself. After each round the rows are gathered and rank 0
     alone holds the lock and writes them, in the single-process order; per-cell seeds make them
     bitwise the rows of a single-process sweep. Every rank returns the same rows.

@@ -17,7 +17,7 @@ posterior (:mod:`laplace_debiased.structures.cross_fit`, shared with ``debiased_
 
 Under an initialised ``torch.distributed`` group the K-FAC sums come from ``debiased_kron``'s
 sharded pass, rank 0 broadcasts their eigenbasis, every rank measures the eigenvalue sums on its
-rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.structures.distributed`).
+rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.parallel.distributed`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from laplace_debiased.curvature.ekfac import (
 from laplace_debiased.posterior.kron import KronStructure
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
-from laplace_debiased.structures.distributed import (
+from laplace_debiased.parallel.distributed import (
     all_reduce_sum_,
     broadcast_,
     broadcast_computed,

@@ -15,7 +15,7 @@ through the model in shared forward/backward passes and the factor sums are spli
 (:mod:`laplace_debiased.curvature.kfac`), so a debiased fit at 2 × b/2 costs one pass over
 ``b`` rows like a single-batch fit at ``b``; other backends are called once per batch.
 Under an initialised ``torch.distributed`` group the rows are sharded over the ranks
-(:mod:`laplace_debiased.structures.distributed`).
+(:mod:`laplace_debiased.parallel.distributed`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from laplace_debiased.structures.mixed import (
     SpannedKronStructure,
     block_spans,
 )
-from laplace_debiased.structures.distributed import is_distributed
+from laplace_debiased.parallel.distributed import is_distributed
 from laplace_debiased.structures.kron_passes import single_pass_kfacs
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
@@ -236,7 +236,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude`` (through the
         factors' rows where both are known: :func:`debiased_kron`; the samples summed into the
         factors set their round-off tolerance); under a process group rank 0 computes them, the
-        others receive them (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
+        others receive them (:func:`laplace_debiased.parallel.distributed.broadcast_`)."""
         null_space, terms = _null_space_rule(direction, magnitude, self._null_space), max(self._fit_sizes)
         return self._decomposed(*on_rank0(lambda: debiased_kron(
             direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from laplace_debiased.curvature.corrected import FactorCorrection, corrected_kron
-from laplace_debiased.structures.distributed import broadcast_, rank_world
+from laplace_debiased.parallel.distributed import broadcast_, rank_world
 
 __all__ = ["ESTIMATORS", "Correction", "corrected_decomposition", "on_rank0", "resolve_estimator"]
 
@@ -43,7 +43,7 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
 def on_rank0(compute: Callable[[], tuple[list, list]], like: list[list[torch.Tensor]]) -> tuple[list, list]:
     """``compute()``'s ``(eigenvectors, eigenvalues)`` (lists of lists shaped like the square
     factors ``like``): computed on rank 0 and broadcast to the others under a process group
-    (:func:`laplace_debiased.structures.distributed.broadcast_`), so every rank holds the same
+    (:func:`laplace_debiased.parallel.distributed.broadcast_`), so every rank holds the same
     basis (``eigh`` is not reproducible across devices)."""
     if rank_world()[0] == 0:
         eigenvectors, eigenvalues = compute()

@@ -22,7 +22,7 @@ from torch import nn
 
 from laplace_debiased.curvature.kfac import GroupKfacSums, group_kfac_sums, input_factor_rows, zero_sums
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.structures.distributed import all_reduce_sum_, rank_world, shard_batch
+from laplace_debiased.parallel.distributed import all_reduce_sum_, rank_world, shard_batch
 from laplace_debiased.structures.mixed import is_extra, module_blocks
 
 __all__ = ["single_pass_kfacs"]

@@ -36,7 +36,7 @@ backbone). Outputs may be ``(n, tokens, C)``, every token an output with its own
 :mod:`laplace_debiased.curvature.eigen`. ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
 preference pairs) and predicts as regression, as laplace-torch does.
 
-Under an initialised ``torch.distributed`` group (:mod:`laplace_debiased.structures.distributed`)
+Under an initialised ``torch.distributed`` group (:mod:`laplace_debiased.parallel.distributed`)
 every rank computes the dense curvature of its rows of every batch of B (and, for
 ``debiased_full``, of B̃; for ``debiased_lowrank`` B̃'s directional curvatures), the shares are
 added with ``all_reduce``, and rank 0 decomposes (float64) and broadcasts, so every rank holds
@@ -59,7 +59,7 @@ from torch.utils.data import DataLoader
 from laplace_debiased.curvature import eigen
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.structures.distributed import (
+from laplace_debiased.parallel.distributed import (
     all_reduce_sum_,
     broadcast_computed,
     is_distributed,
@@ -271,7 +271,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
     ) -> eigen.EigenPairs:
         """Lanczos (:func:`~laplace_debiased.curvature.eigen.lanczos_top_k`) on rank 0 over
         ``v ↦ G_B v``, each product summed over the ranks' rows
-        (:func:`~laplace_debiased.structures.distributed.run_with_reduced_operator`); the
+        (:func:`~laplace_debiased.parallel.distributed.run_with_reduced_operator`); the
         eigenpairs are broadcast."""
         product = eigen.summed_curvature_product(
             module, self._module_batches(local_shards(batches, self.dict_key_x, self.dict_key_y)),

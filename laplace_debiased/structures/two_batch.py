@@ -42,7 +42,7 @@ from laplace_debiased.structures.batches import BatchChoice, BatchSplit, check_t
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.block_priors import BlockPriorMixin
 from laplace_debiased.structures.chunked import ChunkedPredictiveMixin
-from laplace_debiased.structures.distributed import (
+from laplace_debiased.parallel.distributed import (
     all_reduce_sum_,
     check_same_fit_inputs,
     fail_together,
@@ -50,7 +50,7 @@ from laplace_debiased.structures.distributed import (
 )
 from laplace_debiased.structures.fit_checks import FitChecksMixin
 from laplace_debiased.structures.gridsearch import GridSearchMixin
-from laplace_debiased.structures.rank_failures import fault_point
+from laplace_debiased.parallel.rank_failures import fault_point
 from laplace_debiased.structures.token_outputs import TokenOutputsMixin
 
 if TYPE_CHECKING:
@@ -111,8 +111,8 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
         -----
         Under a ``torch.distributed`` group (collective: every rank calls ``fit``) the ranks
         refuse to fit if their models or selected B and B̃ differ
-        (:func:`~laplace_debiased.structures.distributed.check_same_fit_inputs`); an error on one
-        rank ends the fit on every rank (:func:`~laplace_debiased.structures.distributed.fail_together`).
+        (:func:`~laplace_debiased.parallel.distributed.check_same_fit_inputs`); an error on one
+        rank ends the fit on every rank (:func:`~laplace_debiased.parallel.distributed.fail_together`).
         """
         del progress_bar
         with fail_together(f"{type(self).__name__}.fit"):

@@ -23,7 +23,7 @@ from _models import loader, tiny_mlp, toy_data
 from laplace_debiased import cli
 from laplace_debiased.evaluation.sweep import output_lock, row_key
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
-from laplace_debiased.structures.rank_failures import FAULT_ENV
+from laplace_debiased.parallel.rank_failures import FAULT_ENV
 
 WORLD = 2
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from _env import spawn_ranks
 from _models import loader, tiny_mlp, toy_data
 import laplace_debiased.evaluation.sweep as sweep_module
 from laplace_debiased.evaluation.sweep import LOCK_NAME, EvalSet, Method, load_rows, row_key, run_sweep
-from laplace_debiased.structures.distributed import local_fits, rank_world
+from laplace_debiased.parallel.distributed import local_fits, rank_world
 
 WORLD = 2
 SWEEP = dict(prior_precisions=(0.1, 1.0), links=("probit", "mc"), n_samples=16, seed=3,

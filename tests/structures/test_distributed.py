@@ -12,7 +12,7 @@ import torch
 
 from _env import assert_every_rank_equals, spawn_ranks
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
-from laplace_debiased.structures.distributed import shard_batch
+from laplace_debiased.parallel.distributed import shard_batch
 
 WORLD = 2
 CASES = {

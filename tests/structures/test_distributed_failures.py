@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from _env import spawn_ranks_outcomes
 from _models import loader, tiny_mlp, toy_data
-from laplace_debiased.structures.rank_failures import FAULT_ENV
+from laplace_debiased.parallel.rank_failures import FAULT_ENV
 
 WORLD = 2
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from _models import tiny_mlp
-from laplace_debiased.structures.distributed import (
+from laplace_debiased.parallel.distributed import (
     _digest,
     _leaves,
     check_same_fit_inputs,
     fail_together,
 )
-from laplace_debiased.structures.rank_failures import FAULT_ENV, fault_point
+from laplace_debiased.parallel.rank_failures import FAULT_ENV, fault_point
 
 
 def test_fault_point_does_nothing_unless_asked(monkeypatch):

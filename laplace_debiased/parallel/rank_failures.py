@@ -1,7 +1,7 @@
 """What the ranks of a ``torch.distributed`` group tell each other when one of them fails.
 
 A rank that fails inside a collective section (a distributed fit,
-:func:`~laplace_debiased.structures.distributed.fail_together`) writes its error into the
+:func:`~laplace_debiased.parallel.distributed.fail_together`) writes its error into the
 group's key-value store (:func:`report_failure`) *before* it leaves the group. The peers blocked
 in a collective with it then get a communication error from the backend (gloo: "Connection
 closed by peer"), which :func:`peer_failure` turns into a :class:`PeerRankError` that names the

@@ -9,7 +9,7 @@ the eigenbasis to the others, so every rank ends with an identical posterior.
 Before sharding, :func:`check_same_fit_inputs` refuses ranks whose models or selected batches
 differ (digests, all-gathered); a fit runs inside :func:`fail_together`, so a rank that fails
 takes the others out of their collectives at once, and every collective here turns a lost peer
-into a :class:`PeerRankError` naming it (:mod:`laplace_debiased.structures.rank_failures`).
+into a :class:`PeerRankError` naming it (:mod:`laplace_debiased.parallel.rank_failures`).
 
 Without an initialised process group (or with one rank) every function is the identity; so is
 every function inside :func:`local_fits`, which lets one rank fit alone while a group is
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from laplace_debiased.data.shards import HeldRows, check_indices, own_copy
 from laplace_debiased.data.batch import Batch, batch_size
-from laplace_debiased.structures.rank_failures import PeerRankError, announce, peer_failure, report_failure
+from laplace_debiased.parallel.rank_failures import PeerRankError, announce, peer_failure, report_failure
 
 __all__ = [
     "rank_world",
