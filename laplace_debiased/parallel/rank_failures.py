@@ -13,17 +13,11 @@ host and pid in the store, :func:`announce`).
 :func:`wait_for_peers` lets the command line keep a failed rank alive until every other rank
 has reported its own error (or is gone), so that a launcher that stops the remaining workers
 when one exits (``torchrun``) cannot cut a peer's error message.
-
-Fault injection for tests: ``LAPLACE_DEBIASED_FAULT="RANK:POINT:ACTION[:COUNT]"`` makes rank
-``RANK`` (of the group, or ``$RANK`` before one exists) ``raise`` a ``RuntimeError`` or ``kill``
-itself with ``SIGKILL`` the ``COUNT``-th time (default 1) it reaches :func:`fault_point`
-``POINT``. Unset, :func:`fault_point` does nothing.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
 import time
@@ -31,14 +25,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["PeerRankError", "fault_point", "announce", "report_failure", "peer_failure", "wait_for_peers"]
+__all__ = ["PeerRankError", "announce", "report_failure", "peer_failure", "wait_for_peers"]
 
 _PREFIX = "laplace_debiased"
-#: environment variable of :func:`fault_point`
-FAULT_ENV = "LAPLACE_DEBIASED_FAULT"
 #: how long, at most, a killed rank's process may take to disappear after its sockets closed
 _EXIT_GRACE_S = 10.0
-_fault_hits: dict[str, int] = {}
 _kept_stores: list = []  # the store a failed rank reported into stays served until it exits
 
 
@@ -51,25 +42,6 @@ def _global_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
-
-
-def fault_point(name: str) -> None:
-    """Fail here if :data:`FAULT_ENV` asks this rank to (module docstring); else nothing."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[2] not in ("raise", "kill"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected RANK:POINT:raise|kill[:COUNT]")
-    rank, point, action = int(parts[0]), parts[1], parts[2]
-    if rank != _global_rank() or point != name:
-        return
-    _fault_hits[name] = _fault_hits.get(name, 0) + 1
-    if _fault_hits[name] != (int(parts[3]) if len(parts) == 4 else 1):
-        return
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"injected fault ({FAULT_ENV}) at {name!r} on rank {rank}")
 
 
 def _store():

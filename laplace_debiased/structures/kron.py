@@ -45,6 +45,7 @@ from laplace_debiased.structures.mixed import (
     block_spans,
 )
 from laplace_debiased.parallel.distributed import is_distributed
+from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.structures.kron_passes import single_pass_kfacs
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
@@ -278,6 +279,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         loss, krons, self._factor_rows = single_pass_kfacs(
             self.model, self._kfac_modules(), groups, N, likelihood=self.likelihood, backend=self.backend,
             fisher=self._single_pass_fisher(), keys=(self.dict_key_x, self.dict_key_y), mean=self.mean,
+            reducer=current_reducer(),
         )
         for kron in krons:
             self._check_blocks(kron.kfacs)

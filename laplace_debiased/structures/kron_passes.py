@@ -22,7 +22,8 @@ from torch import nn
 
 from laplace_debiased.curvature.kfac import GroupKfacSums, group_kfac_sums, input_factor_rows, zero_sums
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.parallel.distributed import all_reduce_sum_, rank_world, shard_batch
+from laplace_debiased.parallel.distributed import shard_batch
+from laplace_debiased.parallel.reducer import Reducer
 from laplace_debiased.structures.mixed import is_extra, module_blocks
 
 __all__ = ["single_pass_kfacs"]
@@ -67,11 +68,11 @@ def _stack(
 def _group_sums(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], sizes: list[list[int]],
     *, likelihood: str, backend: Any, fisher: str, keys: tuple[str, str], keep_rows: bool, mean: Any,
+    reducer: Reducer,
 ) -> GroupKfacSums:
     """The factor sums of every batch set over this rank's rows, added over the ranks."""
-    rank, world = rank_world()
     pieces = [
-        (shard_batch(b, n, rank, world), g)
+        (shard_batch(b, n, reducer.rank, reducer.world), g)
         for g, batches in enumerate(groups)
         for b, n in zip(batches, sizes[g])
     ]
@@ -84,13 +85,13 @@ def _group_sums(
         )
     if sums is None:  # this rank got no rows (fewer samples than ranks)
         sums = zero_sums(modules, len(groups), mean)
-    all_reduce_sum_(sums.tensors())
+    reducer.sum_(sums.tensors())
     return sums
 
 
 def single_pass_kfacs(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], N: int,
-    *, likelihood: str, backend: Any, fisher: str, keys: tuple[str, str], mean: Any,
+    *, likelihood: str, backend: Any, fisher: str, keys: tuple[str, str], mean: Any, reducer: Reducer,
 ) -> tuple[torch.Tensor, list[Kron], FactorRows | None]:
     """K-FAC of each batch set in ``groups``, scaled to ``N`` points (module docstring).
 
@@ -104,6 +105,7 @@ def single_pass_kfacs(
         fisher: the curvature type (``"type2"`` exact GGN or ``"empirical"``).
         keys: ``(dict_key_x, dict_key_y)`` of dict batches.
         mean: the model output's reduction over token positions (``zero_sums``).
+        reducer: the ranks' collectives; each rank passes its shard of every batch.
 
     Returns:
         ``(loss, krons, rows)``: the summed loss over all batches (unscaled), one ``Kron`` per
@@ -111,9 +113,9 @@ def single_pass_kfacs(
         (``None`` under a process group, where each rank holds only its rows).
     """
     sizes = [[batch_size(b, *keys) for b in batches] for batches in groups]
-    keep_rows = rank_world()[1] == 1
+    keep_rows = reducer.world == 1
     sums = _group_sums(model, modules, groups, sizes, likelihood=likelihood, backend=backend,
-                       fisher=fisher, keys=keys, keep_rows=keep_rows, mean=mean)
+                       fisher=fisher, keys=keys, keep_rows=keep_rows, mean=mean, reducer=reducer)
     krons, all_rows = [], []
     for g, m in enumerate(sum(s) for s in sizes):
         kfacs, rows = [], []

@@ -43,14 +43,13 @@ from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.block_priors import BlockPriorMixin
 from laplace_debiased.structures.chunked import ChunkedPredictiveMixin
 from laplace_debiased.parallel.distributed import (
-    all_reduce_sum_,
     check_same_fit_inputs,
     fail_together,
     local_shards,
 )
 from laplace_debiased.structures.fit_checks import FitChecksMixin
 from laplace_debiased.structures.gridsearch import GridSearchMixin
-from laplace_debiased.parallel.rank_failures import fault_point
+from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.structures.token_outputs import TokenOutputsMixin
 
 if TYPE_CHECKING:
@@ -157,7 +156,6 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
         self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
         setattr(self.model, "output_size", self.n_outputs)
         self.mean = self._map_estimate()
-        fault_point("fit")
         loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
         self._accumulate(loss, used, batches)
 
@@ -271,5 +269,5 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
         for b in local_shards(batches, self.dict_key_x, self.dict_key_y):
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             total = total + self.backend.factor * self.backend.lossfunc(*output_rows(self.model(X), y))
-        all_reduce_sum_([total])
+        current_reducer().sum_([total])
         return total

@@ -1,5 +1,5 @@
-"""One-process parts of the rank-failure and rank-consistency machinery (issue 24): fault
-injection, the digests the ranks compare, and the identity without a process group. The
+"""One-process parts of the rank-failure and rank-consistency machinery: the digests the ranks
+compare, and the identity without a process group. The
 multi-process behaviour is in ``test_distributed_failures.py``."""
 
 import pytest
@@ -12,31 +12,6 @@ from laplace_debiased.parallel.distributed import (
     check_same_fit_inputs,
     fail_together,
 )
-from laplace_debiased.parallel.rank_failures import FAULT_ENV, fault_point
-
-
-def test_fault_point_does_nothing_unless_asked(monkeypatch):
-    monkeypatch.delenv(FAULT_ENV, raising=False)
-    fault_point("fit")
-    monkeypatch.setenv(FAULT_ENV, "1:fit:raise")  # another rank (this process is rank 0)
-    fault_point("fit")
-    monkeypatch.setenv(FAULT_ENV, "0:other-point:raise")
-    fault_point("fit")
-
-
-def test_fault_point_raises_at_the_named_point_and_count(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv(FAULT_ENV, "0:count-point:raise:2")
-    fault_point("count-point")  # first arrival: not yet
-    with pytest.raises(RuntimeError, match="injected fault .* at 'count-point' on rank 0"):
-        fault_point("count-point")
-    fault_point("count-point")  # only the COUNT-th arrival
-
-
-def test_fault_point_refuses_a_malformed_spec(monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "0:fit:explode")
-    with pytest.raises(ValueError, match="RANK:POINT:raise\\|kill"):
-        fault_point("fit")
 
 
 def test_digest_sees_one_ulp_a_permutation_and_the_dtype():
