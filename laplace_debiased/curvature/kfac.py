@@ -346,7 +346,7 @@ def group_kfac_sums(
         maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output
         (its own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once,
         in its current mode.
-    modules : sequence of curvature layers (:func:`laplace_debiased.structures.mixed.curvature_modules`)
+    modules : sequence of curvature layers (:func:`laplace_debiased.curvature.layer_blocks.curvature_modules`)
         in ``Kron`` block order; an ``Embedding``'s input side is its diagonal token-frequency
         sum, a normalisation layer's output side is its exact dense GGN block, without input
         side (:mod:`~laplace_debiased.curvature.dense_blocks`); attention projections and

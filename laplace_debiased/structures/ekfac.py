@@ -50,13 +50,8 @@ from laplace_debiased.parallel.distributed import (
 )
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.kron import DebiasedKronLaplace
-from laplace_debiased.structures.mixed import (
-    Spanned,
-    SpannedStructure,
-    block_modules,
-    block_spans,
-    is_extra,
-)
+from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, is_extra
+from laplace_debiased.posterior.spanned import Spanned, SpannedStructure
 
 __all__ = [
     "EKFACDecomposed",
@@ -239,7 +234,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
     Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
     conv weight gradient is summed over positions before it is rotated and squared); embeddings,
     attention projections and GPT-2 ``Conv1D`` get debiased K-FAC blocks, normalisation layers
-    their dense blocks (:mod:`laplace_debiased.structures.mixed`).
+    their dense blocks (:mod:`laplace_debiased.curvature.layer_blocks`).
     Backends as ``debiased_kron``: the GGN backends give the exact GGN diagonal (``stochastic``
     ones an MC Fisher), EF backends the empirical Fisher.  ``damping`` is not supported (the
     eigenvalues are not Kronecker-factored), nor are online fits (``override=False``).
@@ -392,7 +387,7 @@ class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
 
 class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
     """:class:`EKFACDecomposed` whose blocks may span several parameter tensors (a
-    normalisation layer's dense block; :mod:`laplace_debiased.structures.mixed`)."""
+    normalisation layer's dense block; :mod:`laplace_debiased.curvature.layer_blocks`)."""
 
     _structure = SpannedEKFACStructure
 

@@ -38,12 +38,8 @@ from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_fac
 from laplace_debiased.structures.kron_estimators import ESTIMATORS, Correction, corrected_decomposition, on_rank0, resolve_estimator
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
-from laplace_debiased.structures.mixed import (
-    Spanned,
-    SpannedImplicitKronStructure,
-    SpannedKronStructure,
-    block_spans,
-)
+from laplace_debiased.curvature.layer_blocks import block_spans
+from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
 from laplace_debiased.parallel.distributed import is_distributed
 from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.structures.kron_passes import single_pass_kfacs
@@ -62,7 +58,7 @@ class DebiasedKronDecomposed(ImplicitKronDecomposed):
 
 class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
     """:class:`DebiasedKronDecomposed` whose blocks may span several parameter tensors (a
-    normalisation layer's dense block; :mod:`laplace_debiased.structures.mixed`)."""
+    normalisation layer's dense block; :mod:`laplace_debiased.curvature.layer_blocks`)."""
 
     _structure = SpannedKronStructure
     _implicit_structure = SpannedImplicitKronStructure
@@ -118,7 +114,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     (``fit(..., cross_fit=True)``: a
     :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed` mixture of it and the
     role-swapped one, B̃'s eigenvectors with B's Rayleigh quotients).
-    Layers: :mod:`~laplace_debiased.structures.mixed` (beyond Linear/Conv2d only with the default
+    Layers: :mod:`~laplace_debiased.curvature.layer_blocks` (beyond Linear/Conv2d only with the default
     Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
     """
 

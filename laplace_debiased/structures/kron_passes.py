@@ -24,7 +24,7 @@ from laplace_debiased.curvature.kfac import GroupKfacSums, group_kfac_sums, inpu
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import shard_batch
 from laplace_debiased.parallel.reducer import Reducer
-from laplace_debiased.structures.mixed import is_extra, module_blocks
+from laplace_debiased.curvature.layer_blocks import is_extra, module_blocks
 
 __all__ = ["single_pass_kfacs"]
 
