@@ -18,7 +18,7 @@ MOVED: dict[str, str] = {
     "linalg": "curvature.linalg",
     "operators": "curvature.operators",
     "eigen": "curvature.eigen",
-    "batches": "structures.batches",
+    "batches": "computers.batches",
     "_two_batch": "structures.two_batch",
     "kron": "structures.kron",
     "lowrank": "structures.lowrank",

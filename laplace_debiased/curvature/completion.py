@@ -43,7 +43,7 @@ from laplace_debiased.curvature.linalg import (
     tied_groups,
 )
 
-__all__ = ["NULL_SPACE_MODES", "group_means", "isotropic_factor", "nested_factor", "debiased_factor_mode"]
+__all__ = ["NULL_SPACE_MODES", "debiased_factor_mode", "extended_spectrum", "group_means", "isotropic_factor", "nested_factor"]
 
 #: treatments of B's degenerate eigenspaces (its null space above all)
 NULL_SPACE_MODES = ("isotropic", "aligned")
@@ -176,3 +176,21 @@ def debiased_factor_mode(
     if null_space == "aligned":
         return debiased_factor(direction, magnitude, terms)
     raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
+
+
+def extended_spectrum(Q: torch.Tensor, eigenvalues: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extended spectrum ``[λ_1, ..., λ_r, ν]`` and multiplicities ``[1, ..., 1, d - r]`` of a
+    factor (no extra entry when ``Q`` is square): ``Q`` ``(d, r)`` holds the
+    eigenvectors, the last entry ``ν`` is the eigenvalue on their complement (0 when not given)."""
+    r, null = Q.shape[1], Q.shape[0] - Q.shape[1]
+    if len(eigenvalues) not in (r, r + 1) or (not null and len(eigenvalues) != r):
+        raise ValueError(
+            f"eigenvectors {tuple(Q.shape)} need {r} eigenvalues"
+            + (f" (or {r + 1}, the last on their complement)" if null else "")
+            + f"; got {len(eigenvalues)}."
+        )
+    ones = torch.ones(r, dtype=eigenvalues.dtype, device=eigenvalues.device)
+    if not null:
+        return eigenvalues, ones
+    ext = eigenvalues if len(eigenvalues) == r + 1 else torch.cat([eigenvalues, eigenvalues.new_zeros(1)])
+    return ext, torch.cat([ones, ones.new_full((1,), null)])

@@ -35,14 +35,14 @@ from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
-from laplace_debiased.structures.kron_estimators import ESTIMATORS, Correction, corrected_decomposition, on_rank0, resolve_estimator
+from laplace_debiased.computers.kron_estimators import ESTIMATORS, Correction, corrected_decomposition, on_rank0, resolve_estimator
 from laplace_debiased.curvature.linalg import debiased_kron
-from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
+from laplace_debiased.computers.coverage import Coverage, coverage_record, report_coverage
 from laplace_debiased.curvature.layer_blocks import block_spans
 from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
 from laplace_debiased.parallel.distributed import is_distributed
 from laplace_debiased.parallel.reducer import current_reducer
-from laplace_debiased.structures.kron_passes import single_pass_kfacs
+from laplace_debiased.computers.kron_passes import single_pass_kfacs
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
 
@@ -133,7 +133,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased, P chosen by B alone); ``"aligned"``: B̃'s own
         eigenbasis there, measured by B̃ (same-batch bias, exact zeros where B ∪ B̃ does not
         reach). See :mod:`laplace_debiased.curvature.completion` and docs/wide-layers.md.
-        After the fit ``self.coverage`` (:class:`~laplace_debiased.structures.coverage.Coverage`)
+        After the fit ``self.coverage`` (:class:`~laplace_debiased.computers.coverage.Coverage`)
         records per layer and factor what the curvature covers; it is logged, and a warning
         names the layers where a share of the weights keeps only the prior.
         ``debiased_ekfac`` (a subclass with its own eigenbasis and eigenvalues) does not use
@@ -145,7 +145,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         batches measure against each other; :mod:`laplace_debiased.curvature.corrected`;
         ``null_space`` does not apply; measured against the paper's in docs/guide/choosing-batches.md).
         After a corrected fit
-        ``self.correction`` (:class:`~laplace_debiased.structures.kron_estimators.Correction`)
+        ``self.correction`` (:class:`~laplace_debiased.computers.kron_estimators.Correction`)
         holds per block and factor what the correction changed, and it is logged.
         """
         if null_space not in NULL_SPACE_MODES:

@@ -1,5 +1,5 @@
 """fit(estimator="corrected") of debiased_kron against dense formulas, its reductions and its
-refusals (laplace_debiased.structures.kron_estimators)."""
+refusals (laplace_debiased.computers.kron_estimators)."""
 
 import logging
 

@@ -25,7 +25,7 @@ one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``
     ``2 * MIN_HALF_SIZE`` samples.
 ``n_magnitude_batches="auto"`` (with ``split="batches"``, B̃ ≠ B)
     B as above; then the structure's rule (``magnitude_rule``,
-    :mod:`laplace_debiased.structures.auto_magnitude`) maps B to a number ``k`` and B̃ is the
+    :mod:`laplace_debiased.computers.auto_magnitude`) maps B to a number ``k`` and B̃ is the
     next ``k`` batches of the same pass (or of the drawn order, or of ``magnitude_loader``),
     exactly the batches of ``n_magnitude_batches=k``; fewer if the loader has fewer left, an
     error if it has none.
@@ -73,7 +73,7 @@ from laplace_debiased.curvature.kfac import IGNORE_INDEX
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size, input_tensor, on_device
 
 if TYPE_CHECKING:
-    from laplace_debiased.structures.auto_magnitude import AutoMagnitude, FactorRowCount
+    from laplace_debiased.computers.auto_magnitude import AutoMagnitude, FactorRowCount
 
 __all__ = [
     "BatchChoice",
@@ -112,7 +112,7 @@ class BatchChoice:
         for a one-batch split, the sample indices (within the batch) forming B and B̃.
     auto : AutoMagnitude, optional
         with ``n_magnitude_batches="auto"``: the chosen number of magnitude batches and why
-        (:class:`~laplace_debiased.structures.auto_magnitude.AutoMagnitude`).
+        (:class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitude`).
     """
 
     how: str
@@ -420,7 +420,7 @@ def split_batches(
         the model's device: every batch is moved there (:func:`on_device`), as laplace-torch's
         ``fit`` does.
     magnitude_rule : callable, optional
-        for "auto": B's batches (checked, on ``device``) -> :class:`~laplace_debiased.structures.auto_magnitude.AutoMagnitude`.
+        for "auto": B's batches (checked, on ``device``) -> :class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitude`.
 
     Returns
     -------

@@ -23,7 +23,7 @@ The ranks of a factor whose rows are known (the Gram route of
 :func:`~laplace_debiased.curvature.linalg.debiased_kron`, fewer rows than its dimension ``d``)
 come from the Gram matrices (:func:`~laplace_debiased.curvature.linalg.row_rank` of B's rows, B̃'s
 rows and both stacked, ``O(d (n + m)²)``), and its zero count from the extended spectrum of its
-implicit null space (:func:`~laplace_debiased.posterior.implicit_kron.extended_spectrum`): the
+implicit null space (:func:`~laplace_debiased.curvature.completion.extended_spectrum`): the
 record adds no ``d × d`` eigendecomposition to such a fit. Other factors use ``eigvalsh``.
 
 "Zero" is up to round-off: at most :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`
@@ -70,7 +70,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from laplace_debiased.curvature.linalg import FactorRows, roundoff_tolerance, row_rank
-from laplace_debiased.posterior.implicit_kron import extended_spectrum
+from laplace_debiased.curvature.completion import extended_spectrum
 
 __all__ = ["FactorCoverage", "BlockCoverage", "Coverage", "coverage_record", "factor_ranks", "numerical_rank",
            "PRIOR_ONLY_WARN_SHARE", "report_coverage"]
