@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from laplace_debiased.curvature.corrected import FactorCorrection, corrected_kron
-from laplace_debiased.parallel.distributed import broadcast_, rank_world
+from laplace_debiased.parallel.reducer import Reducer
 
 __all__ = ["ESTIMATORS", "Correction", "corrected_decomposition", "on_rank0", "resolve_estimator"]
 
@@ -40,17 +40,17 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
     return estimator
 
 
-def on_rank0(compute: Callable[[], tuple[list, list]], like: list[list[torch.Tensor]]) -> tuple[list, list]:
+def on_rank0(compute: Callable[[], tuple[list, list]], like: list[list[torch.Tensor]],
+             reducer: Reducer) -> tuple[list, list]:
     """``compute()``'s ``(eigenvectors, eigenvalues)`` (lists of lists shaped like the square
-    factors ``like``): computed on rank 0 and broadcast to the others under a process group
-    (:func:`laplace_debiased.parallel.distributed.broadcast_`), so every rank holds the same
-    basis (``eigh`` is not reproducible across devices)."""
-    if rank_world()[0] == 0:
+    factors ``like``): computed on rank 0 and broadcast to the others (``reducer.broadcast_``),
+    so every rank holds the same basis (``eigh`` is not reproducible across devices)."""
+    if reducer.rank == 0:
         eigenvectors, eigenvalues = compute()
     else:
         eigenvectors = [[torch.empty_like(F) for F in block] for block in like]
         eigenvalues = [[F.new_empty(F.shape[0]) for F in block] for block in like]
-    broadcast_([t for blocks in (eigenvectors, eigenvalues) for b in blocks for t in b])
+    reducer.broadcast_([t for blocks in (eigenvectors, eigenvalues) for b in blocks for t in b])
     return eigenvectors, eigenvalues
 
 
@@ -100,6 +100,7 @@ def corrected_decomposition(
     sizes: tuple[int, int],
     names: list[tuple[str, str]],
     n_data: int,
+    reducer: Reducer,
 ) -> tuple[list, list, Correction | None]:
     """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
     ``n_data`` training data), on rank 0
@@ -112,7 +113,7 @@ def corrected_decomposition(
         records.extend(recs)
         return vecs, vals
 
-    vecs, vals = on_rank0(compute, direction_kfacs)
+    vecs, vals = on_rank0(compute, direction_kfacs, reducer)
     if not records:
         return vecs, vals, None
     correction = Correction(list(names), records)

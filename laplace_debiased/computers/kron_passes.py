@@ -17,7 +17,6 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
-from laplace.utils.matrix import Kron
 from torch import nn
 
 from laplace_debiased.curvature.kfac import GroupKfacSums, group_kfac_sums, input_factor_rows, zero_sums
@@ -92,7 +91,7 @@ def _group_sums(
 def single_pass_kfacs(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], N: int,
     *, likelihood: str, backend: Any, fisher: str, keys: tuple[str, str], mean: Any, reducer: Reducer,
-) -> tuple[torch.Tensor, list[Kron], FactorRows | None]:
+) -> tuple[torch.Tensor, list[list[list[torch.Tensor]]], FactorRows | None]:
     """K-FAC of each batch set in ``groups``, scaled to ``N`` points (module docstring).
 
     Args:
@@ -108,8 +107,9 @@ def single_pass_kfacs(
         reducer: the ranks' collectives; each rank passes its shard of every batch.
 
     Returns:
-        ``(loss, krons, rows)``: the summed loss over all batches (unscaled), one ``Kron`` per
-        batch set, and per batch set the input-factor rows of the Linear/Conv2d weight blocks
+        ``(loss, kfacs, rows)``: the summed loss over all batches (unscaled), per batch set its
+        factors (blocks of 1 or 2 square tensors, laplace-torch's ``Kron.kfacs`` layout), and
+        per batch set the input-factor rows of the Linear/Conv2d weight blocks
         (``None`` under a process group, where each rank holds only its rows).
     """
     sizes = [[batch_size(b, *keys) for b in batches] for batches in groups]
@@ -119,13 +119,13 @@ def single_pass_kfacs(
     krons, all_rows = [], []
     for g, m in enumerate(sum(s) for s in sizes):
         kfacs, rows = [], []
-        # Kron * factor scales each of a block's two factors by √factor
         X_g = input_factor_rows(sums, g, backend.factor**0.5 / m)
         for module, G, A, X in zip(modules, sums.output, sums.input, X_g):
             blocks = module_blocks(module, G[g], None if A is None else A[g], m)
             kfacs.extend(blocks)  # input rows only for Linear/Conv2d weight blocks
             rows.extend([None, X] if len(b) == 2 and not is_extra(module) else [None] * len(b) for b in blocks)
         all_rows.append(rows)
-        kron = Kron(kfacs) * backend.factor
-        krons.append(Kron([[F[0] * (N / m), *F[1:]] for F in kron.kfacs]))
+        # the loss factor c scales a block by c: each of two factors by √c (as Kron * c does)
+        scaled = [[backend.factor ** (1 / len(F)) * f for f in F] for F in kfacs]
+        krons.append([[F[0] * (N / m), *F[1:]] for F in scaled])
     return sums.loss.sum(), krons, all_rows if keep_rows else None

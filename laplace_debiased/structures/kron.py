@@ -34,10 +34,10 @@ from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMi
 from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
-from laplace_debiased.computers.kron_estimators import ESTIMATORS, Correction, corrected_decomposition, on_rank0, resolve_estimator
-from laplace_debiased.curvature.linalg import debiased_kron
-from laplace_debiased.computers.coverage import Coverage, coverage_record, report_coverage
+from laplace_debiased.curvature.completion import NULL_SPACE_MODES
+from laplace_debiased.computers.kron import combine_kfacs, decompose_two_batch
+from laplace_debiased.computers.kron_estimators import ESTIMATORS, Correction, resolve_estimator
+from laplace_debiased.computers.coverage import Coverage, report_coverage
 from laplace_debiased.curvature.layer_blocks import block_spans
 from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
 from laplace_debiased.parallel.distributed import is_distributed
@@ -66,41 +66,6 @@ class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
     def __init__(self, eigenvectors, eigenvalues, deltas=None, damping: bool = False, *, spans: list[int] | None = None) -> None:
         super().__init__(eigenvectors, eigenvalues, deltas, damping=damping)
         self.spans = list(spans) if spans is not None else [1] * len(eigenvalues)
-
-
-def _combine(old: Kron, new: Kron, n_old: int, n_new: int) -> Kron:
-    """K-FAC of ``n_old + n_new`` points from two fits: output-side factors (and single-factor
-    blocks) add up, input-side factors are averaged with weights ``n / (n_old + n_new)``."""
-    w_old, w_new = n_old / (n_old + n_new), n_new / (n_old + n_new)
-    kfacs = []
-    for F_old, F_new in zip(old.kfacs, new.kfacs):
-        if len(F_old) == 2:
-            kfacs.append([F_old[0] + F_new[0], w_old * F_old[1] + w_new * F_new[1]])
-        else:
-            kfacs.append([F_old[0] + F_new[0]])
-    return Kron(kfacs)
-
-
-def _paired_rows(
-    direction_rows: list | None, magnitude_rows: list | None
-) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None:
-    """Per block and factor ``(B's rows, B̃'s rows)`` where both are known (the ``rows`` of
-    :func:`debiased_kron` and :func:`coverage_record`), ``None`` without rows."""
-    if direction_rows is None or magnitude_rows is None:
-        return None
-    return [
-        [None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
-        for bd, bm in zip(direction_rows, magnitude_rows)
-    ]
-
-
-def _null_space_rule(direction: Kron, magnitude: Kron, null_space: str) -> str:
-    """The rule for B's degenerate groups: ``null_space``, except ``"aligned"`` when B̃ is B,
-    where it is the plain eigendecomposition (laplace-torch's K-FAC). The isotropic mean over
-    B's tied runs (:func:`~laplace_debiased.curvature.linalg.tied_groups`) would move B's own
-    eigenvalues by up to the round-off tolerance, which is coarse when one eigenvalue dominates
-    the factor's norm."""
-    return "aligned" if magnitude is direction else null_space
 
 
 class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, TwoBatchLaplaceMixin, KronLaplace):
@@ -174,27 +139,14 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             self._factor_rows = None
             n_old = self.n_data
-            direction = _combine(self.H_facs, direction, n_old, N)
-            magnitude = _combine(self.H_facs_magnitude, magnitude, n_old, N)
+            direction = Kron(combine_kfacs(self.H_facs.kfacs, direction.kfacs, n_old, N))
+            magnitude = Kron(combine_kfacs(self.H_facs_magnitude.kfacs, magnitude.kfacs, n_old, N))
         self.H_facs, self.H_facs_magnitude = direction, magnitude
         sizes = [sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in g) for g in groups]
         self._fit_sizes = (self._fit_sizes[0] + sizes[0], self._fit_sizes[1] + sizes[-1])
         self._decompose(self.n_data + N)
         self._record_coverage()
         return loss
-
-    def _record_coverage(self) -> None:
-        """``self.coverage`` of B's eigenbasis (the first component when cross-fitted),
-        logged; warns once naming the layers with prior-only weights."""
-        H = self.H.components[0] if isinstance(self.H, CrossFitDecomposed) else self.H
-        rows = getattr(self, "_factor_rows", None) or [None]
-        self.coverage = coverage_record(
-            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, H.eigenvectors, H.eigenvalues,
-            self._block_names(), rows=_paired_rows(rows[0], rows[-1]),
-            null_space=self._null_space, direction_size=self._fit_sizes[0],
-            magnitude_size=self._fit_sizes[1],
-        )
-        report_coverage(self.coverage)
 
     def _kfacs(self, groups: list[list[Batch]], N: int) -> tuple[torch.Tensor, list[Kron]]:
         """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of
@@ -213,38 +165,23 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         return sum(f[0] for f in fits), [f[1] for f in fits]
 
     def _decompose(self, n_data: int | None = None) -> None:
-        """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
-        and the role-swapped one, or the corrected one (``n_data``: the training data the
-        batches were drawn from, its finite-population scaling; default: those of the fits so
-        far, ``self.n_data``)."""
+        """``H``, ``coverage`` and ``correction`` from ``H_facs`` and ``H_facs_magnitude``
+        (:func:`~laplace_debiased.computers.kron.decompose_two_batch`; ``n_data``: the training
+        data the batches were drawn from, by default ``self.n_data``)."""
         rows = getattr(self, "_factor_rows", None) or [None]
-        if self._estimator == "corrected" and self.H_facs_magnitude is not self.H_facs:
-            self.H = self._corrected(self.H_facs, self.H_facs_magnitude, n_data or self.n_data)
-            return
-        H = self._debiased(self.H_facs, self.H_facs_magnitude, rows[0], rows[-1])
-        if self._cross_fit and self.H_facs_magnitude is not self.H_facs:
-            swapped = self._debiased(self.H_facs_magnitude, self.H_facs, rows[-1], rows[0])
-            H = CrossFitDecomposed(H, swapped)
-        self.H = H
+        result = decompose_two_batch(
+            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, rows=(rows[0], rows[-1]),
+            null_space=self._null_space, estimator=self._estimator, cross_fit=self._cross_fit,
+            sizes=self._fit_sizes, n_data=n_data or self.n_data, names=self._block_names(),
+            reducer=current_reducer(),
+        )
+        H = self._decomposed(result.eigenvectors, result.eigenvalues)
+        self.H = H if result.swapped is None else CrossFitDecomposed(H, self._decomposed(*result.swapped))
+        self.coverage, self.correction = result.coverage, result.correction
 
-    def _debiased(
-        self, direction: Kron, magnitude: Kron, direction_rows=None, magnitude_rows=None
-    ) -> DebiasedKronDecomposed:
-        """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude`` (through the
-        factors' rows where both are known: :func:`debiased_kron`; the samples summed into the
-        factors set their round-off tolerance); under a process group rank 0 computes them, the
-        others receive them (:func:`laplace_debiased.parallel.distributed.broadcast_`)."""
-        null_space, terms = _null_space_rule(direction, magnitude, self._null_space), max(self._fit_sizes)
-        return self._decomposed(*on_rank0(lambda: debiased_kron(
-            direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
-            factor=lambda D, M: debiased_factor_mode(D, M, null_space, terms), null_space=null_space,
-        ), direction.kfacs))
-
-    def _corrected(self, direction: Kron, magnitude: Kron, n_data: int) -> DebiasedKronDecomposed:
-        """The corrected estimate (:func:`corrected_decomposition`); its record in ``self.correction``."""
-        vecs, vals, self.correction = corrected_decomposition(
-            direction.kfacs, magnitude.kfacs, self._fit_sizes, self._block_names(), n_data)
-        return self._decomposed(vecs, vals)
+    def _record_coverage(self) -> None:
+        """Log ``self.coverage`` and warn once, naming the layers with prior-only weights."""
+        report_coverage(self.coverage)
 
     def _decomposed(self, eigenvectors: list, eigenvalues: list) -> DebiasedKronDecomposed:
         """The decomposed curvature; a :class:`SpannedKronDecomposed` where a dense
@@ -272,14 +209,14 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     ) -> tuple[torch.Tensor, list[Kron]]:
         """K-FAC of each batch set from shared passes over B ∪ B̃ (:func:`single_pass_kfacs`),
         each checked against the trainable parameters; and the summed loss."""
-        loss, krons, self._factor_rows = single_pass_kfacs(
+        loss, kfacs, self._factor_rows = single_pass_kfacs(
             self.model, self._kfac_modules(), groups, N, likelihood=self.likelihood, backend=self.backend,
             fisher=self._single_pass_fisher(), keys=(self.dict_key_x, self.dict_key_y), mean=self.mean,
             reducer=current_reducer(),
         )
-        for kron in krons:
-            self._check_blocks(kron.kfacs)
-        return loss, krons
+        for blocks in kfacs:
+            self._check_blocks(blocks)
+        return loss, [Kron(blocks) for blocks in kfacs]
 
     def _kfac(self, batches: list[Batch], N: int) -> tuple[torch.Tensor, Kron]:
         """K-FAC of the batch set by one backend call per batch (backends that
