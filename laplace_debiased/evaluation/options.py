@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from laplace_debiased._progress import add_quiet_argument
-from laplace_debiased.evaluation.grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
+from laplace_debiased.prior_grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
 
 #: Default links: the projected probit (right, deterministic) and laplace-torch's diagonal
 #: probit, recorded for comparison.

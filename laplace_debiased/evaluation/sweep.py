@@ -50,7 +50,7 @@ from torch import Tensor
 
 from laplace_debiased._progress import progress_bar
 from laplace_debiased.evaluation import metrics
-from laplace_debiased.evaluation.grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
+from laplace_debiased.prior_grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, check_links
 from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.posterior.grid import GridPredictive

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laplace_debiased.evaluation.grid import (
+from laplace_debiased.prior_grid import (
     DEFAULT_PRIOR_PRECISIONS, PriorGrid, choose_prior_precision, round_precision,
 )
 
