@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader, Dataset
 from laplace_debiased.evaluation.options import (  # noqa: F401
     DEFAULTS, METHODS, add_pipeline_arguments, load_config, resolve_options,
 )
-from laplace_debiased.evaluation.grid import PriorGrid
+from laplace_debiased.prior_grid import PriorGrid
 from laplace_debiased.evaluation.report import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
 from laplace_debiased.parallel.distributed import fetch_rows, gather_results, rank_world
@@ -295,7 +295,7 @@ def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: st
 
 def _grid_extension(rows: list[dict], link: str) -> list[float]:
     """One new prior precision beyond each grid edge where a method's validation choice lies
-    (:meth:`~laplace_debiased.evaluation.grid.PriorGrid.extension`)."""
+    (:meth:`~laplace_debiased.prior_grid.PriorGrid.extension`)."""
     from laplace_debiased.evaluation.report import chosen_prior_precisions
 
     val = next((r["eval_set"] for r in rows if r.get("kind") == "validation"), None)

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from laplace_debiased._progress import progress_bar
 from laplace_debiased.evaluation import metrics
-from laplace_debiased.evaluation.grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
+from laplace_debiased.prior_grid import PriorGrid
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, check_links
 from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.posterior.grid import GridPredictive
@@ -379,7 +379,7 @@ def run_sweep(
     eval_sets: Sequence[EvalSet],
     out_path: str | Path,
     *,
-    prior_precisions: Sequence[float] = DEFAULT_PRIOR_PRECISIONS,
+    prior_precisions: Sequence[float] = PriorGrid.default().values,
     links: Sequence[str] = DEFAULT_LINKS,
     n_samples: int = 100,
     seed: int = 0,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laplace_debiased.evaluation.grid import (
+from laplace_debiased.prior_grid import (
     DEFAULT_PRIOR_PRECISIONS, PriorGrid, choose_prior_precision, round_precision,
 )
 
@@ -135,3 +135,20 @@ def test_choice_examples_and_unknown_criterion():
     assert choose_prior_precision({1.0: float("nan")}) is None
     with pytest.raises(ValueError, match="criterion"):
         choose_prior_precision({1.0: 0.0}, "accuracy")
+
+
+@untimed
+@given(st.lists(deltas.map(round_precision), min_size=1, max_size=10, unique=True), st.data(),
+       st.sampled_from(["nll", "log_marglik"]))
+def test_a_grid_chooses_from_scores_in_its_order(values, data, criterion):
+    scores_ = data.draw(st.lists(scores, min_size=len(values), max_size=len(values)))
+    grid = PriorGrid(tuple(values))
+    chosen = grid.choose(scores_, criterion)
+    assert chosen == choose_prior_precision(dict(zip(values, scores_)), criterion)
+    finite = [s for s in scores_ if math.isfinite(s)]
+    if finite and criterion == "nll":  # an ascending grid of finite scores: the first lowest, as argmin
+        ascending = sorted(zip(values, scores_))
+        firsts = [d for d, s in ascending if math.isfinite(s) and s == min(finite)]
+        assert chosen == firsts[0]
+    with pytest.raises(ValueError, match="one score per prior precision"):
+        grid.choose([*scores_, 0.0], criterion)

@@ -9,7 +9,7 @@ flags import it for ``--help``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 #: Significant digits a prior precision keeps (in rows, grids and extensions).
@@ -101,6 +101,24 @@ class PriorGrid:
         """How many values lie outside the range ``[min(other), max(other)]``."""
         lo, hi = min(other.values), max(other.values)
         return sum(d < lo or d > hi for d in self.values)
+
+    def choose(self, scores: Sequence[float], criterion: str = "nll") -> float | None:
+        """The value that :func:`choose_prior_precision` chooses from one score per value.
+
+        Args:
+            scores: The score at each value, ``G`` numbers in the order of :attr:`values`.
+            criterion: ``"nll"`` (lower is better) or ``"log_marglik"`` (higher is better).
+
+        Returns:
+            The chosen prior precision (non-finite scores skipped, ties to the smallest);
+            ``None`` when no score is finite.
+
+        Raises:
+            ValueError: For a number of scores other than ``G``, or an unknown ``criterion``.
+        """
+        if len(scores) != len(self.values):
+            raise ValueError(f"give one score per prior precision ({len(self.values)}), got {len(scores)}")
+        return choose_prior_precision(dict(zip(self.values, scores)), criterion)
 
     def extension(self, chosen: Iterable[float]) -> tuple[float, ...]:
         """One new value beyond each edge that holds a chosen δ, at that edge's own log spacing.
