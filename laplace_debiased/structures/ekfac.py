@@ -23,7 +23,7 @@ rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.parallel.distri
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from curvlinops import FisherType
@@ -256,10 +256,18 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         train_loader: DataLoader,
         override: bool = True,
         progress_bar: bool = False,
-        **kwargs: Any,
+        *,
+        magnitude_loader: DataLoader | None = None,
+        n_direction_batches: int | None = None,
+        n_magnitude_batches: int | Literal["auto"] | None = None,
+        split: str = "batches",
+        generator: torch.Generator | None = None,
+        null_space: str = "isotropic",
+        estimator: str | None = None,
+        cross_fit: bool = False,
     ) -> None:
-        """Fit as :meth:`TwoBatchLaplaceMixin.fit` (``cross_fit`` as
-        :meth:`~laplace_debiased.structures.cross_fit.CrossFitMixin.fit`).  ``override=False``
+        """Fit as :meth:`DebiasedKronLaplace.fit` (``estimator``: ``"paper"`` only; ``null_space``
+        is not used: the EKFAC eigenvalues are B̃'s exact diagonal in B's basis). ``override=False``
         raises: EKFAC eigenvalues are measured in one basis and cannot be re-measured in a
         combined basis without the earlier data."""
         if not override:
@@ -267,7 +275,11 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
                 "debiased EKFAC does not support override=False: refit on all the data with "
                 "override=True."
             )
-        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+        super().fit(
+            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
+            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
+            generator=generator, null_space=null_space, estimator=estimator, cross_fit=cross_fit,
+        )
 
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int

@@ -20,9 +20,10 @@ Under an initialised ``torch.distributed`` group the rows are sharded over the r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from torch.utils.data import DataLoader
 from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
 from laplace.baselaplace import KronLaplace
 from laplace.lllaplace import KronLLLaplace
@@ -88,10 +89,30 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     _estimator: str = "paper"
     _estimators: tuple[str, ...] = ESTIMATORS
 
-    def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False, *,
-            null_space: str = "isotropic", estimator: str | None = None, **kwargs: Any) -> None:
-        """Fit as :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`
-        (and ``cross_fit``), plus ``null_space``: how directions that B's factors do not
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        *,
+        magnitude_loader: DataLoader | None = None,
+        n_direction_batches: int | None = None,
+        n_magnitude_batches: int | Literal["auto"] | None = None,
+        split: str = "batches",
+        generator: torch.Generator | None = None,
+        null_space: str = "isotropic",
+        estimator: str | None = None,
+        cross_fit: bool = False,
+    ) -> None:
+        """Fit the debiased K-FAC approximation at the current (MAP) parameters.
+
+        ``train_loader`` to ``generator``: the two batches, as
+        :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`.
+
+        ``cross_fit=True``: also fit the swapped roles (basis from B̃, eigenvalues from B) and use
+        the equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
+
+        ``null_space``: how directions that B's factors do not
         distinguish (their null space, where a factor is wider than B) get their magnitude.
 
         ``"isotropic"`` (default): each such eigenspace gets B̃'s mean curvature over it,
@@ -115,9 +136,16 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         """
         if null_space not in NULL_SPACE_MODES:
             raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
+        if not isinstance(cross_fit, bool):
+            raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
         self._null_space = null_space
-        self._estimator = resolve_estimator(estimator, self._estimators, self._key[1], bool(kwargs.get("cross_fit")))
-        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+        self._estimator = resolve_estimator(estimator, self._estimators, self._key[1], cross_fit)
+        self._cross_fit = cross_fit
+        super().fit(
+            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
+            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
+            generator=generator,
+        )
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()

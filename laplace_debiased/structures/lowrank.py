@@ -206,15 +206,30 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         # its own backend needs; the curvature here comes from laplace_debiased.curvature.eigen.
         super(LowRankLaplace, self).__init__(model, likelihood, **kwargs)
 
-    def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False, **kwargs: Any) -> None:
-        """Two-batch fit (:meth:`TwoBatchLaplaceMixin.fit`); ``override=False`` is refused
-        because an eigen-representation cannot be updated additively."""
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        *,
+        magnitude_loader: DataLoader | None = None,
+        n_direction_batches: int | None = None,
+        n_magnitude_batches: int | None = None,
+        split: str = "batches",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Two-batch fit (the arguments of :meth:`TwoBatchLaplaceMixin.fit`); ``override=False``
+        is refused because an eigen-representation cannot be updated additively."""
         if not override:
             raise ValueError(
                 "debiased_lowrank cannot be updated (override=False): the eigenpairs of a "
                 "sum are not the union of eigenpairs. Refit on all data instead."
             )
-        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+        super().fit(
+            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
+            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
+            generator=generator,
+        )
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         curvature = self._curvature_type()
