@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
-from tests.data.test_data_cifar import random_images, write_binary
+from tests.data.test_cifar import random_images, write_binary
 
 from laplace_debiased.data import cifar_c as CC
 from laplace_debiased.data.cifar import DataIntegrityError, file_digest
