@@ -1,12 +1,16 @@
-"""Re-orthonormalised eigenpairs: orthonormal to float64 round-off, the same matrix, both for a
+"""Eigen structures (:mod:`laplace_debiased.posterior.eigen`): a low-rank structure's covariance
+equals the dense formula; re-orthonormalised eigenpairs are orthonormal to float64 round-off, the same matrix, both for a
 nearly orthonormal basis (Cholesky QR) and a far from orthonormal one (Householder QR)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _models import fit_tiny_conv
 
-from laplace_debiased.posterior.eigen import orthonormal_eigenpairs, orthonormal_factor
+from laplace_debiased.posterior.eigen import EigenStructure, orthonormal_eigenpairs, orthonormal_factor
+from laplace_debiased.posterior.from_laplace import laplace_params
+from laplace_debiased.posterior.jacobians import logit_jacobians
 
 EPS64 = torch.finfo(torch.float64).eps
 
@@ -31,3 +35,18 @@ def test_orthonormal_eigenpairs(perturbation, k):
     torch.testing.assert_close(Qe.T @ Qe, eye, atol=20 * P * EPS64, rtol=0)
     dense = (U * lam) @ U.T
     torch.testing.assert_close((Qe * mu) @ Qe.T, dense, atol=20 * P * EPS64 * _largest(dense), rtol=0)
+
+
+def test_low_rank_structure_equals_dense_formula():
+    la, X = fit_tiny_conv("full", "all")
+    H = la.H
+    lam, U = torch.linalg.eigh(H)
+    k = 5
+    struct = EigenStructure(U[:, -k:], lam[-k:], la._H_factor)
+    delta = 0.3
+    precision = U[:, -k:] @ torch.diag(lam[-k:]) @ U[:, -k:].T + delta * torch.eye(la.n_params, dtype=H.dtype)
+    Js, f = la.backend.jacobians(X[:5])
+    cov_ref = torch.einsum("ncp,pq,ndq->ncd", Js, torch.linalg.inv(precision), Js)
+    _, jacs = logit_jacobians(la.model, laplace_params(la), X[:5])
+    cov = struct.covariance(struct.rotate(jacs), delta)
+    torch.testing.assert_close(cov, cov_ref)
