@@ -1,48 +1,40 @@
-"""The grid predictive against laplace-torch's own GLM predictive and dense explicit formulas."""
+"""The grid predictive (:mod:`laplace_debiased.posterior.grid`) against laplace-torch's own GLM
+predictive and dense explicit formulas, and the grid search through it.
+
+Property-based tests (hypothesis) of the predictive over structure × subset × link × prior
+precision δ ∈ [1e-8, 1e8] (log-uniform) × dtype: the probabilities are finite and normalised,
+and a float32 model agrees with the float64 model carrying the same curvature to 1e-3.
+
+The fitted posteriors are built once per (structure, subset) on a tiny overfit MLP
+(:func:`tests.posterior.test_variance_precision.overfit_mlp`); hypothesis draws the rest.  Examples are
+derandomised so CI is deterministic.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+from _models import fit_tiny_conv, tiny_conv_classifier
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from laplace import Laplace
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.evaluation import predictive
-from laplace_debiased.posterior import grams
-from laplace_debiased.evaluation.predictive import linearized_logit_samples, sampled_linearized_predictive
 from laplace_debiased.posterior.eigen import EigenStructure
 from laplace_debiased.posterior.from_laplace import laplace_params
-from laplace_debiased.posterior.grams import weighted_grams
 from laplace_debiased.posterior.grid import GridPredictive
-from laplace_debiased.posterior.jacobians import _func_jacobians, logit_jacobians
-from laplace_debiased.posterior.links import apply_link, mc_softmax, probit, probit_projected
-
-
-def _tiny():
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(),
-        nn.Linear(2 * 16, 5), nn.Tanh(), nn.Linear(5, 4),
-    ).double()
-    X = torch.randn(30, 1, 4, 4, dtype=torch.float64)
-    y = torch.randint(0, 4, (30,))
-    return model, X, y
-
-
-def _fit(structure: str, subset: str):
-    model, X, y = _tiny()
-    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure)
-    la.fit(DataLoader(TensorDataset(X, y), batch_size=10))
-    return la, X
-
+from laplace_debiased.posterior.jacobians import logit_jacobians
+from laplace_debiased.posterior.links import apply_link
+from tests.posterior.test_variance_precision import _cast_curvature, fit_pair
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
 @pytest.mark.parametrize("structure", ["kron", "full"])
 def test_probit_matches_laplace_torch(structure, subset):
-    la, X = _fit(structure, subset)
+    la, X = fit_tiny_conv(structure, subset)
     if structure == "full":
         # the backend's dense GGN has eigenvalues down to -5e-9·λ_max (not PSD beyond float64
         # round-off); GridPredictive clamps them to 0, so compare on its PSD part
@@ -59,7 +51,7 @@ def test_probit_matches_laplace_torch(structure, subset):
 
 
 def test_temperature_and_per_layer_prior_match_laplace_torch():
-    la, X = _fit("kron", "all")
+    la, X = fit_tiny_conv("kron", "all")
     la.temperature = 0.5
     delta = torch.linspace(0.01, 1.0, la.n_layers, dtype=torch.float64)
     la.prior_precision = delta
@@ -68,50 +60,11 @@ def test_temperature_and_per_layer_prior_match_laplace_torch():
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
 
 
-def test_closed_form_jacobians_equal_torch_func_and_laplace():
-    la, X = _fit("kron", "all")
-    f, jacs = logit_jacobians(la.model, laplace_params(la), X[:6])
-    _, ref = _func_jacobians(la.model, laplace_params(la), X[:6])
-    J = torch.cat([j.full().expand(6, -1, -1) for j in jacs], -1)  # output layer: shared (1, C, ·)
-    torch.testing.assert_close(J, torch.cat([j.full() for j in ref], -1))
-    J_lap, f_lap = la.backend.jacobians(X[:6])
-    torch.testing.assert_close(J, J_lap)
-    torch.testing.assert_close(f, f_lap)
-
-
-def test_low_rank_structure_equals_dense_formula():
-    la, X = _fit("full", "all")
-    H = la.H
-    lam, U = torch.linalg.eigh(H)
-    k = 5
-    struct = EigenStructure(U[:, -k:], lam[-k:], la._H_factor)
-    delta = 0.3
-    precision = U[:, -k:] @ torch.diag(lam[-k:]) @ U[:, -k:].T + delta * torch.eye(la.n_params, dtype=H.dtype)
-    Js, f = la.backend.jacobians(X[:5])
-    cov_ref = torch.einsum("ncp,pq,ndq->ncd", Js, torch.linalg.inv(precision), Js)
-    _, jacs = logit_jacobians(la.model, laplace_params(la), X[:5])
-    cov = struct.covariance(struct.rotate(jacs), delta)
-    torch.testing.assert_close(cov, cov_ref)
-
-
-@pytest.mark.parametrize("buffer", [grams.PAIR_BUFFER, 7])
-def test_weighted_grams_equal_explicit_formula(monkeypatch, buffer):
-    """Pair-product path (G >= 3, also in pieces over inputs and columns) and the per-point path
-    (G <= 2) against ``A diag(w_g) Aᵀ`` written out."""
-    monkeypatch.setattr(grams, "PAIR_BUFFER", buffer)
-    gen = torch.Generator().manual_seed(3)
-    A = torch.randn(5, 4, 9, dtype=torch.float64, generator=gen)
-    W = torch.rand(4, 9, dtype=torch.float64, generator=gen)
-    ref = torch.einsum("ncp,gp,ndp->gncd", A, W, A)
-    torch.testing.assert_close(weighted_grams(A, W), ref, rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(weighted_grams(A, W[:2]), ref[:2], rtol=1e-13, atol=1e-13)
-
-
 @pytest.mark.parametrize("case", ["kron", "kron_damped_per_layer", "full", "low_rank"])
 def test_grid_covariances_equal_per_point_covariance(case):
     """``covariances(grid)`` (one pass over the rotated Jacobians) equals ``covariance`` at each
     grid point, which takes the per-point path, to round-off."""
-    la, X = _fit("full" if case in ("full", "low_rank") else "kron", "all")
+    la, X = fit_tiny_conv("full" if case in ("full", "low_rank") else "kron", "all")
     struct = GridPredictive(la).structure
     grid: list = [1e-3, 0.05, 1.0, 30.0]
     if case == "kron_damped_per_layer":
@@ -128,70 +81,8 @@ def test_grid_covariances_equal_per_point_covariance(case):
     assert (covs[0] - covs[-1]).abs().max() > 1e-3 * covs[0].abs().max()
 
 
-def test_projected_probit_ignores_all_ones_direction():
-    torch.manual_seed(1)
-    n, C = 6, 5
-    f = torch.randn(n, C, dtype=torch.float64)
-    A = torch.randn(n, C, C, dtype=torch.float64)
-    cov = A @ A.transpose(1, 2)
-    ones = torch.ones(C, C, dtype=torch.float64)
-    base = probit_projected(f, cov)
-    for c, a in [(1.0, 0.0), (1e4, 3.0), (1e8, -2.0)]:
-        torch.testing.assert_close(probit_projected(f + a, cov + c * ones), base)
-    # laplace-torch's diagonal probit is fooled: a huge all-ones variance makes it near-uniform
-    fooled = probit(f, cov + 1e8 * ones)
-    assert (fooled - 1.0 / C).abs().max() < 1e-3
-    assert (base - 1.0 / C).abs().max() > 0.05
-
-
-def test_mc_statistically_invariant_to_all_ones_and_matches_probit_roughly():
-    torch.manual_seed(2)
-    n, C, S = 4, 3, 20000
-    f = torch.randn(n, C, dtype=torch.float64) * 2
-    A = torch.randn(n, C, C, dtype=torch.float64) * 0.5
-    cov = A @ A.transpose(1, 2)
-    p1 = mc_softmax(f, cov, S, torch.Generator().manual_seed(0))
-    p2 = mc_softmax(f, cov + 1e3 * torch.ones(C, C, dtype=torch.float64), S, torch.Generator().manual_seed(1))
-    # standard error of a mean of [0, 1] values is at most 0.5/sqrt(S) = 0.0035
-    assert (p1 - p2).abs().max() < 0.015
-    # zero covariance: exactly the softmax
-    torch.testing.assert_close(mc_softmax(f, 0 * cov, 3), torch.softmax(f, -1))
-
-
-@pytest.mark.slow
-def test_parameter_sampling_logits_have_the_structured_covariance():
-    """Eq. 18 path (θ_s ~ posterior, JVPs) vs the rotated-Jacobian covariance Σ(δ)."""
-    la, X = _fit("kron", "all")
-    delta, S, x = 0.05, 4000, X[:4]
-    la.prior_precision = delta
-    samples = linearized_logit_samples(la, x, n_samples=S, generator=torch.Generator().manual_seed(0))
-    pred = GridPredictive(la)
-    f, jacs = logit_jacobians(la.model, laplace_params(la), x)
-    rotated = pred.structure.rotate(jacs)
-    cov = pred.structure.covariance(rotated, delta)
-    centred = samples - f
-    emp = torch.einsum("sni,snj->nij", centred, centred) / S
-    rel = lambda a, b: float((a - b).norm() / b.norm())
-    # Wishart relative error ~ sqrt(2/S) ≈ 0.02; a prior off by 2x is far outside
-    assert rel(emp, cov) < 0.08
-    assert rel(emp, pred.structure.covariance(rotated, 2 * delta)) > 0.2
-    assert (samples.mean(0) - f).abs().max() < 4 * cov.diagonal(dim1=1, dim2=2).sqrt().max() / S**0.5
-
-
-@pytest.mark.slow
-def test_mc_grid_agrees_with_parameter_sampling_eq18():
-    la, X = _fit("kron", "all")
-    delta, S, x = 0.05, 3000, X[:8]
-    la.prior_precision = delta
-    grid_mc = GridPredictive(la).grid(
-        x, [delta], links=("mc",), n_samples=S, generator=torch.Generator().manual_seed(0)
-    )["mc"][0]
-    eq18 = sampled_linearized_predictive(la, x, n_samples=S, generator=torch.Generator().manual_seed(1))
-    assert (grid_mc - eq18).abs().mean() < 0.015
-
-
 def test_bad_inputs_get_clear_errors():
-    la, X = _fit("kron", "last_layer")
+    la, X = fit_tiny_conv("kron", "last_layer")
     pred = GridPredictive(la)
     with pytest.raises(ValueError, match="unknown link"):
         pred.grid(X, [1.0], links=("nope",))
@@ -206,7 +97,7 @@ def test_bad_inputs_get_clear_errors():
 
 # ----------------------------------------------------------------- gridsearch through the grid
 def _fit_debiased(structure: str, subset: str):
-    model, X, y = _tiny()
+    model, X, y = tiny_conv_classifier()
     kw = {"rank": 6} if structure == "debiased_lowrank" else {}
     la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure, **kw)
     la.fit(DataLoader(TensorDataset(X, y), batch_size=10))
@@ -268,3 +159,73 @@ def test_optimize_prior_precision_gridsearch_uses_one_pass(structure, monkeypatc
     torch.testing.assert_close(la.prior_precision, interval[int(torch.tensor(ref).argmin())].reshape(1).to(la.prior_precision.dtype))
     # the search is not trivial: the scores vary over the grid
     assert max(ref) - min(ref) > 1e-3
+
+
+# ----------------------------------------------------------------- properties (hypothesis)
+STRUCTURES = ("debiased_kron", "debiased_lowrank", "debiased_full")
+SUBSETS = ("all", "last_layer")
+#: GridPredictive links, plus laplace-torch's own ``la(x, link_approx=...)`` path
+LINKS = ("probit", "probit_projected", "bridge", "mc", "la:probit", "la:bridge", "la:mc")
+
+PROPERTY_SETTINGS = settings(
+    max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@functools.lru_cache(maxsize=None)
+def posteriors(structure: str, subset: str):
+    """``{float32: fitted float32 Laplace, float64: float64 model with that curvature}`` and
+    held-out float64 inputs."""
+    kw = {"rank": 5} if structure == "debiased_lowrank" else {}
+    las, X = fit_pair(structure, subset, **kw)
+    las[torch.float64].H = _cast_curvature(las[torch.float32].H)
+    return las, X[:8]
+
+
+def predict(la, X: torch.Tensor, link: str, delta: float) -> torch.Tensor:
+    X = X.to(la._dtype)
+    if link.startswith("la:"):
+        la.prior_precision = delta
+        return la(X, pred_type="glm", link_approx=link[3:], n_samples=50)
+    gen = torch.Generator().manual_seed(0)
+    return GridPredictive(la).grid(X, [delta], links=(link,), n_samples=50, generator=gen)[link][0]
+
+
+@PROPERTY_SETTINGS
+@given(
+    structure=st.sampled_from(STRUCTURES),
+    subset=st.sampled_from(SUBSETS),
+    link=st.sampled_from(LINKS),
+    log10_delta=st.floats(min_value=-8.0, max_value=8.0),
+    dtype=st.sampled_from((torch.float32, torch.float64)),
+)
+# the corners of issue 12 item 6, always run: a float32 eigendecomposition / Cholesky at δ = 1e-8
+@example(structure="debiased_full", subset="all", link="probit", log10_delta=-8.0, dtype=torch.float32)
+@example(structure="debiased_full", subset="last_layer", link="la:probit", log10_delta=-8.0, dtype=torch.float32)
+@example(structure="debiased_kron", subset="all", link="la:mc", log10_delta=-8.0, dtype=torch.float32)
+def test_probabilities_finite_and_normalised(structure, subset, link, log10_delta, dtype):
+    las, X = posteriors(structure, subset)
+    p = predict(las[dtype], X, link, 10.0**log10_delta)
+    assert p.dtype == dtype
+    assert torch.isfinite(p).all()
+    assert (p >= 0).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(len(p), dtype=dtype), rtol=0, atol=1e-5)
+
+
+@PROPERTY_SETTINGS
+@given(
+    structure=st.sampled_from(STRUCTURES),
+    subset=st.sampled_from(SUBSETS),
+    link=st.sampled_from(tuple(link for link in LINKS if not link.endswith("mc"))),
+    log10_delta=st.floats(min_value=-8.0, max_value=8.0),
+)
+@example(structure="debiased_kron", subset="last_layer", link="probit_projected", log10_delta=-5.0)
+@example(structure="debiased_lowrank", subset="all", link="la:probit", log10_delta=-1.0)
+def test_float32_agrees_with_float64(structure, subset, link, log10_delta):
+    """Deterministic links only: mc draws its samples in the model dtype."""
+    las, X = posteriors(structure, subset)
+    delta = 10.0**log10_delta
+    p32 = predict(las[torch.float32], X, link, delta)
+    p64 = predict(las[torch.float64], X, link, delta)
+    err = (p32.double() - p64).abs().max()
+    assert err < 1e-3, f"max |p32 - p64| = {err:.3g}"

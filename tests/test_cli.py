@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from laplace_debiased import _threads, cli
+from laplace_debiased import cli
 from laplace_debiased.evaluation.options import resolve_options
 from laplace_debiased.evaluation.pipeline import load_config
 from laplace_debiased.evaluation.sweep import LOCK_NAME
@@ -100,33 +100,6 @@ def test_import_registers_the_debiased_structures_after_a_later_laplace_import(f
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "DebiasedKronLaplace"
-
-
-def test_threads_default_respects_omp_num_threads(monkeypatch):
-    monkeypatch.setattr(_threads, "available_cores", lambda: 4)
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert _threads.default_threads() == 3
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    assert _threads.default_threads() == 4
-    for garbage in ("garbage", "0", "-2", ""):
-        monkeypatch.setenv("OMP_NUM_THREADS", garbage)
-        assert _threads.default_threads() == 4
-
-
-def test_available_cores_are_the_cpu_affinity(monkeypatch):
-    monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
-    assert _threads.available_cores() == 3
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert _threads.default_threads() == 3
-
-
-def test_openmp_defaults_are_set_only_where_absent():
-    env = {"GOMP_SPINCOUNT": "10"}
-    assert _threads.set_openmp_defaults(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert env == {"GOMP_SPINCOUNT": "10", "OMP_WAIT_POLICY": "PASSIVE"}
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert _threads.set_openmp_defaults(env) == {}
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def test_the_cli_sets_the_wait_policy_before_torch_is_imported(tmp_path):
@@ -228,26 +201,3 @@ def test_missing_cifar_data_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "cifar-10-batches-bin" in err and "Traceback" not in err
-
-
-def test_progress_bars_only_on_a_terminal_and_never_when_quiet(monkeypatch):
-    from laplace_debiased import _progress
-
-    class Tty:
-        def __init__(self, tty: bool):
-            self.tty = tty
-
-        def isatty(self) -> bool:
-            return self.tty
-
-        def write(self, text: str) -> int:
-            return len(text)
-
-        def flush(self) -> None:
-            pass
-
-    monkeypatch.setattr(sys, "stderr", Tty(False))
-    assert not _progress.progress_enabled() and _progress.progress_bar(range(3), desc="x").disable
-    monkeypatch.setattr(sys, "stderr", Tty(True))
-    assert _progress.progress_enabled() and not _progress.progress_enabled(quiet=True)
-    assert list(_progress.progress_bar(range(3), desc="x")) == [0, 1, 2]

@@ -1,5 +1,6 @@
-"""The main job's EKFAC methods (``ekfac_single``, ``ekfac_debiased``, ``ekfac_full``): opt-in,
-built like the ``kron_*`` ones, and a tiny run produces their rows."""
+"""The main job (:mod:`laplace_debiased.evaluation.pipeline`): the EKFAC methods (``ekfac_single``,
+``ekfac_debiased``, ``ekfac_full``) are opt-in, built like the ``kron_*`` ones, and a tiny run
+produces their rows; ``kron_corrected`` is described as what it is."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from laplace_debiased import cli
 from laplace_debiased.evaluation.options import DEFAULTS, METHODS
-from laplace_debiased.evaluation.pipeline import _method
+from laplace_debiased.evaluation.pipeline import _method, describe_method
 from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
 
 EKFAC = ["ekfac_single", "ekfac_debiased", "ekfac_full"]
@@ -68,3 +69,10 @@ def test_tiny_end_to_end_run_with_the_ekfac_methods(tmp_path, monkeypatch):
         mine = [r for r in rows if r["method"] == name]
         assert len(mine) == n_grid * 6 * 2
         assert all(math.isfinite(r["nll"]) for r in mine if "nll" in r)
+
+
+def test_corrected_method_is_described_as_two_halves():
+    d = describe_method("kron_corrected", {"batch_size": 64, "rank": 30}, 300)
+    assert d["label"] == "K-FAC, corrected 32 + 32" and d["samples"] == 64
+    assert "estimator='corrected'" in d["description"]
+    assert describe_method("kron_debiased", {"batch_size": 64, "rank": 30}, 300)["samples"] == 64
