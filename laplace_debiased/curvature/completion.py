@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from laplace_debiased.curvature.linalg import (
-    _check_square,
+    check_square,
     clamp_roundoff_negatives,
     remeasure_eigenvalues,
     roundoff_tolerance,
@@ -89,7 +89,7 @@ def isotropic_factor(
             f"direction factor {tuple(direction.shape)} and magnitude factor "
             f"{tuple(magnitude.shape)} differ in shape."
         )
-    _check_square(direction, "direction curvature")
+    check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     lam = remeasure_eigenvalues(U, magnitude, terms)
     return U.to(direction.dtype), group_means(lam, tied_groups(L, roundoff_tolerance(direction)))
@@ -138,7 +138,7 @@ def nested_factor(
                          f"B̃₂ {tuple(measure.shape)}.")
     if not 0.0 <= choose_share <= 1.0:
         raise ValueError(f"choose_share must lie in [0, 1], got {choose_share}.")
-    _check_square(direction, "direction curvature")
+    check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     tol = roundoff_tolerance(direction)
     groups = tied_groups(L, tol)

@@ -79,15 +79,15 @@ from laplace_debiased.curvature.factors import curvature_factor, dense_curvature
 from laplace_debiased.curvature.inputs import (
     Batch,
     Curvature,
-    _check_curvature,
-    _check_likelihood,
-    _functorch_unsupported,
-    _n_outputs,
+    check_curvature,
+    check_likelihood,
+    functorch_unsupported,
+    output_width,
     count_rows,
     is_mapping,
     parameter_count,
 )
-from laplace_debiased.curvature.lanczos import _topk_lanczos
+from laplace_debiased.curvature.lanczos import summed_curvature_top_k
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.curvature.thresholds import EigenPairs, threshold_eigenpairs
 
@@ -162,12 +162,12 @@ def _lanczos_unless_unsupported(
     n_out: int,
     fallback: bool,
 ) -> EigenPairs | None:
-    """:func:`_topk_lanczos`, or ``None`` (``fallback``: use the Gram route) when the model has an
+    """:func:`summed_curvature_top_k`, or ``None`` (``fallback``: use the Gram route) when the model has an
     operation without forward-mode AD, which curvlinops' products need; else a ``ValueError``."""
     try:
-        return _topk_lanczos(model, batches, likelihood, curvature, rank, tol, n_out)
+        return summed_curvature_top_k(model, batches, likelihood, curvature, rank, tol, n_out)
     except (NotImplementedError, RuntimeError) as err:
-        if not _functorch_unsupported(err):
+        if not functorch_unsupported(err):
             raise
         if not fallback:
             raise ValueError(
@@ -194,8 +194,8 @@ def top_eigenpairs(
     eigenpairs with eigenvalue ``> rtol · λ_max`` (and ``> 0``), so fewer than ``rank`` may return.
     ``lanczos_tol``: ``eigsh``'s relative accuracy (0 = machine precision).
     """
-    _check_likelihood(likelihood)
-    _check_curvature(curvature)
+    check_likelihood(likelihood)
+    check_curvature(curvature)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     if not isinstance(rank, int) or rank < 1:
@@ -206,7 +206,7 @@ def top_eigenpairs(
         raise ValueError("top_eigenpairs needs at least one batch.")
     n_params = parameter_count(model)
     n_samples = count_rows(model, batches)  # output rows: samples × tokens
-    n_out = _n_outputs(model, batches)
+    n_out = output_width(model, batches)
     n_columns = n_samples * (n_out if curvature == "ggn" else 1)
     rank = min(rank, n_params)
     chosen = choose_method(n_params, n_samples, n_columns, rank) if method == "auto" else method
@@ -252,7 +252,7 @@ def range_eigenpairs(
 def factor_columns(model: nn.Module, batches: Sequence[Batch], curvature: Curvature = "ggn") -> int:
     """Number of columns ``M = rows · R`` of the factor ``V`` of ``G_B = V Vᵀ``
     (:func:`curvature_factor`): ``R`` = outputs for the GGN, 1 for the empirical Fisher."""
-    n_out = _n_outputs(model, batches)
+    n_out = output_width(model, batches)
     return count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
 
 

@@ -44,7 +44,7 @@ from curvlinops import EKFACLinearOperator, FisherType
 from torch import Tensor, nn
 
 from laplace_debiased.curvature.inputs import target_rows, unpadded_samples
-from laplace_debiased.curvature.linalg import _check_square, symmetric_eigh64
+from laplace_debiased.curvature.linalg import check_square, symmetric_eigh64
 
 __all__ = [
     "kron_eigenbasis",
@@ -66,7 +66,7 @@ def kron_eigenbasis(kfacs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
             raise ValueError(f"K-FAC block {i} has {len(block)} factors; expected 1 or 2.")
         try:
             for F in block:
-                _check_square(F, "K-FAC factor")
+                check_square(F, "K-FAC factor")
             basis.append([symmetric_eigh64(F)[1].to(F.dtype) for F in block])
         except ValueError as err:
             raise ValueError(f"K-FAC block {i}: {err}") from err

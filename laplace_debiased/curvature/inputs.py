@@ -31,16 +31,16 @@ LIKELIHOODS = ("classification", "regression")
 
 def loss_factor(likelihood: str) -> float:
     """laplace-torch's conversion factor from the torch loss to the negative log likelihood."""
-    _check_likelihood(likelihood)
+    check_likelihood(likelihood)
     return 1.0 if likelihood == "classification" else 0.5
 
 
-def _check_likelihood(likelihood: str) -> None:
+def check_likelihood(likelihood: str) -> None:
     if likelihood not in LIKELIHOODS:
         raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}.")
 
 
-def _check_curvature(curvature: str) -> None:
+def check_curvature(curvature: str) -> None:
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}.")
 
@@ -122,7 +122,7 @@ def unpadded_samples(batches: Sequence[tuple[Any, Tensor]]) -> list[tuple[Any, T
     return out
 
 
-class _TokenRows(nn.Module):
+class TokenRows(nn.Module):
     """``model`` on ``{"x": X, "rows": r}`` with its outputs ``(n, tokens, C)`` as the ``r``
     rows ``(r, C)``, so that curvlinops' losses see one row per loss term and weight a batch's
     mean loss by its ``r`` rows (``batch_size_fn``); with ``"keep"`` (indices of the rows that are
@@ -164,7 +164,7 @@ def take_rows(X: Inputs, rows: slice) -> Inputs:
     return out
 
 
-def _check_finite(t: Tensor, what: str) -> None:
+def check_finite(t: Tensor, what: str) -> None:
     if not torch.isfinite(t).all():
         raise ValueError(
             f"{what} contain NaN or Inf, so the curvature is undefined; check the data and the "
@@ -190,7 +190,7 @@ def backward_hooks_detached(model: nn.Module) -> Iterator[None]:
             m._backward_hooks, m._backward_pre_hooks = hooks, pre_hooks
 
 
-def _functorch_unsupported(err: Exception) -> bool:
+def functorch_unsupported(err: Exception) -> bool:
     """Whether ``err`` says a ``torch.func`` transform cannot handle an operation of the model."""
     text = str(err)
     return isinstance(err, NotImplementedError) or any(
@@ -198,11 +198,11 @@ def _functorch_unsupported(err: Exception) -> bool:
     )
 
 
-def _rows_of(inputs: Mapping[str, Any]) -> int:
-    """``batch_size_fn`` of :class:`_TokenRows` inputs: their number of output rows."""
+def token_rows_batch_size(inputs: Mapping[str, Any]) -> int:
+    """``batch_size_fn`` of :class:`TokenRows` inputs: their number of output rows."""
     return inputs["rows"]
 
 
-def _n_outputs(model: nn.Module, batches: Sequence[Batch]) -> int:
+def output_width(model: nn.Module, batches: Sequence[Batch]) -> int:
     """Output width ``C`` of ``model`` from the first sample of the first batch."""
     return _sample_output_shape(model, batches[0][0])[-1]

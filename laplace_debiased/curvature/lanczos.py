@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from laplace_debiased.curvature.inputs import (
     Batch,
     Curvature,
-    _rows_of,
-    _TokenRows,
+    token_rows_batch_size,
+    TokenRows,
     backward_hooks_detached,
     count_samples,
     is_mapping,
@@ -80,7 +80,7 @@ def lanczos_top_k(
     )
 
 
-def _topk_lanczos(
+def summed_curvature_top_k(
     model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float, n_outputs: int
 ) -> EigenPairs:
     """Top-k eigenpairs by :func:`lanczos_top_k` on :func:`summed_curvature_product`."""
@@ -98,7 +98,7 @@ def summed_curvature_product(
 
     Built on :func:`laplace_debiased.curvature.operators.curvature_linop`, the curvature of the
     **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` output rows (samples,
-    or every token of every sample for token outputs, :class:`_TokenRows`); the summed
+    or every token of every sample for token outputs, :class:`TokenRows`); the summed
     loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
     ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
     entries), ``C = n_outputs``.
@@ -113,10 +113,10 @@ def summed_curvature_product(
         op_model, n = model, count_samples(data)
         batch_size_fn = mapping_rows if any(is_mapping(X) for X, _ in batches) else None
     else:  # token outputs: one row per token, padded ones left out
-        op_model = _TokenRows(model)
+        op_model = TokenRows(model)
         keeps = [(~padded_rows(t)).nonzero().squeeze(1) for t, _ in rows]
         data = [({"x": X, "rows": len(k), "keep": k}, t[k]) for (X, _), (t, _), k in zip(batches, rows, keeps) if len(k)]
-        n, batch_size_fn = sum(len(k) for k in keeps), _rows_of
+        n, batch_size_fn = sum(len(k) for k in keeps), token_rows_batch_size
     if not data:
         return torch.zeros_like
     if likelihood == "classification":

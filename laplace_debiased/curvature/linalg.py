@@ -57,7 +57,7 @@ FactorRule = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Te
 ROUNDOFF_FACTOR = 10.0
 
 
-def _check_square(M: torch.Tensor, name: str) -> None:
+def check_square(M: torch.Tensor, name: str) -> None:
     if M.ndim != 2 or M.shape[0] != M.shape[1]:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(M.shape)}.")
     if not torch.isfinite(M).all():
@@ -150,7 +150,7 @@ def remeasure_eigenvalues(
         ``(k,)`` non-negative values ``U[:, i]ᵀ C U[:, i]`` in ``dtype``; round-off
         negatives are clamped to 0, larger negatives raise ``ValueError``.
     """
-    _check_square(C, "magnitude curvature")
+    check_square(C, "magnitude curvature")
     if U.ndim != 2 or U.shape[0] != C.shape[0]:
         raise ValueError(
             f"directions U {tuple(U.shape)} do not match curvature C {tuple(C.shape)}."
@@ -224,8 +224,8 @@ def aligned_eigenbasis(direction: torch.Tensor, magnitude: torch.Tensor) -> torc
     (basis-free, as ``debiased_full`` treats B's null space). With ``magnitude == direction``
     the rotation is a no-op up to round-off.
     """
-    _check_square(direction, "direction curvature")
-    _check_square(magnitude, "magnitude curvature")
+    check_square(direction, "direction curvature")
+    check_square(magnitude, "magnitude curvature")
     L, V = symmetric_eigh64(direction)
     M64 = magnitude.double()
     M64 = 0.5 * (M64 + M64.T)

@@ -167,7 +167,7 @@ def eq5_residual(average: Restriction, direct: Restriction) -> float:
     return worst
 
 
-def _count(products: dict[int, int], quadratic: MiniBatchQuadratic) -> None:
+def count_products(products: dict[int, int], quadratic: MiniBatchQuadratic) -> None:
     """Add the products ``quadratic``'s operator has done to ``products[|S|]`` and reset it."""
     op = quadratic.curvature
     products[quadratic.n_data] = products.get(quadratic.n_data, 0) + op.n_products
@@ -195,13 +195,13 @@ def measure_study(
     for batch in partition:
         q = factory([batch])
         restrictions.append(restrict(q, directions))
-        _count(products, q)
+        count_products(products, q)
     average = average_restriction(restrictions)
     residual = None
     if full is not None:
         full.curvature.n_products = 0
         direct = restrict(full, directions)
-        _count(products, full)
+        count_products(products, full)
         residual = eq5_residual(average, direct)
     return DirectionStudy(kind, source, directions, restrictions, average, residual, products)
 

@@ -18,7 +18,7 @@ def laplace_params(la) -> list[Tensor]:
     return list(la.params)
 
 
-def _curvature_kind(la) -> str | None:
+def curvature_kind(la) -> str | None:
     """``"own"`` (a curvature with a ``grid_structure`` method), ``"kron"``, ``"dense"``,
     ``"low_rank"`` for the curvatures :func:`posterior_structure` reads, else ``None`` (cheap:
     no decomposition)."""
@@ -36,6 +36,10 @@ def _curvature_kind(la) -> str | None:
     return None
 
 
+# The name posterior/grid.py imports until it imports curvature_kind.
+_curvature_kind = curvature_kind
+
+
 def posterior_structure(la) -> KronStructure | EigenStructure:
     """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
 
@@ -44,7 +48,7 @@ def posterior_structure(la) -> KronStructure | EigenStructure:
     has them, low rank when ``H`` has rank ``< P``); a pair ``(U, λ)`` -> :class:`EigenStructure`
     (low rank).
     """
-    kind, H, s = _curvature_kind(la), getattr(la, "H", None), la._H_factor
+    kind, H, s = curvature_kind(la), getattr(la, "H", None), la._H_factor
     if kind == "own":  # a curvature that knows its basis (debiased EKFAC)
         return H.grid_structure(s, [p.numel() for p in laplace_params(la)])
     if kind == "kron":

@@ -10,7 +10,7 @@ from torch import Tensor
 from laplace_debiased.posterior.jacobians import LayerJacobian
 
 
-def _as_prior(delta: float | Tensor, n_blocks: int, dtype: torch.dtype) -> Tensor:
+def as_prior(delta: float | Tensor, n_blocks: int, dtype: torch.dtype) -> Tensor:
     d = torch.as_tensor(delta, dtype=dtype).reshape(-1)
     if len(d) not in (1, n_blocks):
         raise ValueError(
@@ -55,7 +55,7 @@ def weighted_grams(A: Tensor, W: Tensor) -> Tensor:
     return out
 
 
-def _jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
+def jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
     """``jac`` in float64, factored (``g``, ``a``) or dense (a sum over positions formed densely
     in its own dtype)."""
     if jac.g is None:
@@ -63,7 +63,7 @@ def _jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
     return LayerJacobian(g=jac.g.double(), a=jac.a.double())
 
 
-def _residual_gram(jac: LayerJacobian, JU: Tensor, U_b: Tensor) -> Tensor:
+def residual_gram(jac: LayerJacobian, JU: Tensor, U_b: Tensor) -> Tensor:
     """``R Rᵀ`` ``(n, C, C)`` of the residual ``R = J - (JU) U_bᵀ`` of one parameter tensor,
     formed in column pieces of at most :data:`PAIR_BUFFER` elements (a factored ``Linear``
     Jacobian a few weight rows at a time), never the whole ``(n, C, numel)`` Jacobian."""
