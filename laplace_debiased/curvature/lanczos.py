@@ -83,7 +83,22 @@ def lanczos_top_k(
 def summed_curvature_top_k(
     model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float, n_outputs: int
 ) -> EigenPairs:
-    """Top-k eigenpairs by :func:`lanczos_top_k` on :func:`summed_curvature_product`."""
+    """Top-k eigenpairs of the summed-loss curvature ``G_B`` of ``batches``, matrix-free:
+    :func:`lanczos_top_k` on :func:`summed_curvature_product`.
+
+    Args:
+        model: the network; its trainable parameters span the ``P`` dimensions.
+        batches: ``(X, y)`` pairs of the batch ``B``.
+        likelihood: ``"classification"`` or ``"regression"``.
+        curvature: ``"ggn"`` or ``"ef"``.
+        k: number of eigenpairs, ``0 < k < P``.
+        tol: ``eigsh``'s relative accuracy (0 = machine precision).
+        n_outputs: the output width ``C``.
+
+    Returns:
+        float64 :class:`EigenPairs`: ``(k,)`` eigenvalues descending, ``(P, k)`` orthonormal
+        eigenvectors, on the device of the model's parameters.
+    """
     product = summed_curvature_product(model, batches, likelihood, curvature, n_outputs)
     first = next(iter(trainable_parameters(model).values()))
     return lanczos_top_k(product, parameter_count(model), k, tol=tol, dtype=first.dtype, device=first.device)

@@ -58,6 +58,15 @@ ROUNDOFF_FACTOR = 10.0
 
 
 def check_square(M: torch.Tensor, name: str) -> None:
+    """Check that ``M`` is a square matrix with finite entries.
+
+    Args:
+        M: the matrix, expected ``(n, n)``.
+        name: its name in the error message.
+
+    Raises:
+        ValueError: if ``M`` is not two-dimensional and square, or holds a NaN or an Inf.
+    """
     if M.ndim != 2 or M.shape[0] != M.shape[1]:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(M.shape)}.")
     if not torch.isfinite(M).all():

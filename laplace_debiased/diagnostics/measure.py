@@ -168,7 +168,13 @@ def eq5_residual(average: Restriction, direct: Restriction) -> float:
 
 
 def count_products(products: dict[int, int], quadratic: MiniBatchQuadratic) -> None:
-    """Add the products ``quadratic``'s operator has done to ``products[|S|]`` and reset it."""
+    """Add the products ``quadratic``'s operator has done to ``products[|S|]`` and reset its count.
+
+    Args:
+        products: operator products per batch size ``|S|``, updated in place.
+        quadratic: a mini-batch quadratic whose curvature operator counts its products
+            (``n_products``, set to 0 here).
+    """
     op = quadratic.curvature
     products[quadratic.n_data] = products.get(quadratic.n_data, 0) + op.n_products
     op.n_products = 0

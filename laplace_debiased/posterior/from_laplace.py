@@ -19,9 +19,17 @@ def laplace_params(la) -> list[Tensor]:
 
 
 def curvature_kind(la) -> str | None:
-    """``"own"`` (a curvature with a ``grid_structure`` method), ``"kron"``, ``"dense"``,
-    ``"low_rank"`` for the curvatures :func:`posterior_structure` reads, else ``None`` (cheap:
-    no decomposition)."""
+    """The kind of curvature a fitted laplace-torch object holds in ``la.H`` (cheap: no
+    decomposition).
+
+    Args:
+        la: a fitted laplace-torch ``ParametricLaplace``.
+
+    Returns:
+        ``"own"`` (a curvature with a ``grid_structure`` method), ``"kron"``
+        (``KronDecomposed``), ``"dense"`` (a ``(P, P)`` tensor) or ``"low_rank"`` (a pair
+        ``(U, λ)``) for the curvatures :func:`posterior_structure` reads, else ``None``.
+    """
     from laplace.utils.matrix import KronDecomposed
 
     H = getattr(la, "H", None)
