@@ -46,7 +46,6 @@ def test_pickle_naming_an_old_path_loads():
         ("evaluation.predictive", "posterior.from_laplace", ["posterior_structure", "laplace_params"]),
         ("evaluation.training", "paths", ["default_cache_dir"]),
         ("data.cifar", "paths", ["default_data_root"]),
-        ("data", "paths", ["default_data_root"]),
         ("curvature.eigen", "curvature.lanczos", ["lanczos_top_k", "summed_curvature_product"]),
         ("curvature.eigen", "curvature.factors", ["directional_curvatures", "per_sample_factor_columns"]),
         ("curvature.eigen", "curvature.inputs", ["trainable_parameters", "target_rows", "CURVATURES"]),

@@ -34,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..paths import default_data_root  # noqa: F401  (re-exported: moved to paths.py)
+from ..paths import default_data_root
 from .images import CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, ImageDataset
 
 Verify = Literal["official", "structure"]
