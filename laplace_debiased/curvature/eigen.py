@@ -91,7 +91,7 @@ from laplace_debiased.curvature.lanczos import summed_curvature_top_k
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.curvature.thresholds import EigenPairs, threshold_eigenpairs
 
-# The public names of the modules split off this one, at their old path.
+# Also importable from this module: the public names of factors, inputs, lanczos and thresholds.
 from laplace_debiased.curvature.factors import directional_curvatures, output_curvature_factor, per_sample_factor_columns  # noqa: F401
 from laplace_debiased.curvature.inputs import CURVATURES, LIKELIHOODS, Inputs, backward_hooks_detached, count_samples  # noqa: F401
 from laplace_debiased.curvature.inputs import loss_factor, mapping_rows, take_rows, target_rows, trainable_parameters  # noqa: F401
