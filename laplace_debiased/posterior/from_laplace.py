@@ -4,10 +4,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import Tensor
 
 from laplace_debiased.posterior.eigen import EigenStructure
 from laplace_debiased.posterior.kron import KronStructure
+
+if TYPE_CHECKING:
+    from laplace.baselaplace import ParametricLaplace
 
 
 def laplace_params(la) -> list[Tensor]:
@@ -18,7 +23,7 @@ def laplace_params(la) -> list[Tensor]:
     return list(la.params)
 
 
-def curvature_kind(la) -> str | None:
+def curvature_kind(la: ParametricLaplace) -> str | None:
     """The kind of curvature a fitted laplace-torch object holds in ``la.H`` (cheap: no
     decomposition).
 
