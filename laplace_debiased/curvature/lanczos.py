@@ -45,13 +45,27 @@ def lanczos_top_k(
 ) -> EigenPairs:
     """Top-k eigenpairs of a symmetric operator by implicitly restarted Lanczos (ARPACK ``eigsh``).
 
-    ``operator`` maps a flat ``(dim,)`` tensor of ``dtype`` on ``device`` to ``(dim,)`` (e.g. a
-    :class:`laplace_debiased.curvature.operators.CountingOperator`, or ``linop.__matmul__`` of a
-    curvlinops operator); the Lanczos recurrence itself runs in float64. The start vector is
-    drawn from ``seed``, so results are reproducible. ``tol``: ``eigsh``'s relative accuracy
-    (0 = machine precision). Returns float64 :class:`EigenPairs` (``(k,)`` eigenvalues
-    descending, ``(dim, k)`` orthonormal eigenvectors, method ``"lanczos"``) on ``device``;
-    no sign convention. Needs ``0 < k < dim`` (ARPACK's limit; form small operators densely).
+    The Lanczos recurrence itself runs in float64.
+
+    Args:
+        operator: maps a flat ``(dim,)`` tensor of ``dtype`` on ``device`` to ``(dim,)`` (e.g. a
+            :class:`laplace_debiased.curvature.operators.CountingOperator`, or
+            ``linop.__matmul__`` of a curvlinops operator).
+        dim: the dimension of the operator.
+        k: number of eigenpairs, ``0 < k < dim`` (ARPACK's limit; form small operators densely).
+        tol: ``eigsh``'s relative accuracy (0 = machine precision).
+        seed: seed of the start vector, so results are reproducible.
+        dtype: the dtype of the vectors ``operator`` takes.
+        device: the device of the vectors ``operator`` takes, and of the result.
+        max_iterations: ``eigsh``'s ``maxiter``; default ARPACK's.
+
+    Returns:
+        float64 :class:`EigenPairs` (``(k,)`` eigenvalues descending, ``(dim, k)`` orthonormal
+        eigenvectors, method ``"lanczos"``) on ``device``; no sign convention.
+
+    Raises:
+        ValueError: unless ``0 < k < dim``.
+        RuntimeError: if Lanczos does not converge to ``k`` eigenpairs.
     """
     if not 0 < k < dim:
         raise ValueError(
@@ -117,6 +131,16 @@ def summed_curvature_product(
     loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
     ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
     entries), ``C = n_outputs``.
+
+    Args:
+        model: the network.
+        batches: ``(X, y)`` pairs of the batch B.
+        likelihood: ``"classification"`` or ``"regression"``.
+        curvature: ``"ggn"`` or ``"ef"``.
+        n_outputs: the output width ``C``.
+
+    Returns:
+        The product ``v ↦ G_B v``.
     """
     from laplace_debiased.curvature.operators import curvature_linop
 
