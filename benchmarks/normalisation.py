@@ -48,7 +48,7 @@ import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from benchmarks.cifar10.data import SEVERITIES, load_data
 from benchmarks.cifar10.models import MODELS
 from benchmarks.cifar10.train import MapConfig, map_dir
-from laplace_debiased.data import resolve_eval_set
+from laplace_debiased.data.eval_sets import resolve_eval_set
 from laplace_debiased.evaluation.metrics import accuracy, ece, nll
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows

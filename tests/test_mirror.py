@@ -15,7 +15,6 @@ TESTS = ROOT / "tests"
 # and the ``structures/`` modules that tests/structures/ covers only across modules.
 UNMIRRORED = frozenset({
     "__main__.py",
-    "_moved.py",
     "structures/chunked.py",
     "structures/coverage.py",
     "structures/fit_checks.py",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from laplace_debiased.curvature.linalg import (
-    _check_square,
+    check_square,
     clamp_roundoff_negatives,
     remeasure_eigenvalues,
     roundoff_tolerance,
@@ -64,32 +64,25 @@ def isotropic_factor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Debias one factor with isotropic degenerate eigenspaces (module docstring).
 
-    Parameters
-    ----------
-    direction : torch.Tensor
-        ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
-    magnitude : torch.Tensor
-        ``(n, n)`` PSD factor of B̃, same layer and position.
-    terms : int
-        samples summed into ``magnitude`` (its round-off tolerance,
-        :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`).
+    Args:
+        direction: ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
+        magnitude: ``(n, n)`` PSD factor of B̃, same layer and position.
+        terms: samples summed into ``magnitude`` (its round-off tolerance,
+            :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`).
 
-    Returns
-    -------
-    (U, lam)
-        ``U (n, n)`` orthonormal eigenvectors of ``direction`` (ascending eigenvalues; inside a
-        degenerate eigenspace whatever basis ``eigh`` returns: the factor ``U diag(lam) Uᵀ`` does
-        not depend on it, since ``lam`` is constant there) and ``lam (n,)`` the Rayleigh
-        quotients ``diag(Uᵀ magnitude U)`` averaged over each degenerate eigenspace of
-        ``direction``. One float64 ``eigh`` of ``direction``; nothing of ``magnitude`` is
-        decomposed.
+    Returns:
+        ``(U, lam)``: ``U (n, n)`` orthonormal eigenvectors of ``direction`` (ascending eigenvalues;
+            inside a degenerate eigenspace whatever basis ``eigh`` returns: the factor ``U diag(lam) Uᵀ``
+            does not depend on it, since ``lam`` is constant there) and ``lam (n,)`` the Rayleigh
+            quotients ``diag(Uᵀ magnitude U)`` averaged over each degenerate eigenspace of ``direction``.
+            One float64 ``eigh`` of ``direction``; nothing of ``magnitude`` is decomposed.
     """
     if direction.shape != magnitude.shape:
         raise ValueError(
             f"direction factor {tuple(direction.shape)} and magnitude factor "
             f"{tuple(magnitude.shape)} differ in shape."
         )
-    _check_square(direction, "direction curvature")
+    check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     lam = remeasure_eigenvalues(U, magnitude, terms)
     return U.to(direction.dtype), group_means(lam, tied_groups(L, roundoff_tolerance(direction)))
@@ -121,24 +114,21 @@ def nested_factor(
     measure`` the null space is B̃'s own eigenbasis, measured by it (``null_space="aligned"``);
     with ``choose == measure == direction`` the result is the ordinary eigendecomposition.
 
-    Parameters
-    ----------
-    direction, choose, measure : torch.Tensor
-        ``(n, n)`` PSD factors of B, B̃₁ and B̃₂ (same layer, same scaling).
-    choose_share : float
-        B̃₁'s share of B̃'s samples (weights ``M``).
+    Args:
+        direction: ``(n, n)`` PSD factor of B.
+        choose: ``(n, n)`` PSD factor of B̃₁ (same layer and scaling as ``direction``).
+        measure: ``(n, n)`` PSD factor of B̃₂ (same layer and scaling as ``direction``).
+        choose_share: B̃₁'s share of B̃'s samples (weights ``M``).
 
-    Returns
-    -------
-    (U, lam)
-        ``U (n, n)`` orthonormal, ``lam (n,)``, in ``direction.dtype``; float64 inside.
+    Returns:
+        ``(U, lam)``: ``U (n, n)`` orthonormal, ``lam (n,)``, in ``direction.dtype``; float64 inside.
     """
     if not direction.shape == choose.shape == measure.shape:
         raise ValueError(f"factors differ in shape: B {tuple(direction.shape)}, B̃₁ {tuple(choose.shape)}, "
                          f"B̃₂ {tuple(measure.shape)}.")
     if not 0.0 <= choose_share <= 1.0:
         raise ValueError(f"choose_share must lie in [0, 1], got {choose_share}.")
-    _check_square(direction, "direction curvature")
+    check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     tol = roundoff_tolerance(direction)
     groups = tied_groups(L, tol)

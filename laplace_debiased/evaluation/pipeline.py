@@ -114,7 +114,8 @@ def _digits(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.M
 
 
 def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
-    from laplace_debiased.data import load_cifar10, load_cifar100, resolve_eval_set
+    from laplace_debiased.data.cifar import load_cifar10, load_cifar100
+    from laplace_debiased.data.eval_sets import resolve_eval_set
     from laplace_debiased.data.cifar import official_size
     from laplace_debiased.evaluation.models import cifar_cnn
 

@@ -35,7 +35,7 @@ from laplace.utils.utils import _is_valid_scalar
 from torch import Tensor
 
 from laplace_debiased.curvature.completion import extended_spectrum
-from laplace_debiased.posterior.grams import _jacobian_float64
+from laplace_debiased.posterior.grams import jacobian_float64
 from laplace_debiased.posterior.jacobians import LayerJacobian
 from laplace_debiased.posterior.kron import KronStructure
 
@@ -214,7 +214,7 @@ class ImplicitKronStructure(KronStructure):
         """:meth:`KronStructure.rotate`, with the null-space column(s) of implicit blocks."""
         out = super().rotate(jacs)
         for k in (k for k, implicit in enumerate(self.implicit) if implicit):
-            jac, (QG, QA) = _jacobian_float64(jacs[k]), self.Qs[k]
+            jac, (QG, QA) = jacobian_float64(jacs[k]), self.Qs[k]
             if jac.dense is None:
                 null = (jac.a - (jac.a @ QA) @ QA.T).square().sum(-1, keepdim=True)
                 out[k] = ("factored", out[k][1], torch.cat([out[k][2], null], dim=-1))
