@@ -193,21 +193,6 @@ def test_one_batch_split_of_dict_batches():
     assert torch.equal(B["input_ids"], X[list(idx_B)]) and torch.equal(B["labels"], y[list(idx_B)])
 
 
-def test_on_device_moves_every_tensor_and_keeps_the_batch_kind():
-    from laplace_debiased.data.batch import on_device
-
-    x, y = torch.ones(3, 2), torch.zeros(3, dtype=torch.long)
-    pair = on_device((x, y), "meta")
-    assert isinstance(pair, tuple) and pair[0].is_meta and pair[1].is_meta
-    d = on_device({"input_ids": x, "labels": y, "name": "kept"}, "meta")
-    assert d["input_ids"].is_meta and d["labels"].is_meta and d["name"] == "kept"
-    nested = on_device(({"input_ids": x}, y), "meta")
-    assert nested[0]["input_ids"].is_meta and nested[1].is_meta
-    assert on_device((x, y), None)[0] is x and on_device((x, y), "cpu")[0] is x  # no copies
-    with pytest.raises(ValueError, match="meta device"):
-        on_device((torch.empty(3, 2, device="meta"), y), "cpu")
-
-
 def test_same_batches_stay_one_list_after_the_move(ds):
     dl = loader(ds, 8)
     split = split_batches(dl, magnitude_loader=dl, device=torch.device("cpu"))
