@@ -6,7 +6,7 @@
 Trains ``cifar_cnn`` (cached by :func:`laplace_debiased.evaluation.training.train_map`) on the seeded
 CIFAR-10 training split, then measures its accuracy on the first ``n_eval`` test images
 corrupted by each of the 15 generated corruptions at severities 1-5
-(:func:`laplace_debiased.data.corrupt`).  Checks, per corruption, that accuracy is
+(:func:`laplace_debiased.data.corruptions.corrupt`).  Checks, per corruption, that accuracy is
 non-increasing in severity up to sampling noise (a rise of more than two binomial standard errors
 counts as a violation) and that the mean over corruptions falls strictly with severity.  Writes
 ``corruption_sanity.json`` and ``corruption_sanity.md`` to ``--out`` (default
@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from laplace_debiased.data import CORRUPTIONS, cifar_splits, corrupt
+from laplace_debiased.data.cifar import cifar_splits
+from laplace_debiased.data.corruptions import CORRUPTIONS, corrupt
 from laplace_debiased.data.images import ImageDataset
 from laplace_debiased.evaluation.models import cifar_cnn
 from laplace_debiased.evaluation.training import TrainConfig, train_map

@@ -48,10 +48,11 @@ import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from benchmarks.cifar10.data import SEVERITIES, load_data
 from benchmarks.cifar10.models import MODELS
 from benchmarks.cifar10.train import MapConfig, map_dir
-from laplace_debiased.data import resolve_eval_set
+from laplace_debiased.data.eval_sets import resolve_eval_set
 from laplace_debiased.evaluation.metrics import accuracy, ece, nll
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
+from laplace_debiased.prior_grid import PriorGrid
 
 #: The converged MAP: 30 epochs of the cosine schedule on 10,000 images (``--map-epochs`` overrides).
 MAP = MapConfig(n_train=10000, epochs=30, model="resnet20_w8")
@@ -156,7 +157,7 @@ def evaluate(preds: dict, sets: dict, link: str = "probit_projected") -> dict:
             res["map"] = {s: _metrics(p, sets[s][1]) for s, p in per_set.items()}
             continue
         grid = {s: [_metrics(p[link][g], sets[s][1]) for g in range(len(GRID))] for s, p in per_set.items()}
-        best = int(np.argmin([m["nll"] for m in grid["val"]]))
+        best = GRID.index(PriorGrid(tuple(GRID)).choose([m["nll"] for m in grid["val"]]))
         res["methods"][name] = {"delta": GRID[best], "interior": 0 < best < len(GRID) - 1, "grid": grid,
                                 "chosen": {s: grid[s][best] for s in grid}}
     ref = res["methods"]["full batch"]["grid"]["test"]

@@ -36,8 +36,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from laplace_debiased.prior_grid import PriorGrid
+
 RESULTS = Path(__file__).resolve().parent / "results"
-GRID = [float(f"{v:.6g}") for v in [*torch.logspace(-4, 0, 13).tolist(), 10.0]]
+GRID = list(PriorGrid.default())
 
 
 def _kfac(model: nn.Module, n_classes: int, n_fit: int = 256):

@@ -50,9 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._children import run_children  # noqa: E402
 
 from examples.adapter_sequence import ShiftConcat  # noqa: E402
+from laplace_debiased.prior_grid import PriorGrid  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GRID = [float(f"{v:.6g}") for v in [*torch.logspace(-4, 0, 13).tolist(), 10.0]]
+GRID = list(PriorGrid.default())
 
 
 def vm_hwm_gb() -> float:

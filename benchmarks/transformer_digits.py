@@ -41,6 +41,7 @@ import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from laplace_debiased.data.digits import digits_splits
 from laplace_debiased.evaluation.metrics import accuracy, ece, nll
 from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.prior_grid import PriorGrid
 
 GRID = [float(d) for d in np.logspace(-4, 4, 17)]
 LINK = "probit_projected"
@@ -117,7 +118,7 @@ def evaluate(model: nn.Module, fits: dict, sets: dict) -> dict:
         pred = GridPredictive(la, chunk_size=250)
         probs = {s: pred.grid(X, GRID, links=(LINK,))[LINK] for s, (X, _) in sets.items()}
         val = [nll(p, sets["val"][1]) for p in probs["val"]]
-        best = int(np.argmin(val))
+        best = GRID.index(PriorGrid(tuple(GRID)).choose(val))
         res[name] = {
             "delta": GRID[best], "interior": 0 < best < len(GRID) - 1, "fit_s": seconds,
             "val_nll_grid": val, "test": _metrics(probs["test"][best], sets["test"][1]),

@@ -9,9 +9,6 @@ Newton-CG), :mod:`.data`, :mod:`.diagnostics`, and the CLI (:mod:`.cli`, :mod:`.
 """
 
 __version__ = "0.1.0"
-from laplace_debiased import _moved  # noqa: E402
-
-_moved.install()
 from laplace_debiased import _register  # noqa: E402
 
 # Registers the debiased structures now if laplace-torch is already imported, else right after

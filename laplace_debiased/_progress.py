@@ -5,8 +5,8 @@ file or a CI run gets no carriage-return noise.  ``quiet=True`` (the CLI's ``--q
 them off everywhere.
 
 Every command that computes spells the switch the same way, ``--quiet``
-(:func:`add_quiet_argument`); ``diagnose`` still accepts its old name ``--no-progress``, with a
-deprecation warning.
+(:func:`add_quiet_argument`); ``diagnose`` also accepts ``--no-progress``, with a deprecation
+warning.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ QUIET_HELP = "no progress bars and no log lines (results and paths are still pri
 
 
 class _DeprecatedSwitch(argparse.Action):
-    """A hidden old spelling of a ``store_true`` switch: sets it and says which name to use."""
+    """A hidden deprecated spelling of a ``store_true`` switch: sets it and says which name to use."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)

@@ -104,7 +104,7 @@ def _process_group() -> Iterator[None]:
 
     owned = not dist.is_initialized()
     if owned:
-        from laplace_debiased.structures.rank_failures import announce
+        from laplace_debiased.parallel.rank_failures import announce
 
         dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
         announce()  # so that a rank killed before its first collective can be named
@@ -161,7 +161,7 @@ def _run_rank(module: object, args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            from laplace_debiased.structures.rank_failures import wait_for_peers
+            from laplace_debiased.parallel.rank_failures import wait_for_peers
 
             wait_for_peers(PEER_REPORT_TIMEOUT.total_seconds())
     return status

@@ -162,3 +162,27 @@ class DictModel(nn.Module):
 
     def forward(self, data) -> torch.Tensor:
         return self.net(data["input_ids"] if isinstance(data, MutableMapping) else data)
+
+
+def tiny_conv_classifier() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A float64 Conv2d-ReLU-Linear-Tanh-Linear classifier (4 classes, torch seed 0) and 30
+    inputs ``(30, 1, 4, 4)`` with labels ``(30,)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(),
+        nn.Linear(2 * 16, 5), nn.Tanh(), nn.Linear(5, 4),
+    ).double()
+    X = torch.randn(30, 1, 4, 4, dtype=torch.float64)
+    y = torch.randint(0, 4, (30,))
+    return model, X, y
+
+
+def fit_tiny_conv(structure: str, subset: str):
+    """laplace-torch's ``Laplace`` of :func:`tiny_conv_classifier` fitted on its 30 inputs
+    (batches of 10); returns ``(la, X)``."""
+    from laplace import Laplace
+
+    model, X, y = tiny_conv_classifier()
+    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=10))
+    return la, X

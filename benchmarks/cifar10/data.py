@@ -5,7 +5,7 @@ Data location, first match wins: the ``--data`` argument, ``$LAPLACE_DEBIASED_DA
 (``<root>/cifar-10-batches-bin/``) is missing there, it is built from ``../shared/data``
 (beside the repository) with ``build_cifar10.py``.
 
-Every split is read once into tensors (``laplace_debiased.data.cifar_splits``: uint8 records ->
+Every split is read once into tensors (``laplace_debiased.data.cifar.cifar_splits``: uint8 records ->
 float32 ``(N, 3, 32, 32)``, ``(pixel/255 - mean)/std`` with the standard CIFAR-10 channel
 statistics); labels int64 ``(N,)``.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from laplace_debiased.data import resolve_eval_set
+from laplace_debiased.data.eval_sets import resolve_eval_set
 from laplace_debiased.data.cifar import cifar_splits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ class CifarData:
 
     ``train``/``val``/``test``: ``TensorDataset`` of normalised float32 ``(N, 3, 32, 32)`` images
     and int64 labels; ``root`` holds ``cifar-10-batches-bin/`` (for
-    :func:`laplace_debiased.data.resolve_eval_set`, e.g. the generated corrupted test sets).
+    :func:`laplace_debiased.data.eval_sets.resolve_eval_set`, e.g. the generated corrupted test sets).
     """
 
     train: TensorDataset
@@ -69,7 +69,7 @@ class CifarData:
 def load_data(root: str | Path | None = None, *, n_train: int | None = None) -> CifarData:
     """The seeded 45k/5k train/val split of the CIFAR-10 training set, and the test set.
 
-    Read with :func:`laplace_debiased.data.cifar_splits` (``n_val=5000``, seed 0, official record
+    Read with :func:`laplace_debiased.data.cifar.cifar_splits` (``n_val=5000``, seed 0, official record
     counts and checksums; a set of fewer than 50,000 training images -- the tiny synthetic sets of
     the tests -- is checked for structure only, and below 25,000 images holds out a fifth).
     ``n_train`` keeps the first ``n_train`` training images (a seeded random subset, since the

@@ -16,6 +16,7 @@ import torch
 
 from laplace_debiased.evaluation import metrics as M
 from laplace_debiased.evaluation.tracking import max_abs_interval
+from laplace_debiased.prior_grid import PriorGrid
 
 from .config import WIDE_GRID, grid_index
 from .fits import Fit
@@ -80,11 +81,12 @@ def marglik_on(grid: list[float], fit: Fit) -> list[float] | None:
 def select(res_fit: dict, fit: Fit, grid: list[float]) -> dict:
     """δ chosen by validation NLL and by the marginal likelihood: index, value, whether interior."""
     out = {}
-    g = int(np.argmin(res_fit["val"]["nll"]))
+    choices = PriorGrid(tuple(grid))
+    g = grid.index(choices.choose(res_fit["val"]["nll"]))
     out["val_nll"] = {"index": g, "prior_precision": grid[g], "interior": 0 < g < len(grid) - 1}
     ml = marglik_on(grid, fit)
     if ml is not None and np.all(np.isfinite(ml)):
-        g = int(np.argmax(ml))
+        g = grid.index(choices.choose(ml, "log_marglik"))
         out["marglik"] = {"index": g, "prior_precision": grid[g], "interior": 0 < g < len(grid) - 1}
     return out
 
@@ -93,11 +95,12 @@ def extension_needed(val_nll: dict[str, list[float]], fits: list[Fit], grid: lis
     """Whether some method's validation optimum (by NLL or marglik) sits on the lower / upper
     edge of ``grid``: ``val_nll[fit.key]`` are the validation NLLs on ``grid``."""
     low = high = False
+    choices = PriorGrid(tuple(grid))
     for fit in fits:
-        idx = [int(np.argmin(val_nll[fit.key]))]
+        idx = [grid.index(choices.choose(val_nll[fit.key]))]
         ml = marglik_on(grid, fit)
         if ml is not None and np.all(np.isfinite(ml)):
-            idx.append(int(np.argmax(ml)))
+            idx.append(grid.index(choices.choose(ml, "log_marglik")))
         low |= 0 in idx
         high |= len(grid) - 1 in idx
     return low, high

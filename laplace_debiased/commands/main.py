@@ -27,7 +27,7 @@ def run_pipeline_command(args: argparse.Namespace, report: bool) -> tuple[int, d
     torchrun rank 0 reports the paths), else ``(0, paths)``."""
     from laplace_debiased.evaluation.pipeline import run_pipeline
     from laplace_debiased.evaluation.sweep import OutputLockedError
-    from laplace_debiased.structures.distributed import PeerRankError, rank_world
+    from laplace_debiased.parallel.distributed import PeerRankError, rank_world
 
     try:
         paths = run_pipeline(resolve_options(args), report=report)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from laplace_debiased.curvature.linalg import (
-    _check_square,
+    check_square,
     clamp_roundoff_negatives,
     remeasure_eigenvalues,
     roundoff_tolerance,
@@ -43,7 +43,7 @@ from laplace_debiased.curvature.linalg import (
     tied_groups,
 )
 
-__all__ = ["NULL_SPACE_MODES", "group_means", "isotropic_factor", "nested_factor", "debiased_factor_mode"]
+__all__ = ["NULL_SPACE_MODES", "debiased_factor_mode", "extended_spectrum", "group_means", "isotropic_factor", "nested_factor"]
 
 #: treatments of B's degenerate eigenspaces (its null space above all)
 NULL_SPACE_MODES = ("isotropic", "aligned")
@@ -64,32 +64,25 @@ def isotropic_factor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Debias one factor with isotropic degenerate eigenspaces (module docstring).
 
-    Parameters
-    ----------
-    direction : torch.Tensor
-        ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
-    magnitude : torch.Tensor
-        ``(n, n)`` PSD factor of B̃, same layer and position.
-    terms : int
-        samples summed into ``magnitude`` (its round-off tolerance,
-        :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`).
+    Args:
+        direction: ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
+        magnitude: ``(n, n)`` PSD factor of B̃, same layer and position.
+        terms: samples summed into ``magnitude`` (its round-off tolerance,
+            :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`).
 
-    Returns
-    -------
-    (U, lam)
-        ``U (n, n)`` orthonormal eigenvectors of ``direction`` (ascending eigenvalues; inside a
-        degenerate eigenspace whatever basis ``eigh`` returns: the factor ``U diag(lam) Uᵀ`` does
-        not depend on it, since ``lam`` is constant there) and ``lam (n,)`` the Rayleigh
-        quotients ``diag(Uᵀ magnitude U)`` averaged over each degenerate eigenspace of
-        ``direction``. One float64 ``eigh`` of ``direction``; nothing of ``magnitude`` is
-        decomposed.
+    Returns:
+        ``(U, lam)``: ``U (n, n)`` orthonormal eigenvectors of ``direction`` (ascending eigenvalues;
+            inside a degenerate eigenspace whatever basis ``eigh`` returns: the factor ``U diag(lam) Uᵀ``
+            does not depend on it, since ``lam`` is constant there) and ``lam (n,)`` the Rayleigh
+            quotients ``diag(Uᵀ magnitude U)`` averaged over each degenerate eigenspace of ``direction``.
+            One float64 ``eigh`` of ``direction``; nothing of ``magnitude`` is decomposed.
     """
     if direction.shape != magnitude.shape:
         raise ValueError(
             f"direction factor {tuple(direction.shape)} and magnitude factor "
             f"{tuple(magnitude.shape)} differ in shape."
         )
-    _check_square(direction, "direction curvature")
+    check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     lam = remeasure_eigenvalues(U, magnitude, terms)
     return U.to(direction.dtype), group_means(lam, tied_groups(L, roundoff_tolerance(direction)))
@@ -121,24 +114,21 @@ def nested_factor(
     measure`` the null space is B̃'s own eigenbasis, measured by it (``null_space="aligned"``);
     with ``choose == measure == direction`` the result is the ordinary eigendecomposition.
 
-    Parameters
-    ----------
-    direction, choose, measure : torch.Tensor
-        ``(n, n)`` PSD factors of B, B̃₁ and B̃₂ (same layer, same scaling).
-    choose_share : float
-        B̃₁'s share of B̃'s samples (weights ``M``).
+    Args:
+        direction: ``(n, n)`` PSD factor of B.
+        choose: ``(n, n)`` PSD factor of B̃₁ (same layer and scaling as ``direction``).
+        measure: ``(n, n)`` PSD factor of B̃₂ (same layer and scaling as ``direction``).
+        choose_share: B̃₁'s share of B̃'s samples (weights ``M``).
 
-    Returns
-    -------
-    (U, lam)
-        ``U (n, n)`` orthonormal, ``lam (n,)``, in ``direction.dtype``; float64 inside.
+    Returns:
+        ``(U, lam)``: ``U (n, n)`` orthonormal, ``lam (n,)``, in ``direction.dtype``; float64 inside.
     """
     if not direction.shape == choose.shape == measure.shape:
         raise ValueError(f"factors differ in shape: B {tuple(direction.shape)}, B̃₁ {tuple(choose.shape)}, "
                          f"B̃₂ {tuple(measure.shape)}.")
     if not 0.0 <= choose_share <= 1.0:
         raise ValueError(f"choose_share must lie in [0, 1], got {choose_share}.")
-    _check_square(direction, "direction curvature")
+    check_square(direction, "direction curvature")
     L, U = symmetric_eigh64(direction)
     tol = roundoff_tolerance(direction)
     groups = tied_groups(L, tol)
@@ -176,3 +166,21 @@ def debiased_factor_mode(
     if null_space == "aligned":
         return debiased_factor(direction, magnitude, terms)
     raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
+
+
+def extended_spectrum(Q: torch.Tensor, eigenvalues: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extended spectrum ``[λ_1, ..., λ_r, ν]`` and multiplicities ``[1, ..., 1, d - r]`` of a
+    factor (no extra entry when ``Q`` is square): ``Q`` ``(d, r)`` holds the
+    eigenvectors, the last entry ``ν`` is the eigenvalue on their complement (0 when not given)."""
+    r, null = Q.shape[1], Q.shape[0] - Q.shape[1]
+    if len(eigenvalues) not in (r, r + 1) or (not null and len(eigenvalues) != r):
+        raise ValueError(
+            f"eigenvectors {tuple(Q.shape)} need {r} eigenvalues"
+            + (f" (or {r + 1}, the last on their complement)" if null else "")
+            + f"; got {len(eigenvalues)}."
+        )
+    ones = torch.ones(r, dtype=eigenvalues.dtype, device=eigenvalues.device)
+    if not null:
+        return eigenvalues, ones
+    ext = eigenvalues if len(eigenvalues) == r + 1 else torch.cat([eigenvalues, eigenvalues.new_zeros(1)])
+    return ext, torch.cat([ones, ones.new_full((1,), null)])

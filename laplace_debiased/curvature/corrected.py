@@ -95,14 +95,14 @@ def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: in
     Returns:
         ``(d,)`` float64 gaps, averaged over each tied run of ``D``'s eigenvalues.
     """
-    _check_finite(direction, "the direction batch")
+    check_finite(direction, "the direction batch")
     L, U = symmetric_eigh64(direction)
     # diag(Uᵀ M U) in float64, at the round-off tolerance of M's own precision
     cross = remeasure_eigenvalues(U, magnitude, terms, dtype=torch.float64)
     return group_means(L - cross, tied_groups(L, roundoff_tolerance(direction)))
 
 
-def _check_finite(F: torch.Tensor, batch: str) -> None:
+def check_finite(F: torch.Tensor, batch: str) -> None:
     if not torch.isfinite(F).all():
         raise ValueError(f"the curvature factor of {batch} contains NaN or Inf; check the inputs and the model output on that batch.")
 
@@ -150,8 +150,8 @@ def corrected_factor(
         )
     if m_direction < 1 or m_magnitude < 1:
         raise ValueError(f"both batches need samples, got {m_direction} and {m_magnitude}.")
-    _check_finite(direction, "B")
-    _check_finite(magnitude, "B̃")
+    check_finite(direction, "B")
+    check_finite(magnitude, "B̃")
     n = m_direction + m_magnitude
     pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
     L, U = symmetric_eigh64(pooled)

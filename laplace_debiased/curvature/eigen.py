@@ -79,19 +79,19 @@ from laplace_debiased.curvature.factors import curvature_factor, dense_curvature
 from laplace_debiased.curvature.inputs import (
     Batch,
     Curvature,
-    _check_curvature,
-    _check_likelihood,
-    _functorch_unsupported,
-    _n_outputs,
+    check_curvature,
+    check_likelihood,
+    functorch_unsupported,
+    output_width,
     count_rows,
     is_mapping,
     parameter_count,
 )
-from laplace_debiased.curvature.lanczos import _topk_lanczos
+from laplace_debiased.curvature.lanczos import summed_curvature_top_k
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.curvature.thresholds import EigenPairs, threshold_eigenpairs
 
-# The public names of the modules split off this one, at their old path.
+# Also importable from this module: the public names of factors, inputs, lanczos and thresholds.
 from laplace_debiased.curvature.factors import directional_curvatures, output_curvature_factor, per_sample_factor_columns  # noqa: F401
 from laplace_debiased.curvature.inputs import CURVATURES, LIKELIHOODS, Inputs, backward_hooks_detached, count_samples  # noqa: F401
 from laplace_debiased.curvature.inputs import loss_factor, mapping_rows, take_rows, target_rows, trainable_parameters  # noqa: F401
@@ -133,6 +133,19 @@ LANCZOS_MATVEC_OVERHEAD = 5e7
 def choose_method(n_params: int, n_samples: int, n_columns: int, rank: int, max_gram_bytes: float = 2**30) -> str:
     """Pick ``"gram"`` or ``"lanczos"`` by a rough cost model (multiply-add equivalents).
 
+    Args:
+        n_params: number ``P`` of parameters.
+        n_samples: number ``n`` of samples.
+        n_columns: number ``M`` of Jacobian columns (``n`` times the outputs per sample for the
+            GGN, ``n`` for the empirical Fisher).
+        rank: number ``k`` of eigenpairs asked for.
+        max_gram_bytes: the largest float64 ``V`` the Gram route may form.
+
+    Returns:
+        ``"gram"`` or ``"lanczos"``.
+
+    The cost model:
+
     gram ``= 2 R n P`` (per-sample Jacobians, ``R = n_columns / n``) ``+ P M m + 10 m³``
     (forming and diagonalising the ``m × m`` matrix, ``m = min(P, M)``, ``M = n_columns``);
     lanczos ``= n_matvec · (6 n P + LANCZOS_MATVEC_OVERHEAD)`` with
@@ -162,12 +175,12 @@ def _lanczos_unless_unsupported(
     n_out: int,
     fallback: bool,
 ) -> EigenPairs | None:
-    """:func:`_topk_lanczos`, or ``None`` (``fallback``: use the Gram route) when the model has an
+    """:func:`summed_curvature_top_k`, or ``None`` (``fallback``: use the Gram route) when the model has an
     operation without forward-mode AD, which curvlinops' products need; else a ``ValueError``."""
     try:
-        return _topk_lanczos(model, batches, likelihood, curvature, rank, tol, n_out)
+        return summed_curvature_top_k(model, batches, likelihood, curvature, rank, tol, n_out)
     except (NotImplementedError, RuntimeError) as err:
-        if not _functorch_unsupported(err):
+        if not functorch_unsupported(err):
             raise
         if not fallback:
             raise ValueError(
@@ -190,12 +203,23 @@ def top_eigenpairs(
 ) -> EigenPairs:
     """Top-``rank`` eigenpairs of ``G_B`` (summed loss over ``batches``), float64, descending.
 
-    ``method``: ``"auto"``, ``"gram"`` or ``"lanczos"`` (module docstring). ``rtol``: keep only
-    eigenpairs with eigenvalue ``> rtol · λ_max`` (and ``> 0``), so fewer than ``rank`` may return.
-    ``lanczos_tol``: ``eigsh``'s relative accuracy (0 = machine precision).
+    Args:
+        model: the network; its trainable parameters span the ``P`` dimensions.
+        batches: ``(X, y)`` pairs of the batch B.
+        likelihood: ``"classification"`` or ``"regression"``.
+        rank: number of eigenpairs asked for.
+        curvature: ``"ggn"`` or ``"ef"``.
+        method: ``"auto"``, ``"gram"`` or ``"lanczos"`` (module docstring).
+        rtol: keep only eigenpairs with eigenvalue ``> rtol · λ_max`` (and ``> 0``), so fewer than
+            ``rank`` may return.
+        lanczos_tol: ``eigsh``'s relative accuracy (0 = machine precision).
+
+    Returns:
+        float64 :class:`EigenPairs`: ``(r,)`` eigenvalues descending and ``(P, r)`` orthonormal
+        eigenvectors, ``r <= rank``.
     """
-    _check_likelihood(likelihood)
-    _check_curvature(curvature)
+    check_likelihood(likelihood)
+    check_curvature(curvature)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     if not isinstance(rank, int) or rank < 1:
@@ -206,7 +230,7 @@ def top_eigenpairs(
         raise ValueError("top_eigenpairs needs at least one batch.")
     n_params = parameter_count(model)
     n_samples = count_rows(model, batches)  # output rows: samples × tokens
-    n_out = _n_outputs(model, batches)
+    n_out = output_width(model, batches)
     n_columns = n_samples * (n_out if curvature == "ggn" else 1)
     rank = min(rank, n_params)
     chosen = choose_method(n_params, n_samples, n_columns, rank) if method == "auto" else method
@@ -223,10 +247,21 @@ def top_eigenpairs(
 
 
 def dense_top_eigenpairs(G: Tensor, rank: int, rtol: float = 0.0, method: str = "dense") -> EigenPairs:
-    """Top-``rank`` eigenpairs of a dense symmetric ``G`` (``P × P``), float64, descending, with
-    eigenvalue ``> rtol · λ_max`` and ``> 0`` (:func:`threshold_eigenpairs`); ``method`` labels
-    the route. The dense route of :func:`top_eigenpairs`, and the one a distributed fit takes
-    on the all-reduced ``G_B``."""
+    """Top-``rank`` eigenpairs of a dense symmetric ``G``, float64, descending.
+
+    The dense route of :func:`top_eigenpairs`, and the one a distributed fit takes on the
+    all-reduced ``G_B``.
+
+    Args:
+        G: ``(P, P)`` symmetric matrix.
+        rank: number of eigenpairs asked for.
+        rtol: keep only eigenpairs with eigenvalue ``> rtol · λ_max`` and ``> 0``
+            (:func:`threshold_eigenpairs`).
+        method: the label of the route in the result.
+
+    Returns:
+        float64 :class:`EigenPairs`, at most ``rank`` of them.
+    """
     dense = eigh_descending(G)
     return threshold_eigenpairs(EigenPairs(dense.values[:rank], dense.vectors[:, :rank], method), rtol)
 
@@ -252,7 +287,7 @@ def range_eigenpairs(
 def factor_columns(model: nn.Module, batches: Sequence[Batch], curvature: Curvature = "ggn") -> int:
     """Number of columns ``M = rows · R`` of the factor ``V`` of ``G_B = V Vᵀ``
     (:func:`curvature_factor`): ``R`` = outputs for the GGN, 1 for the empirical Fisher."""
-    n_out = _n_outputs(model, batches)
+    n_out = output_width(model, batches)
     return count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
 
 
@@ -266,11 +301,18 @@ def dense_range_eigenpairs(G: Tensor) -> EigenPairs:
 def eigenbasis_debiased_curvature(U: Tensor, remeasured: Tensor, G_magnitude: Tensor) -> Tensor:
     """Dense debiased curvature ``U diag(λ̃) Uᵀ + Π G_B̃ Π`` with ``Π = I − U Uᵀ`` (float64).
 
-    ``U`` ``(P, r)``: orthonormal range of ``G_B``; ``λ̃ = diag(Uᵀ G_B̃ U)``; ``G_magnitude``:
-    ``G_B̃`` ``(P, P)``. On B's range, B's eigenvectors with B̃'s Rayleigh quotients (the
+    On B's range, B's eigenvectors with B̃'s Rayleigh quotients (the
     debiasing); on B's null space, where B singles out no direction, the compression of ``G_B̃``
     (basis-free, unbiased for the full-data curvature there since B̃ is independent of B). For
     ``r = P`` this is ``U diag(diag(Uᵀ G_B̃ U)) Uᵀ``; with ``G_B̃ = G_B`` it is ``G_B``.
+
+    Args:
+        U: ``(P, r)`` orthonormal range of ``G_B``.
+        remeasured: ``(r,)`` Rayleigh quotients ``λ̃ = diag(Uᵀ G_B̃ U)``.
+        G_magnitude: ``G_B̃``, ``(P, P)``.
+
+    Returns:
+        ``(P, P)`` float64 debiased curvature.
     """
     U, G = U.double(), G_magnitude.double()
     GU = G @ U

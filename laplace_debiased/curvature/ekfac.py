@@ -44,7 +44,7 @@ from curvlinops import EKFACLinearOperator, FisherType
 from torch import Tensor, nn
 
 from laplace_debiased.curvature.inputs import target_rows, unpadded_samples
-from laplace_debiased.curvature.linalg import _check_square, symmetric_eigh64
+from laplace_debiased.curvature.linalg import check_square, symmetric_eigh64
 
 __all__ = [
     "kron_eigenbasis",
@@ -66,7 +66,7 @@ def kron_eigenbasis(kfacs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
             raise ValueError(f"K-FAC block {i} has {len(block)} factors; expected 1 or 2.")
         try:
             for F in block:
-                _check_square(F, "K-FAC factor")
+                check_square(F, "K-FAC factor")
             basis.append([symmetric_eigh64(F)[1].to(F.dtype) for F in block])
         except ValueError as err:
             raise ValueError(f"K-FAC block {i}: {err}") from err
@@ -124,28 +124,28 @@ def measure_ekfac_eigenvalues(
 ) -> tuple[list[list[Tensor]], list[Tensor]]:
     """EKFAC eigenvalues of the batches along given Kronecker eigenbases (summed loss).
 
-    Parameters
-    ----------
-    model, loss_func, params
-        the network (Linear/Conv2d layers own ``params``), its loss with
-        ``reduction="sum"`` (e.g. laplace-torch's ``backend.lossfunc``; multiply the result by
-        ``backend.factor``), and the parameters, one K-FAC block each, in block order.
-    batches : sequence of (X, y)
-        the magnitude batches B̃ (``X`` a tensor or a mapping the model consumes); outputs
-        ``(n, C)``, or ``(n, tokens, C)`` with every token a loss term (module docstring).
-    eigenvectors : list of blocks
-        ``[[Q_G, Q_A], [Q_G], ...]`` per parameter (see :func:`kron_eigenbasis`), e.g. from B.
-    fisher_type : curvlinops.FisherType
-        ``TYPE2`` (exact GGN), ``MC`` (sampled Fisher) or ``EMPIRICAL`` (empirical Fisher).
+    Args:
+        model: the network (its Linear/Conv2d layers own ``params``).
+        loss_func: its loss with ``reduction="sum"`` (e.g. laplace-torch's ``backend.lossfunc``;
+            multiply the result by ``backend.factor``).
+        params: the parameters, one K-FAC block each, in block order.
+        batches: the magnitude batches B̃, a sequence of ``(X, y)`` (``X`` a tensor or a mapping the
+            model consumes); outputs ``(n, C)``, or ``(n, tokens, C)`` with every token a loss term
+            (module docstring).
+        eigenvectors: per parameter a list of blocks ``[[Q_G, Q_A], [Q_G], ...]`` (see
+            :func:`kron_eigenbasis`), e.g. from B.
+        fisher_type: a ``curvlinops.FisherType``: ``TYPE2`` (exact GGN), ``MC`` (sampled Fisher) or
+            ``EMPIRICAL`` (empirical Fisher).
+        mc_samples: samples per input for ``fisher_type=MC``.
+        batch_size_fn: curvlinops' ``batch_size_fn`` for mapping inputs (number of loss terms of
+            a batch); ``None`` for tensor inputs.
 
-    Returns
-    -------
-    (eigenvectors, eigenvalues)
-        the basis used, in the model's dtype: ``eigenvectors`` with every bias block's ``Q_G``
-        replaced by its layer's weight ``Q_G`` (both come from the same factor ``G``, up to
-        scale, but ``eigh`` may pick different bases of a degenerate eigenspace; EKFAC needs
-        one ``Q_G`` per layer); and per block ``Λ`` ``(d_out, d_in)`` (weights) or ``(d_out,)``
-        (biases), ``Σ_{n∈batches} Σ_c ((Q_Gᵀ G_nc Q_A)_ij)²`` (module docstring).
+    Returns:
+        ``(eigenvectors, eigenvalues)``: the basis used, in the model's dtype: ``eigenvectors`` with
+            every bias block's ``Q_G`` replaced by its layer's weight ``Q_G`` (both come from the same
+            factor ``G``, up to scale, but ``eigh`` may pick different bases of a degenerate eigenspace;
+            EKFAC needs one ``Q_G`` per layer); and per block ``Λ`` ``(d_out, d_in)`` (weights) or
+            ``(d_out,)`` (biases), ``Σ_{n∈batches} Σ_c ((Q_Gᵀ G_nc Q_A)_ij)²`` (module docstring).
     """
     if getattr(loss_func, "reduction", None) != "sum":
         raise ValueError("the loss must use reduction='sum' (laplace-torch's convention).")

@@ -18,10 +18,10 @@ from laplace_debiased.curvature.inputs import (
     Batch,
     Curvature,
     Inputs,
-    _check_curvature,
-    _check_finite,
-    _check_likelihood,
-    _functorch_unsupported,
+    check_curvature,
+    check_finite,
+    check_likelihood,
+    functorch_unsupported,
     backward_hooks_detached,
     functional_model,
     is_mapping,
@@ -52,7 +52,7 @@ def per_sample_factor_columns(
     with torch.enable_grad():
         for i in range(len(y)):
             f, targets = output_rows(model(take_rows(X, slice(i, i + 1))), y[i : i + 1])
-            _check_finite(f.detach(), "the model's outputs")
+            check_finite(f.detach(), "the model's outputs")
             A = output_curvature_factor(f.detach(), targets, likelihood, curvature)  # (T, C, R)
             out = (f.unsqueeze(-1) * A).sum(1).reshape(-1)  # (T·R,)
             columns = []
@@ -73,8 +73,8 @@ def output_curvature_factor(f: Tensor, y: Tensor, likelihood: str, curvature: Cu
     position, :func:`~laplace_debiased.curvature.kfac.padded_rows`) has no loss term: its
     factor is zero.
     """
-    _check_likelihood(likelihood)
-    _check_curvature(curvature)
+    check_likelihood(likelihood)
+    check_curvature(curvature)
     f = f.detach()
     if curvature == "ef":
         if likelihood == "classification":
@@ -108,7 +108,7 @@ def curvature_factor(
         for X, y in batches:
             columns.extend(_batch_factor(model, X, y, likelihood, curvature, max_chunk_elements))
     V = torch.cat(columns, dim=1)
-    _check_finite(V, "the Jacobians of the model's outputs")
+    check_finite(V, "the Jacobians of the model's outputs")
     return V
 
 
@@ -118,11 +118,11 @@ def _batch_factor(
     """Column blocks of ``V`` for one batch (see :func:`curvature_factor`)."""
     if not is_mapping(X):
         if X.is_floating_point():
-            _check_finite(X, "the inputs")
+            check_finite(X, "the inputs")
         try:
             return _batch_factor_functorch(model, X, y, likelihood, curvature, max_chunk_elements)
         except (NotImplementedError, RuntimeError) as err:
-            if not _functorch_unsupported(err):
+            if not functorch_unsupported(err):
                 raise
             logger.info("torch.func cannot transform the model (%s); using reverse-mode autograd per sample.", err)
     return [torch.cat(list(per_sample_factor_columns(model, X, y, likelihood, curvature)), dim=1)]
@@ -141,7 +141,7 @@ def _batch_factor_functorch(
     columns = []
     with torch.no_grad():
         f = fn(params, X)
-    _check_finite(f, "the model's outputs")
+    check_finite(f, "the model's outputs")
     rows, targets = output_rows(f, y)
     A = output_curvature_factor(rows, targets, likelihood, curvature)  # (n·T, C, R)
     T = len(rows) // len(y)
@@ -168,10 +168,10 @@ def _linear_dense_curvature(layer: nn.Linear, batches: Sequence[Batch], likeliho
     Dt = D + int(has_bias)
     G = torch.zeros(C, C, Dt, Dt, dtype=torch.float64, device=layer.weight.device)
     for X, y in batches:
-        _check_finite(X, "the inputs")
+        check_finite(X, "the inputs")
         with torch.no_grad():
             f, targets = output_rows(layer(X), y)  # token outputs: one row per token
-        _check_finite(f, "the model's outputs")
+        check_finite(f, "the model's outputs")
         A = output_curvature_factor(f, targets, likelihood, curvature).double()
         Lam = A @ A.transpose(1, 2)  # (rows, C, C)
         phi = X.detach().double().reshape(len(f), D)
@@ -196,8 +196,8 @@ def dense_curvature(
     An ``nn.Linear`` (the last-layer case) uses features ⊗ output curvature; any other model
     uses ``V Vᵀ`` from per-sample Jacobians (meant for small models).
     """
-    _check_likelihood(likelihood)
-    _check_curvature(curvature)
+    check_likelihood(likelihood)
+    check_curvature(curvature)
     if isinstance(model, nn.Linear) and not any(is_mapping(X) for X, _ in batches):
         return _linear_dense_curvature(model, batches, likelihood, curvature)
     params = list(trainable_parameters(model).values())
@@ -225,8 +225,8 @@ def directional_curvatures(
     inputs, and models without forward-mode support, take the reverse-mode route instead:
     ``λ̃_i += ‖(J_nᵀ A_n)ᵀ u_i‖²`` sample by sample (:func:`per_sample_factor_columns`).
     """
-    _check_likelihood(likelihood)
-    _check_curvature(curvature)
+    check_likelihood(likelihood)
+    check_curvature(curvature)
     params = trainable_parameters(model)
     n_params = parameter_count(model)
     if directions.ndim != 2 or directions.shape[0] != n_params:
@@ -240,7 +240,7 @@ def directional_curvatures(
                     result += _directional_functorch(model, params, X, y, U, likelihood, curvature, chunk_size)
                     continue
                 except (NotImplementedError, RuntimeError) as err:
-                    if not _functorch_unsupported(err):
+                    if not functorch_unsupported(err):
                         raise
                     logger.info("no forward-mode AD for the model (%s); re-measuring with reverse mode.", err)
             for block in per_sample_factor_columns(model, X, y, likelihood, curvature):
@@ -266,7 +266,7 @@ def _directional_functorch(
     result = torch.zeros(k, dtype=torch.float64, device=U.device)
     with torch.no_grad():
         f = fn(params, X)
-    _check_finite(f, "the model's outputs")
+    check_finite(f, "the model's outputs")
     rows, targets = output_rows(f, y)
     A = output_curvature_factor(rows, targets, likelihood, curvature)  # (n·T, C, R)
     for start in range(0, k, chunk_size):

@@ -31,16 +31,32 @@ LIKELIHOODS = ("classification", "regression")
 
 def loss_factor(likelihood: str) -> float:
     """laplace-torch's conversion factor from the torch loss to the negative log likelihood."""
-    _check_likelihood(likelihood)
+    check_likelihood(likelihood)
     return 1.0 if likelihood == "classification" else 0.5
 
 
-def _check_likelihood(likelihood: str) -> None:
+def check_likelihood(likelihood: str) -> None:
+    """Check that ``likelihood`` is one of :data:`LIKELIHOODS`.
+
+    Args:
+        likelihood: laplace-torch's likelihood name.
+
+    Raises:
+        ValueError: for any other name.
+    """
     if likelihood not in LIKELIHOODS:
         raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}.")
 
 
-def _check_curvature(curvature: str) -> None:
+def check_curvature(curvature: str) -> None:
+    """Check that ``curvature`` is one of :data:`CURVATURES`.
+
+    Args:
+        curvature: ``"ggn"`` (generalised Gauss-Newton) or ``"ef"`` (empirical Fisher).
+
+    Raises:
+        ValueError: for any other name.
+    """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}.")
 
@@ -122,11 +138,18 @@ def unpadded_samples(batches: Sequence[tuple[Any, Tensor]]) -> list[tuple[Any, T
     return out
 
 
-class _TokenRows(nn.Module):
+class TokenRows(nn.Module):
     """``model`` on ``{"x": X, "rows": r}`` with its outputs ``(n, tokens, C)`` as the ``r``
     rows ``(r, C)``, so that curvlinops' losses see one row per loss term and weight a batch's
-    mean loss by its ``r`` rows (``batch_size_fn``); with ``"keep"`` (indices of the rows that are
-    not padded positions) only those rows."""
+    mean loss by its ``r`` rows (``batch_size_fn``, :func:`token_rows_batch_size`); with
+    ``"keep"`` (indices of the rows that are not padded positions) only those rows.
+
+    Args:
+        model: a network with token outputs ``(n, tokens, C)``.
+
+    Attributes:
+        model: the wrapped network.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -164,7 +187,16 @@ def take_rows(X: Inputs, rows: slice) -> Inputs:
     return out
 
 
-def _check_finite(t: Tensor, what: str) -> None:
+def check_finite(t: Tensor, what: str) -> None:
+    """Check that every entry of ``t`` is finite.
+
+    Args:
+        t: any tensor that a curvature is formed from (inputs, outputs, Jacobians).
+        what: its name in the error message, in the plural (``"the inputs"``).
+
+    Raises:
+        ValueError: if ``t`` holds a NaN or an Inf.
+    """
     if not torch.isfinite(t).all():
         raise ValueError(
             f"{what} contain NaN or Inf, so the curvature is undefined; check the data and the "
@@ -190,19 +222,42 @@ def backward_hooks_detached(model: nn.Module) -> Iterator[None]:
             m._backward_hooks, m._backward_pre_hooks = hooks, pre_hooks
 
 
-def _functorch_unsupported(err: Exception) -> bool:
-    """Whether ``err`` says a ``torch.func`` transform cannot handle an operation of the model."""
+def functorch_unsupported(err: Exception) -> bool:
+    """Whether ``err`` says a ``torch.func`` transform cannot handle an operation of the model.
+
+    Args:
+        err: the exception a ``torch.func`` transform (``vmap``, ``jacfwd``, ``jvp``) raised.
+
+    Returns:
+        True for ``NotImplementedError`` and for errors that name forward AD, ``vmap``,
+        functorch or ``setup_context``; the callers then take a route without ``torch.func``.
+    """
     text = str(err)
     return isinstance(err, NotImplementedError) or any(
         s in text for s in ("forward AD", "vmap", "functorch", "setup_context")
     )
 
 
-def _rows_of(inputs: Mapping[str, Any]) -> int:
-    """``batch_size_fn`` of :class:`_TokenRows` inputs: their number of output rows."""
+def token_rows_batch_size(inputs: Mapping[str, Any]) -> int:
+    """curvlinops' ``batch_size_fn`` for the inputs of :class:`TokenRows`.
+
+    Args:
+        inputs: ``{"x": X, "rows": r[, "keep": keep]}``.
+
+    Returns:
+        The number ``r`` of output rows (loss terms) of the batch.
+    """
     return inputs["rows"]
 
 
-def _n_outputs(model: nn.Module, batches: Sequence[Batch]) -> int:
-    """Output width ``C`` of ``model`` from the first sample of the first batch."""
+def output_width(model: nn.Module, batches: Sequence[Batch]) -> int:
+    """Output width ``C`` of ``model`` (one forward pass of the first sample of the first batch).
+
+    Args:
+        model: the network; its per-sample output has shape ``([tokens, ...,] C)``.
+        batches: ``(X, y)`` pairs; only the first sample of the first is used.
+
+    Returns:
+        ``C``, the last dimension of the per-sample output.
+    """
     return _sample_output_shape(model, batches[0][0])[-1]

@@ -69,18 +69,15 @@ __all__ = [
 class GroupKfacSums:
     """Per-group K-FAC sums of one or more passes (module docstring conventions).
 
-    Attributes
-    ----------
-    output : list of Tensor
-        one ``(n_groups, d_out, d_out)`` tensor per hooked module (output-side sums).
-    input : list of Tensor or None
-        one ``(n_groups, d_in, d_in)`` tensor per hooked module whose weight is trainable
-        (input-side sums), ``None`` for modules with only a trainable bias.
-    loss : Tensor
-        ``(n_groups,)`` summed loss ``factor * lossfunc`` of each group.
-    input_rows : list
-        per hooked module, ``None`` (rows not kept, or as many rows as inputs reached) or per
-        group the list of row chunks ``a_nt / √T`` whose ``XᵀX`` is the group's input-side sum.
+    Attributes:
+        output: one ``(n_groups, d_out, d_out)`` tensor per hooked module
+            (output-side sums).
+        input: one ``(n_groups, d_in, d_in)`` tensor per hooked module
+            whose weight is trainable (input-side sums), ``None`` for modules with only a trainable bias.
+        loss: ``(n_groups,)`` summed loss ``factor * lossfunc`` of each group.
+        input_rows: per hooked module, ``None`` (rows not kept, or as many rows as inputs
+            reached) or per group the list of row chunks ``a_nt / √T`` whose ``XᵀX`` is the group's
+            input-side sum.
     """
 
     output: list[torch.Tensor]
@@ -347,35 +344,31 @@ def group_kfac_sums(
 ) -> GroupKfacSums:
     """Add the K-FAC sums of one pass over ``X`` to ``into`` (or to zeros).
 
-    Parameters
-    ----------
-    model : nn.Module
-        maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output
-        (its own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once,
-        in its current mode.
-    modules : sequence of curvature layers (:func:`laplace_debiased.structures.mixed.curvature_modules`)
-        in ``Kron`` block order; an ``Embedding``'s input side is its diagonal token-frequency
-        sum, a normalisation layer's output side is its exact dense GGN block, without input
-        side (:mod:`~laplace_debiased.curvature.dense_blocks`); attention projections and
-        ``Conv1D``: :mod:`~laplace_debiased.curvature.attention`.
-    X, y : Tensor
-        stacked inputs and targets of all rows of this pass.
-    segments : sequence of (start, stop, group)
-        row ranges of ``X`` and the group (``0 <= group < n_groups``) each belongs to;
-        rows outside every segment are ignored.
-    likelihood : {"classification", "regression"}
-    lossfunc, factor
-        laplace-torch's summed loss and its factor (``backend.lossfunc``, ``backend.factor``).
-    fisher : {"type2", "empirical"}
-        exact GGN (loss-Hessian square root, ``C`` backward passes) or empirical Fisher.
-    keep_rows : bool
-        keep the input-side rows of a new ``into`` (module docstring).
+    Args:
+        model: maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output (its
+            own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once, in its current
+            mode.
+        modules: the curvature layers (:func:`laplace_debiased.curvature.layer_blocks.curvature_modules`) in
+            ``Kron`` block order; an ``Embedding``'s input side is its diagonal token-frequency sum, a
+            normalisation layer's output side is its exact dense GGN block, without input side
+            (:mod:`~laplace_debiased.curvature.dense_blocks`); attention projections and ``Conv1D``:
+            :mod:`~laplace_debiased.curvature.attention`.
+        X: stacked inputs of all rows of this pass.
+        y: stacked targets of all rows of this pass.
+        segments: ``(start, stop, group)`` row ranges of ``X`` and the group (``0 <= group <
+            n_groups``) each belongs to; rows outside every segment are ignored.
+        n_groups: number of groups.
+        likelihood: ``"classification"`` or ``"regression"``.
+        lossfunc: laplace-torch's summed loss (``backend.lossfunc``).
+        factor: its factor (``backend.factor``).
+        fisher: ``"type2"``, exact GGN (loss-Hessian square root, ``C`` backward
+            passes), or ``"empirical"``, empirical Fisher.
+        into: sums to add to, updated in place; ``None`` starts from zeros.
+        keep_rows: keep the input-side rows of a new ``into`` (module docstring).
 
-    Returns
-    -------
-    GroupKfacSums
-        ``into`` updated in place, or a new one. The output side carries no ``factor``;
-        the loss does (it is laplace-torch's loss).
+    Returns:
+        ``GroupKfacSums``: ``into`` updated in place, or a new one. The output side carries no
+            ``factor``; the loss does (it is laplace-torch's loss).
     """
     params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     if into is None:

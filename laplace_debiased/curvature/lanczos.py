@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from laplace_debiased.curvature.inputs import (
     Batch,
     Curvature,
-    _rows_of,
-    _TokenRows,
+    token_rows_batch_size,
+    TokenRows,
     backward_hooks_detached,
     count_samples,
     is_mapping,
@@ -45,13 +45,27 @@ def lanczos_top_k(
 ) -> EigenPairs:
     """Top-k eigenpairs of a symmetric operator by implicitly restarted Lanczos (ARPACK ``eigsh``).
 
-    ``operator`` maps a flat ``(dim,)`` tensor of ``dtype`` on ``device`` to ``(dim,)`` (e.g. a
-    :class:`laplace_debiased.curvature.operators.CountingOperator`, or ``linop.__matmul__`` of a
-    curvlinops operator); the Lanczos recurrence itself runs in float64. The start vector is
-    drawn from ``seed``, so results are reproducible. ``tol``: ``eigsh``'s relative accuracy
-    (0 = machine precision). Returns float64 :class:`EigenPairs` (``(k,)`` eigenvalues
-    descending, ``(dim, k)`` orthonormal eigenvectors, method ``"lanczos"``) on ``device``;
-    no sign convention. Needs ``0 < k < dim`` (ARPACK's limit; form small operators densely).
+    The Lanczos recurrence itself runs in float64.
+
+    Args:
+        operator: maps a flat ``(dim,)`` tensor of ``dtype`` on ``device`` to ``(dim,)`` (e.g. a
+            :class:`laplace_debiased.curvature.operators.CountingOperator`, or
+            ``linop.__matmul__`` of a curvlinops operator).
+        dim: the dimension of the operator.
+        k: number of eigenpairs, ``0 < k < dim`` (ARPACK's limit; form small operators densely).
+        tol: ``eigsh``'s relative accuracy (0 = machine precision).
+        seed: seed of the start vector, so results are reproducible.
+        dtype: the dtype of the vectors ``operator`` takes.
+        device: the device of the vectors ``operator`` takes, and of the result.
+        max_iterations: ``eigsh``'s ``maxiter``; default ARPACK's.
+
+    Returns:
+        float64 :class:`EigenPairs` (``(k,)`` eigenvalues descending, ``(dim, k)`` orthonormal
+        eigenvectors, method ``"lanczos"``) on ``device``; no sign convention.
+
+    Raises:
+        ValueError: unless ``0 < k < dim``.
+        RuntimeError: if Lanczos does not converge to ``k`` eigenpairs.
     """
     if not 0 < k < dim:
         raise ValueError(
@@ -80,10 +94,25 @@ def lanczos_top_k(
     )
 
 
-def _topk_lanczos(
+def summed_curvature_top_k(
     model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float, n_outputs: int
 ) -> EigenPairs:
-    """Top-k eigenpairs by :func:`lanczos_top_k` on :func:`summed_curvature_product`."""
+    """Top-k eigenpairs of the summed-loss curvature ``G_B`` of ``batches``, matrix-free:
+    :func:`lanczos_top_k` on :func:`summed_curvature_product`.
+
+    Args:
+        model: the network; its trainable parameters span the ``P`` dimensions.
+        batches: ``(X, y)`` pairs of the batch ``B``.
+        likelihood: ``"classification"`` or ``"regression"``.
+        curvature: ``"ggn"`` or ``"ef"``.
+        k: number of eigenpairs, ``0 < k < P``.
+        tol: ``eigsh``'s relative accuracy (0 = machine precision).
+        n_outputs: the output width ``C``.
+
+    Returns:
+        float64 :class:`EigenPairs`: ``(k,)`` eigenvalues descending, ``(P, k)`` orthonormal
+        eigenvectors, on the device of the model's parameters.
+    """
     product = summed_curvature_product(model, batches, likelihood, curvature, n_outputs)
     first = next(iter(trainable_parameters(model).values()))
     return lanczos_top_k(product, parameter_count(model), k, tol=tol, dtype=first.dtype, device=first.device)
@@ -98,10 +127,20 @@ def summed_curvature_product(
 
     Built on :func:`laplace_debiased.curvature.operators.curvature_linop`, the curvature of the
     **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` output rows (samples,
-    or every token of every sample for token outputs, :class:`_TokenRows`); the summed
+    or every token of every sample for token outputs, :class:`TokenRows`); the summed
     loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
     ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
     entries), ``C = n_outputs``.
+
+    Args:
+        model: the network.
+        batches: ``(X, y)`` pairs of the batch B.
+        likelihood: ``"classification"`` or ``"regression"``.
+        curvature: ``"ggn"`` or ``"ef"``.
+        n_outputs: the output width ``C``.
+
+    Returns:
+        The product ``v ↦ G_B v``.
     """
     from laplace_debiased.curvature.operators import curvature_linop
 
@@ -113,10 +152,10 @@ def summed_curvature_product(
         op_model, n = model, count_samples(data)
         batch_size_fn = mapping_rows if any(is_mapping(X) for X, _ in batches) else None
     else:  # token outputs: one row per token, padded ones left out
-        op_model = _TokenRows(model)
+        op_model = TokenRows(model)
         keeps = [(~padded_rows(t)).nonzero().squeeze(1) for t, _ in rows]
         data = [({"x": X, "rows": len(k), "keep": k}, t[k]) for (X, _), (t, _), k in zip(batches, rows, keeps) if len(k)]
-        n, batch_size_fn = sum(len(k) for k in keeps), _rows_of
+        n, batch_size_fn = sum(len(k) for k in keeps), token_rows_batch_size
     if not data:
         return torch.zeros_like
     if likelihood == "classification":

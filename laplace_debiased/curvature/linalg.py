@@ -57,7 +57,16 @@ FactorRule = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Te
 ROUNDOFF_FACTOR = 10.0
 
 
-def _check_square(M: torch.Tensor, name: str) -> None:
+def check_square(M: torch.Tensor, name: str) -> None:
+    """Check that ``M`` is a square matrix with finite entries.
+
+    Args:
+        M: the matrix, expected ``(n, n)``.
+        name: its name in the error message.
+
+    Raises:
+        ValueError: if ``M`` is not two-dimensional and square, or holds a NaN or an Inf.
+    """
     if M.ndim != 2 or M.shape[0] != M.shape[1]:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(M.shape)}.")
     if not torch.isfinite(M).all():
@@ -98,21 +107,15 @@ def clamp_roundoff_negatives(
 ) -> torch.Tensor:
     """Set entries in ``[-tolerance, 0)`` to 0; raise on entries below ``-tolerance``.
 
-    Parameters
-    ----------
-    values : torch.Tensor
-        eigenvalues / Rayleigh quotients ``(k,)`` of a matrix that must be PSD.
-    tolerance : float
-        non-negative round-off tolerance, e.g. from :func:`roundoff_tolerance`.
-    name : str
-        what the values belong to (used in the error message).
+    Args:
+        values: eigenvalues / Rayleigh quotients ``(k,)`` of a matrix that must be PSD.
+        tolerance: non-negative round-off tolerance, e.g. from :func:`roundoff_tolerance`.
+        name: what the values belong to (used in the error message).
 
-    Raises
-    ------
-    ValueError
-        if an entry is more negative than round-off allows: the matrix is not PSD
-        (e.g. a Hessian instead of a GGN/Fisher) and a debiased Laplace precision built
-        from it would not be a valid Gaussian.
+    Raises:
+        ValueError: if an entry is more negative than round-off allows: the matrix is not PSD (e.g. a
+            Hessian instead of a GGN/Fisher) and a debiased Laplace precision built from it would not be
+            a valid Gaussian.
     """
     if not torch.isfinite(values).all():
         raise ValueError(f"{name}: eigenvalues contain NaN or Inf.")
@@ -131,26 +134,19 @@ def remeasure_eigenvalues(
 ) -> torch.Tensor:
     """Debiased eigenvalues ``diag(Uᵀ C U)``: curvature of ``C`` along the columns of ``U``.
 
-    Parameters
-    ----------
-    U : torch.Tensor
-        ``(n, k)`` orthonormal directions (e.g. eigenvectors of batch B's curvature).
-    C : torch.Tensor
-        ``(n, n)`` PSD curvature of the independent batch B̃, same scale convention as
-        wanted for the output.
-    terms : int
-        outer products (samples) summed into ``C``: widens the round-off tolerance of the
-        negativity check (:func:`roundoff_tolerance`).
-    dtype : torch.dtype, optional
-        the dtype of the result (computed in float64 either way); default ``C.dtype``.
+    Args:
+        U: ``(n, k)`` orthonormal directions (e.g. eigenvectors of batch B's curvature).
+        C: ``(n, n)`` PSD curvature of the independent batch B̃, same scale convention as wanted for the
+            output.
+        terms: outer products (samples) summed into ``C``: widens the round-off tolerance of the
+            negativity check (:func:`roundoff_tolerance`).
+        dtype: the dtype of the result (computed in float64 either way); default ``C.dtype``.
 
-    Returns
-    -------
-    torch.Tensor
-        ``(k,)`` non-negative values ``U[:, i]ᵀ C U[:, i]`` in ``dtype``; round-off
-        negatives are clamped to 0, larger negatives raise ``ValueError``.
+    Returns:
+        ``(k,)`` non-negative values ``U[:, i]ᵀ C U[:, i]`` in ``dtype``; round-off negatives are clamped
+            to 0, larger negatives raise ``ValueError``.
     """
-    _check_square(C, "magnitude curvature")
+    check_square(C, "magnitude curvature")
     if U.ndim != 2 or U.shape[0] != C.shape[0]:
         raise ValueError(
             f"directions U {tuple(U.shape)} do not match curvature C {tuple(C.shape)}."
@@ -224,8 +220,8 @@ def aligned_eigenbasis(direction: torch.Tensor, magnitude: torch.Tensor) -> torc
     (basis-free, as ``debiased_full`` treats B's null space). With ``magnitude == direction``
     the rotation is a no-op up to round-off.
     """
-    _check_square(direction, "direction curvature")
-    _check_square(magnitude, "magnitude curvature")
+    check_square(direction, "direction curvature")
+    check_square(magnitude, "magnitude curvature")
     L, V = symmetric_eigh64(direction)
     M64 = magnitude.double()
     M64 = 0.5 * (M64 + M64.T)
@@ -243,22 +239,16 @@ def debiased_factor(
     """Debias one symmetric factor: eigenvectors of ``direction``, eigenvalues from
     ``magnitude``.
 
-    Parameters
-    ----------
-    direction : torch.Tensor
-        ``(n, n)`` PSD factor of batch B (only its eigenvectors are used).
-    magnitude : torch.Tensor
-        ``(n, n)`` PSD factor of batch B̃ (same position in the same layer).
-    terms : int
-        samples summed into ``magnitude`` (its round-off tolerance, :func:`roundoff_tolerance`).
+    Args:
+        direction: ``(n, n)`` PSD factor of batch B (only its eigenvectors are used).
+        magnitude: ``(n, n)`` PSD factor of batch B̃ (same position in the same layer).
+        terms: samples summed into ``magnitude`` (its round-off tolerance, :func:`roundoff_tolerance`).
 
-    Returns
-    -------
-    (U, lam) : tuple[torch.Tensor, torch.Tensor]
-        ``U (n, n)`` eigenvectors of ``direction`` (:func:`aligned_eigenbasis`, in
-        ``direction.dtype``); ``lam (n,)`` = ``diag(Uᵀ magnitude U)``,
-        so that ``U diag(lam) Uᵀ`` is the debiased factor. With
-        ``magnitude == direction`` this is the ordinary eigendecomposition.
+    Returns:
+        ``(U, lam)``: ``U (n, n)`` eigenvectors of ``direction``
+            (:func:`aligned_eigenbasis`, in ``direction.dtype``); ``lam (n,)`` = ``diag(Uᵀ magnitude
+            U)``, so that ``U diag(lam) Uᵀ`` is the debiased factor. With ``magnitude == direction`` this
+            is the ordinary eigendecomposition.
     """
     if direction.shape != magnitude.shape:
         raise ValueError(
@@ -285,36 +275,30 @@ def debiased_kron(
     exactly ``uᵀ (D ⊗ C) u`` for the eigenvectors ``u = u_G ⊗ u_A`` of ``G ⊗ A``.
     Single-factor (bias) blocks ``[G]`` / ``[D]`` are debiased the same way.
 
-    Parameters
-    ----------
-    direction_kfacs, magnitude_kfacs : sequence of blocks
-        one entry per parameter block in laplace-torch ``Kron.kfacs`` order; each block is
-        a list of one or two dense square factors.
-    rows : sequence of blocks of ``(direction_rows, magnitude_rows)`` or ``None``, optional
-        per block and factor, the rows of B's and B̃'s factor (``F = XᵀX``, same scaling as
-        the dense factors) where known: a factor with rows and ``n + m < d`` is decomposed
-        through them (:func:`lowrank_debiased_factor` with ``null_space``,
-        ``O(d (n + m)²)``), its eigenvectors ``(d, r)`` with one more eigenvalue, that of
-        their complement (the implicit null space); every other factor densely (``factor``).
-    factor : callable, optional
-        ``(direction, magnitude) -> (U, lam)`` for one dense factor; default
-        :func:`debiased_factor` (the isotropic null-space treatment is
-        :func:`laplace_debiased.curvature.completion.isotropic_factor`). It must treat B's
-        null space as ``null_space`` does, so that both routes give the same factor.
-    null_space : {"aligned", "isotropic"}
-        the null-space treatment of the rows route (:func:`lowrank_debiased_factor`).
+    Args:
+        direction_kfacs: B's factors, one entry per parameter block in laplace-torch ``Kron.kfacs``
+            order; each block is a list of one or two dense square factors.
+        magnitude_kfacs: B̃'s factors, in the same layout.
+        rows: ``None``, or per block and factor a pair ``(direction_rows, magnitude_rows)``: the rows of
+            B's and B̃'s factor (``F = XᵀX``, same scaling as the dense factors) where known: a factor
+            with rows and ``n + m < d`` is decomposed through them (:func:`lowrank_debiased_factor` with
+            ``null_space``, ``O(d (n + m)²)``), its eigenvectors ``(d, r)`` with one more eigenvalue,
+            that of their complement (the implicit null space); every other factor densely (``factor``).
+        factor: ``(direction, magnitude) -> (U, lam)`` for one dense factor; default
+            :func:`debiased_factor` (the isotropic null-space treatment is
+            :func:`laplace_debiased.curvature.completion.isotropic_factor`). It must treat B's null space
+            as ``null_space`` does, so that both routes give the same factor.
+        null_space: ``"aligned"`` or ``"isotropic"``, the null-space treatment of the rows route
+            (:func:`lowrank_debiased_factor`).
 
-    Returns
-    -------
-    (eigenvectors, eigenvalues) : lists of lists
-        ready for ``laplace.utils.matrix.KronDecomposed(eigenvectors, eigenvalues)`` when every
-        eigenvector matrix is square, else for
-        :class:`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`.
+    Returns:
+        ``(eigenvectors, eigenvalues)``, lists of lists: ready for
+            ``laplace.utils.matrix.KronDecomposed(eigenvectors, eigenvalues)`` when every eigenvector
+            matrix is square, else for
+            :class:`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`.
 
-    Raises
-    ------
-    ValueError
-        if the two factor lists do not describe the same blocks (no layer is dropped).
+    Raises:
+        ValueError: if the two factor lists do not describe the same blocks (no layer is dropped).
     """
     if len(direction_kfacs) != len(magnitude_kfacs):
         raise ValueError(

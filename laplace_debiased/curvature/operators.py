@@ -157,16 +157,25 @@ def curvature_linop(
 ) -> PyTorchLinearOperator:
     """curvlinops operator of the curvature ``H_B`` of the mean loss on ``data``.
 
-    ``curvature`` is one of ``"ggn"`` (Jᵀ ∇²ℓ J), ``"hessian"``, ``"ef"`` (empirical Fisher
-    (1/N) Σ g_n g_nᵀ with per-sample gradients g_n) or ``"kfac"`` (curvlinops
-    ``KFACLinearOperator`` with ``fisher_type="type-2"``, Linear/Conv2d layers only).
     The operator reads the parameters by reference, so it follows in-place updates — except
     K-FAC, whose factors are computed on first use (build a new one after changing θ).
-    ``data`` is a list of ``(X, y)`` batches or a loader that yields the same data on each
-    pass (no ``drop_last`` with shuffling, no augmentation); ``num_data`` (its number of
-    data points) saves curvlinops a counting pass over a loader. Mapping inputs (a dict or a
-    Hugging Face ``BatchEncoding`` that ``model`` consumes whole) need ``batch_size_fn``, the
-    number of samples of one such input.
+
+    Args:
+        model: the network.
+        loss_func: its loss with mean reduction.
+        data: a list of ``(X, y)`` batches or a loader that yields the same data on each pass (no
+            ``drop_last`` with shuffling, no augmentation).
+        curvature: ``"ggn"`` (Jᵀ ∇²ℓ J), ``"hessian"``, ``"ef"`` (empirical Fisher
+            (1/N) Σ g_n g_nᵀ with per-sample gradients g_n) or ``"kfac"`` (curvlinops
+            ``KFACLinearOperator`` with ``fisher_type="type-2"``, Linear/Conv2d layers only).
+        params: the parameters the curvature is over; default: the trainable ones.
+        num_data: the number of data points of ``data``; saves curvlinops a counting pass over a
+            loader.
+        batch_size_fn: the number of samples of one mapping input (a dict or a Hugging Face
+            ``BatchEncoding`` that ``model`` consumes whole); needed for mapping inputs.
+
+    Returns:
+        The curvlinops operator, ``(D, D)`` for ``D`` parameters.
     """
     _check_loss(loss_func)
     data = _check_data(data)
@@ -206,7 +215,16 @@ def loss_and_gradient(
 ) -> tuple[Tensor, Tensor]:
     """``q(θ; B)`` (scalar) and ``∇q(θ; B) = ∇L_B(θ) + βθ`` (flat ``[D]``), both detached.
 
-    ``L_B`` is the mean loss over all data points of ``data`` (batches weighted by size).
+    Args:
+        model: the network at θ.
+        loss_func: its loss with mean reduction.
+        data: the batch B as ``(X, y)`` batches or a loader; ``L_B`` is the mean loss over all
+            its data points (batches weighted by size).
+        beta: the weight decay ``β``.
+        params: the parameters θ; default: the trainable ones.
+
+    Returns:
+        ``(q, g)``: the scalar ``q(θ; B) = L_B(θ) + β/2 ‖θ‖²`` and the flat ``(D,)`` gradient.
     """
     value, gradient, _ = _loss_gradient_count(model, loss_func, data, beta, params)
     return value, gradient

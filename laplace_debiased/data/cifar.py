@@ -34,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..paths import default_data_root  # noqa: F401  (re-exported: moved to paths.py)
+from ..paths import default_data_root
 from .images import CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, ImageDataset
 
 Verify = Literal["official", "structure"]
@@ -75,7 +75,16 @@ def file_digest(path: Path, algorithm: str, chunk: int = 1 << 22) -> str:
 
 
 def verify_checksum(path: Path, expected: str, what: str = "checksum") -> None:
-    """Raise :class:`DataIntegrityError` unless ``path`` has the md5 (32 hex) or sha256 (64 hex)."""
+    """Check a file's md5 or sha256 digest.
+
+    Args:
+        path: the file.
+        expected: its md5 (32 hex digits) or sha256 (64 hex digits).
+        what: the name of the check in the error message.
+
+    Raises:
+        DataIntegrityError: if the file's digest differs from ``expected``.
+    """
     algorithm = {32: "md5", 64: "sha256"}.get(len(expected))
     if algorithm is None:
         raise ValueError(f"{expected!r} is neither an md5 (32 hex) nor a sha256 (64 hex) digest.")
@@ -419,8 +428,17 @@ def load_cifar10(
 ) -> ImageDataset:
     """CIFAR-10 ``split`` as an :class:`ImageDataset` (50,000 train or 10,000 test images).
 
-    ``normalize`` applies the standard CIFAR-10 per-channel mean/std; see
-    :func:`read_cifar_arrays` for ``root``, ``fmt``, ``verify``, ``checksums`` and ``rows``.
+    Args:
+        root: the data directory (:func:`read_cifar_arrays`).
+        split: ``"train"`` or ``"test"``.
+        normalize: apply the standard CIFAR-10 per-channel mean/std.
+        fmt: the file layout (:func:`read_cifar_arrays`).
+        verify: the integrity check (:func:`read_cifar_arrays`).
+        checksums: expected checksums by file (:func:`read_cifar_arrays`).
+        rows: the records to read (:func:`read_cifar_arrays`); default all.
+
+    Returns:
+        The images (uint8 storage, served as float tensors ``(3, 32, 32)``) and their labels.
     """
     x, y = read_cifar_arrays(root, split, dataset="cifar10", fmt=fmt, verify=verify,
                              checksums=checksums, rows=rows)  # fmt: skip
@@ -444,8 +462,21 @@ def load_cifar100(
     checksums: Mapping[str, str] | None = None,
     rows: range | None = None,
 ) -> ImageDataset:
-    """CIFAR-100 ``split`` with ``fine`` (100 classes) or ``coarse`` (20 superclasses) labels
-    (``rows``: see :func:`read_cifar_arrays`)."""
+    """CIFAR-100 ``split`` as an :class:`ImageDataset` (50,000 train or 10,000 test images).
+
+    Args:
+        root: the data directory (:func:`read_cifar_arrays`).
+        split: ``"train"`` or ``"test"``.
+        label: ``"fine"`` (100 classes) or ``"coarse"`` (20 superclasses).
+        normalize: apply the standard CIFAR-100 per-channel mean/std.
+        fmt: the file layout (:func:`read_cifar_arrays`).
+        verify: the integrity check (:func:`read_cifar_arrays`).
+        checksums: expected checksums by file (:func:`read_cifar_arrays`).
+        rows: the records to read (:func:`read_cifar_arrays`); default all.
+
+    Returns:
+        The images (uint8 storage, served as float tensors ``(3, 32, 32)``) and their labels.
+    """
     if label not in ("fine", "coarse"):
         raise ValueError(f"label must be 'fine' or 'coarse', got {label!r}.")
     x, y = read_cifar_arrays(root, split, dataset="cifar100", fmt=fmt, verify=verify,
@@ -484,6 +515,17 @@ def cifar_splits(
     ``val`` is a seeded random subset (``numpy.random.default_rng(seed)``) of ``n_val`` images of
     the official training set, ``train`` the rest; both keep the official order.  No
     augmentation.
+
+    Args:
+        root: the data directory (:func:`read_cifar_arrays`).
+        dataset: ``"cifar10"`` or ``"cifar100"`` (fine labels).
+        n_val: number of validation images taken from the official training set.
+        seed: seed of the validation subset.
+        normalize: apply the data set's per-channel mean/std.
+        verify: the integrity check (:func:`read_cifar_arrays`).
+
+    Returns:
+        ``{"train": ..., "val": ..., "test": ...}`` image data sets.
     """
     if dataset not in ("cifar10", "cifar100"):
         raise ValueError(f"dataset must be 'cifar10' or 'cifar100', got {dataset!r}.")

@@ -5,7 +5,7 @@ W)`` of the N training rows: contiguous blocks whose sizes are ``ceil(N/W)`` for
 W`` ranks and ``floor(N/W)`` for the others (``torch.tensor_split``'s rule), so every row is loaded
 by exactly one rank.  :class:`HeldRows` serves such a shard under the rows' global indices (its
 length is N, as a sampler over the whole set needs) together with any rows added later (the rows
-a rank's fits draw, sent by the ranks that own them: ``structures.distributed.fetch_rows``).
+a rank's fits draw, sent by the ranks that own them: ``parallel.distributed.fetch_rows``).
 Asking it for a row it does not hold is an error that says so, never a silent substitute.
 """
 
@@ -82,7 +82,7 @@ class HeldRows(Dataset):
         raise LookupError(
             f"row {i} of {self.n} is not held by this process (it holds rows {self.own.start}..{self.own.stop - 1} "
             f"and {len(self.extra)} others); a process that reads a row must fetch it first "
-            "(laplace_debiased.structures.distributed.fetch_rows)")
+            "(laplace_debiased.parallel.distributed.fetch_rows)")
 
     def held(self) -> list[int]:
         """The global indices held, ascending."""

@@ -5,16 +5,3 @@ step sizes), :mod:`.overlap` (Ω) and :mod:`.bounds` (Eq. 7); direction sets in
 :mod:`.directions`; measurements on a partition in :mod:`.measure`; the whole diagnosis in
 :mod:`.bias`; plots, JSON and Markdown in :mod:`.report`.
 """
-
-from laplace_debiased.diagnostics.bias import BiasDiagnosis, DiagnosisConfig, diagnose_bias
-from laplace_debiased.diagnostics.measure import DirectionStudy, Restriction, equal_partition, measure_study
-
-__all__ = [
-    "BiasDiagnosis",
-    "DiagnosisConfig",
-    "DirectionStudy",
-    "Restriction",
-    "diagnose_bias",
-    "equal_partition",
-    "measure_study",
-]

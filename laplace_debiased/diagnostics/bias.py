@@ -30,7 +30,7 @@ from laplace_debiased.diagnostics.bounds import Chain
 from laplace_debiased.diagnostics.directions import top_eigenpairs
 from laplace_debiased.diagnostics.measure import (
     DirectionStudy,
-    _count,
+    count_products,
     cg_directions,
     equal_partition,
     measure_study,
@@ -190,7 +190,7 @@ def _studies(kind: str, sources: list[int], directions_of: Callable, counts: dic
     for s in sources:
         q = factory([partition[s]])
         D = directions_of(q, s)
-        _count(counts, q)
+        count_products(counts, q)
         study = measure_study(kind, s, D, partition, factory, full if s == 0 else None)
         _merge(counts, study.n_products)
         studies.append(study)
@@ -267,7 +267,7 @@ def diagnose_bias(
     if config.full_eigen:
         full.curvature.n_products = 0
         full_pairs = top_eigenpairs(full.curvature, n_params, K, dtype=dtype, tol=config.lanczos_tol, seed=config.seed)
-        _count(products["full_eigenvectors"], full)
+        count_products(products["full_eigenvectors"], full)
         full_values = full_pairs.values
         overlap_full = overlap_matrix(eigen[0].directions, full_pairs.vectors)
         say("eigenvectors of the full data set")
@@ -309,15 +309,15 @@ def _ladder_rows(model, loss_func, X, y, size, config, curvature, K, gen, produc
         q = factory([partition[s]])
         pairs = top_eigenpairs(q.curvature, q.gradient.shape[0], K, dtype=q.gradient.dtype,
                                tol=config.lanczos_tol, seed=config.seed + s)
-        _count(products, q)
+        count_products(products, q)
         other = factory([partition[_independent(s, n_sources, len(partition))]])
         measured = [restrict(other, pairs.vectors), restrict(full, pairs.vectors)]
-        _count(products, other)
-        _count(products, full)
+        count_products(products, other)
+        count_products(products, full)
         exact_curv = None
         if full_exact is not None:
             exact_curv = restrict(full_exact, pairs.vectors).curvatures
-            _count(products, full_exact)
+            count_products(products, full_exact)
         rows.append(LadderRow(size, s, pairs.values, measured[0].curvatures, measured[1].curvatures, exact_curv))
     return rows
 

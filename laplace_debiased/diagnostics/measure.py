@@ -28,6 +28,15 @@ def equal_partition(X: Tensor, y: Tensor, batch_size: int, generator: torch.Gene
 
     The ``N mod batch_size`` left-over points are dropped, so that the batches partition the data
     set the diagnostics call "full" and Eq. 5 holds exactly.
+
+    Args:
+        X: ``(N, ...)`` inputs.
+        y: ``(N, ...)`` targets.
+        batch_size: the size of every batch.
+        generator: the random generator of the shuffle; default the global one.
+
+    Returns:
+        ``⌊N / batch_size⌋`` ``(X, y)`` batches.
     """
     N = X.shape[0]
     if y.shape[0] != N:
@@ -167,8 +176,14 @@ def eq5_residual(average: Restriction, direct: Restriction) -> float:
     return worst
 
 
-def _count(products: dict[int, int], quadratic: MiniBatchQuadratic) -> None:
-    """Add the products ``quadratic``'s operator has done to ``products[|S|]`` and reset it."""
+def count_products(products: dict[int, int], quadratic: MiniBatchQuadratic) -> None:
+    """Add the products ``quadratic``'s operator has done to ``products[|S|]`` and reset its count.
+
+    Args:
+        products: operator products per batch size ``|S|``, updated in place.
+        quadratic: a mini-batch quadratic whose curvature operator counts its products
+            (``n_products``, set to 0 here).
+    """
     op = quadratic.curvature
     products[quadratic.n_data] = products.get(quadratic.n_data, 0) + op.n_products
     op.n_products = 0
@@ -187,6 +202,17 @@ def measure_study(
     Costs K products on each batch.  The full-data restriction is their average (Eq. 5); if the
     full-data quadratic ``full`` is given it is also measured directly (K more products over all
     data) and the deviation is stored as ``eq5_residual``.
+
+    Args:
+        kind: the name of the direction set (e.g. ``"eigen"``, ``"cg"``).
+        source: the index of the batch the directions come from.
+        directions: ``(P, K)`` directions.
+        partition: the equal-size batches.
+        factory: builds a batch's mini-batch quadratic.
+        full: the full-data quadratic, measured directly if given.
+
+    Returns:
+        The restrictions per batch, their average and the Eq. 5 residual.
     """
     if len({b[0].shape[0] for b in partition}) != 1:
         raise ValueError("the partition must consist of equal-size batches (see equal_partition)")
@@ -195,13 +221,13 @@ def measure_study(
     for batch in partition:
         q = factory([batch])
         restrictions.append(restrict(q, directions))
-        _count(products, q)
+        count_products(products, q)
     average = average_restriction(restrictions)
     residual = None
     if full is not None:
         full.curvature.n_products = 0
         direct = restrict(full, directions)
-        _count(products, full)
+        count_products(products, full)
         residual = eq5_residual(average, direct)
     return DirectionStudy(kind, source, directions, restrictions, average, residual, products)
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from laplace_debiased._progress import add_quiet_argument
-from laplace_debiased.evaluation.grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
+from laplace_debiased.prior_grid import PriorGrid
 
 #: Default links: the projected probit (right, deterministic) and laplace-torch's diagonal
 #: probit, recorded for comparison.
@@ -44,7 +44,7 @@ DEFAULTS: dict = {
     # the paper's 14 points (tuned to CIFAR-10's N = 50k) plus 100 ... 1e5: with N = 300 digits and an
     # interpolating MAP the likelihood curvature is far smaller, so the best prior precision lies higher
     # (the digits model's validation choice is 1e3; the grid still grows if a choice lands on an edge)
-    "prior_precisions": [*DEFAULT_PRIOR_PRECISIONS, 100.0, 1000.0, 10000.0, 100000.0],
+    "prior_precisions": [*PriorGrid.default(), 100.0, 1000.0, 10000.0, 100000.0],
     "links": list(DEFAULT_LINKS),
     "n_samples": 100,
     "chunk_size": 64,

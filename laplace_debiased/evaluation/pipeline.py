@@ -40,13 +40,13 @@ to the other ranks; the sweep shards its (method, repeat) jobs over the ranks
 (:func:`~laplace_debiased.evaluation.sweep.run_sweep`), rank 0 writes every row and the report.
 Each rank loads only its rows ``shard_range(N, rank, W)`` of the training set
 (:mod:`laplace_debiased.data.shards`) and fetches from their owners the rows its own fits draw
-(:func:`fit_rows`, :func:`~laplace_debiased.structures.distributed.fetch_rows`); rank 0 fetches
+(:func:`fit_rows`, :func:`~laplace_debiased.parallel.distributed.fetch_rows`); rank 0 fetches
 every row only to train the MAP model on a cache miss.  Of every evaluation set each rank reads
 and predicts only its rows ``chunk_shard(n, --chunk-size, rank, W)``, for every fitted posterior;
 the metrics combine the ranks' sums (:func:`~laplace_debiased.evaluation.sweep.run_sweep`).
 The rows equal a single-process run's up to the round-off of adding the ranks' sums (the
 predictions of every row bitwise).  A failure on any rank raises on every rank
-(:func:`~laplace_debiased.structures.distributed.gather_results`).
+(:func:`~laplace_debiased.parallel.distributed.gather_results`).
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ from torch.utils.data import DataLoader, Dataset
 from laplace_debiased.evaluation.options import (  # noqa: F401
     DEFAULTS, METHODS, add_pipeline_arguments, load_config, resolve_options,
 )
-from laplace_debiased.evaluation.grid import PriorGrid
+from laplace_debiased.prior_grid import PriorGrid
 from laplace_debiased.evaluation.report import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
-from laplace_debiased.structures.distributed import fetch_rows, gather_results, rank_world
+from laplace_debiased.parallel.distributed import fetch_rows, gather_results, rank_world
 
 #: grid extensions at most, so that every method's validation choice of δ is interior
 MAX_EXTENSIONS = 4
@@ -128,7 +128,8 @@ def _copied_rows(es: EvalSet) -> EvalSet:
 
 
 def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Module], str]:
-    from laplace_debiased.data import load_cifar10, load_cifar100, resolve_eval_set
+    from laplace_debiased.data.cifar import load_cifar10, load_cifar100
+    from laplace_debiased.data.eval_sets import resolve_eval_set
     from laplace_debiased.data.cifar import official_size
     from laplace_debiased.evaluation.models import cifar_cnn
 
@@ -314,7 +315,7 @@ def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: st
 
 def _grid_extension(rows: list[dict], link: str) -> list[float]:
     """One new prior precision beyond each grid edge where a method's validation choice lies
-    (:meth:`~laplace_debiased.evaluation.grid.PriorGrid.extension`)."""
+    (:meth:`~laplace_debiased.prior_grid.PriorGrid.extension`)."""
     from laplace_debiased.evaluation.report import chosen_prior_precisions
 
     val = next((r["eval_set"] for r in rows if r.get("kind") == "validation"), None)

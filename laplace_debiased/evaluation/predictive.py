@@ -2,9 +2,9 @@
 laplace-torch posterior and forward-mode Jacobian-vector products, for posteriors without a cheap
 eigenbasis.
 
-The posterior maths that lived here moved to :mod:`laplace_debiased.posterior` (links,
-Jacobians, posterior structures, grid predictive, grid search); the names are re-exported so
-``from laplace_debiased.evaluation.predictive import GridPredictive`` keeps working.
+The posterior maths (links, Jacobians, posterior structures, grid predictive, grid search) live
+in :mod:`laplace_debiased.posterior`; their public names are also importable from this module
+(``from laplace_debiased.evaluation.predictive import GridPredictive``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from laplace_debiased.curvature.inputs import functional_model
 
-# The posterior maths' public names at their old paths (moved to laplace_debiased.posterior).
+# Also importable from this module: the public names of laplace_debiased.posterior.
 from laplace_debiased.posterior.eigen import EigenStructure, orthonormal_eigenpairs  # noqa: F401
 from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure  # noqa: F401
 from laplace_debiased.posterior.grams import PAIR_BUFFER, weighted_grams  # noqa: F401

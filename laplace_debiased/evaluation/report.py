@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from laplace_debiased.evaluation.grid import PriorGrid, check_criterion, choose_prior_precision
+from laplace_debiased.prior_grid import PriorGrid, check_criterion, choose_prior_precision
 from laplace_debiased.evaluation.sweep import load_rows
 from laplace_debiased.evaluation.tracking import max_gap_per_draw, reference_of
 
@@ -123,7 +123,7 @@ def chosen_prior_precisions(rows: list[dict], eval_set: str, link: str, criterio
 
     ``criterion="nll"``: lowest NLL (mean over repeats); ``"log_marglik"``: highest log marginal
     likelihood (mean over repeats; methods without one are left out).  The rule, ties included,
-    is :func:`~laplace_debiased.evaluation.grid.choose_prior_precision`.
+    is :func:`~laplace_debiased.prior_grid.choose_prior_precision`.
     """
     check_criterion(criterion)
     vals = _mean_by([r for r in rows if r["eval_set"] == eval_set and r["link"] == link and r["method"] != "map"],

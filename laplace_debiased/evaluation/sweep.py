@@ -53,14 +53,14 @@ from torch import Tensor
 
 from laplace_debiased._progress import progress_bar
 from laplace_debiased.evaluation import metrics
-from laplace_debiased.evaluation.grid import DEFAULT_PRIOR_PRECISIONS, PriorGrid
+from laplace_debiased.prior_grid import PriorGrid
 from laplace_debiased.evaluation.options import DEFAULT_LINKS, check_links
 from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.data.shards import chunk_shard
 from laplace_debiased.posterior.from_laplace import posterior_structure, predictive_parts
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_rows
-from laplace_debiased.structures.distributed import gather_results, local_fits, rank_world
+from laplace_debiased.parallel.distributed import gather_results, local_fits, rank_world
 
 KINDS = ("test", "validation", "corrupted", "ood")
 #: Name of the lock file a writer holds in its output folder.
@@ -459,7 +459,7 @@ def run_sweep(
     eval_sets: Sequence[EvalSet],
     out_path: str | Path,
     *,
-    prior_precisions: Sequence[float] = DEFAULT_PRIOR_PRECISIONS,
+    prior_precisions: Sequence[float] = PriorGrid.default().values,
     links: Sequence[str] = DEFAULT_LINKS,
     n_samples: int = 100,
     seed: int = 0,
@@ -491,7 +491,7 @@ def run_sweep(
 
     The (method, repeat) jobs: with ``shard_jobs`` job ``k`` is fitted on rank ``k % world``, in
     rounds of ``world`` jobs, inside
-    :func:`~laplace_debiased.structures.distributed.local_fits` (a local fit of that rank alone,
+    :func:`~laplace_debiased.parallel.distributed.local_fits` (a local fit of that rank alone,
     so ``Method.fit`` must not call collectives itself); each fitted posterior (network,
     parameters and curvature: :func:`~laplace_debiased.posterior.from_laplace.predictive_parts`)
     is then sent to every rank. ``shard_jobs=False`` is for collective fits (``debiased_kron``

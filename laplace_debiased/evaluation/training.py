@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from laplace_debiased._progress import progress_bar
-from laplace_debiased.paths import default_cache_dir  # noqa: F401  (re-exported: moved to paths.py)
+from laplace_debiased.paths import default_cache_dir
 
 
 @dataclass(frozen=True)

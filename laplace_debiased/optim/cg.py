@@ -152,7 +152,10 @@ def cg(
         atol: absolute residual tolerance.
         on_nonpositive: ``"stop"`` or ``"raise"``.
         store_iterates: keep all ``x_p`` (``[K+1, D]`` memory).
-        callback: called with a :class:`CGState` after every iteration.
+        callback: called with a :class:`CGState` after every iteration; ``True`` stops.
+
+    Returns:
+        The iterates, directions, step sizes and residual norms (:class:`CGResult`).
     """
     return _joint_cg(A, b, None, None, x0, max_iter, rtol, atol, on_nonpositive,
                      store_iterates, callback)
@@ -182,6 +185,22 @@ def debiased_cg(
     is given). With ``Ã = A, b̃ = b`` it reproduces :func:`cg` (up to rounding). Termination
     (see :func:`cg`) uses the tolerance on ``B``'s residual (no new direction exists once it
     vanishes), non-positive curvature on *either* batch, and ``callback`` sees both processes.
+
+    Args:
+        A: symmetric operator of batch B, ``[D] → [D]``.
+        b: right-hand side ``[D]`` of batch B.
+        A_tilde: symmetric operator ``Ã`` of batch B̃, ``[D] → [D]``.
+        b_tilde: right-hand side ``b̃`` ``[D]`` of batch B̃.
+        x0: start of both trajectories (default zeros).
+        max_iter: iteration budget ``K`` (default ``D``).
+        rtol: relative tolerance on B's residual (times ``‖r_0‖``).
+        atol: absolute tolerance on B's residual.
+        on_nonpositive: ``"stop"`` or ``"raise"``.
+        store_iterates: keep all ``x_p`` and ``x̃_p`` (``[K+1, D]`` memory each).
+        callback: called with a :class:`CGState` after every iteration; ``True`` stops.
+
+    Returns:
+        The CG trajectory on B and the debiased trajectory.
     """
     if b_tilde.shape != b.shape:
         raise ValueError(f"b_tilde has shape {tuple(b_tilde.shape)}, b has {tuple(b.shape)}")

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from laplace_debiased.curvature.linalg import symmetric_eigh64
-from laplace_debiased.posterior.grams import _as_prior, _jacobian_float64, _residual_gram, weighted_grams
+from laplace_debiased.posterior.grams import as_prior, jacobian_float64, residual_gram, weighted_grams
 from laplace_debiased.posterior.jacobians import LayerJacobian
 from laplace_debiased.posterior.links import project_classes
 
@@ -44,8 +44,8 @@ class EigenStructure:
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> tuple[Tensor, Tensor | None]:
         """``(JU, R Rᵀ)`` (float64) with ``R = J - (JU)Uᵀ``; ``R Rᵀ`` is ``None`` for a full
-        posterior.  ``R`` is formed in pieces of the parameters (:func:`_residual_gram`)."""
-        jacs = [_jacobian_float64(j) for j in jacs]
+        posterior.  ``R`` is formed in pieces of the parameters (:func:`residual_gram`)."""
+        jacs = [jacobian_float64(j) for j in jacs]
         sizes = [j.dense.shape[-1] if j.dense is not None else j.g.shape[-1] * j.a.shape[-1] for j in jacs]
         if sum(sizes) != self.U.shape[0]:
             raise ValueError(f"U has {self.U.shape[0]} rows but the parameters have {sum(sizes)}")
@@ -53,7 +53,7 @@ class EigenStructure:
         JU = sum(jac.matmul(U_b) for jac, U_b in zip(jacs, blocks))
         if not self.low_rank:
             return JU, None
-        return JU, sum(_residual_gram(jac, JU, U_b) for jac, U_b in zip(jacs, blocks))
+        return JU, sum(residual_gram(jac, JU, U_b) for jac, U_b in zip(jacs, blocks))
 
     def covariances(self, rotated, prior_precisions: Sequence[float | Tensor]) -> Tensor:
         """``Σ(δ_g)`` for every prior precision of a grid, shape ``(G, n, C, C)``, float64."""
@@ -82,7 +82,7 @@ class EigenStructure:
     def _deltas(self, prior_precisions: Sequence[float | Tensor]) -> Tensor:
         """The grid as a float64 vector on the device of the eigenpairs (a CUDA fit's Jacobians
         and eigenvalues live there)."""
-        return torch.stack([_as_prior(delta, 1, torch.float64)[0] for delta in prior_precisions]).to(self.lam.device)
+        return torch.stack([as_prior(delta, 1, torch.float64)[0] for delta in prior_precisions]).to(self.lam.device)
 
 
 def orthonormal_eigenpairs(U: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:

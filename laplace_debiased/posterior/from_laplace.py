@@ -5,11 +5,15 @@
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
 from laplace_debiased.posterior.eigen import EigenStructure
 from laplace_debiased.posterior.kron import KronStructure
+
+if TYPE_CHECKING:
+    from laplace.baselaplace import ParametricLaplace
 
 
 def laplace_params(la) -> list[Tensor]:
@@ -41,10 +45,18 @@ def predictive_parts(la) -> tuple[nn.Module, list[Tensor]]:
     return model, params
 
 
-def _curvature_kind(la) -> str | None:
-    """``"own"`` (a curvature with a ``grid_structure`` method), ``"kron"``, ``"dense"``,
-    ``"low_rank"`` for the curvatures :func:`posterior_structure` reads, else ``None`` (cheap:
-    no decomposition)."""
+def curvature_kind(la: ParametricLaplace) -> str | None:
+    """The kind of curvature a fitted laplace-torch object holds in ``la.H`` (cheap: no
+    decomposition).
+
+    Args:
+        la: a fitted laplace-torch ``ParametricLaplace``.
+
+    Returns:
+        ``"own"`` (a curvature with a ``grid_structure`` method), ``"kron"``
+        (``KronDecomposed``), ``"dense"`` (a ``(P, P)`` tensor) or ``"low_rank"`` (a pair
+        ``(U, λ)``) for the curvatures :func:`posterior_structure` reads, else ``None``.
+    """
     from laplace.utils.matrix import KronDecomposed
 
     H = getattr(la, "H", None)
@@ -59,6 +71,7 @@ def _curvature_kind(la) -> str | None:
     return None
 
 
+
 def posterior_structure(la) -> KronStructure | EigenStructure:
     """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
 
@@ -67,7 +80,7 @@ def posterior_structure(la) -> KronStructure | EigenStructure:
     has them, low rank when ``H`` has rank ``< P``); a pair ``(U, λ)`` -> :class:`EigenStructure`
     (low rank).
     """
-    kind, H, s = _curvature_kind(la), getattr(la, "H", None), la._H_factor
+    kind, H, s = curvature_kind(la), getattr(la, "H", None), la._H_factor
     if kind == "own":  # a curvature that knows its basis (debiased EKFAC)
         return H.grid_structure(s, [p.numel() for p in laplace_params(la)])
     if kind == "kron":

@@ -10,7 +10,20 @@ from torch import Tensor
 from laplace_debiased.posterior.jacobians import LayerJacobian
 
 
-def _as_prior(delta: float | Tensor, n_blocks: int, dtype: torch.dtype) -> Tensor:
+def as_prior(delta: float | Tensor, n_blocks: int, dtype: torch.dtype) -> Tensor:
+    """One prior precision per block, checked.
+
+    Args:
+        delta: a scalar or ``(n_blocks,)`` prior precision (one per parameter tensor).
+        n_blocks: number of parameter tensors.
+        dtype: dtype of the result.
+
+    Returns:
+        ``(n_blocks,)`` prior precisions (a scalar broadcast to every block).
+
+    Raises:
+        ValueError: for a number of values other than 1 or ``n_blocks``, or a value ``<= 0``.
+    """
     d = torch.as_tensor(delta, dtype=dtype).reshape(-1)
     if len(d) not in (1, n_blocks):
         raise ValueError(
@@ -55,18 +68,36 @@ def weighted_grams(A: Tensor, W: Tensor) -> Tensor:
     return out
 
 
-def _jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
-    """``jac`` in float64, factored (``g``, ``a``) or dense (a sum over positions formed densely
-    in its own dtype)."""
+def jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
+    """``jac`` in float64.
+
+    Args:
+        jac: a layer's logit Jacobian, factored (``g``, ``a``) or dense.
+
+    Returns:
+        The factored Jacobian with both factors in float64, or the dense Jacobian
+        ``(n, C, numel)`` in float64 (a sum over positions is formed densely in the Jacobian's
+        own dtype first).
+    """
     if jac.g is None:
         return LayerJacobian(dense=jac.full().double())
     return LayerJacobian(g=jac.g.double(), a=jac.a.double())
 
 
-def _residual_gram(jac: LayerJacobian, JU: Tensor, U_b: Tensor) -> Tensor:
-    """``R Rᵀ`` ``(n, C, C)`` of the residual ``R = J - (JU) U_bᵀ`` of one parameter tensor,
-    formed in column pieces of at most :data:`PAIR_BUFFER` elements (a factored ``Linear``
-    Jacobian a few weight rows at a time), never the whole ``(n, C, numel)`` Jacobian."""
+def residual_gram(jac: LayerJacobian, JU: Tensor, U_b: Tensor) -> Tensor:
+    """``R Rᵀ`` of the residual ``R = J - (JU) U_bᵀ`` of one parameter tensor.
+
+    ``R`` is formed in column pieces of at most :data:`PAIR_BUFFER` elements (a factored
+    ``Linear`` Jacobian a few weight rows at a time), never the whole ``(n, C, numel)`` Jacobian.
+
+    Args:
+        jac: the parameter tensor's Jacobian ``J`` (``(n, C, numel)`` dense, or factored).
+        JU: ``(n, C, k)`` Jacobian of all parameters times the eigenbasis.
+        U_b: ``(numel, k)`` rows of the eigenbasis ``U`` that belong to this parameter tensor.
+
+    Returns:
+        ``(n, C, C)``: ``R Rᵀ`` per input.
+    """
     n, C = JU.shape[:2]
     if jac.dense is not None:
         step = max(1, PAIR_BUFFER // (n * C))

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace_debiased.curvature.kfac import labelled_rows
-from laplace_debiased.posterior.from_laplace import _curvature_kind, laplace_params, posterior_structure
+from laplace_debiased.posterior.from_laplace import curvature_kind, laplace_params, posterior_structure
 from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
 from laplace_debiased.posterior.links import ALL_LINKS, apply_link, probit_from_variances, project_classes
 
@@ -170,7 +170,7 @@ def gridsearch_supported(la, pred_type: str, link_approx: str) -> bool:
     :data:`GRIDSEARCH_LINKS`."""
     if getattr(la, "likelihood", None) != "classification" or pred_type != "glm":
         return False
-    return link_approx in GRIDSEARCH_LINKS and _curvature_kind(la) is not None
+    return link_approx in GRIDSEARCH_LINKS and curvature_kind(la) is not None
 
 
 class UnsupportedBatches(TypeError):

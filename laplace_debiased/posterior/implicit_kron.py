@@ -34,11 +34,12 @@ from laplace.utils.matrix import KronDecomposed
 from laplace.utils.utils import _is_valid_scalar
 from torch import Tensor
 
-from laplace_debiased.posterior.grams import _jacobian_float64
+from laplace_debiased.curvature.completion import extended_spectrum
+from laplace_debiased.posterior.grams import jacobian_float64
 from laplace_debiased.posterior.jacobians import LayerJacobian
 from laplace_debiased.posterior.kron import KronStructure
 
-__all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis", "extended_spectrum"]
+__all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
 
 
 def complete_basis(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,23 +53,6 @@ def complete_basis(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
     full = torch.linalg.qr(Q.double(), mode="complete").Q
     full = torch.cat([Q.double(), full[:, r:]], dim=1).to(Q.dtype)
     return full, torch.cat([ext[:r], ext[r:].expand(d - r)])
-
-
-def extended_spectrum(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
-    """Extended spectrum ``[λ_1, ..., λ_r, ν]`` and multiplicities ``[1, ..., 1, d - r]`` of a
-    factor (module docstring; no extra entry when ``Q`` is square)."""
-    r, null = Q.shape[1], Q.shape[0] - Q.shape[1]
-    if len(eigenvalues) not in (r, r + 1) or (not null and len(eigenvalues) != r):
-        raise ValueError(
-            f"eigenvectors {tuple(Q.shape)} need {r} eigenvalues"
-            + (f" (or {r + 1}, the last on their complement)" if null else "")
-            + f"; got {len(eigenvalues)}."
-        )
-    ones = torch.ones(r, dtype=eigenvalues.dtype, device=eigenvalues.device)
-    if not null:
-        return eigenvalues, ones
-    ext = eigenvalues if len(eigenvalues) == r + 1 else torch.cat([eigenvalues, eigenvalues.new_zeros(1)])
-    return ext, torch.cat([ones, ones.new_full((1,), null)])
 
 
 def _block_eigenvalues(ls: Sequence[Tensor], delta: Tensor, damping: bool) -> Tensor:
@@ -230,7 +214,7 @@ class ImplicitKronStructure(KronStructure):
         """:meth:`KronStructure.rotate`, with the null-space column(s) of implicit blocks."""
         out = super().rotate(jacs)
         for k in (k for k, implicit in enumerate(self.implicit) if implicit):
-            jac, (QG, QA) = _jacobian_float64(jacs[k]), self.Qs[k]
+            jac, (QG, QA) = jacobian_float64(jacs[k]), self.Qs[k]
             if jac.dense is None:
                 null = (jac.a - (jac.a @ QA) @ QA.T).square().sum(-1, keepdim=True)
                 out[k] = ("factored", out[k][1], torch.cat([out[k][2], null], dim=-1))

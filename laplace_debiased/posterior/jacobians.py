@@ -188,9 +188,18 @@ def _func_jacobians(
 def logit_jacobians(
     model: nn.Module, params: Sequence[Tensor], x: Tensor
 ) -> tuple[Tensor, list[LayerJacobian]]:
-    """Logits ``(n, [tokens,] C)`` and per-parameter Jacobians of the logit rows
-    (:func:`logit_rows`, ``(n·tokens, C, ·)``) of ``model`` at ``x`` (closed form for
-    Linear/Conv2d, ``torch.func`` otherwise)."""
+    """Logits and per-parameter Jacobians of the logit rows of ``model`` at ``x`` (closed form for
+    Linear/Conv2d, ``torch.func`` otherwise).
+
+    Args:
+        model: the network.
+        params: the parameters to differentiate by, one Jacobian each.
+        x: ``(n, ...)`` inputs.
+
+    Returns:
+        ``(f, jacs)``: the logits ``(n, [tokens,] C)`` and, per parameter, the Jacobian of the
+        logit rows (:func:`logit_rows`, ``(n·tokens, C, numel)``) as a :class:`LayerJacobian`.
+    """
     if all(o is not None for o in _owners(model, params)):
         return _layer_jacobians(model, params, x)
     return _func_jacobians(model, params, x)

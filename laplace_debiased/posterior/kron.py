@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from laplace_debiased.posterior.grams import _as_prior, _jacobian_float64, weighted_grams
+from laplace_debiased.posterior.grams import as_prior, jacobian_float64, weighted_grams
 from laplace_debiased.posterior.jacobians import LayerJacobian
 from laplace_debiased.posterior.links import project_classes
 
@@ -46,7 +46,7 @@ class KronStructure:
             if len(Qs) == 2 and jac.positions is not None and positions_cheaper(jac.positions):
                 out.append(("dense", rotate_positions(*jac.positions, Qs[0], Qs[1]), None))
                 continue
-            jac = _jacobian_float64(jac)
+            jac = jacobian_float64(jac)
             if len(Qs) == 2 and jac.dense is None:
                 out.append(("factored", jac.g @ Qs[0], (jac.a @ Qs[1]).square()))
             elif len(Qs) == 2:
@@ -71,7 +71,7 @@ class KronStructure:
         return torch.stack([self._inverse_eigenvalues(k, d).reshape(-1) for d in deltas[:, k]])
 
     def _deltas(self, prior_precisions: Sequence[float | Tensor]) -> Tensor:
-        return torch.stack([_as_prior(d, len(self.ls), torch.float64) for d in prior_precisions])
+        return torch.stack([as_prior(d, len(self.ls), torch.float64) for d in prior_precisions])
 
     def covariances(self, rotated, prior_precisions: Sequence[float | Tensor]) -> Tensor:
         """``Σ(δ_g) = Σ_k J̃_k diag(1/(s λ_k + δ_gk)) J̃_kᵀ`` for every prior precision of a grid,

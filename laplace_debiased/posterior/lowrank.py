@@ -11,9 +11,7 @@ from laplace_debiased.curvature.linalg import symmetric_eigh64
 
 
 def lowrank_functional_covariance(J: Tensor, U: Tensor, lam: Tensor, prior: Tensor) -> Tensor:
-    """``J (U diag(λ) Uᵀ + diag(p))⁻¹ Jᵀ``: J ``(n, C, P)``, U ``(P, k)``, λ ``(k,)`` ``≥ 0`` (the
-    scaled curvature, e.g. laplace-torch's ``posterior_precision[0]``), p ``(P,)`` ``> 0`` ->
-    ``(n, C, C)`` in ``J.dtype``, computed in float64.
+    """The functional covariance ``J (U diag(λ) Uᵀ + diag(p))⁻¹ Jᵀ`` of a low-rank precision.
 
     With ``D = diag(p)`` and the thin SVD ``D^{-1/2} U diag(√λ) = Q diag(σ) Vᵀ`` the precision is
     ``D^{1/2} (I + Q diag(σ²) Qᵀ) D^{1/2}``, so with ``J̃ = J D^{-1/2}``, ``R = J̃ - (J̃Q)Qᵀ``:
@@ -22,7 +20,18 @@ def lowrank_functional_covariance(J: Tensor, U: Tensor, lam: Tensor, prior: Tens
 
     two Gram matrices with positive weights: no "prior term minus a correction" cancellation
     (for scalar ``p = δ``: ``1/(1+σ²)/δ = 1/(λ+δ)`` along ``U``, ``1/δ`` on its complement).
-    ``U`` need only be orthonormal to its dtype's round-off; negative ``λ`` are clamped to 0."""
+    ``U`` need only be orthonormal to its dtype's round-off; negative ``λ`` are clamped to 0.
+
+    Args:
+        J: ``(n, C, P)`` Jacobians.
+        U: ``(P, k)`` orthonormal eigenvectors of the scaled curvature.
+        lam: ``(k,)`` eigenvalues ``λ ≥ 0`` of the scaled curvature (e.g. laplace-torch's
+            ``posterior_precision[0]``).
+        prior: ``(P,)`` prior precisions ``p > 0``.
+
+    Returns:
+        ``(n, C, C)`` covariances in ``J.dtype``, computed in float64.
+    """
     Jt = J.double() / prior.double().sqrt()
     W = U.double() / prior.double().sqrt()[:, None] * lam.double().clamp_min(0.0).sqrt()
     Q, sigma, _ = torch.linalg.svd(W, full_matrices=False)
@@ -33,12 +42,20 @@ def lowrank_functional_covariance(J: Tensor, U: Tensor, lam: Tensor, prior: Tens
 
 
 def dense_posterior_scale(H: Tensor, h_factor: float | Tensor, prior: Tensor) -> Tensor:
-    """Float64 ``S`` ``(P, P)`` with ``S Sᵀ = (s·H + diag(p))⁻¹`` for a dense PSD ``H`` stored in
-    any dtype, ``p`` ``(P,)`` ``> 0``.
+    """A square root ``S`` of the posterior covariance ``S Sᵀ = (s·H + diag(p))⁻¹``.
 
     ``D^{-1/2} s H D^{-1/2} = V diag(μ) Vᵀ`` (float64 eigh, round-off negative ``μ`` clamped
     to 0) gives ``S = D^{-1/2} V diag((1+μ)^{-1/2})``; the
-    functional variance ``(JS)(JS)ᵀ`` is then a Gram, finite and PSD for every ``p > 0``."""
+    functional variance ``(JS)(JS)ᵀ`` is then a Gram, finite and PSD for every ``p > 0``.
+
+    Args:
+        H: ``(P, P)`` dense PSD curvature, in any dtype.
+        h_factor: its scale ``s``.
+        prior: ``(P,)`` prior precisions ``p > 0``.
+
+    Returns:
+        ``S``, ``(P, P)`` float64.
+    """
     d = prior.double().rsqrt()
     mu, V = symmetric_eigh64(float(h_factor) * H.double() * d[:, None] * d[None, :])
     mu = mu.clamp_min(0.0)

@@ -1,7 +1,7 @@
 """Layerwise marginal-likelihood prior tuning with one prior precision per curvature block.
 
 ``debiased_kron`` and ``debiased_ekfac`` over all weights keep a normalisation layer's weight and
-bias in one dense curvature block (:mod:`laplace_debiased.structures.mixed`), so the two tensors
+bias in one dense curvature block (:mod:`laplace_debiased.curvature.layer_blocks`), so the two tensors
 take one prior precision: the posterior precision of the block is ``G + δ I`` over both. A
 per-tensor ("layerwise") prior then has one free value per *block*, and laplace-torch's marglik
 loop, which moves every tensor's value on its own, would give the two tensors different values.
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from laplace.lllaplace import LLLaplace
 
-from laplace_debiased.structures.mixed import block_deltas, block_spans
+from laplace_debiased.curvature.layer_blocks import block_deltas, block_spans
 
 __all__ = ["BlockPriorMixin"]
 

@@ -142,21 +142,10 @@ class CrossFitStructure:
 
 
 class CrossFitMixin:
-    """The ``cross_fit`` keyword of ``fit`` and exact mixture samples, for a two-batch Laplace
-    class (listed before :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`)
-    whose fit builds a :class:`CrossFitDecomposed` ``H`` when ``self._cross_fit`` is set."""
+    """Exact mixture samples for a two-batch Laplace class whose fit builds a
+    :class:`CrossFitDecomposed` ``H`` when ``self._cross_fit`` is set."""
 
     _cross_fit: bool = False
-
-    def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False, *,
-            cross_fit: bool = False, **kwargs: Any) -> None:
-        """``cross_fit=True``: also fit the swapped roles (basis from B̃, eigenvalues from B)
-        and use the mixture of the two (module docstring); other arguments as
-        :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`."""
-        if not isinstance(cross_fit, bool):
-            raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
-        self._cross_fit = cross_fit
-        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""

@@ -17,13 +17,13 @@ posterior (:mod:`laplace_debiased.structures.cross_fit`, shared with ``debiased_
 
 Under an initialised ``torch.distributed`` group the K-FAC sums come from ``debiased_kron``'s
 sharded pass, rank 0 broadcasts their eigenbasis, every rank measures the eigenvalue sums on its
-rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.structures.distributed`).
+rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.parallel.distributed`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from curvlinops import FisherType
@@ -40,9 +40,9 @@ from laplace_debiased.curvature.ekfac import (
     measure_ekfac_eigenvalues,
 )
 from laplace_debiased.posterior.kron import KronStructure
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
-from laplace_debiased.structures.distributed import (
+from laplace_debiased.parallel.distributed import (
     all_reduce_sum_,
     broadcast_,
     broadcast_computed,
@@ -50,13 +50,8 @@ from laplace_debiased.structures.distributed import (
 )
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.kron import DebiasedKronLaplace
-from laplace_debiased.structures.mixed import (
-    Spanned,
-    SpannedStructure,
-    block_modules,
-    block_spans,
-    is_extra,
-)
+from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, is_extra
+from laplace_debiased.posterior.spanned import Spanned, SpannedStructure
 
 __all__ = [
     "EKFACDecomposed",
@@ -239,7 +234,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
     Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
     conv weight gradient is summed over positions before it is rotated and squared); embeddings,
     attention projections and GPT-2 ``Conv1D`` get debiased K-FAC blocks, normalisation layers
-    their dense blocks (:mod:`laplace_debiased.structures.mixed`).
+    their dense blocks (:mod:`laplace_debiased.curvature.layer_blocks`).
     Backends as ``debiased_kron``: the GGN backends give the exact GGN diagonal (``stochastic``
     ones an MC Fisher), EF backends the empirical Fisher.  ``damping`` is not supported (the
     eigenvalues are not Kronecker-factored), nor are online fits (``override=False``).
@@ -261,10 +256,18 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         train_loader: DataLoader,
         override: bool = True,
         progress_bar: bool = False,
-        **kwargs: Any,
+        *,
+        magnitude_loader: DataLoader | None = None,
+        n_direction_batches: int | None = None,
+        n_magnitude_batches: int | Literal["auto"] | None = None,
+        split: str = "batches",
+        generator: torch.Generator | None = None,
+        null_space: str = "isotropic",
+        estimator: str | None = None,
+        cross_fit: bool = False,
     ) -> None:
-        """Fit as :meth:`TwoBatchLaplaceMixin.fit` (``cross_fit`` as
-        :meth:`~laplace_debiased.structures.cross_fit.CrossFitMixin.fit`).  ``override=False``
+        """Fit as :meth:`DebiasedKronLaplace.fit` (``estimator``: ``"paper"`` only; ``null_space``
+        is not used: the EKFAC eigenvalues are B̃'s exact diagonal in B's basis). ``override=False``
         raises: EKFAC eigenvalues are measured in one basis and cannot be re-measured in a
         combined basis without the earlier data."""
         if not override:
@@ -272,7 +275,11 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
                 "debiased EKFAC does not support override=False: refit on all the data with "
                 "override=True."
             )
-        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+        super().fit(
+            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
+            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
+            generator=generator, null_space=null_space, estimator=estimator, cross_fit=cross_fit,
+        )
 
     def _fit_two_batch(
         self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
@@ -392,7 +399,7 @@ class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
 
 class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
     """:class:`EKFACDecomposed` whose blocks may span several parameter tensors (a
-    normalisation layer's dense block; :mod:`laplace_debiased.structures.mixed`)."""
+    normalisation layer's dense block; :mod:`laplace_debiased.curvature.layer_blocks`)."""
 
     _structure = SpannedEKFACStructure
 

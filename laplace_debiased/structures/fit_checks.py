@@ -11,7 +11,7 @@ import torch
 from laplace.lllaplace import LLLaplace
 from torch import nn
 
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets
+from laplace_debiased.data.batch import Batch, batch_inputs_targets
 
 _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 LOGIT_CHECK_ROWS = 8

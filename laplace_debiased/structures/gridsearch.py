@@ -1,7 +1,8 @@
 """Prior-precision grid search of the two-batch classes (:class:`GridSearchMixin`, a base of
 :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`): one predictive pass for the
 whole grid where :mod:`laplace_debiased.posterior.grid` can, else laplace-torch's ``validate``
-per point with the metric reset before each.
+per point with the metric reset before each; the lowest score wins by the package's choice rule
+(:func:`~laplace_debiased.prior_grid.choose_prior_precision`, through :func:`lowest_score_point`).
 
 Regression: the default score is the Gaussian predictive NLL with the object's ``sigma_noise``
 (:class:`GaussianPredictiveNLL`), so that δ is chosen for calibration; laplace-torch's default,
@@ -25,6 +26,7 @@ from torch.linalg import LinAlgError
 from torch.utils.data import DataLoader
 
 from laplace_debiased.posterior.grid import UnsupportedBatches, grid_validation_scores, gridsearch_supported
+from laplace_debiased.prior_grid import choose_prior_precision
 
 
 class GaussianPredictiveNLL(torchmetrics.Metric):
@@ -121,7 +123,7 @@ class GridSearchMixin:
             except UnsupportedBatches:
                 pass
             else:
-                return interval[int(np.argmin(scores))]
+                return lowest_score_point(interval, scores)
         results: list[float] = []
         for prior_prec in tqdm.tqdm(interval, disable=not progress_bar):
             self.prior_precision = prior_prec
@@ -144,4 +146,23 @@ class GridSearchMixin:
                     raise
                 result = np.inf
             results.append(result)
-        return interval[int(np.argmin(results))]
+        return lowest_score_point(interval, results)
+
+
+def lowest_score_point(interval: torch.Tensor, scores: list[float]) -> torch.Tensor:
+    """The grid point of the lowest score, by the package's choice rule.
+
+    Args:
+        interval: The prior precisions searched, shape ``(G,)``, in any order.
+        scores: The score of each grid point (lower is better), ``G`` numbers in the order of
+            ``interval``.
+
+    Returns:
+        The element of ``interval`` that
+        :func:`~laplace_debiased.prior_grid.choose_prior_precision` chooses: non-finite scores
+        are skipped and ties go to the smallest prior precision.  When no score is finite, the
+        first element, as laplace-torch's ``argmin`` returns.
+    """
+    deltas = [float(d) for d in interval]
+    best = choose_prior_precision(dict(zip(deltas, (float(s) for s in scores))), "nll")
+    return interval[0 if best is None else deltas.index(best)]

@@ -15,14 +15,15 @@ through the model in shared forward/backward passes and the factor sums are spli
 (:mod:`laplace_debiased.curvature.kfac`), so a debiased fit at 2 × b/2 costs one pass over
 ``b`` rows like a single-batch fit at ``b``; other backends are called once per batch.
 Under an initialised ``torch.distributed`` group the rows are sharded over the ranks
-(:mod:`laplace_debiased.structures.distributed`).
+(:mod:`laplace_debiased.parallel.distributed`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from torch.utils.data import DataLoader
 from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
 from laplace.baselaplace import KronLaplace
 from laplace.lllaplace import KronLLLaplace
@@ -33,19 +34,16 @@ from laplace_debiased.structures.auto_magnitude import AutoMagnitudeMixin
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMixin
 from laplace_debiased.structures.kron_layers import KronLayersMixin
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.curvature.completion import NULL_SPACE_MODES, debiased_factor_mode
-from laplace_debiased.structures.kron_estimators import ESTIMATORS, Correction, corrected_decomposition, on_rank0, resolve_estimator
-from laplace_debiased.curvature.linalg import debiased_kron
-from laplace_debiased.structures.coverage import Coverage, coverage_record, report_coverage
-from laplace_debiased.structures.mixed import (
-    Spanned,
-    SpannedImplicitKronStructure,
-    SpannedKronStructure,
-    block_spans,
-)
-from laplace_debiased.structures.distributed import is_distributed
-from laplace_debiased.structures.kron_passes import single_pass_kfacs
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.curvature.completion import NULL_SPACE_MODES
+from laplace_debiased.computers.kron import combine_kfacs, decompose_two_batch
+from laplace_debiased.computers.kron_estimators import ESTIMATORS, Correction, resolve_estimator
+from laplace_debiased.computers.coverage import Coverage, report_coverage
+from laplace_debiased.curvature.layer_blocks import block_spans
+from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
+from laplace_debiased.parallel.distributed import is_distributed
+from laplace_debiased.parallel.reducer import current_reducer
+from laplace_debiased.computers.kron_passes import single_pass_kfacs
 
 __all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
 
@@ -61,7 +59,7 @@ class DebiasedKronDecomposed(ImplicitKronDecomposed):
 
 class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
     """:class:`DebiasedKronDecomposed` whose blocks may span several parameter tensors (a
-    normalisation layer's dense block; :mod:`laplace_debiased.structures.mixed`)."""
+    normalisation layer's dense block; :mod:`laplace_debiased.curvature.layer_blocks`)."""
 
     _structure = SpannedKronStructure
     _implicit_structure = SpannedImplicitKronStructure
@@ -69,41 +67,6 @@ class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
     def __init__(self, eigenvectors, eigenvalues, deltas=None, damping: bool = False, *, spans: list[int] | None = None) -> None:
         super().__init__(eigenvectors, eigenvalues, deltas, damping=damping)
         self.spans = list(spans) if spans is not None else [1] * len(eigenvalues)
-
-
-def _combine(old: Kron, new: Kron, n_old: int, n_new: int) -> Kron:
-    """K-FAC of ``n_old + n_new`` points from two fits: output-side factors (and single-factor
-    blocks) add up, input-side factors are averaged with weights ``n / (n_old + n_new)``."""
-    w_old, w_new = n_old / (n_old + n_new), n_new / (n_old + n_new)
-    kfacs = []
-    for F_old, F_new in zip(old.kfacs, new.kfacs):
-        if len(F_old) == 2:
-            kfacs.append([F_old[0] + F_new[0], w_old * F_old[1] + w_new * F_new[1]])
-        else:
-            kfacs.append([F_old[0] + F_new[0]])
-    return Kron(kfacs)
-
-
-def _paired_rows(
-    direction_rows: list | None, magnitude_rows: list | None
-) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None:
-    """Per block and factor ``(B's rows, B̃'s rows)`` where both are known (the ``rows`` of
-    :func:`debiased_kron` and :func:`coverage_record`), ``None`` without rows."""
-    if direction_rows is None or magnitude_rows is None:
-        return None
-    return [
-        [None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
-        for bd, bm in zip(direction_rows, magnitude_rows)
-    ]
-
-
-def _null_space_rule(direction: Kron, magnitude: Kron, null_space: str) -> str:
-    """The rule for B's degenerate groups: ``null_space``, except ``"aligned"`` when B̃ is B,
-    where it is the plain eigendecomposition (laplace-torch's K-FAC). The isotropic mean over
-    B's tied runs (:func:`~laplace_debiased.curvature.linalg.tied_groups`) would move B's own
-    eigenvalues by up to the round-off tolerance, which is coarse when one eigenvalue dominates
-    the factor's norm."""
-    return "aligned" if magnitude is direction else null_space
 
 
 class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, TwoBatchLaplaceMixin, KronLaplace):
@@ -117,7 +80,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     (``fit(..., cross_fit=True)``: a
     :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed` mixture of it and the
     role-swapped one, B̃'s eigenvectors with B's Rayleigh quotients).
-    Layers: :mod:`~laplace_debiased.structures.mixed` (beyond Linear/Conv2d only with the default
+    Layers: :mod:`~laplace_debiased.curvature.layer_blocks` (beyond Linear/Conv2d only with the default
     Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
     """
 
@@ -126,17 +89,37 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     _estimator: str = "paper"
     _estimators: tuple[str, ...] = ESTIMATORS
 
-    def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False, *,
-            null_space: str = "isotropic", estimator: str | None = None, **kwargs: Any) -> None:
-        """Fit as :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`
-        (and ``cross_fit``), plus ``null_space``: how directions that B's factors do not
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        *,
+        magnitude_loader: DataLoader | None = None,
+        n_direction_batches: int | None = None,
+        n_magnitude_batches: int | Literal["auto"] | None = None,
+        split: str = "batches",
+        generator: torch.Generator | None = None,
+        null_space: str = "isotropic",
+        estimator: str | None = None,
+        cross_fit: bool = False,
+    ) -> None:
+        """Fit the debiased K-FAC approximation at the current (MAP) parameters.
+
+        ``train_loader`` to ``generator``: the two batches, as
+        :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`.
+
+        ``cross_fit=True``: also fit the swapped roles (basis from B̃, eigenvalues from B) and use
+        the equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
+
+        ``null_space``: how directions that B's factors do not
         distinguish (their null space, where a factor is wider than B) get their magnitude.
 
         ``"isotropic"`` (default): each such eigenspace gets B̃'s mean curvature over it,
         ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased, P chosen by B alone); ``"aligned"``: B̃'s own
         eigenbasis there, measured by B̃ (same-batch bias, exact zeros where B ∪ B̃ does not
         reach). See :mod:`laplace_debiased.curvature.completion` and docs/wide-layers.md.
-        After the fit ``self.coverage`` (:class:`~laplace_debiased.structures.coverage.Coverage`)
+        After the fit ``self.coverage`` (:class:`~laplace_debiased.computers.coverage.Coverage`)
         records per layer and factor what the curvature covers; it is logged, and a warning
         names the layers where a share of the weights keeps only the prior.
         ``debiased_ekfac`` (a subclass with its own eigenbasis and eigenvalues) does not use
@@ -148,14 +131,21 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         batches measure against each other; :mod:`laplace_debiased.curvature.corrected`;
         ``null_space`` does not apply; measured against the paper's in docs/guide/choosing-batches.md).
         After a corrected fit
-        ``self.correction`` (:class:`~laplace_debiased.structures.kron_estimators.Correction`)
+        ``self.correction`` (:class:`~laplace_debiased.computers.kron_estimators.Correction`)
         holds per block and factor what the correction changed, and it is logged.
         """
         if null_space not in NULL_SPACE_MODES:
             raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
+        if not isinstance(cross_fit, bool):
+            raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
         self._null_space = null_space
-        self._estimator = resolve_estimator(estimator, self._estimators, self._key[1], bool(kwargs.get("cross_fit")))
-        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+        self._estimator = resolve_estimator(estimator, self._estimators, self._key[1], cross_fit)
+        self._cross_fit = cross_fit
+        super().fit(
+            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
+            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
+            generator=generator,
+        )
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()
@@ -177,27 +167,14 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             self._factor_rows = None
             n_old = self.n_data
-            direction = _combine(self.H_facs, direction, n_old, N)
-            magnitude = _combine(self.H_facs_magnitude, magnitude, n_old, N)
+            direction = Kron(combine_kfacs(self.H_facs.kfacs, direction.kfacs, n_old, N))
+            magnitude = Kron(combine_kfacs(self.H_facs_magnitude.kfacs, magnitude.kfacs, n_old, N))
         self.H_facs, self.H_facs_magnitude = direction, magnitude
         sizes = [sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in g) for g in groups]
         self._fit_sizes = (self._fit_sizes[0] + sizes[0], self._fit_sizes[1] + sizes[-1])
         self._decompose(self.n_data + N)
         self._record_coverage()
         return loss
-
-    def _record_coverage(self) -> None:
-        """``self.coverage`` of B's eigenbasis (the first component when cross-fitted),
-        logged; warns once naming the layers with prior-only weights."""
-        H = self.H.components[0] if isinstance(self.H, CrossFitDecomposed) else self.H
-        rows = getattr(self, "_factor_rows", None) or [None]
-        self.coverage = coverage_record(
-            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, H.eigenvectors, H.eigenvalues,
-            self._block_names(), rows=_paired_rows(rows[0], rows[-1]),
-            null_space=self._null_space, direction_size=self._fit_sizes[0],
-            magnitude_size=self._fit_sizes[1],
-        )
-        report_coverage(self.coverage)
 
     def _kfacs(self, groups: list[list[Batch]], N: int) -> tuple[torch.Tensor, list[Kron]]:
         """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of
@@ -216,38 +193,23 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         return sum(f[0] for f in fits), [f[1] for f in fits]
 
     def _decompose(self, n_data: int | None = None) -> None:
-        """``H``: the debiased decomposition, or cross-fitted (and B̃ ≠ B) the mixture of it
-        and the role-swapped one, or the corrected one (``n_data``: the training data the
-        batches were drawn from, its finite-population scaling; default: those of the fits so
-        far, ``self.n_data``)."""
+        """``H``, ``coverage`` and ``correction`` from ``H_facs`` and ``H_facs_magnitude``
+        (:func:`~laplace_debiased.computers.kron.decompose_two_batch`; ``n_data``: the training
+        data the batches were drawn from, by default ``self.n_data``)."""
         rows = getattr(self, "_factor_rows", None) or [None]
-        if self._estimator == "corrected" and self.H_facs_magnitude is not self.H_facs:
-            self.H = self._corrected(self.H_facs, self.H_facs_magnitude, n_data or self.n_data)
-            return
-        H = self._debiased(self.H_facs, self.H_facs_magnitude, rows[0], rows[-1])
-        if self._cross_fit and self.H_facs_magnitude is not self.H_facs:
-            swapped = self._debiased(self.H_facs_magnitude, self.H_facs, rows[-1], rows[0])
-            H = CrossFitDecomposed(H, swapped)
-        self.H = H
+        result = decompose_two_batch(
+            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, rows=(rows[0], rows[-1]),
+            null_space=self._null_space, estimator=self._estimator, cross_fit=self._cross_fit,
+            sizes=self._fit_sizes, n_data=n_data or self.n_data, names=self._block_names(),
+            reducer=current_reducer(),
+        )
+        H = self._decomposed(result.eigenvectors, result.eigenvalues)
+        self.H = H if result.swapped is None else CrossFitDecomposed(H, self._decomposed(*result.swapped))
+        self.coverage, self.correction = result.coverage, result.correction
 
-    def _debiased(
-        self, direction: Kron, magnitude: Kron, direction_rows=None, magnitude_rows=None
-    ) -> DebiasedKronDecomposed:
-        """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude`` (through the
-        factors' rows where both are known: :func:`debiased_kron`; the samples summed into the
-        factors set their round-off tolerance); under a process group rank 0 computes them, the
-        others receive them (:func:`laplace_debiased.structures.distributed.broadcast_`)."""
-        null_space, terms = _null_space_rule(direction, magnitude, self._null_space), max(self._fit_sizes)
-        return self._decomposed(*on_rank0(lambda: debiased_kron(
-            direction.kfacs, magnitude.kfacs, _paired_rows(direction_rows, magnitude_rows),
-            factor=lambda D, M: debiased_factor_mode(D, M, null_space, terms), null_space=null_space,
-        ), direction.kfacs))
-
-    def _corrected(self, direction: Kron, magnitude: Kron, n_data: int) -> DebiasedKronDecomposed:
-        """The corrected estimate (:func:`corrected_decomposition`); its record in ``self.correction``."""
-        vecs, vals, self.correction = corrected_decomposition(
-            direction.kfacs, magnitude.kfacs, self._fit_sizes, self._block_names(), n_data)
-        return self._decomposed(vecs, vals)
+    def _record_coverage(self) -> None:
+        """Log ``self.coverage`` and warn once, naming the layers with prior-only weights."""
+        report_coverage(self.coverage)
 
     def _decomposed(self, eigenvectors: list, eigenvalues: list) -> DebiasedKronDecomposed:
         """The decomposed curvature; a :class:`SpannedKronDecomposed` where a dense
@@ -275,13 +237,14 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     ) -> tuple[torch.Tensor, list[Kron]]:
         """K-FAC of each batch set from shared passes over B ∪ B̃ (:func:`single_pass_kfacs`),
         each checked against the trainable parameters; and the summed loss."""
-        loss, krons, self._factor_rows = single_pass_kfacs(
+        loss, kfacs, self._factor_rows = single_pass_kfacs(
             self.model, self._kfac_modules(), groups, N, likelihood=self.likelihood, backend=self.backend,
             fisher=self._single_pass_fisher(), keys=(self.dict_key_x, self.dict_key_y), mean=self.mean,
+            reducer=current_reducer(),
         )
-        for kron in krons:
-            self._check_blocks(kron.kfacs)
-        return loss, krons
+        for blocks in kfacs:
+            self._check_blocks(blocks)
+        return loss, [Kron(blocks) for blocks in kfacs]
 
     def _kfac(self, batches: list[Batch], N: int) -> tuple[torch.Tensor, Kron]:
         """K-FAC of the batch set by one backend call per batch (backends that

@@ -1,6 +1,6 @@
 """Which layers and K-FAC blocks a debiased K-FAC covers (:class:`KronLayersMixin`, a base of
 :class:`~laplace_debiased.structures.kron.DebiasedKronLaplace`): the supported layers (K-FAC,
-embedding and dense normalisation blocks, :mod:`laplace_debiased.structures.mixed`), the
+embedding and dense normalisation blocks, :mod:`laplace_debiased.curvature.layer_blocks`), the
 blocks of frozen parameters dropped, and refusals for what a backend would get wrong.
 """
 
@@ -13,14 +13,9 @@ from laplace.curvature.backpack import BackPackInterface
 from laplace.curvature.curvature import EFInterface, GGNInterface
 from torch import nn
 
-from laplace_debiased.structures.batches import Batch
+from laplace_debiased.data.batch import Batch
 from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
-from laplace_debiased.structures.mixed import (
-    curvature_modules,
-    expected_block_shapes,
-    is_extra,
-    named_curvature_modules,
-)
+from laplace_debiased.curvature.layer_blocks import curvature_modules, expected_block_shapes, is_extra, named_curvature_modules
 
 _KFAC_LAYERS = (nn.Linear, nn.Conv2d)
 
@@ -42,7 +37,7 @@ class KronLayersMixin:
 
     def _kfac_modules(self) -> list[nn.Module]:
         """The layers with trainable parameters, in ``Kron`` block order (K-FAC layers,
-        embeddings, normalisation layers: :func:`~laplace_debiased.structures.mixed.curvature_modules`)."""
+        embeddings, normalisation layers: :func:`~laplace_debiased.curvature.layer_blocks.curvature_modules`)."""
         return curvature_modules(self._layers())
 
     def _trainable_blocks(self, kfacs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:

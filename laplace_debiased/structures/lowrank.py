@@ -36,7 +36,7 @@ backbone). Outputs may be ``(n, tokens, C)``, every token an output with its own
 :mod:`laplace_debiased.curvature.eigen`. ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
 preference pairs) and predicts as regression, as laplace-torch does.
 
-Under an initialised ``torch.distributed`` group (:mod:`laplace_debiased.structures.distributed`)
+Under an initialised ``torch.distributed`` group (:mod:`laplace_debiased.parallel.distributed`)
 every rank computes the dense curvature of its rows of every batch of B (and, for
 ``debiased_full``, of B̃; for ``debiased_lowrank`` B̃'s directional curvatures), the shares are
 added with ``all_reduce``, and rank 0 decomposes (float64) and broadcasts, so every rank holds
@@ -58,8 +58,8 @@ from torch.utils.data import DataLoader
 
 from laplace_debiased.curvature import eigen
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
-from laplace_debiased.structures.batches import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.structures.distributed import (
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.parallel.distributed import (
     all_reduce_sum_,
     broadcast_computed,
     is_distributed,
@@ -206,15 +206,30 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         # its own backend needs; the curvature here comes from laplace_debiased.curvature.eigen.
         super(LowRankLaplace, self).__init__(model, likelihood, **kwargs)
 
-    def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False, **kwargs: Any) -> None:
-        """Two-batch fit (:meth:`TwoBatchLaplaceMixin.fit`); ``override=False`` is refused
-        because an eigen-representation cannot be updated additively."""
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        *,
+        magnitude_loader: DataLoader | None = None,
+        n_direction_batches: int | None = None,
+        n_magnitude_batches: int | None = None,
+        split: str = "batches",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Two-batch fit (the arguments of :meth:`TwoBatchLaplaceMixin.fit`); ``override=False``
+        is refused because an eigen-representation cannot be updated additively."""
         if not override:
             raise ValueError(
                 "debiased_lowrank cannot be updated (override=False): the eigenpairs of a "
                 "sum are not the union of eigenpairs. Refit on all data instead."
             )
-        super().fit(train_loader, override=override, progress_bar=progress_bar, **kwargs)
+        super().fit(
+            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
+            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
+            generator=generator,
+        )
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         curvature = self._curvature_type()
@@ -271,7 +286,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
     ) -> eigen.EigenPairs:
         """Lanczos (:func:`~laplace_debiased.curvature.eigen.lanczos_top_k`) on rank 0 over
         ``v ↦ G_B v``, each product summed over the ranks' rows
-        (:func:`~laplace_debiased.structures.distributed.run_with_reduced_operator`); the
+        (:func:`~laplace_debiased.parallel.distributed.run_with_reduced_operator`); the
         eigenpairs are broadcast."""
         product = eigen.summed_curvature_product(
             module, self._module_batches(local_shards(batches, self.dict_key_x, self.dict_key_y)),

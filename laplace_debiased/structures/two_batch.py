@@ -7,7 +7,7 @@ A class using :class:`TwoBatchLaplaceMixin` lists it *before* its laplace-torch 
 
 which computes the curvature of the direction batches B and the magnitude batches B̃,
 each scaled to ``N`` data points exactly like a laplace-torch fit over a loader of ``N``
-samples (summed loss; see :mod:`laplace_debiased.structures.batches` for how B and B̃ are chosen),
+samples (summed loss; see :mod:`laplace_debiased.computers.batches` for how B and B̃ are chosen),
 sets ``self.H`` and returns the summed loss over the distinct batches of B ∪ B̃
 (:meth:`_distinct`), unscaled: backends that evaluate it with the curvature return theirs,
 the others call :meth:`_summed_loss`, so no batch is forwarded twice for the loss.  When the hook runs, ``self.n_data`` still holds the number of data
@@ -38,30 +38,22 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
 from laplace_debiased.curvature.kfac import output_rows, padded_rows
-from laplace_debiased.structures.batches import (
-    Batch,
-    BatchChoice,
-    BatchSplit,
-    batch_inputs_targets,
-    batch_size,
-    check_targets,
-    split_batches,
-)
+from laplace_debiased.computers.batches import BatchChoice, BatchSplit, check_targets, split_batches
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.block_priors import BlockPriorMixin
 from laplace_debiased.structures.chunked import ChunkedPredictiveMixin
-from laplace_debiased.structures.distributed import (
-    all_reduce_sum_,
+from laplace_debiased.parallel.distributed import (
     check_same_fit_inputs,
     fail_together,
     local_shards,
 )
 from laplace_debiased.structures.fit_checks import FitChecksMixin
 from laplace_debiased.structures.gridsearch import GridSearchMixin
-from laplace_debiased.structures.rank_failures import fault_point
+from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.structures.token_outputs import TokenOutputsMixin
 
 if TYPE_CHECKING:
-    from laplace_debiased.structures.auto_magnitude import AutoMagnitude
+    from laplace_debiased.computers.auto_magnitude import AutoMagnitude
 
 __all__ = ["TwoBatchLaplaceMixin"]
 
@@ -93,7 +85,7 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
             ``n_direction_batches`` batches, B̃ = the next ``n_magnitude_batches`` (a random draw
             with a shuffling loader); a one-batch loader is split into two disjoint halves by a
             seeded permutation. The choice is logged (INFO, logger ``laplace_debiased``) and
-            recorded in ``self.fit_batches``, one :class:`~laplace_debiased.structures.batches.BatchChoice`
+            recorded in ``self.fit_batches``, one :class:`~laplace_debiased.computers.batches.BatchChoice`
             per fit since the last ``override=True``.
         override : bool, default=True
             ``False`` accumulates onto a previous fit (online: both batch sets combined, debiased again).
@@ -108,7 +100,7 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
             ``R_f + k · R_f / |B| >= d_f`` for every K-FAC factor ``f`` of dimension ``d_f`` wider
             than the rows ``R_f`` B gives it (more after a short batch), at most ``AUTO_MAGNITUDE_CAP = 8``;
             ``k``, why, and any factor B ∪ B̃ still misses (a warning) are in ``fit_batches[-1].auto``
-            (:mod:`~laplace_debiased.structures.auto_magnitude`).
+            (:mod:`~laplace_debiased.computers.auto_magnitude`).
         split : {"batches", "halves"}
             ``"halves"``: all batches, first half B, second half B̃ ("debiased full-batch").
         generator : torch.Generator, optional
@@ -118,8 +110,8 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
         -----
         Under a ``torch.distributed`` group (collective: every rank calls ``fit``) the ranks
         refuse to fit if their models or selected B and B̃ differ
-        (:func:`~laplace_debiased.structures.distributed.check_same_fit_inputs`); an error on one
-        rank ends the fit on every rank (:func:`~laplace_debiased.structures.distributed.fail_together`).
+        (:func:`~laplace_debiased.parallel.distributed.check_same_fit_inputs`); an error on one
+        rank ends the fit on every rank (:func:`~laplace_debiased.parallel.distributed.fail_together`).
         """
         del progress_bar
         with fail_together(f"{type(self).__name__}.fit"):
@@ -145,7 +137,7 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
 
     def _auto_magnitude_rule(self) -> Callable[[list[Batch]], AutoMagnitude]:
         """Structures with K-FAC factors override this
-        (:class:`~laplace_debiased.structures.auto_magnitude.AutoMagnitudeMixin`)."""
+        (:class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitudeMixin`)."""
         raise ValueError(
             f"n_magnitude_batches='auto' counts the rows B gives each K-FAC factor, and {type(self).__name__} "
             "has no K-FAC factors. Pass an integer n_magnitude_batches (default 1), or use "
@@ -164,7 +156,6 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
         self.n_outputs = self._checked_n_outputs(batches.direction[0], used)
         setattr(self.model, "output_size", self.n_outputs)
         self.mean = self._map_estimate()
-        fault_point("fit")
         loss = self._fit_two_batch(batches.direction, batches.magnitude, batches.n_data)
         self._accumulate(loss, used, batches)
 
@@ -278,5 +269,5 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
         for b in local_shards(batches, self.dict_key_x, self.dict_key_y):
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             total = total + self.backend.factor * self.backend.lossfunc(*output_rows(self.model(X), y))
-        all_reduce_sum_([total])
+        current_reducer().sum_([total])
         return total

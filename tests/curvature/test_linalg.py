@@ -13,6 +13,7 @@ from laplace_debiased.curvature.linalg import (
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
+    tied_groups,
 )
 
 
@@ -182,3 +183,10 @@ def test_debiased_factor_is_orthogonally_equivariant(n, rank_fraction, repeated,
     a = _factor_matrix(*debiased_factor(G, D))
     b = _factor_matrix(*debiased_factor(Q @ G @ Q.T, Q @ D @ Q.T))
     torch.testing.assert_close(b, Q @ a @ Q.T, atol=1e-10 * float(D.norm()), rtol=1e-8)
+
+
+def test_tied_groups_have_bounded_spread_and_cover_everything():
+    values = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.35, 2.0, 2.05, 5.0])
+    groups = tied_groups(values, 0.15)
+    assert [(g.start, g.stop) for g in groups] == [(0, 2), (2, 5), (5, 7), (7, 8)]
+    assert all(float(values[g.stop - 1] - values[g.start]) <= 0.15 for g in groups)

@@ -23,7 +23,6 @@ from _models import loader, tiny_mlp, toy_data
 from laplace_debiased import cli
 from laplace_debiased.evaluation.sweep import output_lock, row_key
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
-from laplace_debiased.structures.rank_failures import FAULT_ENV
 
 WORLD = 2
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,19 +38,18 @@ TIMINGS = ("fit_seconds", "eval_seconds")
 def _cli(tmp: Path, cache: str, out: str, *args: str, world: int = 1,
          fault: str | None = None) -> subprocess.CompletedProcess:
     """``python -m laplace_debiased --config tiny.json --out OUT ARGS``, under torchrun if
-    ``world`` > 1, in a fresh environment (one thread, the given model cache; ``fault``: the
-    ``LAPLACE_DEBIASED_FAULT`` to inject)."""
+    ``world`` > 1, in a fresh environment (one thread, the given model cache; ``fault``:
+    ``RANK:ACTION:COUNT`` of the :class:`_faults.FaultyReducer` to run it with)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", FAULT_ENV)}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=pythonpath(ROOT), OMP_NUM_THREADS="1", LAPLACE_DEBIASED_CACHE=str(tmp / cache))
-    if fault:
-        env[FAULT_ENV] = fault
-    launch = [sys.executable, "-m"]
+    launch = [sys.executable]
     if world > 1:
-        launch += ["torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m"]
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    entry = [str(ROOT / "tests" / "_faults.py"), fault] if fault else ["-m", "laplace_debiased"]
     cfg = tmp / "tiny.json"
     cfg.write_text(json.dumps(TINY))
-    cmd = [*launch, "laplace_debiased", *args, "--config", str(cfg), "--out", str(tmp / out)]
+    cmd = [*launch, *entry, *args, "--config", str(cfg), "--out", str(tmp / out)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)  # a hang guard only
 
 
@@ -139,7 +137,7 @@ def test_distributed_pipeline_lost_rank_ends_every_rank_loses_nothing_and_resume
     the first round's rows when rank 1 is killed, and the rerun appends the rest later)."""
     tmp, _, _ = runs
     out = f"lost-{action}"
-    lost = _cli(tmp, "cache-multi", out, "--seed", "1", world=WORLD, fault=f"1:fit:{action}:2")
+    lost = _cli(tmp, "cache-multi", out, "--seed", "1", world=WORLD, fault=f"1:{action}:2")
     assert lost.returncode != 0
     if action == "raise":  # rank 0 reports it before rank 1 exits (rank 1 waits for it)
         assert "laplace-debiased: error: rank 1 failed" in lost.stderr and "injected fault" in lost.stderr

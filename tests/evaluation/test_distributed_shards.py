@@ -22,7 +22,7 @@ from _env import spawn_ranks
 from laplace_debiased.evaluation.options import DEFAULTS
 from laplace_debiased.evaluation.pipeline import _digits, _method, fit_rows
 from laplace_debiased.evaluation.models import digits_cnn
-from laplace_debiased.structures.distributed import fetch_rows
+from laplace_debiased.parallel.distributed import fetch_rows
 
 #: 251 of the 300 training digits: no world size below divides it, so the shards differ in size
 OPTS = {**DEFAULTS, "seed": 1, "train_size": 251, "repeats": 2, "batch_size": 32, "subset": "last_layer",

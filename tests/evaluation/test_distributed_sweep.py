@@ -20,7 +20,7 @@ import laplace_debiased.evaluation.sweep as sweep_module
 import laplace_debiased.posterior.grid as grid_module
 from laplace_debiased.data.shards import chunk_shard
 from laplace_debiased.evaluation.sweep import LOCK_NAME, EvalSet, Method, load_rows, row_key, run_sweep
-from laplace_debiased.structures.distributed import local_fits, rank_world
+from laplace_debiased.parallel.distributed import local_fits, rank_world
 
 WORLD = 2
 SWEEP = dict(prior_precisions=(0.1, 1.0), links=("probit", "mc"), n_samples=16, seed=3,

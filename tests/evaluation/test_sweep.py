@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -10,8 +11,9 @@ from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.evaluation import sweep
+from laplace_debiased.evaluation import options, sweep
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, row_key, run_sweep
+from laplace_debiased.prior_grid import PriorGrid
 
 
 def _setup():
@@ -112,8 +114,17 @@ def test_bad_results_file_and_inputs_are_refused(tmp_path):
         run_sweep(methods, eval_sets, tmp_path / "x.jsonl", links=("bridge",), progress=False)
     with pytest.raises(ValueError, match="needs labels"):
         EvalSet("t", torch.zeros(2, 4))
-    assert len(sweep.DEFAULT_PRIOR_PRECISIONS) == 14
 
+
+
+def test_the_default_grids_come_from_the_grid_owner():
+    """``run_sweep``'s default grid is ``PriorGrid.default()``, the main job's is that grid and
+    four larger points; ``DEFAULT_PRIOR_PRECISIONS`` imports from ``prior_grid`` alone."""
+    assert inspect.signature(run_sweep).parameters["prior_precisions"].default == PriorGrid.default().values
+    main = options.DEFAULTS["prior_precisions"]
+    assert main == [*PriorGrid.default(), 100.0, 1000.0, 10000.0, 100000.0]
+    assert PriorGrid.parse(main).values == tuple(main)  # already rounded, each once
+    assert not hasattr(sweep, "DEFAULT_PRIOR_PRECISIONS") and not hasattr(options, "DEFAULT_PRIOR_PRECISIONS")
 
 def test_repeated_or_nonpositive_prior_precisions_and_links_are_refused(tmp_path):
     _, eval_sets, methods, _ = _setup()

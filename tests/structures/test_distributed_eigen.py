@@ -17,7 +17,7 @@ import torch
 import laplace_debiased  # noqa: F401  (registers the debiased structures in spawned processes)
 from _env import assert_every_rank_equals, spawn_ranks
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
-from laplace_debiased.structures.distributed import broadcast_computed
+from laplace_debiased.parallel.distributed import broadcast_computed
 
 WORLD = 2
 CASES = {

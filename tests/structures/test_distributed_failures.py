@@ -4,12 +4,13 @@
   loader shuffled with its own seed) are refused at fit, on every rank, with an error that says
   what differs and how to fix it; ranks that agree fit.
 * A rank that raises, or is killed (``SIGKILL``), during a distributed fit ends the fit on the
-  other rank with a ``PeerRankError`` naming it. The faults are injected at a named point
-  (``LAPLACE_DEBIASED_FAULT``), never by timing; the ranks are left to end by themselves
+  other rank with a ``PeerRankError`` naming it. The faults are injected by a reducer that
+  fails at a chosen collective (``tests/_faults.py``), never by timing; the ranks are left to end by themselves
   (nothing stops a rank because another one failed), and the collective timeout is 30 minutes,
   so a rank that ends does so because the failure reached it.
 """
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ from torch.utils.data import DataLoader
 
 from _env import spawn_ranks_outcomes
 from _models import loader, tiny_mlp, toy_data
-from laplace_debiased.structures.rank_failures import FAULT_ENV
+from _faults import FaultyReducer
+from laplace_debiased.parallel.reducer import use_reducer
 
 WORLD = 2
 
@@ -89,12 +91,14 @@ def test_distributed_fit_accepts_ranks_that_agree(mismatch):
         assert outcome["result"]["barrier passed"]
 
 
-def _fault_job(rank: int, out: Path) -> dict:
-    """Fit debiased_kron; rank 1 fails at the fault point (after the rank check). Rank 1 then
+def _fault_job(action: str, rank: int, out: Path) -> dict:
+    """Fit debiased_kron; rank 1 fails (``action``) at the fit's first collective, the sum of
+    its K-FAC factors (after the rank check; :class:`FaultyReducer`). Rank 1 then
     stays alive until rank 0 has its outcome, so what ends rank 0's fit is rank 1 leaving the
     group, not rank 1's process exiting."""
     data = loader(toy_data(48, (4,), 3, "classification"), 8)
-    outcome = _outcome(lambda: _fit(tiny_mlp(), data))
+    with use_reducer(FaultyReducer(1, action)):
+        outcome = _outcome(lambda: _fit(tiny_mlp(), data))
     if rank == 0:
         (out / "rank0.done").touch()
     else:
@@ -105,7 +109,7 @@ def _fault_job(rank: int, out: Path) -> dict:
 
 def _faulty_run(tmp_path_factory, action: str) -> list:
     out = tmp_path_factory.mktemp(f"fault_{action}")
-    return spawn_ranks_outcomes(_fault_job, out, WORLD, env={FAULT_ENV: f"1:fit:{action}"})
+    return spawn_ranks_outcomes(functools.partial(_fault_job, action), out, WORLD)
 
 
 @pytest.mark.slow

@@ -15,12 +15,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.curvature.completion import debiased_factor_mode, isotropic_factor
 from laplace_debiased.curvature.linalg import debiased_factor, roundoff_tolerance
-from laplace_debiased.structures import coverage
-from laplace_debiased.structures.coverage import numerical_rank
+from laplace_debiased.computers import coverage
+from laplace_debiased.computers.coverage import numerical_rank
 from laplace import KronLaplace
 
 from laplace_debiased.structures.kron import DebiasedKronLaplace
-from laplace_debiased.posterior.implicit_kron import extended_spectrum  # after structures (registration)
+from laplace_debiased.curvature.completion import extended_spectrum  # after structures (registration)
 
 EPS64 = torch.finfo(torch.float64).eps
 

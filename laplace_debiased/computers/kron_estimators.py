@@ -1,0 +1,121 @@
+"""Choosing and computing the two-batch K-FAC estimate of ``fit(estimator=...)`` for the
+debiased K-FAC Laplace classes (:mod:`laplace_debiased.structures.kron`).
+
+``"paper"``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al., ICLR 2025), with the
+null-space completion of :mod:`laplace_debiased.curvature.completion`. ``"corrected"``: the
+eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches measure
+against each other (:mod:`laplace_debiased.curvature.corrected`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from laplace_debiased.curvature.corrected import FactorCorrection, corrected_kron
+from laplace_debiased.parallel.reducer import Reducer
+
+__all__ = ["ESTIMATORS", "Correction", "corrected_decomposition", "on_rank0", "resolve_estimator"]
+
+logger = logging.getLogger("laplace_debiased")
+
+#: the estimates ``fit(estimator=...)`` offers (module docstring)
+ESTIMATORS = ("paper", "corrected")
+
+
+def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: str, cross_fit: bool) -> str:
+    """The estimate a fit uses: ``estimator``, by default ``"paper"`` (the first of ``offered``).
+
+    Raises a ``ValueError`` that says what to pass if ``estimator`` is not one of ``offered`` or
+    ``"corrected"`` is combined with ``cross_fit`` (the corrected estimate already uses both orders)."""
+    if estimator is None:
+        return offered[0]
+    if estimator not in offered:
+        raise ValueError(f"{structure} offers estimator in {tuple(offered)}, got {estimator!r}.")
+    if estimator == "corrected" and cross_fit:
+        raise ValueError("estimator='corrected' already uses both orders of B and B̃; drop cross_fit=True.")
+    return estimator
+
+
+def on_rank0(compute: Callable[[], tuple[list, list]], like: list[list[torch.Tensor]],
+             reducer: Reducer) -> tuple[list, list]:
+    """``compute()``'s ``(eigenvectors, eigenvalues)`` (lists of lists shaped like the square
+    factors ``like``): computed on rank 0 and broadcast to the others (``reducer.broadcast_``),
+    so every rank holds the same basis (``eigh`` is not reproducible across devices)."""
+    if reducer.rank == 0:
+        eigenvectors, eigenvalues = compute()
+    else:
+        eigenvectors = [[torch.empty_like(F) for F in block] for block in like]
+        eigenvalues = [[F.new_empty(F.shape[0]) for F in block] for block in like]
+    reducer.broadcast_([t for blocks in (eigenvectors, eigenvalues) for b in blocks for t in b])
+    return eigenvectors, eigenvalues
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What a corrected fit changed, per block and factor (``la.correction``).
+
+    Attributes:
+        names: ``(layer, parameter)`` per block, in ``Kron`` block order.
+        factors: per block, one :class:`~laplace_debiased.curvature.corrected.FactorCorrection`
+            per factor (output factor first, then input; one for a single-factor block).
+    """
+
+    names: list[tuple[str, str]]
+    factors: list[list[FactorCorrection]]
+
+    def rows(self) -> list[dict]:
+        """One JSON-able dict per block and factor: layer, parameter, factor, change, the two
+        orders' changes and the standard error (fractions)."""
+        return [{"layer": layer, "parameter": parameter, "factor": _factor_name(i, len(fs)),
+                 "change": f.change, "change_B": f.change_b, "change_B~": f.change_b_tilde, "stderr": f.stderr}
+                for (layer, parameter), fs in zip(self.names, self.factors) for i, f in enumerate(fs)]
+
+    def markdown(self) -> str:
+        """A Markdown table of :meth:`rows` in percent."""
+        lines = ["| layer | parameter | factor | change of the single-batch spectrum [%] | ± s.e. [%] |",
+                 "|---|---|---|---|---|"]
+        lines += [f"| {r['layer']} | {r['parameter']} | {r['factor']} | {100 * r['change']:.1f} | "
+                  f"{100 * r['stderr']:.1f} |" for r in self.rows()]
+        return "\n".join(lines)
+
+    def log(self) -> None:
+        """One INFO line per block (logger ``laplace_debiased``)."""
+        for (layer, parameter), fs in zip(self.names, self.factors):
+            text = ", ".join(f"{_factor_name(i, len(fs))} {100 * f.change:.1f} % ± {100 * f.stderr:.1f} %"
+                             for i, f in enumerate(fs))
+            logger.info("corrected %s.%s: spectrum of the single batch B ∪ B̃ changed by %s", layer, parameter, text)
+
+
+def _factor_name(i: int, n: int) -> str:
+    return ("output", "input")[i] if n == 2 else "factor"
+
+
+def corrected_decomposition(
+    direction_kfacs: list[list[torch.Tensor]],
+    magnitude_kfacs: list[list[torch.Tensor]],
+    sizes: tuple[int, int],
+    names: list[tuple[str, str]],
+    n_data: int,
+    reducer: Reducer,
+) -> tuple[list, list, Correction | None]:
+    """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
+    ``n_data`` training data), on rank 0
+    and broadcast (:func:`on_rank0`); returns ``(eigenvectors, eigenvalues, correction)`` with
+    rank 0's :class:`Correction` (``None`` on the other ranks), logged per block (``names``)."""
+    records: list[list[FactorCorrection]] = []
+
+    def compute() -> tuple[list, list]:
+        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data)
+        records.extend(recs)
+        return vecs, vals
+
+    vecs, vals = on_rank0(compute, direction_kfacs, reducer)
+    if not records:
+        return vecs, vals, None
+    correction = Correction(list(names), records)
+    correction.log()
+    return vecs, vals, correction

@@ -1,0 +1,69 @@
+"""The ranks of the coverage record: the union B ∪ B̃ reaches at least as far as each batch.
+
+Every rank of a factor's coverage (B, B̃ and their union) is counted at one tolerance, that of the
+union: by Weyl's inequality ``λ_i(F_B + F_B̃) ≥ λ_i(F_B)`` for a PSD ``F_B̃``, so the union's count
+cannot fall below a part's. Counting each matrix at its own norm-relative tolerance could.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laplace_debiased.curvature.linalg import roundoff_tolerance
+from laplace_debiased.computers.coverage import factor_ranks, numerical_rank
+
+
+def test_an_eigenvalue_between_the_parts_and_the_unions_own_tolerance_counts_in_both():
+    """``F_B = diag(1, t, 0)``, ``F_B̃ = diag(1, 0, 0)`` in float32 with ``t`` above ``F_B``'s own
+    tolerance and below that of ``F_B + F_B̃`` (whose norm is twice as large): rank B is 2 at its
+    own tolerance, the union 1 at its own; at the common tolerance B has rank 1 as well."""
+    tol_b = roundoff_tolerance(torch.diag(torch.tensor([1.0, 0.0, 0.0])))
+    t = 1.5 * tol_b
+    Fd = torch.diag(torch.tensor([1.0, t, 0.0]))
+    Fm = torch.diag(torch.tensor([1.0, 0.0, 0.0]))
+    assert numerical_rank(Fd) == 2 and numerical_rank(Fd + Fm) == 1  # the inconsistency
+    assert factor_ranks(Fd, Fm) == (1, 1, 1)
+    t = 3 * tol_b  # above the union's tolerance too: counted in B and in the union
+    Fd = torch.diag(torch.tensor([1.0, t, 0.0]))
+    assert factor_ranks(Fd, Fm) == (2, 1, 2)
+
+
+@st.composite
+def two_batches(draw):
+    """Rows of two batches in ``d`` dims, float32, ReLU-like: a dominant mean direction plus
+    components whose scales fall over up to eight decades (so that eigenvalues lie on both
+    sides of every tolerance)."""
+    d = draw(st.integers(2, 24))
+    n, m = draw(st.integers(1, 2 * d)), draw(st.integers(1, 2 * d))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    decades = draw(st.floats(0.0, 8.0))
+    scales = torch.logspace(0.0, -decades, d, dtype=torch.float64)
+    mean = draw(st.floats(0.0, 1e3)) * torch.rand(d, generator=g, dtype=torch.float64)
+
+    def rows(k):
+        Z = torch.randn(k, d, generator=g, dtype=torch.float64) * scales
+        Z[:, draw(st.integers(0, d - 1)):] = 0.0  # a support narrower than d
+        return (mean + Z).float()
+
+    return rows(n), rows(m)
+
+
+@settings(max_examples=100, deadline=None)
+@given(two_batches(), st.booleans())
+def test_the_union_has_at_least_the_rank_of_each_batch(batches, from_rows):
+    Xd, Xm = batches
+    Fd, Fm = Xd.T @ Xd, Xm.T @ Xm
+    rd, rm, ru = factor_ranks(Fd, Fm, (Xd, Xm) if from_rows else None)
+    assert ru >= max(rd, rm)
+    assert ru <= min(len(Xd) + len(Xm), Fd.shape[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(two_batches(), st.booleans())
+def test_a_batch_united_with_itself_keeps_its_own_rank(batches, from_rows):
+    Xd, _ = batches
+    Fd = Xd.T @ Xd
+    own = numerical_rank(Fd)
+    assert factor_ranks(Fd, Fd, (Xd, Xd) if from_rows else None) == (own, own, own)
