@@ -3,9 +3,11 @@
 Importing this package registers the debiased Hessian structures with laplace-torch's
 ``Laplace(...)`` factory (it finds subclasses of ``BaseLaplace`` by their ``_key``).
 
-Layout: :mod:`.curvature` (the maths), :mod:`.structures` (the Laplace classes),
-:mod:`.evaluation` (predictive, metrics, sweeps, reports, main job), :mod:`.optim` (CG,
-Newton-CG), :mod:`.data`, :mod:`.diagnostics`, and the CLI (:mod:`.cli`, :mod:`.commands`).
+Layers, top to bottom (docs/architecture.md): the CLI (:mod:`.cli`, :mod:`.commands`),
+:mod:`.evaluation` and :mod:`.diagnostics`, :mod:`.structures` (the Laplace classes, adapters
+over the computations), :mod:`.posterior` and :mod:`.optim`, :mod:`.computers` (the two-batch
+computations), :mod:`.curvature` (the maths), :mod:`.parallel` (collectives), :mod:`.data`, and
+:mod:`.prior_grid` with the path, progress and thread helpers.
 """
 
 __version__ = "0.1.0"

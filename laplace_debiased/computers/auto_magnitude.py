@@ -1,5 +1,5 @@
 """``fit(train_loader, n_magnitude_batches="auto")``: enough magnitude batches to cover the widest
-K-FAC factor (issue 23).
+K-FAC factor.
 
 A K-FAC factor of dimension ``d`` is a sum of outer products, one per *row* its batch gives it,
 so a batch with ``r`` rows gives it rank at most ``r``, and B ∪ B̃ at most

@@ -1,4 +1,4 @@
-"""What the curvature of a debiased K-FAC fit covers, per layer and factor (issue 23).
+"""What the curvature of a debiased K-FAC fit covers, per layer and factor.
 
 A K-FAC factor of a batch has rank at most its number of rows (samples, times the spatial
 positions of a convolution). When a factor is wider than that, e.g. the input factor ``A``

@@ -670,7 +670,7 @@ def _first_records(ctx: _Context, key: str) -> dict[str, list[dict]]:
 
 
 def _coverage(ctx: _Context, doc: _Doc) -> None:
-    """What each debiased K-FAC fit's curvature covers (first repeat; issue 23): per layer and
+    """What each debiased K-FAC fit's curvature covers (first repeat): per layer and
     factor the ranks B, B̃ and B ∪ B̃ reach, exact zeros, and the share of weights left with
     only the prior (variance 1/δ, which rules the predictive at small δ)."""
     fits = _first_records(ctx, "coverage")
