@@ -316,10 +316,11 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> int:
     return flat.numel() * flat.element_size()
 
 
-def local_shards(batches: Sequence[Batch], dict_key_x: str, dict_key_y: str) -> list[Batch]:
-    """This rank's rows of every batch (:func:`shard_batch`), empty shards left out, so a sum
-    over the shards of all ranks is the sum over ``batches``. Without a group: ``batches``."""
-    rank, world = rank_world()
+def local_shards(batches: Sequence[Batch], dict_key_x: str, dict_key_y: str, *, rank: int,
+                 world: int) -> list[Batch]:
+    """Rank ``rank``'s rows of every batch (:func:`shard_batch`) among ``world`` ranks, empty
+    shards left out, so a sum over the shards of all ranks is the sum over ``batches``. One rank:
+    ``batches``."""
     if world == 1:
         return list(batches)
     shards = []

@@ -1,36 +1,28 @@
 """The reducer: the cross-rank operations of a fit, as one object that the computations take.
 
-A two-batch fit needs four collectives: a sum of per-rank partial sums (K-FAC factor sums, the
-summed loss), a broadcast of what rank 0 computed (eigenbases), a call whose results every rank
-gathers (the digests that check the ranks fit the same inputs), and a computation run on rank
-0 whose tensors every rank receives. :class:`Reducer` does them in one process, where each is
-the identity; :class:`ProcessGroupReducer` does them over the default ``torch.distributed``
-group (:mod:`laplace_debiased.parallel.distributed`). A fit takes the reducer of
+A two-batch K-FAC fit needs two collectives: a sum of per-rank partial sums (K-FAC factor sums,
+the summed loss) and a broadcast of what rank 0 computed (the eigenbases). :class:`Reducer` does
+them in one process, where each is the identity; :class:`ProcessGroupReducer` does them over the
+default ``torch.distributed`` group (:mod:`laplace_debiased.parallel.distributed`). A fit takes the reducer of
 :func:`current_reducer`; :func:`use_reducer` installs another one (tests inject failures that
 way, with a reducer whose collectives fail on a chosen rank).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
 
 import torch
 
 from laplace_debiased.parallel.distributed import (
     all_reduce_sum_,
     broadcast_,
-    broadcast_computed,
-    gather_results,
     is_distributed,
     rank_world,
 )
 
 __all__ = ["ProcessGroupReducer", "Reducer", "current_reducer", "use_reducer"]
-
-T = TypeVar("T")
-
 
 class Reducer:
     """The collectives of a fit in one process (a world of one rank): every one is the identity."""
@@ -51,18 +43,6 @@ class Reducer:
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite each tensor with rank ``src``'s, in place (here: unchanged)."""
 
-    def gather(self, fn: Callable[[], T]) -> list[T]:
-        """``[fn() of rank 0, fn() of rank 1, ...]``; every rank gets the whole list.
-
-        Raises:
-            Exception: whatever ``fn`` raised, on every rank.
-        """
-        return [fn()]
-
-    def computed_on_rank0(self, compute: Callable[[], Sequence[torch.Tensor]],
-                          device: torch.device | str) -> list[torch.Tensor]:
-        """``compute()`` on rank 0, its tensors (of one dtype) sent to every rank onto ``device``."""
-        return list(compute())
 
 
 class ProcessGroupReducer(Reducer):
@@ -83,13 +63,6 @@ class ProcessGroupReducer(Reducer):
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         broadcast_(tensors, src=src)
-
-    def gather(self, fn: Callable[[], T]) -> list[T]:
-        return gather_results(fn)
-
-    def computed_on_rank0(self, compute: Callable[[], Sequence[torch.Tensor]],
-                          device: torch.device | str) -> list[torch.Tensor]:
-        return broadcast_computed(compute, device)
 
 
 _installed: list[Reducer] = []

@@ -47,6 +47,7 @@ from laplace_debiased.parallel.distributed import (
     broadcast_,
     broadcast_computed,
     local_shards,
+    rank_world,
 )
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.structures.kron import DebiasedKronLaplace
@@ -338,7 +339,8 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         the basis the measurement used (bias blocks share their layer's ``Q_G``)."""
         m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
         basis = self._broadcast_basis(kron.kfacs)
-        shards = local_shards(batches, self.dict_key_x, self.dict_key_y)
+        rank, world = rank_world()
+        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=rank, world=world)
         if shards:
             data = [batch_inputs_targets(b, self.dict_key_x, self.dict_key_y) for b in shards]
             dict_inputs = not isinstance(data[0][0], Tensor)

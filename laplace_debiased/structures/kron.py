@@ -41,7 +41,6 @@ from laplace_debiased.computers.kron_estimators import ESTIMATORS, Correction, r
 from laplace_debiased.computers.coverage import Coverage, report_coverage
 from laplace_debiased.curvature.layer_blocks import block_spans
 from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
-from laplace_debiased.parallel.distributed import is_distributed
 from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.computers.kron_passes import single_pass_kfacs
 
@@ -183,7 +182,7 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
         self._factor_rows = None
         if self._single_pass_fisher() is not None:
             return self._kfac_single_pass(groups, N)
-        if is_distributed():
+        if current_reducer().world > 1:
             raise ValueError(
                 f"a distributed debiased K-FAC fit needs the CurvlinopsGGN (stochastic=False) "
                 f"or CurvlinopsEF backend without asdl_fisher_kwargs; got "

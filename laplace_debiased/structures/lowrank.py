@@ -64,6 +64,7 @@ from laplace_debiased.parallel.distributed import (
     broadcast_computed,
     is_distributed,
     local_shards,
+    rank_world,
     run_with_reduced_operator,
 )
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
@@ -117,7 +118,8 @@ class _EigenCurvatureMixin:
         :func:`~laplace_debiased.curvature.eigen.dense_curvature`) added over the ranks with
         one ``all_reduce``: the value of ``fn`` on all of ``batches``, on every rank. Without
         a process group: ``fn(module, batches)``."""
-        shards = local_shards(batches, self.dict_key_x, self.dict_key_y)
+        rank, world = rank_world()
+        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=rank, world=world)
         total = fn(module, self._module_batches(shards))
         all_reduce_sum_([total])
         return total
@@ -288,8 +290,9 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         ``v ↦ G_B v``, each product summed over the ranks' rows
         (:func:`~laplace_debiased.parallel.distributed.run_with_reduced_operator`); the
         eigenpairs are broadcast."""
+        rank, world = rank_world()
         product = eigen.summed_curvature_product(
-            module, self._module_batches(local_shards(batches, self.dict_key_x, self.dict_key_y)),
+            module, self._module_batches(local_shards(batches, self.dict_key_x, self.dict_key_y, rank=rank, world=world)),
             self._fit_likelihood, curvature, self.n_outputs,
         )
         first = next(iter(eigen.trainable_parameters(module).values()))

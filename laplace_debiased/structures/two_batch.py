@@ -266,8 +266,9 @@ class TwoBatchLaplaceMixin(ChunkedPredictiveMixin, TokenOutputsMixin, BlockPrior
         token its own loss term for outputs ``(n, tokens, C)`` (:func:`output_rows`).  Under a
         process group each rank forwards its rows only and the sums are all-reduced."""
         total = torch.zeros((), device=self._device, dtype=self._dtype)
-        for b in local_shards(batches, self.dict_key_x, self.dict_key_y):
+        reducer = current_reducer()
+        for b in local_shards(batches, self.dict_key_x, self.dict_key_y, rank=reducer.rank, world=reducer.world):
             X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
             total = total + self.backend.factor * self.backend.lossfunc(*output_rows(self.model(X), y))
-        current_reducer().sum_([total])
+        reducer.sum_([total])
         return total

@@ -100,3 +100,18 @@ def test_distributed_shard_batch_partitions_rows():
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_local_shards_partition_every_batch_over_the_ranks():
+    """The shards of ranks 0..W-1 hold each batch's rows once, in order; a rank with no rows of a
+    batch (fewer rows than ranks) gets no shard of it."""
+    from laplace_debiased.parallel.distributed import local_shards
+
+    batches = [(torch.arange(5.0)[:, None], torch.arange(5)), (torch.arange(2.0)[:, None], torch.arange(2))]
+    world = 3
+    parts = [local_shards(batches, "x", "y", rank=r, world=world) for r in range(world)]
+    assert [len(p) for p in parts] == [2, 2, 1]
+    for b, (X, y) in enumerate(batches):
+        got = torch.cat([p[b][1] for p in parts if len(p) > b])
+        assert torch.equal(got, y)
+    assert local_shards(batches, "x", "y", rank=0, world=1) == batches
