@@ -10,7 +10,7 @@ import pytest
 from laplace_debiased.commands import main
 from laplace_debiased.evaluation import pipeline
 from laplace_debiased.evaluation.sweep import OutputLockedError
-from laplace_debiased.structures import distributed
+from laplace_debiased.parallel import distributed
 
 PATHS = {"results": Path("out/results.jsonl"), "report": Path("out/report/README.md")}
 
