@@ -144,7 +144,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in DISTRIBUTED:
         return int(module.run(args) or 0)
     with _process_group():
-        return _run_rank(module, args)
+        status = _run_rank(module, args)
+        if status == 0 and _launched_world() > 1:
+            _wait_for_every_rank()
+        return status
+
+
+def _wait_for_every_rank() -> None:
+    """Under a process group, return once every rank has finished its command (a barrier), so
+    that no rank destroys the group and exits while gloo still moves a peer's last messages (an
+    exit then can abort the process: "terminate called without an active exception"). A peer
+    that already ended has nothing left to send: its error is ignored here."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer gone: its own status tells the launcher
+            pass
 
 
 def _run_rank(module: object, args: argparse.Namespace) -> int:
