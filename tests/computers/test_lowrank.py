@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from _models import exact_ggn, tiny_mlp
+from _ranks import Rank0, Rank1, over_two_ranks
 from laplace_debiased.computers.lowrank import (
     CurvatureSource,
     debiased_full,
@@ -45,51 +46,9 @@ def _rel(A: torch.Tensor, B: torch.Tensor) -> float:
     return float((A - B).abs().max() / B.abs().max())
 
 
-class _Rank1(Reducer):
-    """Plays rank 1 of two and records what it contributes: the tensors it sums, the products
-    it serves. Rank 0's computations run here too (their result is not rank 1's to keep)."""
-
-    rank, world = 1, 2
-
-    def __init__(self) -> None:
-        self.shares: list[list[torch.Tensor]] = []
-        self.products: list = []
-
-    def sum_(self, tensors):
-        self.shares.append([t.clone() for t in tensors])
-
-    def run_with_summed_operator(self, local_product, run, dim, dtype, device):
-        self.products.append(local_product)
-        return list(run(local_product))
-
-
-class _Rank0(Reducer):
-    """Plays rank 0 of two: adds rank 1's recorded shares and products to its own."""
-
-    rank, world = 0, 2
-
-    def __init__(self, rank1: _Rank1) -> None:
-        self.shares, self.products = iter(rank1.shares), iter(rank1.products)
-
-    def sum_(self, tensors):
-        for t, share in zip(tensors, next(self.shares), strict=True):
-            t.add_(share)
-
-    def run_with_summed_operator(self, local_product, run, dim, dtype, device):
-        other = next(self.products)
-        return list(run(lambda v: local_product(v) + other(v)))
-
-
-def _over_two_ranks(compute):
-    """``compute(rank's rows selector, reducer)`` as rank 0 of two (rank 1 run first, recorded)."""
-    rank1 = _Rank1()
-    compute(1, rank1)
-    return compute(0, _Rank0(rank1))
-
-
 def test_dense_curvature_summed_over_two_ranks_is_that_of_all_rows():
     model, batches = tiny_mlp(), _batches(0)
-    G = _over_two_ranks(lambda r, red: summed_dense_curvature(_source(model), _rows(batches, r), red))
+    G = over_two_ranks(lambda r, red: summed_dense_curvature(_source(model), _rows(batches, r), red))
     assert _rel(G, _ggn(model, batches)) < 1e-12
 
 
@@ -100,7 +59,7 @@ def test_remeasured_eigenvalues_are_the_rayleigh_quotients(ranks):
     if ranks == 1:
         lam = remeasured_eigenvalues(_source(model), batches, U, Reducer())
     else:
-        lam = _over_two_ranks(lambda r, red: remeasured_eigenvalues(_source(model), _rows(batches, r), U, red))
+        lam = over_two_ranks(lambda r, red: remeasured_eigenvalues(_source(model), _rows(batches, r), U, red))
     assert _rel(lam, torch.diagonal(U.T @ _ggn(model, batches) @ U)) < 1e-12
 
 
@@ -109,7 +68,7 @@ def test_direction_eigenpairs_over_two_ranks_are_those_of_the_summed_curvature(m
     """The dense route (rank 0 decomposes the summed ``G_B``) and Lanczos over products summed
     over the ranks give the top eigenpairs of ``G_B`` over all rows."""
     model, batches = tiny_mlp(), _batches(3)
-    pairs = _over_two_ranks(lambda r, red: direction_eigenpairs(
+    pairs = over_two_ranks(lambda r, red: direction_eigenpairs(
         _source(model), _rows(batches, r), rank=4, method=method, eigval_rtol=1e-6, reducer=red))
     want_vals, want_vecs = torch.linalg.eigh(_ggn(model, batches))
     want_vals, want_vecs = want_vals.flip(0)[:4], want_vecs.flip(1)[:, :4]
@@ -123,7 +82,7 @@ def test_direction_eigenpairs_over_ranks_refuse_a_dense_curvature_over_the_limit
     wide = torch.nn.Linear(120, 100).double()  # 12 100 parameters: 8 · P² > 1 GiB
     with pytest.raises(ValueError, match="method='lanczos'"):
         direction_eigenpairs(CurvatureSource(wide, "classification", "ggn", 100), [], rank=2, method="gram",
-                             eigval_rtol=0.0, reducer=_Rank0(_Rank1()))
+                             eigval_rtol=0.0, reducer=Rank0(Rank1()))
 
 
 def test_debiased_lowrank_keeps_B_top_eigenvectors_with_B_tilde_rayleigh_quotients():
@@ -191,7 +150,7 @@ def test_debiased_full_over_two_ranks_is_that_of_one_process(same):
     Bt_or_none = None if same else Bt
     kw = dict(sizes=(9, 9 if same else 5), n_data=N_DATA)
     one = debiased_full(_source(model), B, Bt_or_none, reducer=Reducer(), **kw)
-    two = _over_two_ranks(lambda r, red: debiased_full(
+    two = over_two_ranks(lambda r, red: debiased_full(
         _source(model), _rows(B, r), None if same else _rows(Bt, r), reducer=red, **kw))
     Q, h = one.eigenpairs
     assert two.eigenpairs is None and _rel(two.dense, Q @ torch.diag(h) @ Q.T) < 1e-10
