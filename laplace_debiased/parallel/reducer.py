@@ -30,7 +30,9 @@ from laplace_debiased.parallel.distributed import (
 __all__ = ["ProcessGroupReducer", "Reducer", "current_reducer", "use_reducer"]
 
 class Reducer:
-    """The collectives of a fit in one process (a world of one rank): every one is the identity."""
+    """The collectives of a fit in one process (a world of one rank): every one is the identity.
+
+    A reducer over several ranks overrides every method and property here."""
 
     @property
     def rank(self) -> int:
