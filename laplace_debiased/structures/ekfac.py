@@ -17,7 +17,8 @@ posterior (:mod:`laplace_debiased.structures.cross_fit`, shared with ``debiased_
 
 Under an initialised ``torch.distributed`` group the K-FAC sums come from ``debiased_kron``'s
 sharded pass, rank 0 broadcasts their eigenbasis, every rank measures the eigenvalue sums on its
-rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.parallel.distributed`).
+rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.computers.ekfac`, through the
+reducer of :func:`~laplace_debiased.parallel.reducer.current_reducer`).
 """
 
 from __future__ import annotations
@@ -34,22 +35,13 @@ from laplace.utils.utils import _is_valid_scalar
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace_debiased.curvature.ekfac import (
-    ekfac_to_dense,
-    kron_eigenbasis,
-    measure_ekfac_eigenvalues,
-)
+from laplace_debiased.computers.ekfac import EKFACMeasurement, decompose_ekfac
+from laplace_debiased.curvature.ekfac import ekfac_to_dense
 from laplace_debiased.posterior.kron import KronStructure
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
-from laplace_debiased.parallel.distributed import (
-    all_reduce_sum_,
-    broadcast_,
-    broadcast_computed,
-    local_shards,
-    rank_world,
-)
-from laplace_debiased.curvature.linalg import debiased_kron
+from laplace_debiased.parallel.distributed import local_shards
+from laplace_debiased.parallel.reducer import Reducer, current_reducer
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, is_extra
 from laplace_debiased.posterior.spanned import Spanned, SpannedStructure
@@ -308,68 +300,35 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
 
     def _ekfac(self, kron: Kron, measured: Kron, batches: list[Batch], N: int) -> EKFACDecomposed:
         """EKFAC with the eigenbasis of ``kron`` and the curvature of ``batches`` (whose K-FAC
-        sums are ``measured``), scaled to N: :meth:`_ekfac_kfac_blocks` for the Linear/Conv2d
-        blocks; the embedding and normalisation blocks are the debiased K-FAC blocks of
-        ``kron`` and ``measured`` (a dense block's eigenvalues ``diag(Uᵀ G_B̃ U)`` are its exact
-        EKFAC eigenvalues; an embedding gets the Kronecker-factored ones).  Computed on every
-        rank from the all-reduced sums."""
+        sums are ``measured``), scaled to N (:func:`~laplace_debiased.computers.ekfac.decompose_ekfac`)."""
         modules = self._kfac_modules()
-        extra = [is_extra(m) for m in block_modules(modules)]
-        pick = lambda blocks, want: [b for b, e in zip(blocks, extra) if e == want]  # noqa: E731
-        basis, lams = iter([]), iter([])
-        if not all(extra):
-            basis, lams = map(iter, self._ekfac_kfac_blocks(Kron(pick(kron.kfacs, False)), batches, N))
-        ext_basis, ext_lams = map(iter, debiased_kron(pick(kron.kfacs, True), pick(measured.kfacs, True)))
-        out_basis, out_lams = [], []
-        for e in extra:
-            out_basis.append(next(ext_basis) if e else next(basis))
-            lam = next(ext_lams) if e else next(lams)
-            out_lams.append(torch.outer(*lam) if e and len(lam) == 2 else (lam[0] if e else lam))
+        reducer = current_reducer()
+        result = decompose_ekfac(
+            kron.kfacs, measured.kfacs, [is_extra(m) for m in block_modules(modules)],
+            self._ekfac_measurement(batches, N, reducer), reducer,
+        )
         spans = block_spans(modules)
         if any(span > 1 for span in spans):
-            return SpannedEKFACDecomposed(out_basis, out_lams, spans)
-        return EKFACDecomposed(out_basis, out_lams)
+            return SpannedEKFACDecomposed(result.eigenvectors, result.eigenvalues, spans)
+        return EKFACDecomposed(result.eigenvectors, result.eigenvalues)
 
-    def _ekfac_kfac_blocks(self, kron: Kron, batches: list[Batch], N: int) -> tuple[list, list]:
-        """EKFAC basis and eigenvalues of the Linear/Conv2d blocks ``kron`` on ``batches``.
-
-        Under a process group (``kron`` already all-reduced) rank 0 decomposes ``kron`` and
-        broadcasts the basis, every rank measures the eigenvalue sums on its rows of
-        ``batches`` and the sums are all-reduced; rank 0 (which always has rows) broadcasts
-        the basis the measurement used (bias blocks share their layer's ``Q_G``)."""
-        m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
-        basis = self._broadcast_basis(kron.kfacs)
-        rank, world = rank_world()
-        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=rank, world=world)
-        if shards:
-            data = [batch_inputs_targets(b, self.dict_key_x, self.dict_key_y) for b in shards]
-            dict_inputs = not isinstance(data[0][0], Tensor)
-            basis, lams = measure_ekfac_eigenvalues(
-                self.backend.model,
-                self.backend.lossfunc,
-                [p for m in self._kfac_modules() if not is_extra(m) for p in m.parameters(recurse=False) if p.requires_grad],
-                data,
-                basis,
-                fisher_type=self._fisher_type(),
-                batch_size_fn=(lambda x: x[self.dict_key_x].shape[0]) if dict_inputs else None,
-            )
-        else:  # fewer rows than ranks: this rank adds nothing
-            basis = [[Q.to(self._dtype) for Q in Qs] for Qs in basis]
-            lams = [Qs[0].new_zeros([Q.shape[0] for Q in Qs]) for Qs in basis]
-        broadcast_([Q for Qs in basis for Q in Qs])
-        all_reduce_sum_(lams)
-        scale = N / m * self.backend.factor
-        return basis, [scale * lam for lam in lams]
-
-    @staticmethod
-    def _broadcast_basis(kfacs: list[list[Tensor]]) -> list[list[Tensor]]:
-        """:func:`kron_eigenbasis` of ``kfacs``, computed on rank 0 and broadcast."""
-        flat = iter(
-            broadcast_computed(
-                lambda: [Q for Qs in kron_eigenbasis(kfacs) for Q in Qs], kfacs[0][0].device
-            )
+    def _ekfac_measurement(self, batches: list[Batch], N: int, reducer: Reducer) -> EKFACMeasurement:
+        """This rank's rows of ``batches`` and the backend's loss and curvature type, for
+        measuring the Linear/Conv2d blocks; the sum is scaled to N."""
+        n_rows = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
+        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=reducer.rank, world=reducer.world)
+        data = [batch_inputs_targets(b, self.dict_key_x, self.dict_key_y) for b in shards]
+        dict_inputs = bool(data) and not isinstance(data[0][0], Tensor)
+        return EKFACMeasurement(
+            model=self.backend.model,
+            loss_func=self.backend.lossfunc,
+            params=[p for m in self._kfac_modules() if not is_extra(m) for p in m.parameters(recurse=False) if p.requires_grad],
+            batches=data,
+            fisher_type=self._fisher_type(),
+            batch_size_fn=(lambda x: x[self.dict_key_x].shape[0]) if dict_inputs else None,
+            scale=N / n_rows * self.backend.factor,
+            dtype=self._dtype,
         )
-        return [[next(flat) for _ in block] for block in kfacs]
 
     def state_dict(self) -> dict[str, Any]:
         state = super(DebiasedKronLaplace, self).state_dict()  # KronLaplace: "H" = B's K-FAC

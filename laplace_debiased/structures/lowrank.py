@@ -42,7 +42,9 @@ every rank computes the dense curvature of its rows of every batch of B (and, fo
 added with ``all_reduce``, and rank 0 decomposes (float64) and broadcasts, so every rank holds
 the identical posterior. ``debiased_lowrank`` then takes the dense route on the ``P × P`` sum,
 or (``method="lanczos"``, or ``"auto"`` above 1 GiB) Lanczos on rank 0 with every product
-``G_B v`` summed over the ranks.
+``G_B v`` summed over the ranks. The computations are those of
+:mod:`laplace_debiased.computers.lowrank`, through the reducer of
+:func:`~laplace_debiased.parallel.reducer.current_reducer`.
 """
 
 from __future__ import annotations
@@ -59,15 +61,9 @@ from torch.utils.data import DataLoader
 from laplace_debiased.curvature import eigen
 from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.parallel.distributed import (
-    all_reduce_sum_,
-    broadcast_computed,
-    is_distributed,
-    local_shards,
-    rank_world,
-    run_with_reduced_operator,
-)
-from laplace_debiased.curvature.linalg import remeasure_eigenvalues
+from laplace_debiased.computers.lowrank import CurvatureSource, debiased_full, debiased_lowrank
+from laplace_debiased.parallel.distributed import local_shards
+from laplace_debiased.parallel.reducer import Reducer, current_reducer
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.posterior.eigen import orthonormal_eigenpairs
 from laplace_debiased.posterior.lowrank import dense_posterior_scale, lowrank_functional_covariance
@@ -113,23 +109,14 @@ class _EigenCurvatureMixin:
     def _n_samples(self, batches: list[Batch]) -> int:
         return sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
 
-    def _summed_over_ranks(self, fn: Any, module: nn.Module, batches: list[Batch]) -> Tensor:
-        """``fn(module, this rank's shards of batches)`` (a float64 sum over samples, such as
-        :func:`~laplace_debiased.curvature.eigen.dense_curvature`) added over the ranks with
-        one ``all_reduce``: the value of ``fn`` on all of ``batches``, on every rank. Without
-        a process group: ``fn(module, batches)``."""
-        rank, world = rank_world()
-        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=rank, world=world)
-        total = fn(module, self._module_batches(shards))
-        all_reduce_sum_([total])
-        return total
+    def _curvature_source(self) -> CurvatureSource:
+        """The curvature module, likelihood, curvature type and output width of this fit."""
+        return CurvatureSource(self._curvature_module(), self._fit_likelihood, self._curvature_type(), self.n_outputs)
 
-    def _dense_curvature(self, module: nn.Module, batches: list[Batch], curvature: eigen.Curvature) -> Tensor:
-        """Dense ``G`` (float64 ``P × P``, summed loss, not rescaled) of ``batches``; under a
-        process group each rank computes its rows' share and the shares are all-reduced."""
-        return self._summed_over_ranks(
-            lambda m, data: eigen.dense_curvature(m, data, self._fit_likelihood, curvature), module, batches
-        )
+    def _local_batches(self, batches: list[Batch], reducer: Reducer) -> list[eigen.Batch]:
+        """This rank's rows of ``batches`` as inputs of the curvature module (all rows in one process)."""
+        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=reducer.rank, world=reducer.world)
+        return self._module_batches(shards)
 
     @torch.no_grad()
     def _module_batches(self, batches: list[Batch]) -> list[eigen.Batch]:
@@ -234,76 +221,20 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         )
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
-        curvature = self._curvature_type()
-        module = self._curvature_module()
-        pairs = self._direction_pairs(module, direction_batches, curvature)
-        scale_B = N / self._n_samples(direction_batches)
-        if magnitude_batches is direction_batches:  # B̃ = B: plain low-rank Laplace on B
-            remeasured = pairs.values * scale_B
-        else:
-            remeasured = self._summed_over_ranks(
-                lambda m, data: eigen.directional_curvatures(
-                    m, data, pairs.vectors, self._fit_likelihood, curvature
-                ),
-                module,
-                magnitude_batches,
-            ) * (N / self._n_samples(magnitude_batches))
-        keep = eigen.above_relative_floor(remeasured, self.remeasured_rtol)
-        self.direction_eigenvalues = (pairs.values[keep] * scale_B).to(self._dtype)
-        self.eigen_method = pairs.method
-        self.H = (
-            pairs.vectors[:, keep].to(self._device, self._dtype),
-            remeasured[keep].to(self._device, self._dtype),
+        """B's top eigenvectors and B̃'s Rayleigh quotients (:func:`~laplace_debiased.computers.lowrank.debiased_lowrank`)."""
+        reducer = current_reducer()
+        same = magnitude_batches is direction_batches
+        result = debiased_lowrank(
+            self._curvature_source(), self._local_batches(direction_batches, reducer),
+            None if same else self._local_batches(magnitude_batches, reducer),
+            sizes=(self._n_samples(direction_batches), self._n_samples(magnitude_batches)), n_data=N,
+            rank=self.rank, method=self.method, eigval_rtol=self.eigval_rtol, remeasured_rtol=self.remeasured_rtol,
+            reducer=reducer,
         )
+        self.direction_eigenvalues = result.direction_eigenvalues.to(self._dtype)
+        self.eigen_method = result.method
+        self.H = (result.vectors.to(self._device, self._dtype), result.eigenvalues.to(self._device, self._dtype))
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
-
-    def _direction_pairs(self, module: nn.Module, batches: list[Batch], curvature: eigen.Curvature) -> eigen.EigenPairs:
-        """Top-``rank`` eigenpairs of ``G_B`` (not rescaled). Under a process group either the
-        dense route on the all-reduced ``G_B``, decomposed on rank 0 and broadcast, or
-        (``method="lanczos"``, or ``"auto"`` when the dense ``G_B`` would exceed 1 GiB) Lanczos
-        on rank 0 with every product ``G_B v`` summed over the ranks' rows."""
-        if not is_distributed():
-            return eigen.top_eigenpairs(
-                module, self._module_batches(batches), self._fit_likelihood, self.rank, curvature,
-                self.method, self.eigval_rtol,
-            )
-        n_params = eigen.parameter_count(module)
-        dense_fits = 8 * n_params**2 <= _MAX_DISTRIBUTED_DENSE_BYTES
-        if self.method == "lanczos" or (self.method == "auto" and not dense_fits):
-            return self._distributed_lanczos_pairs(module, batches, curvature, n_params)
-        if not dense_fits:
-            raise ValueError(
-                f"a distributed debiased_lowrank fit with method='gram' all-reduces the dense "
-                f"{n_params} x {n_params} curvature of B, over 1 GiB here; use method='lanczos' "
-                "(or 'auto')."
-            )
-        G_B = self._dense_curvature(module, batches, curvature)
-        values, vectors = broadcast_computed(
-            lambda: _pair_tensors(eigen.dense_top_eigenpairs(G_B, self.rank, self.eigval_rtol)), self._device
-        )
-        return eigen.EigenPairs(values, vectors, "dense")
-
-    def _distributed_lanczos_pairs(
-        self, module: nn.Module, batches: list[Batch], curvature: eigen.Curvature, n_params: int
-    ) -> eigen.EigenPairs:
-        """Lanczos (:func:`~laplace_debiased.curvature.eigen.lanczos_top_k`) on rank 0 over
-        ``v ↦ G_B v``, each product summed over the ranks' rows
-        (:func:`~laplace_debiased.parallel.distributed.run_with_reduced_operator`); the
-        eigenpairs are broadcast."""
-        rank, world = rank_world()
-        product = eigen.summed_curvature_product(
-            module, self._module_batches(local_shards(batches, self.dict_key_x, self.dict_key_y, rank=rank, world=world)),
-            self._fit_likelihood, curvature, self.n_outputs,
-        )
-        first = next(iter(eigen.trainable_parameters(module).values()))
-        k = min(self.rank, n_params)
-
-        def lanczos(operator: Any) -> tuple[Tensor, Tensor]:
-            pairs = eigen.lanczos_top_k(operator, n_params, k, dtype=first.dtype, device=first.device)
-            return _pair_tensors(eigen.threshold_eigenpairs(pairs, self.eigval_rtol))
-
-        values, vectors = run_with_reduced_operator(product, lanczos, n_params, first.dtype, first.device)
-        return eigen.EigenPairs(values, vectors, "lanczos")
 
     def _decompose_curvature(self) -> tuple[Tensor, Tensor]:
         """``H = (U, λ̃)`` re-orthonormalised in float64 (:func:`orthonormal_eigenpairs`), ``O(P r²)``."""
@@ -351,14 +282,6 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         }
 
 
-_MAX_DISTRIBUTED_DENSE_BYTES = 2**30
-"""Largest dense float64 ``G_B`` a distributed ``debiased_lowrank`` fit all-reduces."""
-
-
-def _pair_tensors(pairs: eigen.EigenPairs) -> tuple[Tensor, Tensor]:
-    return pairs.values, pairs.vectors
-
-
 class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
     """Last-layer two-batch debiased low-rank Laplace (``Laplace(..., "last_layer",
     hessian_structure="debiased_lowrank")``): :class:`DebiasedLowRankLaplace` on the last
@@ -390,32 +313,19 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMa
     _key = ("all", "debiased_full")
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
-        """Debiased dense curvature (:func:`_debiased_full`) and its float64 eigenpairs. Under a
-        process group every rank computes the dense curvature of its rows of B and B̃, the shares
-        are all-reduced, and rank 0 decomposes and broadcasts the result (the eigenpairs are then
-        decomposed from ``H`` when first needed)."""
-        curvature = self._curvature_type()
-        module = self._curvature_module()
-        scale_B = N / self._n_samples(direction_batches)
-        scale_mag = N / self._n_samples(magnitude_batches)
-        if is_distributed():
-            G_mag = None
-            if magnitude_batches is not direction_batches:  # B̃ = B: H = G_B (FullLaplace on B)
-                G_mag = self._dense_curvature(module, magnitude_batches, curvature) * scale_mag
-            G_B = self._dense_curvature(module, direction_batches, curvature)
-            values, lam, H = broadcast_computed(
-                lambda: _dense_debiased_full(eigen.dense_range_eigenpairs(G_B), G_mag, scale_B), self._device
-            )
-            self.H = self.H + H.to(self._device, self._dtype)
-        else:
-            pairs = eigen.range_eigenpairs(
-                module, self._module_batches(direction_batches), self._fit_likelihood, curvature
-            )
-            G_mag = self._magnitude_curvature(module, direction_batches, magnitude_batches, curvature, scale_mag)
-            values, lam, H, Q_h = _debiased_full(pairs, G_mag, scale_B)
-            self._add_curvature(H, Q_h)
-        self.direction_eigenvalues = values.to(self._dtype)
-        self.eigenvalues = lam.to(self._dtype)
+        """Debiased dense curvature and its float64 eigenpairs
+        (:func:`~laplace_debiased.computers.lowrank.debiased_full`); over several ranks the dense
+        ``H`` (its eigenpairs are then decomposed from ``H`` when first needed)."""
+        reducer = current_reducer()
+        same = magnitude_batches is direction_batches
+        result = debiased_full(
+            self._curvature_source(), self._local_batches(direction_batches, reducer),
+            None if same else self._local_batches(magnitude_batches, reducer),
+            sizes=(self._n_samples(direction_batches), self._n_samples(magnitude_batches)), n_data=N, reducer=reducer,
+        )
+        self._add_curvature(result.dense, result.eigenpairs)
+        self.direction_eigenvalues = result.direction_eigenvalues.to(self._dtype)
+        self.eigenvalues = result.eigenvalues.to(self._dtype)
         self._posterior_scale = None
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
 
@@ -430,20 +340,6 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMa
         if H is None:
             H = symmetric_outer(*Q_h)
         self.H = self.H + H.to(self._device, self._dtype)
-
-    def _magnitude_curvature(
-        self, module: nn.Module, direction_batches: list[Batch], magnitude_batches: list[Batch],
-        curvature: eigen.Curvature, scale: float,
-    ) -> Tensor | None:
-        """``G_B̃`` times ``scale``: ``None`` for B̃ = B, the factor ``√scale · V`` (``P × M``,
-        ``G_B̃ = V Vᵀ``) when ``M < P``, else the dense ``P × P`` matrix."""
-        if magnitude_batches is direction_batches:
-            return None
-        batches = self._module_batches(magnitude_batches)
-        if eigen.factor_columns(module, batches, curvature) < eigen.parameter_count(module):
-            V = eigen.curvature_factor(module, batches, self._fit_likelihood, curvature)
-            return V.double() * scale**0.5
-        return self._dense_curvature(module, magnitude_batches, curvature) * scale
 
     def _decompose_curvature(self) -> tuple[Tensor, Tensor]:
         """Float64 eigendecomposition of the dense ``H`` (``O(P³)``, once): for fits whose
@@ -493,39 +389,6 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMa
         self.direction_eigenvalues = state_dict["direction_eigenvalues"]
         self.eigenvalues = state_dict["eigenvalues"]
         self._posterior_scale = None
-
-
-def _debiased_full(
-    pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float
-) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
-    """B's range eigenvalues ``(r,)``, their re-measured ``λ̃`` ``(r,)``, and the debiased
-    curvature (:func:`~laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`), all
-    float64: either as eigenpairs ``([U, N] (P, r'), [λ̃, μ] (r',))`` (not yet
-    re-orthonormalised; the dense matrix is then ``None``) or, where the route does not give
-    them, as the symmetric dense ``(P, P)`` matrix (the eigenpairs are then ``None``). ``pairs``
-    (range of ``G_B``) are scaled by ``scale_B``; ``G_magnitude`` is ``G_B̃`` already scaled:
-    ``None`` for B̃ = B (``H = G_B``), a factor ``(P, M)`` with ``M < P`` (``G_B̃ = V Vᵀ``;
-    :func:`~laplace_debiased.curvature.eigen.factored_null_space_compression`), or the dense
-    ``(P, P)`` matrix."""
-    U = pairs.vectors.double()
-    values = pairs.values.double() * scale_B
-    if G_magnitude is None:
-        return values, values, None, (U, values)
-    G = G_magnitude.double()
-    if G.shape[0] != G.shape[1]:  # a factor: H = U diag(λ̃) Uᵀ + N diag(μ) Nᵀ
-        lam, null = eigen.factored_null_space_compression(U, G)
-        return values, lam, None, (torch.cat([U, null.vectors], dim=1), torch.cat([lam, null.values]))
-    lam = remeasure_eigenvalues(U, G).double()
-    H = eigen.eigenbasis_debiased_curvature(U, lam, G)
-    return values, lam, 0.5 * (H + H.T), None
-
-
-def _dense_debiased_full(
-    pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_debiased_full` with the curvature always as the dense ``(P, P)`` matrix."""
-    values, lam, H, Q_h = _debiased_full(pairs, G_magnitude, scale_B)
-    return values, lam, symmetric_outer(*Q_h) if H is None else H
 
 
 class DebiasedFullLLLaplace(DebiasedFullLaplace, FullLLLaplace):

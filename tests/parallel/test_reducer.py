@@ -18,6 +18,18 @@ def test_one_process_collectives_are_identities():
     assert torch.equal(t, torch.arange(4.0))
 
 
+def test_one_process_runs_rank_zero_computations_in_place():
+    """``computed_on_rank0`` returns what it computes; ``run_with_summed_operator`` hands the
+    solver this process's product, so a solver that applies it to the unit vectors reads back
+    the matrix."""
+    reducer = Reducer()
+    A = torch.arange(9.0).reshape(3, 3)
+    assert [t.shape for t in reducer.computed_on_rank0(lambda: [A, A[0]], "cpu")] == [(3, 3), (3,)]
+    (columns,) = reducer.run_with_summed_operator(
+        lambda v: A @ v, lambda op: [torch.stack([op(e) for e in torch.eye(3)], dim=1)], 3, A.dtype, "cpu")
+    assert torch.equal(columns, A)
+
+
 def test_installed_reducer_is_current_inside_the_block_only():
     mine = ProcessGroupReducer()
     with use_reducer(mine):
