@@ -133,7 +133,8 @@ def decompose_two_batch(
     correction = None
     swapped = None
     if estimator == "corrected" and not same:
-        vecs, vals, correction = corrected_decomposition(direction, magnitude, sizes, list(names), n_data, reducer)
+        vecs, vals, correction = corrected_decomposition(
+            direction, magnitude, sizes, list(names), n_data, reducer, paired_rows(rows[0], rows[-1]))
     else:
         terms = max(sizes)
         vecs, vals = _debiased(direction, magnitude, rows[0], rows[-1], null_space, terms, reducer)

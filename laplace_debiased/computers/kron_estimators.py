@@ -101,15 +101,16 @@ def corrected_decomposition(
     names: list[tuple[str, str]],
     n_data: int,
     reducer: Reducer,
+    rows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
 ) -> tuple[list, list, Correction | None]:
     """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
-    ``n_data`` training data), on rank 0
+    ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known), on rank 0
     and broadcast (:func:`on_rank0`); returns ``(eigenvectors, eigenvalues, correction)`` with
     rank 0's :class:`Correction` (``None`` on the other ranks), logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:
-        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data)
+        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data, rows)
         records.extend(recs)
         return vecs, vals
 

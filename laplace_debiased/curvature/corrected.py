@@ -53,13 +53,15 @@ import torch
 
 from laplace_debiased.curvature.completion import group_means
 from laplace_debiased.curvature.linalg import (
+    frobenius_tolerance,
+    gram_eigenpairs,
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
     tied_groups,
 )
 
-__all__ = ["FactorCorrection", "corrected_factor", "corrected_kron", "same_minus_cross"]
+__all__ = ["FactorCorrection", "corrected_factor", "corrected_factor_rows", "corrected_kron", "same_minus_cross"]
 
 
 @dataclass(frozen=True)
@@ -157,14 +159,86 @@ def corrected_factor(
     L, U = symmetric_eigh64(pooled)
     shift_b = _order_weight(m_direction, n, n_data) * same_minus_cross(direction, magnitude, terms) / 2
     shift_t = _order_weight(m_magnitude, n, n_data) * same_minus_cross(magnitude, direction, terms) / 2
+    lam, record = _corrected_values(L, shift_b, shift_t)
+    return U.to(direction.dtype), lam.to(direction.dtype), record
+
+
+def _gaps_from_rows(direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, int]:
+    """:func:`same_minus_cross` of ``D = XdᵀXd`` and ``M = XmᵀXm`` from their rows, without a
+    ``d × d`` matrix: ``(gaps (d,) float64 ascending, size of D's null group)``.
+
+    ``D``'s spectrum is its Gram eigenvalues (:func:`~laplace_debiased.curvature.linalg.gram_eigenpairs`)
+    below ``d - k`` zeros; on the tied run holding the zeros (dimension ``s``, the complement ``P``
+    of the eigenvectors ``Q`` outside it) the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s`` with
+    ``‖Xm P‖_F² = ‖Xm‖_F² - ‖Xm Q‖_F²``, so its basis is never formed."""
+    d = direction_rows.shape[1]
+    Xd, Xm = direction_rows.double(), magnitude_rows.double()
+    L, E = gram_eigenpairs(Xd)
+    zeros = d - L.numel()
+    full = torch.cat([L.new_zeros(zeros), L])
+    groups = tied_groups(full, frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T))))
+    null = groups[0].stop if zeros else 0
+    Q = E[:, null - zeros:]
+    cross = (Xm @ Q).square().sum(0)
+    gaps = full.clone()
+    gaps[null:] -= cross
+    if null:
+        outside = float(Xm.square().sum()) - float(cross.sum())
+        gaps[:null] = (float(full[:null].sum()) - outside) / null
+    return group_means(gaps, [g for g in groups if g.start >= null]), null
+
+
+def corrected_factor_rows(
+    direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, m_direction: int, m_magnitude: int,
+    dtype: torch.dtype, n_data: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection] | None:
+    """:func:`corrected_factor` of a factor wider than its rows, through the rows (``O(d n²)``).
+
+    Args:
+        direction_rows: ``(n_B, d)`` rows of B's factor ``D = XdᵀXd`` (its scaling).
+        magnitude_rows: ``(n_B̃, d)`` rows of B̃'s factor ``M = XmᵀXm``.
+        m_direction: samples in B.
+        m_magnitude: samples in B̃.
+        dtype: the dtype of the dense factors (round-off tolerances, the results).
+        n_data: the training-set size (finite-population scaling, :func:`corrected_factor`).
+
+    Returns:
+        ``(Q, lam, record)``: ``Q (d, r)`` orthonormal eigenvectors of the pooled factor
+        outside its null space (ascending), ``lam (r + 1,)`` their corrected eigenvalues and
+        last the one of the implicit complement ``I - QQᵀ``, and the :class:`FactorCorrection`;
+        equal to :func:`corrected_factor` on the dense factors to round-off. ``None`` if the
+        pooled null space reaches beyond a half's null run (then the complement would not be
+        isotropic; use the dense route).
+    """
+    n = m_direction + m_magnitude
+    pooled_rows = torch.cat([direction_rows.double() * (m_direction / n) ** 0.5,
+                             magnitude_rows.double() * (m_magnitude / n) ** 0.5])
+    L, Q = gram_eigenpairs(pooled_rows)
+    d, r = pooled_rows.shape[1], L.numel()
+    gaps_b, null_b = _gaps_from_rows(direction_rows, magnitude_rows, dtype)
+    gaps_t, null_t = _gaps_from_rows(magnitude_rows, direction_rows, dtype)
+    if d - r > min(null_b, null_t):
+        return None
+    full = torch.cat([L.new_zeros(d - r), L])
+    shift_b = _order_weight(m_direction, n, n_data) * gaps_b / 2
+    shift_t = _order_weight(m_magnitude, n, n_data) * gaps_t / 2
+    lam, record = _corrected_values(full, shift_b, shift_t)
+    values = torch.cat([lam[d - r:], lam[:1]]) if r < d else lam
+    return Q.to(dtype), values.to(dtype), record
+
+
+def _corrected_values(L: torch.Tensor, shift_b: torch.Tensor, shift_t: torch.Tensor
+                      ) -> tuple[torch.Tensor, FactorCorrection]:
+    """The corrected eigenvalues ``(L - shift_b - shift_t)⁺`` (all ``(d,)``, ascending) and the
+    record of what each order and both changed."""
     lam = (L - shift_b - shift_t).clamp(min=0.0)
     L0 = L.clamp(min=0.0)
     one_b, one_t = (L - 2 * shift_b).clamp(min=0.0), (L - 2 * shift_t).clamp(min=0.0)
-    record = FactorCorrection(
-        change=_change(lam, L0), change_b=_change(one_b, L0), change_b_tilde=_change(one_t, L0),
-        stderr=abs(_change(one_b, L0) - _change(one_t, L0)) / 2,
-    )
-    return U.to(direction.dtype), lam.to(direction.dtype), record
+    change_b, change_t = _change(one_b, L0), _change(one_t, L0)
+    record = FactorCorrection(change=_change(lam, L0), change_b=change_b, change_b_tilde=change_t,
+                              stderr=abs(change_b - change_t) / 2)
+    return lam, record
 
 
 def corrected_kron(
@@ -174,11 +248,14 @@ def corrected_kron(
     m_magnitude: int,
     terms: int = 0,
     n_data: int | None = None,
+    rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[FactorCorrection]]]:
     """:func:`corrected_factor` for every factor of a layer-wise K-FAC approximation.
 
     A block's Kronecker eigenvalues are the products of its factors' corrected eigenvalues
-    (each factor is corrected on its own).
+    (each factor is corrected on its own). A factor whose rows are known and fewer than its
+    dimension goes through them (:func:`corrected_factor_rows`): its eigenvectors are then
+    ``(d, r)`` with one more eigenvalue, that of the implicit complement.
 
     Args:
         direction_kfacs: B's factors, one entry per parameter block in laplace-torch
@@ -188,10 +265,12 @@ def corrected_kron(
         m_magnitude: samples in B̃.
         terms: samples summed into the factors (round-off tolerance).
         n_data: the training-set size the batches were drawn from (:func:`corrected_factor`).
+        rows: ``None``, or per block and factor ``(B's rows, B̃'s rows)`` (``F = XᵀX``) where known.
 
     Returns:
         ``(eigenvectors, eigenvalues, records)``, lists of lists per block and factor, the
-        first two ready for ``laplace.utils.matrix.KronDecomposed``.
+        first two ready for :class:`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`
+        (for ``laplace.utils.matrix.KronDecomposed`` when every eigenvector matrix is square).
     """
     if len(direction_kfacs) != len(magnitude_kfacs):
         raise ValueError(
@@ -199,9 +278,26 @@ def corrected_kron(
             "both must come from the same parameters."
         )
     vectors, values, records = [], [], []
-    for F_dir, F_mag in zip(direction_kfacs, magnitude_kfacs):
-        block = [corrected_factor(D, M, m_direction, m_magnitude, terms, n_data) for D, M in zip(F_dir, F_mag)]
+    for i, (F_dir, F_mag) in enumerate(zip(direction_kfacs, magnitude_kfacs)):
+        block_rows = rows[i] if rows is not None else [None] * len(F_dir)
+        block = [_corrected_route(D, M, r, m_direction, m_magnitude, terms, n_data)
+                 for D, M, r in zip(F_dir, F_mag, block_rows)]
         vectors.append([b[0] for b in block])
         values.append([b[1] for b in block])
         records.append([b[2] for b in block])
     return vectors, values, records
+
+
+def _corrected_route(
+    direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
+    m_direction: int, m_magnitude: int, terms: int, n_data: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
+    """:func:`corrected_factor_rows` where the rows are known and fewer than the dimension (and
+    it applies), else :func:`corrected_factor` on the dense factors."""
+    if rows is not None and len(rows[0]) + len(rows[1]) < direction.shape[0]:
+        check_finite(direction, "B")
+        check_finite(magnitude, "B̃")
+        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data)
+        if result is not None:
+            return result
+    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data)

@@ -92,12 +92,12 @@ def roundoff_tolerance(C: torch.Tensor, terms: int = 0) -> float:
     its samples, so a full-data fit over 10⁴-10⁵ samples is not refused for round-off.
     """
     C64 = C.double()
-    return _tolerance(C.shape[0], C.dtype, float(torch.linalg.matrix_norm(C64))) + (
+    return frobenius_tolerance(C.shape[0], C.dtype, float(torch.linalg.matrix_norm(C64))) + (
         terms * torch.finfo(C.dtype).eps * float(C64.diagonal().abs().sum())
     )
 
 
-def _tolerance(n: int, dtype: torch.dtype, frobenius: float) -> float:
+def frobenius_tolerance(n: int, dtype: torch.dtype, frobenius: float) -> float:
     """``ROUNDOFF_FACTOR * n * eps(dtype) * frobenius`` (:func:`roundoff_tolerance`)."""
     return ROUNDOFF_FACTOR * n * torch.finfo(dtype).eps * frobenius
 
@@ -382,7 +382,7 @@ def row_rank(X: torch.Tensor, dtype: torch.dtype, tolerance: float | None = None
     :func:`roundoff_tolerance` ``(F)``, ``F`` held in ``dtype``), from the Gram matrix ``XXᵀ``
     (same nonzero spectrum, ``O(d n²)``)."""
     K = X.double() @ X.double().T
-    tol = _tolerance(X.shape[1], dtype, float(torch.linalg.matrix_norm(K))) if tolerance is None else tolerance
+    tol = frobenius_tolerance(X.shape[1], dtype, float(torch.linalg.matrix_norm(K))) if tolerance is None else tolerance
     return int((torch.linalg.eigvalsh(K) > tol).sum())
 
 
@@ -440,7 +440,7 @@ def lowrank_debiased_factor(
     d = direction_rows.shape[1]
     Xd, Xm = direction_rows.double(), magnitude_rows.double()
     L, E = gram_eigenpairs(Xd)
-    tol = _tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T)))
+    tol = frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T)))
     zeros = d - L.numel()
     shift = min(zeros, 1)  # a single 0 stands for the d - k zeros; L[i] sits at i + shift
     grouping = tied_groups if null_space == "isotropic" else degenerate_groups

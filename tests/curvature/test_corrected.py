@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laplace_debiased.curvature.corrected import corrected_factor, corrected_kron, same_minus_cross
+from laplace_debiased.curvature.corrected import corrected_factor, corrected_factor_rows, corrected_kron, same_minus_cross
 
 EPS64 = torch.finfo(torch.float64).eps
 
@@ -155,3 +155,56 @@ def test_a_pooled_batch_of_all_data_is_not_corrected():
     torch.testing.assert_close(lam_big, lam_inf, atol=1e-9, rtol=1e-9)
     with pytest.raises(ValueError, match="n_data"):
         corrected_factor(_factor(XB), _factor(XM), 10, 6, n_data=12)
+
+
+def _dense_from_implicit(Q: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """``Q diag(lam[:r]) Qᵀ + lam[r] (I - QQᵀ)`` (float64)."""
+    Q, lam = Q.double(), lam.double()
+    r = Q.shape[1]
+    out = Q @ torch.diag(lam[:r]) @ Q.T
+    if len(lam) > r:
+        out = out + lam[r] * (torch.eye(Q.shape[0], dtype=torch.float64) - Q @ Q.T)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(d=st.integers(6, 40), mB=st.integers(1, 12), mM=st.integers(1, 12), seed=st.integers(0, 10_000),
+       n_data=st.one_of(st.none(), st.integers(25, 200)))
+def test_rows_route_equals_the_dense_corrected_factor(d, mB, mM, seed, n_data):
+    """A factor wider than B ∪ B̃'s rows: the corrected factor from the rows (Gram matrices,
+    implicit complement) is the dense one, to the round-off of a d × d eigendecomposition, and
+    so is the record of what it changed."""
+    if mB + mM >= d:
+        return
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 2.0, d, dtype=torch.float64)
+    XB = torch.randn(mB, d, generator=g, dtype=torch.float64) * scale
+    XM = torch.randn(mM, d, generator=g, dtype=torch.float64) * scale
+    D, M = XB.T @ XB, XM.T @ XM
+    U, lam, rec = corrected_factor(D, M, mB, mM, n_data=n_data)
+    routed = corrected_factor_rows(XB, XM, mB, mM, torch.float64, n_data)
+    assert routed is not None
+    Q, values, rec_rows = routed
+    assert Q.shape == (d, mB + mM) and values.shape == (mB + mM + 1,)
+    dense = U @ torch.diag(lam) @ U.T
+    scale_F = float(torch.linalg.matrix_norm(D + M))
+    tol = 1e3 * d * EPS64 * scale_F
+    assert torch.allclose(_dense_from_implicit(Q, values), dense, atol=tol, rtol=0)
+    assert abs(rec_rows.change - rec.change) <= 1e3 * d * EPS64 * max(1.0, rec.change)
+    assert abs(rec_rows.stderr - rec.stderr) <= 1e3 * d * EPS64 * max(1.0, rec.stderr)
+
+
+def test_kron_takes_the_rows_route_for_wide_factors_only():
+    """corrected_kron with rows: a factor wider than its rows comes back as (d, r) with one more
+    eigenvalue (the complement), equal to the dense result; a narrower one stays square."""
+    g = torch.Generator().manual_seed(5)
+    XB, XM = torch.randn(3, 12, generator=g, dtype=torch.float64), torch.randn(4, 12, generator=g, dtype=torch.float64)
+    YB, YM = torch.randn(9, 4, generator=g, dtype=torch.float64), torch.randn(9, 4, generator=g, dtype=torch.float64)
+    direction = [[YB.T @ YB, XB.T @ XB]]
+    magnitude = [[YM.T @ YM, XM.T @ XM]]
+    vecs, vals, _ = corrected_kron(direction, magnitude, 3, 4, rows=[[None, (XB, XM)]])
+    dense_vecs, dense_vals, _ = corrected_kron(direction, magnitude, 3, 4)
+    assert vecs[0][0].shape == (4, 4) and vecs[0][1].shape == (12, 7) and vals[0][1].shape == (8,)
+    assert torch.equal(vecs[0][0], dense_vecs[0][0])
+    dense = dense_vecs[0][1] @ torch.diag(dense_vals[0][1]) @ dense_vecs[0][1].T
+    assert torch.allclose(_dense_from_implicit(vecs[0][1], vals[0][1]), dense, atol=1e-10)
