@@ -15,7 +15,6 @@ TESTS = ROOT / "tests"
 UNMIRRORED = frozenset({
     "__main__.py",
     "structures/auto_magnitude.py",
-    "structures/kron_layers.py",
     "structures/lazy_curvature.py",
 })
 
