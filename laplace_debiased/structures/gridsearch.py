@@ -55,6 +55,13 @@ class GaussianPredictiveNLL(torchmetrics.Metric):
         self.add_state("rows", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the NLL of a batch of rows.
+
+        Args:
+            mean: Predictive mean ``(n, [tokens, ...,] C)``.
+            var: Predictive covariance of the function ``(..., C, C)``, or its diagonal (``mean``'s shape).
+            y: Targets, reshaped to ``mean``'s shape.
+        """
         mean = mean.detach().double()
         var = var.detach().double()
         if var.shape == mean.shape:
@@ -67,6 +74,11 @@ class GaussianPredictiveNLL(torchmetrics.Metric):
         self.rows += log_p.numel()
 
     def compute(self) -> torch.Tensor:
+        """The mean NLL per row.
+
+        Returns:
+            The NLL summed over the ``C`` outputs, averaged over the rows (float64 scalar).
+        """
         return self.nll_sum / self.rows
 
 
