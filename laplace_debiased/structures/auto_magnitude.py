@@ -94,7 +94,7 @@ def factor_row_counts(
 
 def auto_magnitude_rule(
     model: nn.Module,
-    backend: CurvatureInterface,
+    backend: Callable[[], CurvatureInterface],
     *,
     last_layer: bool,
     owner: str,
@@ -110,7 +110,8 @@ def auto_magnitude_rule(
 
     Args:
         model: The network.
-        backend: laplace-torch's curvature backend (its model holds the K-FAC layers).
+        backend: Gives laplace-torch's curvature backend (its model holds the K-FAC layers) when
+            the rule runs.
         last_layer: Whether the approximation is over the last layer (refused).
         owner: The Laplace class's name (for the message).
         likelihood: laplace-torch's likelihood.
@@ -132,12 +133,14 @@ def auto_magnitude_rule(
             "n_magnitude_batches; la.coverage after a fit tells whether B ∪ B̃ reached every factor."
         )
 
-    def columns(n_outputs: int) -> int:
-        return output_columns(backend, likelihood, n_outputs, asdl_fisher_kwargs)
-
     def rule(direction: list[Batch]) -> AutoMagnitude:
+        curvature = backend()
+
+        def columns(n_outputs: int) -> int:
+            return output_columns(curvature, likelihood, n_outputs, asdl_fisher_kwargs)
+
         return auto_magnitude_batches(factor_row_counts(
-            model, backend._model, direction, columns, dtype=dtype, likelihood=likelihood,
+            model, curvature._model, direction, columns, dtype=dtype, likelihood=likelihood,
             dict_key_x=dict_key_x, dict_key_y=dict_key_y,
         ))
 

@@ -447,7 +447,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     def _auto_magnitude_rule(self) -> Any:
         """:func:`~laplace_debiased.structures.auto_magnitude.auto_magnitude_rule` for this object."""
         return auto_magnitude_rule(
-            self.model, self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
+            self.model, lambda: self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
             likelihood=self.likelihood, dtype=self._dtype, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
             dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
         )
