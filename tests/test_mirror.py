@@ -15,12 +15,7 @@ TESTS = ROOT / "tests"
 UNMIRRORED = frozenset({
     "__main__.py",
     "structures/auto_magnitude.py",
-    "structures/chunked.py",
-    "structures/fit_checks.py",
-    "structures/kron.py",
-    "structures/kron_layers.py",
     "structures/lazy_curvature.py",
-    "structures/two_batch.py",
 })
 
 

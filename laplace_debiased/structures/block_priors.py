@@ -6,7 +6,9 @@ take one prior precision: the posterior precision of the block is ``G + δ I`` o
 per-tensor ("layerwise") prior then has one free value per *block*, and laplace-torch's marglik
 loop, which moves every tensor's value on its own, would give the two tensors different values.
 
-:class:`BlockPriorMixin` runs that loop over the blocks instead: it optimises ``log δ_b``, one per
+:func:`block_marglik` runs that loop over the blocks instead
+(:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace` calls it where :func:`prior_spans`
+has a block of several tensors): it optimises ``log δ_b``, one per
 block ``b``, with Adam on ``-log p(D | δ)``, evaluated at the per-tensor vector that repeats
 ``δ_b`` over the tensors of block ``b``. The gradient of a block's value is the sum of its
 tensors' gradients, the derivative of the marginal likelihood along the tied direction. Every
@@ -16,71 +18,77 @@ laplace-torch's own.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
-from laplace.lllaplace import LLLaplace
+from torch import nn
 
 from laplace_debiased.curvature.layer_blocks import block_deltas, block_spans
 
-__all__ = ["BlockPriorMixin"]
+__all__ = ["block_marglik", "prior_spans"]
 
 
-class BlockPriorMixin:
-    """``optimize_prior_precision(method="marglik", prior_structure="layerwise")`` with one prior
-    precision per curvature block (module docstring); a base of
-    :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`."""
+def prior_spans(block_modules: list[nn.Module] | None, n_layers: int) -> list[int]:
+    """Parameter tensors per curvature block, in parameter order.
 
-    def optimize_prior_precision(
-        self,
-        pred_type: Any = "glm",
-        method: Any = "marglik",
-        n_steps: int = 100,
-        lr: float = 1e-1,
-        init_prior_prec: float | torch.Tensor = 1.0,
-        prior_structure: Any = "scalar",
-        *args: Any,
-        **kwargs: Any,
-    ) -> None:
-        """laplace-torch's ``optimize_prior_precision``, except that ``method="marglik"`` with
-        ``prior_structure="layerwise"`` on a curvature whose blocks span several parameter tensors
-        optimises one value per block (:meth:`_block_marglik`); ``init_prior_prec`` is then a
-        scalar, one value per block, or one per tensor with equal values within each block."""
-        spans = self._prior_spans() if method == "marglik" and prior_structure == "layerwise" else []
-        if all(span == 1 for span in spans):
-            return super().optimize_prior_precision(
-                pred_type, method, n_steps, lr, init_prior_prec, prior_structure, *args, **kwargs
-            )
-        self._block_marglik(spans, init_prior_prec, n_steps, lr)
-        return None
+    Args:
+        block_modules: The layers of the curvature blocks, in block order (K-FAC structures over
+            all weights); ``None`` for structures with a block per tensor or no blocks.
+        n_layers: Parameter tensors of the approximation (laplace-torch's ``n_layers``).
 
-    def _prior_spans(self) -> list[int]:
-        """Parameter tensors per curvature block, in parameter order (all 1 for structures whose
-        curvature has a block per tensor or no blocks)."""
-        kfac_modules = getattr(self, "_kfac_modules", None)
-        if kfac_modules is None or isinstance(self, LLLaplace):
-            return [1] * self.n_layers
-        return block_spans(kfac_modules())
+    Returns:
+        One count per block (all 1 where ``block_modules`` is ``None``).
+    """
+    if block_modules is None:
+        return [1] * n_layers
+    return block_spans(block_modules)
 
-    def _block_marglik(self, spans: list[int], init_prior_prec: float | torch.Tensor, n_steps: int, lr: float) -> None:
-        """Adam on ``log δ_b`` (one per block) for ``n_steps`` steps at learning rate ``lr``, the
-        marginal likelihood evaluated at the per-tensor precisions; sets ``self.prior_precision``
-        to the per-tensor vector (length ``n_layers``)."""
-        repeats = torch.tensor(spans, device=self._device)
-        init = torch.as_tensor(init_prior_prec, device=self._device, dtype=self._dtype).reshape(-1)
-        if len(init) == 1:
-            init = init.expand(len(spans))
-        elif len(init) == sum(spans):
-            init = block_deltas(init, spans)
-        elif len(init) != len(spans):
-            raise ValueError(
-                f"init_prior_prec has {len(init)} values; a layerwise prior here takes one value, one per "
-                f"curvature block ({len(spans)}) or one per parameter tensor ({sum(spans)})."
-            )
-        log_delta = init.log().detach().clone().requires_grad_(True)
-        optimizer = torch.optim.Adam([log_delta], lr=lr)
-        for _ in range(n_steps):
-            optimizer.zero_grad()
-            (-self.log_marginal_likelihood(prior_precision=log_delta.exp().repeat_interleave(repeats))).backward()
-            optimizer.step()
-        self.prior_precision = log_delta.detach().exp().repeat_interleave(repeats)
+
+def block_marglik(
+    log_marginal_likelihood: Callable[[torch.Tensor], torch.Tensor],
+    spans: list[int],
+    init_prior_prec: float | torch.Tensor,
+    n_steps: int,
+    lr: float,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Adam on ``log δ_b`` (one per block), the marginal likelihood evaluated at the per-tensor
+    precisions (module docstring).
+
+    Args:
+        log_marginal_likelihood: ``log p(D | δ)`` of a per-tensor prior precision vector
+            ``(sum(spans),)``, differentiable in it.
+        spans: Parameter tensors per block (:func:`prior_spans`).
+        init_prior_prec: A scalar, one value per block, or one per tensor with equal values
+            within each block.
+        n_steps: Adam steps.
+        lr: Adam's learning rate.
+        device: Device of the prior precision.
+        dtype: dtype of the prior precision.
+
+    Returns:
+        The per-tensor prior precision ``(sum(spans),)``, each block's value repeated over its tensors.
+
+    Raises:
+        ValueError: ``init_prior_prec`` has another number of values.
+    """
+    repeats = torch.tensor(spans, device=device)
+    init = torch.as_tensor(init_prior_prec, device=device, dtype=dtype).reshape(-1)
+    if len(init) == 1:
+        init = init.expand(len(spans))
+    elif len(init) == sum(spans):
+        init = block_deltas(init, spans)
+    elif len(init) != len(spans):
+        raise ValueError(
+            f"init_prior_prec has {len(init)} values; a layerwise prior here takes one value, one per "
+            f"curvature block ({len(spans)}) or one per parameter tensor ({sum(spans)})."
+        )
+    log_delta = init.log().detach().clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([log_delta], lr=lr)
+    for _ in range(n_steps):
+        optimizer.zero_grad()
+        (-log_marginal_likelihood(log_delta.exp().repeat_interleave(repeats))).backward()
+        optimizer.step()
+    return log_delta.detach().exp().repeat_interleave(repeats)

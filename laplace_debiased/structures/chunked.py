@@ -1,6 +1,5 @@
 """Predictive of the two-batch classes over any number of inputs in bounded memory
-(:class:`ChunkedPredictiveMixin`, a base of
-:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`).
+(:func:`chunked`, called by :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`).
 
 ``la(x)``, ``la.predictive_samples(x)`` and ``la.functional_samples(x)`` split the inputs ``x``
 (a tensor; or a mapping, Hugging Face style, whose tensors with the leading size of
@@ -32,9 +31,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
-from laplace.utils.enums import LinkApprox, PredType
-
-__all__ = ["ChunkedPredictiveMixin", "auto_chunk_size", "concat_chunks", "input_chunks", "rng_rewinder"]
+__all__ = ["auto_chunk_size", "checked_chunk_size", "chunked", "concat_chunks", "input_chunks", "rng_rewinder"]
 
 PREDICTIVE_CHUNK_BYTES = 2**28
 """Memory the default chunk size allows the GLM predictive of one chunk (256 MiB)."""
@@ -58,14 +55,25 @@ def auto_chunk_size(
         n_params: ``P``, the parameters of the Laplace approximation.
         itemsize: bytes per element of the Jacobians (4 for float32).
         budget_bytes: memory allowed for one chunk's GLM predictive.
+
+    Returns:
+        The number of inputs per chunk.
     """
     per_input = JACOBIAN_COPIES * max(outputs_per_input, 1) * max(n_params, 1) * itemsize
     return max(1, min(MAX_AUTO_CHUNK, budget_bytes // per_input))
 
 
 def rng_rewinder(generator: torch.Generator | None, device: torch.device) -> Callable[[], None]:
-    """A function that puts ``generator`` (if given), torch's global CPU generator and, for a
-    CUDA ``device``, that device's global generator back to their states now."""
+    """A function that puts the random generators back to their states now.
+
+    Args:
+        generator: A generator to rewind too (``None``: only the global ones).
+        device: The device whose global generator is rewound too, if it is a CUDA device.
+
+    Returns:
+        A function without arguments that restores ``generator``, torch's global CPU generator
+        and (CUDA) the device's global generator.
+    """
     cpu_state = torch.get_rng_state()
     own_state = generator.get_state() if generator is not None else None
     cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -85,8 +93,15 @@ def input_chunks(x: Any, size: int, dict_key_x: str) -> list[Any]:
 
     A tensor is split with ``Tensor.split``.  A mapping is copied per chunk (``copy.copy``, so a
     ``BatchEncoding`` stays one), with every tensor entry whose leading size is that of
-    ``x[dict_key_x]`` sliced and the other entries kept whole.  Anything else, and inputs of at
-    most ``size`` rows, come back as ``[x]``.
+    ``x[dict_key_x]`` sliced and the other entries kept whole.
+
+    Args:
+        x: The inputs: a tensor, a mapping, or anything else (not split).
+        size: Inputs per chunk.
+        dict_key_x: Key of the inputs in a mapping (their leading size decides what is sliced).
+
+    Returns:
+        The chunks in order; ``[x]`` for inputs of at most ``size`` rows and for what cannot be split.
     """
     if isinstance(x, torch.Tensor):
         return list(x.split(size)) if x.ndim and len(x) > size else [x]
@@ -106,96 +121,73 @@ def input_chunks(x: Any, size: int, dict_key_x: str) -> list[Any]:
 
 
 def concat_chunks(parts: Sequence[Output], dim: int) -> Output:
-    """The per-chunk results (tensors, or tuples of tensors) concatenated along ``dim``."""
+    """The per-chunk results concatenated.
+
+    Args:
+        parts: Per chunk, a tensor or a tuple of tensors.
+        dim: The dimension to concatenate along.
+
+    Returns:
+        One tensor, or a tuple of tensors concatenated entry by entry.
+    """
     if isinstance(parts[0], tuple):
         return tuple(torch.cat(column, dim=dim) for column in zip(*parts))
     return torch.cat(list(parts), dim=dim)
 
 
-class ChunkedPredictiveMixin:
-    """``la(x)``, ``predictive_samples`` and ``functional_samples`` over chunks of the inputs.
+def checked_chunk_size(size: int | None, outputs_per_input: int, n_params: int, dtype: torch.dtype) -> int:
+    """Inputs per chunk: ``size``, or :func:`auto_chunk_size` where it is ``None``.
 
-    Attributes:
-        predictive_chunk_size: inputs per chunk; ``None`` (default) picks
-            :func:`auto_chunk_size` from the outputs and parameters of the fit.
+    Args:
+        size: The Laplace object's ``predictive_chunk_size``.
+        outputs_per_input: Outputs of one input (``C``; ``tokens · C`` for token outputs).
+        n_params: ``P``, the parameters of the Laplace approximation.
+        dtype: The model's dtype (the Jacobians' itemsize).
+
+    Returns:
+        The number of inputs per chunk, at least 1.
+
+    Raises:
+        ValueError: ``size`` is neither ``None`` nor a positive integer.
     """
+    if size is None:
+        return auto_chunk_size(outputs_per_input, n_params, torch.empty((), dtype=dtype).element_size())
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"predictive_chunk_size must be a positive integer or None (automatic), got {size!r}.")
+    return size
 
-    predictive_chunk_size: int | None = None
 
-    def __call__(
-        self,
-        x: Any,
-        pred_type: PredType | str = PredType.GLM,
-        joint: bool = False,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-        fitting: bool = False,
-        **model_kwargs: Any,
-    ) -> Output:
-        """laplace-torch's ``la(x, ...)`` (same arguments), over chunks of ``x`` (module
-        docstring); the joint predictive (``joint=True``) in one piece."""
+def chunked(
+    predict: Callable[[Any], Output],
+    x: Any,
+    size: int,
+    *,
+    dict_key_x: str,
+    generator: torch.Generator | None,
+    device: torch.device,
+    dim: int,
+) -> Output:
+    """``predict`` over chunks of ``x``, concatenated; each chunk starts from the generators'
+    states at the call (module docstring).
 
-        def predict(chunk: Any) -> Output:
-            return super(ChunkedPredictiveMixin, self).__call__(
-                chunk, pred_type, joint, link_approx, n_samples, diagonal_output, generator, fitting, **model_kwargs
-            )
+    Args:
+        predict: The predictive of one piece of inputs.
+        x: The inputs (tensor or mapping; :func:`input_chunks`).
+        size: Inputs per chunk.
+        dict_key_x: Key of the inputs in a mapping.
+        generator: The generator passed to the predictive, rewound with the global ones.
+        device: The Laplace object's device (its global generator is rewound too).
+        dim: The input dimension of ``predict``'s results (0 for ``la(x)``, 1 for samples).
 
-        return predict(x) if joint else self._chunked(predict, x, generator, dim=0)
-
-    def predictive_samples(
-        self,
-        x: Any,
-        pred_type: PredType | str = PredType.GLM,
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """laplace-torch's ``predictive_samples`` ``(S, n, ...)``, over chunks of ``x``."""
-        parent = super().predictive_samples
-        return self._chunked(
-            lambda chunk: parent(chunk, pred_type, n_samples, diagonal_output, generator), x, generator, dim=1
-        )
-
-    def functional_samples(
-        self,
-        x: Any,
-        pred_type: PredType | str = PredType.GLM,
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """laplace-torch's ``functional_samples`` ``(S, n, ...)``, over chunks of ``x``."""
-        parent = super().functional_samples
-        return self._chunked(
-            lambda chunk: parent(chunk, pred_type, n_samples, diagonal_output, generator), x, generator, dim=1
-        )
-
-    def chunk_size(self) -> int:
-        """Inputs per chunk: ``predictive_chunk_size`` or :func:`auto_chunk_size`."""
-        size = self.predictive_chunk_size
-        if size is None:
-            outputs = math.prod(getattr(self, "fit_output_shape", (self.n_outputs or 1,)))
-            itemsize = torch.empty((), dtype=self._dtype).element_size()
-            return auto_chunk_size(outputs, self.n_params, itemsize)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(
-                f"predictive_chunk_size must be a positive integer or None (automatic), got {size!r}."
-            )
-        return size
-
-    def _chunked(
-        self, predict: Callable[[Any], Output], x: Any, generator: torch.Generator | None, dim: int
-    ) -> Output:
-        """``predict`` over :func:`input_chunks` of ``x``, concatenated along ``dim``; each chunk
-        starts from the generators' states at the call (module docstring)."""
-        chunks = input_chunks(x, self.chunk_size(), self.dict_key_x)
-        if len(chunks) == 1:
-            return predict(x)
-        rewind = rng_rewinder(generator, self._device)
-        parts = []
-        for chunk in chunks:
-            rewind()
-            parts.append(predict(chunk))
-        return concat_chunks(parts, dim)
+    Returns:
+        ``predict(x)`` where ``x`` fits one chunk, else the chunks' results concatenated along ``dim``.
+    """
+    chunks = input_chunks(x, size, dict_key_x)
+    if len(chunks) == 1:
+        return predict(x)
+    rewind = rng_rewinder(generator, device)
+    parts = []
+    for chunk in chunks:
+        rewind()
+        parts.append(predict(chunk))
+    return concat_chunks(parts, dim)

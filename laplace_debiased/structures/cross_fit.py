@@ -30,7 +30,7 @@ from torch import Tensor
 from laplace_debiased.posterior.jacobians import LayerJacobian
 from laplace_debiased.posterior.kron import KronStructure
 
-__all__ = ["CrossFitDecomposed", "CrossFitStructure", "CrossFitMixin"]
+__all__ = ["CrossFitDecomposed", "CrossFitStructure", "mixture_samples"]
 
 
 def _block_shapes(component: Any) -> list[tuple[int, ...]]:
@@ -141,22 +141,29 @@ class CrossFitStructure:
         return 0.5 * sum(p.variances(r, prior_precisions, project) for p, r in zip(self.parts, rotated))
 
 
-class CrossFitMixin:
-    """Exact mixture samples for a two-batch Laplace class whose fit builds a
-    :class:`CrossFitDecomposed` ``H`` when ``self._cross_fit`` is set."""
+def mixture_samples(
+    P: CrossFitDecomposed, mean: Tensor, n_samples: int, generator: torch.Generator | None = None, *,
+    device: torch.device, dtype: torch.dtype,
+) -> Tensor:
+    """Exact samples of the equal-weight mixture of ``N(mean, P₁⁻¹)`` and ``N(mean, P₂⁻¹)``.
 
-    _cross_fit: bool = False
+    Args:
+        P: The posterior precision, a mixture of two components ``P₁``, ``P₂``.
+        mean: The posterior mean ``(P,)``.
+        n_samples: Samples ``S``.
+        generator: The random generator (``None``: torch's global one).
+        device: Device of the standard normal draws (the model's).
+        dtype: dtype of the standard normal draws (the model's).
 
-    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
-        if not isinstance(self.H, CrossFitDecomposed):
-            return super().sample(n_samples, generator)
-        P = self.posterior_precision
-        z = torch.randn(n_samples, self.n_params, device=self._device, dtype=self._dtype, generator=generator)
-        pick = torch.rand(n_samples, generator=generator, device=z.device) < 0.5
-        steps = torch.where(
-            pick[:, None],
-            P.components[0].bmm(z, exponent=-0.5).reshape(n_samples, -1),
-            P.components[1].bmm(z, exponent=-0.5).reshape(n_samples, -1),
-        )
-        return self.mean.reshape(1, self.n_params) + steps
+    Returns:
+        Samples ``(S, P)``, each from a component drawn with probability ½.
+    """
+    n_params = len(mean)
+    z = torch.randn(n_samples, n_params, device=device, dtype=dtype, generator=generator)
+    pick = torch.rand(n_samples, generator=generator, device=z.device) < 0.5
+    steps = torch.where(
+        pick[:, None],
+        P.components[0].bmm(z, exponent=-0.5).reshape(n_samples, -1),
+        P.components[1].bmm(z, exponent=-0.5).reshape(n_samples, -1),
+    )
+    return mean.reshape(1, n_params) + steps

@@ -1,27 +1,45 @@
-"""Input checks of the two-batch fit (:class:`FitChecksMixin`, a base of
-:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`): refuse what laplace-torch
-would fit silently wrong, with a message that says what to do.
+"""Input checks of the two-batch fit: refuse what laplace-torch would fit silently wrong, with a
+message that says what to do.  Plain functions of the model, the batches and the fit's options,
+called by :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping, Sequence
 
 import torch
-from laplace.lllaplace import LLLaplace
 from torch import nn
 
 from laplace_debiased.data.batch import Batch, batch_inputs_targets
 
+__all__ = [
+    "LOGIT_CHECK_ROWS",
+    "batch_statistics_layers",
+    "check_batch_dtypes",
+    "check_model_mode",
+    "check_outputs_are_logits",
+    "check_override",
+    "check_padded_targets_supported",
+    "check_trainable",
+    "outputs_are_probabilities",
+]
+
 _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 LOGIT_CHECK_ROWS = 8
-"""Inputs of the first fit batch whose outputs :meth:`FitChecksMixin._check_outputs_are_logits` inspects."""
+"""Inputs of the first fit batch whose outputs :func:`check_outputs_are_logits` inspects."""
 
 
 def outputs_are_probabilities(f: torch.Tensor) -> bool:
-    """Whether every output row ``f[..., :]`` (``C >= 2`` classes) is a probability vector:
-    entries ``>= 0`` summing to 1 within ``10 · C · eps`` of ``f``'s dtype (the round-off of a
-    softmax).  Logits of a network pass this only by accident."""
+    """Whether every output row ``f[..., :]`` is a probability vector.
+
+    Args:
+        f: Model outputs ``(..., C)`` with ``C >= 2`` classes.
+
+    Returns:
+        ``True`` if every entry is ``>= 0`` and every row sums to 1 within ``10 · C · eps`` of
+        ``f``'s dtype (the round-off of a softmax).  Logits of a network pass this only by
+        accident.
+    """
     if f.ndim < 2 or f.shape[-1] < 2 or not f.is_floating_point():
         return False
     tol = 10 * f.shape[-1] * torch.finfo(f.dtype).eps
@@ -29,9 +47,17 @@ def outputs_are_probabilities(f: torch.Tensor) -> bool:
 
 
 def batch_statistics_layers(model: nn.Module) -> list[str]:
-    """``"'name' (Type)"`` of every BatchNorm layer of ``model`` without running statistics
-    (``track_running_stats=False``): such a layer normalises with its batch's statistics in eval
-    mode too, so its output for one sample depends on the other samples of the batch."""
+    """The BatchNorm layers of ``model`` without running statistics.
+
+    Such a layer (``track_running_stats=False``) normalises with its batch's statistics in eval
+    mode too, so its output for one sample depends on the other samples of the batch.
+
+    Args:
+        model: The network.
+
+    Returns:
+        ``"'name' (Type)"`` of every such layer, in module order.
+    """
     return [
         f"'{name}' ({type(m).__name__})"
         for name, m in model.named_modules()
@@ -39,86 +65,149 @@ def batch_statistics_layers(model: nn.Module) -> list[str]:
     ]
 
 
-class FitChecksMixin:
-    """Checks of the model and the fit batches before a two-batch fit."""
+def check_override(last_layer: bool, override: bool) -> None:
+    """Refuse ``override=False`` for a last-layer approximation (as laplace-torch does).
 
-    def _check_override(self, override: bool) -> None:
-        if isinstance(self, LLLaplace) and not override:
-            raise ValueError(
-                "Last-layer Laplace approximations do not support `override=False`."
-            )
+    Args:
+        last_layer: Whether the approximation is over the last layer only.
+        override: The fit's ``override``.
 
-    def _check_model_mode(self) -> None:
-        """Refuse Dropout/BatchNorm layers left in train mode, and BatchNorm layers without
-        running statistics (:func:`batch_statistics_layers`), before any forward pass.
+    Raises:
+        ValueError: ``last_layer`` and not ``override``.
+    """
+    if last_layer and not override:
+        raise ValueError("Last-layer Laplace approximations do not support `override=False`.")
 
-        The layers' own ``training`` flags decide, not the wrapper's: laplace-torch's
-        last-layer ``FeatureExtractor`` is created in train mode around a model the user put
-        in eval mode, and that model must fit (as ``LLLaplace`` does).
-        """
-        batch_stats = batch_statistics_layers(self.model)
-        if batch_stats:
-            raise ValueError(
-                f"{', '.join(batch_stats)} normalise with the statistics of the batch they are given "
-                "even in eval mode (track_running_stats=False), so the network's output, its curvature "
-                "and the predictive for one input would depend on the batch it comes in. Build these "
-                "layers with track_running_stats=True and estimate the running statistics on the "
-                "training data (a pass in train mode), or replace them by LayerNorm / GroupNorm."
-            )
-        stochastic = [
-            f"'{name}' ({type(m).__name__})"
-            for name, m in self.model.named_modules()
-            if isinstance(m, _STOCHASTIC_LAYERS) and m.training
-        ]
-        if stochastic:
-            raise ValueError(
-                "the model is in train mode and has layers that behave differently "
-                f"in train mode: {', '.join(stochastic)}. Call model.eval() before "
-                "fitting the Laplace approximation."
-            )
 
-    def _check_trainable(self) -> None:
-        """Refuse a fit with nothing to approximate (every parameter frozen)."""
-        if isinstance(self, LLLaplace):
-            if not any(p.requires_grad for p in self.model.last_layer.parameters()):
-                raise ValueError(
-                    "the last layer's parameters all have requires_grad=False; a last-layer "
-                    "Laplace approximation is over them, so unfreeze them "
-                    "(p.requires_grad_(True))."
-                )
-        elif not any(p.requires_grad for p in self.model.parameters()):
-            raise ValueError(
-                "every parameter of the model has requires_grad=False, so there is nothing "
-                "to approximate; unfreeze the parameters the posterior should cover."
-            )
+def check_model_mode(model: nn.Module) -> None:
+    """Refuse Dropout/BatchNorm layers left in train mode, and BatchNorm layers without running
+    statistics (:func:`batch_statistics_layers`), before any forward pass.
 
-    @torch.no_grad()
-    def _check_outputs_are_logits(self, batch: Batch) -> None:
-        """Refuse, for ``"classification"``, a model whose outputs on the first
-        ``LOGIT_CHECK_ROWS`` inputs of ``batch`` are probabilities (a final ``nn.Softmax``):
-        laplace-torch's likelihood applies the softmax itself, so the fit and the predictive
-        would treat probabilities as logits."""
-        if self.likelihood != "classification":
-            return
-        X, _ = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
-        net = self.model.model if isinstance(self, LLLaplace) else self.model  # the wrapped network
-        f = net(X[:LOGIT_CHECK_ROWS] if isinstance(X, torch.Tensor) else X)
-        if outputs_are_probabilities(f):
-            raise ValueError(
-                "the model's outputs are probabilities (every row is >= 0 and sums to 1): it ends in a "
-                "softmax. The 'classification' likelihood expects logits and applies the softmax "
-                "itself; remove the final nn.Softmax (for an nn.Sequential, fit model[:-1]) and fit again."
-            )
+    The layers' own ``training`` flags decide, not the wrapper's: laplace-torch's last-layer
+    ``FeatureExtractor`` is created in train mode around a model the user put in eval mode, and
+    that model must fit (as ``LLLaplace`` does).
 
-    def _check_batch_matches_model(self, batch: Batch) -> None:
-        X, y = batch_inputs_targets(batch, self.dict_key_x, self.dict_key_y)
-        x = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
-        if x.is_floating_point() and x.dtype != self._dtype:
+    Args:
+        model: The network (or laplace-torch's wrapper of it).
+
+    Raises:
+        ValueError: A layer normalises with batch statistics, or a stochastic layer is in train mode.
+    """
+    batch_stats = batch_statistics_layers(model)
+    if batch_stats:
+        raise ValueError(
+            f"{', '.join(batch_stats)} normalise with the statistics of the batch they are given "
+            "even in eval mode (track_running_stats=False), so the network's output, its curvature "
+            "and the predictive for one input would depend on the batch it comes in. Build these "
+            "layers with track_running_stats=True and estimate the running statistics on the "
+            "training data (a pass in train mode), or replace them by LayerNorm / GroupNorm."
+        )
+    stochastic = [
+        f"'{name}' ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, _STOCHASTIC_LAYERS) and m.training
+    ]
+    if stochastic:
+        raise ValueError(
+            "the model is in train mode and has layers that behave differently "
+            f"in train mode: {', '.join(stochastic)}. Call model.eval() before "
+            "fitting the Laplace approximation."
+        )
+
+
+def check_trainable(parameters: Iterable[nn.Parameter], last_layer: bool) -> None:
+    """Refuse a fit with nothing to approximate (every parameter frozen).
+
+    Args:
+        parameters: The parameters the approximation is over (the last layer's, or the model's).
+        last_layer: Whether they are the last layer's (for the message).
+
+    Raises:
+        ValueError: No parameter has ``requires_grad``.
+    """
+    if any(p.requires_grad for p in parameters):
+        return
+    if last_layer:
+        raise ValueError(
+            "the last layer's parameters all have requires_grad=False; a last-layer "
+            "Laplace approximation is over them, so unfreeze them "
+            "(p.requires_grad_(True))."
+        )
+    raise ValueError(
+        "every parameter of the model has requires_grad=False, so there is nothing "
+        "to approximate; unfreeze the parameters the posterior should cover."
+    )
+
+
+@torch.no_grad()
+def check_outputs_are_logits(net: nn.Module, X: torch.Tensor | MutableMapping, likelihood: str) -> None:
+    """Refuse, for ``"classification"``, a network whose outputs are probabilities (a final
+    ``nn.Softmax``): laplace-torch's likelihood applies the softmax itself, so the fit and the
+    predictive would treat probabilities as logits.
+
+    Args:
+        net: The wrapped network (not laplace-torch's last-layer wrapper).
+        X: Inputs of the first fit batch; a tensor's first ``LOGIT_CHECK_ROWS`` rows are used.
+        likelihood: laplace-torch's likelihood; other than ``"classification"`` nothing is checked.
+
+    Raises:
+        ValueError: Every output row is a probability vector (:func:`outputs_are_probabilities`).
+    """
+    if likelihood != "classification":
+        return
+    f = net(X[:LOGIT_CHECK_ROWS] if isinstance(X, torch.Tensor) else X)
+    if outputs_are_probabilities(f):
+        raise ValueError(
+            "the model's outputs are probabilities (every row is >= 0 and sums to 1): it ends in a "
+            "softmax. The 'classification' likelihood expects logits and applies the softmax "
+            "itself; remove the final nn.Softmax (for an nn.Sequential, fit model[:-1]) and fit again."
+        )
+
+
+def check_batch_dtypes(
+    batches: Sequence[Batch], dtype: torch.dtype, likelihood: str, dict_key_x: str, dict_key_y: str
+) -> None:
+    """Refuse floating inputs, and regression targets, of another dtype than the model's.
+
+    Args:
+        batches: Loader batches.
+        dtype: The model's dtype.
+        likelihood: laplace-torch's likelihood (targets are checked for ``"regression"``).
+        dict_key_x: Key of the inputs in a mapping batch (laplace-torch's ``dict_key_x``).
+        dict_key_y: Key of the targets in a mapping batch.
+
+    Raises:
+        ValueError: A batch's inputs or regression targets have another dtype.
+    """
+    for batch in batches:
+        X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
+        x = X[dict_key_x] if isinstance(X, MutableMapping) else X
+        if x.is_floating_point() and x.dtype != dtype:
             raise ValueError(
-                f"inputs have dtype {x.dtype} but the model has {self._dtype}; convert "
-                f"the data (e.g. X.to({self._dtype})) or the model."
+                f"inputs have dtype {x.dtype} but the model has {dtype}; convert "
+                f"the data (e.g. X.to({dtype})) or the model."
             )
-        if self.likelihood == "regression" and y.dtype != self._dtype:
-            raise ValueError(
-                f"regression targets have dtype {y.dtype} but the model has {self._dtype}."
-            )
+        if likelihood == "regression" and y.dtype != dtype:
+            raise ValueError(f"regression targets have dtype {y.dtype} but the model has {dtype}.")
+
+
+def check_padded_targets_supported(single_pass_fisher: str | None, backend: object, asdl_fisher_kwargs: dict) -> None:
+    """Refuse padded targets (-100) where laplace-torch's backend computes the K-FAC factors: it
+    would count the padded positions in the curvature. The package's own passes leave them out.
+
+    Args:
+        single_pass_fisher: The curvature type of the package's shared K-FAC pass for this
+            backend, ``None`` where the backend computes the factors.
+        backend: laplace-torch's curvature backend (for the message).
+        asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs`` (for the message).
+
+    Raises:
+        ValueError: ``single_pass_fisher`` is ``None``.
+    """
+    if single_pass_fisher is None:
+        raise ValueError(
+            f"the fit batches have padded targets (-100), which {type(backend).__name__} "
+            f"(with asdl_fisher_kwargs={asdl_fisher_kwargs}) would count in the K-FAC factors. "
+            "Use the default CurvlinopsGGN (stochastic=False) or CurvlinopsEF backend without "
+            "asdl_fisher_kwargs, which leave padded positions out, or remove the padded positions."
+        )

@@ -1,11 +1,11 @@
-"""Prior-precision grid search of the two-batch classes (:class:`GridSearchMixin`, a base of
-:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`): one predictive pass for the
+"""Prior-precision grid search of the two-batch classes (:func:`grid_search`, called by
+:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`): one predictive pass for the
 whole grid where :mod:`laplace_debiased.posterior.grid` can, else laplace-torch's ``validate``
 per point with the metric reset before each; the lowest score wins by the package's choice rule
 (:func:`~laplace_debiased.prior_grid.choose_prior_precision`, through :func:`lowest_score_point`).
 
 Regression: the default score is the Gaussian predictive NLL with the object's ``sigma_noise``
-(:class:`GaussianPredictiveNLL`), so that δ is chosen for calibration; laplace-torch's default,
+(:class:`GaussianPredictiveNLL`, :func:`regression_grid_loss`), so that δ is chosen for calibration; laplace-torch's default,
 the MSE of the predictive mean, does not depend on δ under the GLM predictive (the mean is the
 MAP output), so every grid point would tie and the bottom of the grid would win.  An MSE passed
 as ``loss`` with the GLM predictive is refused.
@@ -13,8 +13,7 @@ as ``loss`` with the GLM predictive is refused.
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -27,6 +26,11 @@ from torch.utils.data import DataLoader
 
 from laplace_debiased.posterior.grid import UnsupportedBatches, grid_validation_scores, gridsearch_supported
 from laplace_debiased.prior_grid import choose_prior_precision
+
+if TYPE_CHECKING:
+    from laplace.baselaplace import ParametricLaplace
+
+__all__ = ["GaussianPredictiveNLL", "grid_search", "lowest_score_point", "regression_grid_loss"]
 
 
 class GaussianPredictiveNLL(torchmetrics.Metric):
@@ -51,6 +55,13 @@ class GaussianPredictiveNLL(torchmetrics.Metric):
         self.add_state("rows", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the NLL of a batch of rows.
+
+        Args:
+            mean: Predictive mean ``(n, [tokens, ...,] C)``.
+            var: Predictive covariance of the function ``(..., C, C)``, or its diagonal (``mean``'s shape).
+            y: Targets, reshaped to ``mean``'s shape.
+        """
         mean = mean.detach().double()
         var = var.detach().double()
         if var.shape == mean.shape:
@@ -63,90 +74,100 @@ class GaussianPredictiveNLL(torchmetrics.Metric):
         self.rows += log_p.numel()
 
     def compute(self) -> torch.Tensor:
+        """The mean NLL per row.
+
+        Returns:
+            The NLL summed over the ``C`` outputs, averaged over the rows (float64 scalar).
+        """
         return self.nll_sum / self.rows
 
 
-class GridSearchMixin:
-    """A grid search that resets its metric and scores the grid in one pass where it can, and
-    scores regression by the Gaussian predictive NLL."""
+def regression_grid_loss(
+    loss: Any, pred_type: PredType | str, sigma_noise: torch.Tensor | float, device: torch.device
+) -> Any:
+    """The regression grid search's score.
 
-    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
-        """laplace-torch's ``optimize_prior_precision`` (same arguments).  With
-        ``method="gridsearch"`` and ``likelihood="regression"`` the default ``loss`` is
-        :class:`GaussianPredictiveNLL` with ``self.sigma_noise``, and an MSE ``loss`` with
-        ``pred_type="glm"`` raises ``ValueError``."""
-        parent = super().optimize_prior_precision
-        bound = inspect.signature(parent).bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = bound.arguments
-        if arguments["method"] == "gridsearch" and self.likelihood == "regression":
-            arguments["loss"] = self._regression_grid_loss(arguments["loss"], arguments["pred_type"])
-        parent(*bound.args, **bound.kwargs)
+    Args:
+        loss: The ``loss`` passed to ``optimize_prior_precision`` (``None``: the default).
+        pred_type: The predictive (``"glm"`` or ``"nn"``).
+        sigma_noise: The observation noise ``σ`` of the Laplace object.
+        device: The Laplace object's device.
 
-    def _regression_grid_loss(self, loss: Any, pred_type: PredType | str) -> Any:
-        """The regression grid search's score: ``loss``, or :class:`GaussianPredictiveNLL` if
-        none; an MSE under the GLM predictive is refused."""
-        if loss is None:
-            return GaussianPredictiveNLL(self.sigma_noise).to(self._device)
-        if pred_type == "glm" and isinstance(loss, (torchmetrics.MeanSquaredError, torch.nn.MSELoss)):
-            raise ValueError(
-                "the MSE of the GLM predictive mean does not depend on the prior precision (the mean "
-                "is the MAP output), so a grid search by MSE picks the bottom of the grid. Pass "
-                "loss=None (the default: the Gaussian predictive NLL with la.sigma_noise) or a score "
-                "of the predictive variance, e.g. GaussianPredictiveNLL(sigma_noise) from "
-                "laplace_debiased.structures.gridsearch."
+    Returns:
+        ``loss``, or :class:`GaussianPredictiveNLL` with ``sigma_noise`` if it is ``None``.
+
+    Raises:
+        ValueError: An MSE ``loss`` under the GLM predictive (it does not depend on δ).
+    """
+    if loss is None:
+        return GaussianPredictiveNLL(sigma_noise).to(device)
+    if pred_type == "glm" and isinstance(loss, (torchmetrics.MeanSquaredError, torch.nn.MSELoss)):
+        raise ValueError(
+            "the MSE of the GLM predictive mean does not depend on the prior precision (the mean "
+            "is the MAP output), so a grid search by MSE picks the bottom of the grid. Pass "
+            "loss=None (the default: the Gaussian predictive NLL with la.sigma_noise) or a score "
+            "of the predictive variance, e.g. GaussianPredictiveNLL(sigma_noise) from "
+            "laplace_debiased.structures.gridsearch."
+        )
+    return loss
+
+
+def grid_search(
+    la: ParametricLaplace,
+    loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float],
+    interval: torch.Tensor,
+    val_loader: DataLoader,
+    pred_type: PredType | str,
+    link_approx: LinkApprox | str = LinkApprox.PROBIT,
+    n_samples: int = 100,
+    progress_bar: bool = False,
+) -> torch.Tensor:
+    """Grid search over prior precisions; unlike laplace-torch 0.3 the running metric is reset
+    before every grid point, so each point is scored on its own predictions.
+
+    Classification with the GLM predictive and a probit/bridge/mc link scores the whole grid from
+    one predictive pass over ``val_loader``
+    (:func:`laplace_debiased.posterior.grid.grid_validation_scores`); other settings (and dict
+    batches) evaluate ``validate`` once per grid point, setting ``la.prior_precision``.
+
+    Args:
+        la: A fitted Laplace object.
+        loss: The score (lower is better): a metric or ``loss(pred, y)``.
+        interval: The prior precisions ``(G,)``.
+        val_loader: Validation data.
+        pred_type: The predictive (``"glm"`` or ``"nn"``).
+        link_approx: The link approximation of the GLM predictive.
+        n_samples: Samples of ``link_approx="mc"`` and of the ``"nn"`` predictive.
+        progress_bar: Show a progress bar over the grid points.
+
+    Returns:
+        The chosen element of ``interval`` (:func:`lowest_score_point`).
+    """
+    if gridsearch_supported(la, pred_type, link_approx):
+        try:
+            scores = grid_validation_scores(la, loss, interval, val_loader, link_approx, n_samples)
+        except UnsupportedBatches:
+            pass
+        else:
+            return lowest_score_point(interval, scores)
+    results: list[float] = []
+    for prior_prec in tqdm.tqdm(interval, disable=not progress_bar):
+        la.prior_precision = prior_prec
+        if isinstance(loss, torchmetrics.Metric):
+            loss.reset()
+        try:
+            result = validate(
+                la, val_loader, loss, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples,
+                dict_key_y=la.dict_key_y,
             )
-        return loss
-
-    def _gridsearch(
-        self,
-        loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float],
-        interval: torch.Tensor,
-        val_loader: DataLoader,
-        pred_type: PredType | str,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        progress_bar: bool = False,
-    ) -> torch.Tensor:
-        """Grid search over prior precisions; unlike laplace-torch 0.3 the running metric
-        is reset before every grid point, so each point is scored on its own predictions.
-
-        Classification with the GLM predictive and a probit/bridge/mc link scores the whole
-        grid from one predictive pass over ``val_loader``
-        (:func:`laplace_debiased.posterior.grid.grid_validation_scores`); other
-        settings (and dict batches) evaluate ``validate`` once per grid point."""
-        if gridsearch_supported(self, pred_type, link_approx):
-            try:
-                scores = grid_validation_scores(
-                    self, loss, interval, val_loader, link_approx, n_samples
-                )
-            except UnsupportedBatches:
-                pass
-            else:
-                return lowest_score_point(interval, scores)
-        results: list[float] = []
-        for prior_prec in tqdm.tqdm(interval, disable=not progress_bar):
-            self.prior_precision = prior_prec
-            if isinstance(loss, torchmetrics.Metric):
-                loss.reset()
-            try:
-                result = validate(
-                    self,
-                    val_loader,
-                    loss,
-                    pred_type=pred_type,
-                    link_approx=link_approx,
-                    n_samples=n_samples,
-                    dict_key_y=self.dict_key_y,
-                )
-            except LinAlgError:
-                result = np.inf
-            except RuntimeError as err:
-                if "not positive definite" not in str(err):
-                    raise
-                result = np.inf
-            results.append(result)
-        return lowest_score_point(interval, results)
+        except LinAlgError:
+            result = np.inf
+        except RuntimeError as err:
+            if "not positive definite" not in str(err):
+                raise
+            result = np.inf
+        results.append(result)
+    return lowest_score_point(interval, results)
 
 
 def lowest_score_point(interval: torch.Tensor, scores: list[float]) -> torch.Tensor:

@@ -23,30 +23,41 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from torch.utils.data import DataLoader
-from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
 from laplace.baselaplace import KronLaplace
-from laplace.lllaplace import KronLLLaplace
+from laplace.curvature.curvature import CurvatureInterface
+from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
+from laplace.lllaplace import KronLLLaplace, LLLaplace
 from laplace.utils.matrix import Kron
+from torch import nn
+from torch.utils.data import DataLoader
 
-from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed
-from laplace_debiased.structures.auto_magnitude import AutoMagnitudeMixin
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitMixin
-from laplace_debiased.structures.kron_layers import KronLayersMixin
-from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
-from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.curvature.completion import NULL_SPACE_MODES
+from laplace_debiased.computers.coverage import Coverage, report_coverage
 from laplace_debiased.computers.kron import combine_kfacs, decompose_two_batch
 from laplace_debiased.computers.kron_estimators import ESTIMATORS, Correction, resolve_estimator
-from laplace_debiased.computers.coverage import Coverage, report_coverage
-from laplace_debiased.curvature.layer_blocks import block_spans
-from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
-from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.computers.kron_passes import single_pass_kfacs
+from laplace_debiased.curvature.completion import NULL_SPACE_MODES
+from laplace_debiased.curvature.layer_blocks import block_spans, curvature_modules
+from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
+from laplace_debiased.parallel.reducer import current_reducer
+from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed
+from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
+from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
+from laplace_debiased.structures.kron_layers import block_names, check_blocks, check_supported, trainable_blocks
+from laplace_debiased.structures.two_batch import TwoBatchLaplace
 
-__all__ = ["DebiasedKronDecomposed", "DebiasedKronLaplace", "DebiasedKronLLLaplace"]
-
-
+__all__ = [
+    "DebiasedKronDecomposed",
+    "DebiasedKronLaplace",
+    "DebiasedKronLLLaplace",
+    "backend_kfacs",
+    "debiased_kron_curvature",
+    "fit_kfacs",
+    "kron_decomposed",
+    "kron_from_state",
+    "kron_state",
+    "single_pass_fisher",
+]
 
 
 class DebiasedKronDecomposed(ImplicitKronDecomposed):
@@ -68,25 +79,267 @@ class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
         self.spans = list(spans) if spans is not None else [1] * len(eigenvalues)
 
 
-class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, TwoBatchLaplaceMixin, KronLaplace):
+def kron_decomposed(
+    eigenvectors: list, eigenvalues: list, damping: bool, modules: list[nn.Module]
+) -> DebiasedKronDecomposed:
+    """The decomposed curvature of a debiased K-FAC.
+
+    Args:
+        eigenvectors: Per block, the eigenvectors of its factors.
+        eigenvalues: Per block, the eigenvalues of its factors.
+        damping: laplace-torch's ``damping``.
+        modules: The layers of the blocks, in block order.
+
+    Returns:
+        A :class:`SpannedKronDecomposed` where a dense normalisation block spans several parameter
+        tensors, else a :class:`DebiasedKronDecomposed`.
+    """
+    spans = block_spans(modules)
+    if any(span > 1 for span in spans):
+        return SpannedKronDecomposed(eigenvectors, eigenvalues, damping=damping, spans=spans)
+    return DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=damping)
+
+
+def single_pass_fisher(backend: CurvatureInterface, asdl_fisher_kwargs: dict) -> str | None:
+    """The curvature type of ``backend`` if the shared K-FAC pass
+    (:func:`~laplace_debiased.computers.kron_passes.single_pass_kfacs`) reproduces it exactly.
+
+    Args:
+        backend: laplace-torch's curvature backend.
+        asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
+
+    Returns:
+        ``"type2"`` (Curvlinops exact GGN) or ``"empirical"`` (Curvlinops EF) with K-FAC
+        "expand"; ``None`` for any other backend or option.
+    """
+    if set(asdl_fisher_kwargs) - {"kfac_approx"} or asdl_fisher_kwargs.get("kfac_approx", "expand") != "expand":
+        return None
+    if isinstance(backend, CurvlinopsGGN) and not backend.stochastic:
+        return "type2"
+    if isinstance(backend, CurvlinopsEF):
+        return "empirical"
+    return None
+
+
+def backend_kfacs(
+    model: nn.Module,
+    backend: CurvatureInterface,
+    groups: list[list[Batch]],
+    N: int,
+    *,
+    asdl_fisher_kwargs: dict,
+    output_shape: tuple[int, ...],
+    dict_key_x: str,
+    dict_key_y: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[Kron]]:
+    """K-FAC of each batch set by one backend call per batch (backends that
+    :func:`single_pass_fisher` does not reproduce), scaled to ``N`` points (module docstring
+    convention), with the blocks of frozen parameters dropped and the rest checked.
+
+    Args:
+        model: The network.
+        backend: laplace-torch's curvature backend.
+        groups: The batch sets (B, and B̃ unless it is B).
+        N: Training samples the factors are scaled to.
+        asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``, passed to ``backend.kron``.
+        output_shape: The per-sample output shape ``([tokens, ...,] C)``.
+        dict_key_x: Key of the inputs in a mapping batch.
+        dict_key_y: Key of the targets in a mapping batch.
+        device: Device of the loss.
+        dtype: dtype of the loss.
+
+    Returns:
+        The summed loss the backend evaluates with the factors over all sets, and one ``Kron``
+        per set.
+
+    Raises:
+        ValueError: Under a process group, for token outputs, or where the backend drops a block.
+    """
+    if current_reducer().world > 1:
+        raise ValueError(
+            f"a distributed debiased K-FAC fit needs the CurvlinopsGGN (stochastic=False) "
+            f"or CurvlinopsEF backend without asdl_fisher_kwargs; got "
+            f"{type(backend).__name__}. Use one of them or fit in one process."
+        )
+    modules = curvature_modules(backend._model)
+    losses, krons = [], []
+    for batches in groups:
+        if len(output_shape) > 1:
+            raise ValueError(
+                f"outputs of shape (batch, {', '.join(map(str, output_shape))}) "
+                f"(every token an output) need the CurvlinopsGGN (stochastic=False) or "
+                f"CurvlinopsEF backend without asdl_fisher_kwargs; got "
+                f"{type(backend).__name__}, whose K-FAC does not treat tokens as outputs."
+            )
+        m = sum(batch_size(b, dict_key_x, dict_key_y) for b in batches)
+        loss = torch.zeros((), device=device, dtype=dtype)
+        total: Kron | None = None
+        for b in batches:
+            X, y = batch_inputs_targets(b, dict_key_x, dict_key_y)
+            model.zero_grad()
+            # with N=m every backend returns [sum_b g gᵀ, (1/m) sum_b a aᵀ]; factor-wise
+            # addition over the batches then gives [sum_S g gᵀ, mean_S a aᵀ].
+            batch_loss, kron = backend.kron(X, y, N=m, **asdl_fisher_kwargs)
+            loss = loss + batch_loss
+            total = kron if total is None else total + kron
+        kfacs = [[F[0] * (N / m), *F[1:]] for F in trainable_blocks(backend._model, total.kfacs)]
+        check_blocks(kfacs, modules, backend)
+        losses.append(loss)
+        krons.append(Kron(kfacs))
+    return sum(losses), krons
+
+
+def fit_kfacs(
+    model: nn.Module,
+    backend: CurvatureInterface,
+    groups: list[list[Batch]],
+    N: int,
+    *,
+    fisher: str | None,
+    likelihood: str,
+    asdl_fisher_kwargs: dict,
+    output_shape: tuple[int, ...],
+    mean: torch.Tensor,
+    dict_key_x: str,
+    dict_key_y: str,
+) -> tuple[torch.Tensor, list[Kron], list | None]:
+    """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of them: one
+    shared pass (:func:`~laplace_debiased.computers.kron_passes.single_pass_kfacs`) where the
+    backend allows, else :func:`backend_kfacs`; the blocks checked against the trainable parameters.
+
+    Args:
+        model: The network.
+        backend: laplace-torch's curvature backend.
+        groups: The batch sets (B, and B̃ unless it is B).
+        N: Training samples the factors are scaled to.
+        fisher: :func:`single_pass_fisher` of the backend (``None``: :func:`backend_kfacs`).
+        likelihood: laplace-torch's likelihood.
+        asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
+        output_shape: The per-sample output shape ``([tokens, ...,] C)``.
+        mean: The MAP parameters ``(P,)``.
+        dict_key_x: Key of the inputs in a mapping batch.
+        dict_key_y: Key of the targets in a mapping batch.
+
+    Returns:
+        The summed loss, one ``Kron`` per set, and the shared pass's factor rows (``None`` for
+        :func:`backend_kfacs`).
+    """
+    params = next(model.parameters())
+    if fisher is None:
+        loss, krons = backend_kfacs(
+            model, backend, groups, N, asdl_fisher_kwargs=asdl_fisher_kwargs, output_shape=output_shape,
+            dict_key_x=dict_key_x, dict_key_y=dict_key_y, device=params.device, dtype=params.dtype,
+        )
+        return loss, krons, None
+    modules = curvature_modules(backend._model)
+    loss, kfacs, rows = single_pass_kfacs(
+        model, modules, groups, N, likelihood=likelihood, backend=backend, fisher=fisher,
+        keys=(dict_key_x, dict_key_y), mean=mean, reducer=current_reducer(),
+    )
+    for blocks in kfacs:
+        check_blocks(blocks, modules, backend)
+    return loss, [Kron(blocks) for blocks in kfacs], rows
+
+
+def debiased_kron_curvature(
+    direction: Kron,
+    magnitude: Kron,
+    rows: list | None,
+    *,
+    null_space: str,
+    estimator: str,
+    cross_fit: bool,
+    sizes: tuple[int, int],
+    n_data: int,
+    layers: nn.Module,
+    damping: bool,
+) -> tuple[DebiasedKronDecomposed | CrossFitDecomposed, Coverage | None, Correction | None]:
+    """The debiased K-FAC curvature of B's and B̃'s factors
+    (:func:`~laplace_debiased.computers.kron.decompose_two_batch`).
+
+    Args:
+        direction: B's K-FAC, scaled to ``n_data``.
+        magnitude: B̃'s K-FAC, scaled to ``n_data``.
+        rows: The shared pass's factor rows per batch set (``None``: not known).
+        null_space: ``"isotropic"`` or ``"aligned"``.
+        estimator: ``"paper"`` or ``"corrected"``.
+        cross_fit: Also decompose the swapped roles.
+        sizes: Samples summed into B's and B̃'s factors.
+        n_data: The training data the batches were drawn from.
+        layers: The network (laplace-torch's backend model), for the block names and spans.
+        damping: laplace-torch's ``damping``.
+
+    Returns:
+        The decomposition (:func:`kron_decomposed`, or the mixture of it and the swapped one),
+        the coverage record and the correction record (``None`` where not computed).
+    """
+    rows = rows or [None]
+    result = decompose_two_batch(
+        direction.kfacs, magnitude.kfacs, rows=(rows[0], rows[-1]), null_space=null_space,
+        estimator=estimator, cross_fit=cross_fit, sizes=sizes, n_data=n_data,
+        names=block_names(layers, len(direction.kfacs)), reducer=current_reducer(),
+    )
+    modules = curvature_modules(layers)
+    H = kron_decomposed(result.eigenvectors, result.eigenvalues, damping, modules)
+    if result.swapped is not None:
+        H = CrossFitDecomposed(H, kron_decomposed(*result.swapped, damping, modules))
+    return H, result.coverage, result.correction
+
+
+def kron_state(H: DebiasedKronDecomposed | CrossFitDecomposed) -> dict[str, Any]:
+    """The ``state_dict`` entries of a debiased K-FAC decomposition.
+
+    Args:
+        H: The decomposition, or a cross-fitted mixture of two.
+
+    Returns:
+        ``"H_eigenvectors"``, ``"H_eigenvalues"`` and, for a mixture, ``"H_swapped"``
+        (the swapped component's eigenvectors and eigenvalues).
+    """
+    comps = H.components if isinstance(H, CrossFitDecomposed) else (H,)
+    state = {"H_eigenvectors": comps[0].eigenvectors, "H_eigenvalues": comps[0].eigenvalues}
+    if len(comps) == 2:
+        state["H_swapped"] = [comps[1].eigenvectors, comps[1].eigenvalues]
+    return state
+
+
+def kron_from_state(
+    state_dict: dict[str, Any], damping: bool, modules: list[nn.Module]
+) -> DebiasedKronDecomposed | CrossFitDecomposed:
+    """The decomposition :func:`kron_state` saved.
+
+    Args:
+        state_dict: A ``state_dict`` with :func:`kron_state`'s entries.
+        damping: laplace-torch's ``damping``.
+        modules: The layers of the blocks, in block order.
+
+    Returns:
+        The decomposition (:func:`kron_decomposed`), or the mixture of it and the swapped one.
+    """
+    H = kron_decomposed(state_dict["H_eigenvectors"], state_dict["H_eigenvalues"], damping, modules)
+    if "H_swapped" in state_dict:
+        H = CrossFitDecomposed(H, kron_decomposed(*state_dict["H_swapped"], damping, modules))
+    return H
+
+
+class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 
-    Same interface as ``KronLaplace``; ``fit`` takes the extra two-batch arguments of
-    :meth:`TwoBatchLaplaceMixin.fit`. After fitting, ``H_facs`` / ``H_facs_magnitude`` are the
-    ``Kron`` factors of B and B̃ (both scaled to ``n_data``) and ``H`` is a
-    :class:`DebiasedKronDecomposed` with B's eigenvectors and B̃'s Rayleigh quotients
-    (``fit(..., cross_fit=True)``: a
-    :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed` mixture of it and the
-    role-swapped one, B̃'s eigenvectors with B's Rayleigh quotients).
-    Layers: :mod:`~laplace_debiased.curvature.layer_blocks` (beyond Linear/Conv2d only with the default
-    Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
+    After :meth:`fit`, ``H_facs`` / ``H_facs_magnitude`` are the ``Kron`` factors of B and B̃
+    (scaled to ``n_data``) and ``H`` a :class:`DebiasedKronDecomposed` (B's eigenvectors, B̃'s
+    Rayleigh quotients; cross-fitted: a :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`).
+    Layers: :mod:`~laplace_debiased.curvature.layer_blocks` (beyond Linear/Conv2d only with the
+    default Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
     """
 
     _key = ("all", "debiased_kron")
     _null_space: str = "isotropic"
     _estimator: str = "paper"
     _estimators: tuple[str, ...] = ESTIMATORS
+    _cross_fit: bool = False
 
     def fit(
         self,
@@ -105,33 +358,27 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
     ) -> None:
         """Fit the debiased K-FAC approximation at the current (MAP) parameters.
 
-        ``train_loader`` to ``generator``: the two batches, as
-        :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit`.
+        The arguments up to ``generator`` choose the two batches, as in :meth:`TwoBatchLaplace.fit`.
+        After the fit ``self.coverage`` (:class:`~laplace_debiased.computers.coverage.Coverage`,
+        logged) records what the curvature covers, and ``self.correction``
+        (:class:`~laplace_debiased.computers.kron_estimators.Correction`) what a corrected fit changed.
 
-        ``cross_fit=True``: also fit the swapped roles (basis from B̃, eigenvalues from B) and use
-        the equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
+        Args:
+            null_space: How directions that B's factors do not distinguish (their null space,
+                where a factor is wider than B) get their magnitude. ``"isotropic"``: B̃'s mean
+                curvature over each such eigenspace, ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased);
+                ``"aligned"``: B̃'s own eigenbasis there (same-batch bias, exact zeros where B ∪ B̃
+                does not reach); :mod:`laplace_debiased.curvature.completion`. Unused by ``debiased_ekfac``.
+            estimator: ``"paper"`` (default; B's eigenvectors, B̃'s Rayleigh quotients; the only
+                one of ``debiased_ekfac``) or ``"corrected"`` (the eigenvectors of B ∪ B̃ with
+                eigenvalues less the regression-to-the-mean gap the two batches measure;
+                :mod:`laplace_debiased.curvature.corrected`; ``null_space`` does not apply).
+            cross_fit: Also fit the swapped roles (basis from B̃, eigenvalues from B) and use the
+                equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
 
-        ``null_space``: how directions that B's factors do not
-        distinguish (their null space, where a factor is wider than B) get their magnitude.
-
-        ``"isotropic"`` (default): each such eigenspace gets B̃'s mean curvature over it,
-        ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased, P chosen by B alone); ``"aligned"``: B̃'s own
-        eigenbasis there, measured by B̃ (same-batch bias, exact zeros where B ∪ B̃ does not
-        reach). See :mod:`laplace_debiased.curvature.completion` and docs/wide-layers.md.
-        After the fit ``self.coverage`` (:class:`~laplace_debiased.computers.coverage.Coverage`)
-        records per layer and factor what the curvature covers; it is logged, and a warning
-        names the layers where a share of the weights keeps only the prior.
-        ``debiased_ekfac`` (a subclass with its own eigenbasis and eigenvalues) does not use
-        ``null_space`` and records no coverage.
-
-        ``estimator``: ``"paper"`` (default; B's eigenvectors, B̃'s Rayleigh quotients; the only one
-        of ``debiased_ekfac``) or ``"corrected"`` (the eigenvectors of B ∪ B̃, as a single batch of
-        all their samples, with eigenvalues less the regression-to-the-mean gap that the two
-        batches measure against each other; :mod:`laplace_debiased.curvature.corrected`;
-        ``null_space`` does not apply; measured against the paper's in docs/guide/choosing-batches.md).
-        After a corrected fit
-        ``self.correction`` (:class:`~laplace_debiased.computers.kron_estimators.Correction`)
-        holds per block and factor what the correction changed, and it is logged.
+        Raises:
+            ValueError: An unknown ``null_space`` or ``estimator``.
+            TypeError: ``cross_fit`` is not a bool.
         """
         if null_space not in NULL_SPACE_MODES:
             raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
@@ -148,151 +395,81 @@ class DebiasedKronLaplace(CrossFitMixin, KronLayersMixin, AutoMagnitudeMixin, Tw
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()
-        self.H_facs = None
-        self.H_facs_magnitude: Kron | None = None
-        self.coverage: Coverage | None = None
-        self.correction: Correction | None = None
+        self.H_facs = self.H_facs_magnitude = self.coverage = self.correction = self._factor_rows = None
         self._fit_sizes = (0, 0)
-        self._factor_rows: list[list[list[torch.Tensor | None]]] | None = None
 
-    def _fit_two_batch(
-        self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
-    ) -> torch.Tensor:
+    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> torch.Tensor:
         self._check_supported(direction_batches)
-        same = magnitude_batches is direction_batches
-        groups = [direction_batches] if same else [direction_batches, magnitude_batches]
+        groups = [direction_batches] if magnitude_batches is direction_batches else [direction_batches, magnitude_batches]
         loss, krons = self._kfacs(groups, N)
         direction, magnitude = krons[0], krons[-1]
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             self._factor_rows = None
-            n_old = self.n_data
-            direction = Kron(combine_kfacs(self.H_facs.kfacs, direction.kfacs, n_old, N))
-            magnitude = Kron(combine_kfacs(self.H_facs_magnitude.kfacs, magnitude.kfacs, n_old, N))
+            direction = Kron(combine_kfacs(self.H_facs.kfacs, direction.kfacs, self.n_data, N))
+            magnitude = Kron(combine_kfacs(self.H_facs_magnitude.kfacs, magnitude.kfacs, self.n_data, N))
         self.H_facs, self.H_facs_magnitude = direction, magnitude
         sizes = [sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in g) for g in groups]
         self._fit_sizes = (self._fit_sizes[0] + sizes[0], self._fit_sizes[1] + sizes[-1])
         self._decompose(self.n_data + N)
-        self._record_coverage()
+        report_coverage(self.coverage)
         return loss
 
     def _kfacs(self, groups: list[list[Batch]], N: int) -> tuple[torch.Tensor, list[Kron]]:
-        """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of
-        them: one shared pass (:meth:`_kfac_single_pass`) where the backend allows, else one
-        backend call per batch (:meth:`_kfac`)."""
-        self._factor_rows = None
-        if self._single_pass_fisher() is not None:
-            return self._kfac_single_pass(groups, N)
-        if current_reducer().world > 1:
-            raise ValueError(
-                f"a distributed debiased K-FAC fit needs the CurvlinopsGGN (stochastic=False) "
-                f"or CurvlinopsEF backend without asdl_fisher_kwargs; got "
-                f"{type(self.backend).__name__}. Use one of them or fit in one process."
-            )
-        fits = [self._kfac(batches, N) for batches in groups]
-        return sum(f[0] for f in fits), [f[1] for f in fits]
+        """:func:`fit_kfacs` of the batch sets, keeping the factor rows of the shared pass."""
+        loss, krons, self._factor_rows = fit_kfacs(
+            self.model, self.backend, groups, N, fisher=self._single_pass_fisher(), likelihood=self.likelihood,
+            asdl_fisher_kwargs=self._asdl_fisher_kwargs, output_shape=self.fit_output_shape, mean=self.mean,
+            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
+        )
+        return loss, krons
 
     def _decompose(self, n_data: int | None = None) -> None:
         """``H``, ``coverage`` and ``correction`` from ``H_facs`` and ``H_facs_magnitude``
-        (:func:`~laplace_debiased.computers.kron.decompose_two_batch`; ``n_data``: the training
-        data the batches were drawn from, by default ``self.n_data``)."""
-        rows = getattr(self, "_factor_rows", None) or [None]
-        result = decompose_two_batch(
-            self.H_facs.kfacs, self.H_facs_magnitude.kfacs, rows=(rows[0], rows[-1]),
-            null_space=self._null_space, estimator=self._estimator, cross_fit=self._cross_fit,
-            sizes=self._fit_sizes, n_data=n_data or self.n_data, names=self._block_names(),
-            reducer=current_reducer(),
+        (:func:`debiased_kron_curvature`; ``n_data``: by default ``self.n_data``)."""
+        self.H, self.coverage, self.correction = debiased_kron_curvature(
+            self.H_facs, self.H_facs_magnitude, getattr(self, "_factor_rows", None), null_space=self._null_space,
+            estimator=self._estimator, cross_fit=self._cross_fit, sizes=self._fit_sizes,
+            n_data=n_data or self.n_data, layers=self.backend._model, damping=self.damping,
         )
-        H = self._decomposed(result.eigenvectors, result.eigenvalues)
-        self.H = H if result.swapped is None else CrossFitDecomposed(H, self._decomposed(*result.swapped))
-        self.coverage, self.correction = result.coverage, result.correction
 
-    def _record_coverage(self) -> None:
-        """Log ``self.coverage`` and warn once, naming the layers with prior-only weights."""
-        report_coverage(self.coverage)
-
-    def _decomposed(self, eigenvectors: list, eigenvalues: list) -> DebiasedKronDecomposed:
-        """The decomposed curvature; a :class:`SpannedKronDecomposed` where a dense
-        normalisation block spans several parameter tensors."""
-        spans = block_spans(self._kfac_modules())
-        if any(span > 1 for span in spans):
-            return SpannedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping, spans=spans)
-        return DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=self.damping)
+    def _kfac_modules(self) -> list[nn.Module]:
+        """The layers with trainable parameters, in ``Kron`` block order."""
+        return curvature_modules(self.backend._model)
 
     def _single_pass_fisher(self) -> str | None:
-        """The curvature type of the backend if :func:`group_kfac_sums` reproduces it
-        exactly (Curvlinops exact GGN or EF, K-FAC "expand"), else ``None``."""
-        if set(self._asdl_fisher_kwargs) - {"kfac_approx"} or (
-            self._asdl_fisher_kwargs.get("kfac_approx", "expand") != "expand"
-        ):
-            return None
-        if isinstance(self.backend, CurvlinopsGGN) and not self.backend.stochastic:
-            return "type2"
-        if isinstance(self.backend, CurvlinopsEF):
-            return "empirical"
-        return None
+        """:func:`single_pass_fisher` of this object's backend."""
+        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
 
-    def _kfac_single_pass(
-        self, groups: list[list[Batch]], N: int
-    ) -> tuple[torch.Tensor, list[Kron]]:
-        """K-FAC of each batch set from shared passes over B ∪ B̃ (:func:`single_pass_kfacs`),
-        each checked against the trainable parameters; and the summed loss."""
-        loss, kfacs, self._factor_rows = single_pass_kfacs(
-            self.model, self._kfac_modules(), groups, N, likelihood=self.likelihood, backend=self.backend,
-            fisher=self._single_pass_fisher(), keys=(self.dict_key_x, self.dict_key_y), mean=self.mean,
-            reducer=current_reducer(),
+    def _check_supported(self, batches: list[Batch]) -> None:
+        """:func:`~laplace_debiased.structures.kron_layers.check_supported` for this fit."""
+        check_supported(self.backend, self.backend._model, batches, self._single_pass_fisher(), self.fit_output_shape)
+
+    def _auto_magnitude_rule(self) -> Any:
+        """:func:`~laplace_debiased.structures.auto_magnitude.auto_magnitude_rule` for this object."""
+        return auto_magnitude_rule(
+            self.model, lambda: self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
+            likelihood=self.likelihood, dtype=self._dtype, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
+            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
         )
-        for blocks in kfacs:
-            self._check_blocks(blocks)
-        return loss, [Kron(blocks) for blocks in kfacs]
 
-    def _kfac(self, batches: list[Batch], N: int) -> tuple[torch.Tensor, Kron]:
-        """K-FAC of the batch set by one backend call per batch (backends that
-        :meth:`_single_pass_fisher` does not reproduce), scaled to ``N`` points (module
-        docstring convention), and the summed loss the backend evaluates with it."""
-        if len(self.fit_output_shape) > 1:
-            raise ValueError(
-                f"outputs of shape (batch, {', '.join(map(str, self.fit_output_shape))}) "
-                f"(every token an output) need the CurvlinopsGGN (stochastic=False) or "
-                f"CurvlinopsEF backend without asdl_fisher_kwargs; got "
-                f"{type(self.backend).__name__}, whose K-FAC does not treat tokens as outputs."
-            )
-        m = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
-        loss = torch.zeros((), device=self._device, dtype=self._dtype)
-        total: Kron | None = None
-        for b in batches:
-            X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
-            self.model.zero_grad()
-            # with N=m every backend returns [sum_b g gᵀ, (1/m) sum_b a aᵀ]; factor-wise
-            # addition over the batches then gives [sum_S g gᵀ, mean_S a aᵀ].
-            batch_loss, kron = self.backend.kron(X, y, N=m, **self._asdl_fisher_kwargs)
-            loss = loss + batch_loss
-            total = kron if total is None else total + kron
-        kfacs = [[F[0] * (N / m), *F[1:]] for F in self._trainable_blocks(total.kfacs)]
-        self._check_blocks(kfacs)
-        return loss, Kron(kfacs)
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
+        if not isinstance(self.H, CrossFitDecomposed):
+            return super().sample(n_samples, generator)
+        return mixture_samples(
+            self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        """KronLaplace's state, B̃'s factors and the decomposition (cross-fitted: also the
-        swapped component, under ``"H_swapped"``)."""
-        state = super().state_dict()
-        state["H_magnitude"] = self.H_facs_magnitude.kfacs
-        comps = self.H.components if isinstance(self.H, CrossFitDecomposed) else (self.H,)
-        state["H_eigenvectors"] = comps[0].eigenvectors
-        state["H_eigenvalues"] = comps[0].eigenvalues
-        if len(comps) == 2:
-            state["H_swapped"] = [comps[1].eigenvectors, comps[1].eigenvalues]
-        return state
+        """KronLaplace's state, B̃'s factors and the decomposition (:func:`kron_state`)."""
+        return {**super().state_dict(), "H_magnitude": self.H_facs_magnitude.kfacs, **kron_state(self.H)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a saved fit (``self.coverage`` is not saved: it is ``None`` after loading)."""
         super().load_state_dict(state_dict)
         self.coverage = self.correction = None
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
-        H = self._decomposed(state_dict["H_eigenvectors"], state_dict["H_eigenvalues"])
-        if "H_swapped" in state_dict:
-            vecs, vals = state_dict["H_swapped"]
-            H = CrossFitDecomposed(H, self._decomposed(vecs, vals))
-        self.H = H
+        self.H = kron_from_state(state_dict, self.damping, self._kfac_modules())
 
 
 class DebiasedKronLLLaplace(DebiasedKronLaplace, KronLLLaplace):

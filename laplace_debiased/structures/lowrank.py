@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace_debiased.curvature import eigen
-from laplace_debiased.structures.two_batch import TwoBatchLaplaceMixin
+from laplace_debiased.structures.two_batch import TwoBatchLaplace
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.computers.lowrank import CurvatureSource, debiased_full, debiased_lowrank
 from laplace_debiased.parallel.distributed import local_shards
@@ -146,7 +146,7 @@ class _PairHead(nn.Module):
         return out.flatten(1) if x.ndim == 3 else out
 
 
-class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLaplaceMixin, LowRankLaplace):
+class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLaplace, LowRankLaplace):
     """Two-batch debiased low-rank Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_lowrank")``).
 
@@ -290,7 +290,7 @@ class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
     _key = ("last_layer", "debiased_lowrank")
 
 
-class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMarglikMixin, TwoBatchLaplaceMixin, FullLaplace):
+class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMarglikMixin, TwoBatchLaplace, FullLaplace):
     """Two-batch debiased full Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_full")``), for small models.
 

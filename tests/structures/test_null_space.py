@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from laplace_debiased.curvature.completion import debiased_factor_mode, isotropic_factor
 from laplace_debiased.curvature.linalg import debiased_factor, roundoff_tolerance
 from laplace_debiased.computers import coverage
-from laplace_debiased.computers.coverage import numerical_rank
+from laplace_debiased.computers.coverage import numerical_rank, report_coverage
 from laplace import KronLaplace
 
 from laplace_debiased.structures.kron import DebiasedKronLaplace
@@ -128,7 +128,7 @@ def _wide_fit(null_space: str, route: str = "rows"):
             caught.clear()
             la._factor_rows = None
             la._decompose()
-            la._record_coverage()
+            report_coverage(la.coverage)
     square = [Q.shape[0] == Q.shape[1] for Q in la.H.eigenvectors[0]]
     assert square == ([True, False] if route == "rows" else [True, True])
     return la, [w for w in caught if issubclass(w.category, UserWarning) and "prior" in str(w.message)]
