@@ -85,23 +85,18 @@ class FactorRowCount:
 class AutoMagnitude:
     """The choice of ``n_magnitude_batches="auto"`` (``la.fit_batches[-1].auto``).
 
-    Attributes
-    ----------
-    needed : int
-        the rule's ``k`` before the cap (``>= 1``).
-    wanted : int
-        ``min(needed, cap)``: the batches asked of the loader.
-    used : int
-        the batches B̃ got (``< wanted`` when the loader had fewer left).
-    cap : int
-        :data:`AUTO_MAGNITUDE_CAP` at the time of the fit.
-    limiting : FactorRowCount or None
-        the factor needing most batches; ``None`` when no factor is wider than B's rows.
-    short : FactorRowCount or None
-        a factor that B ∪ B̃ still does not span after the fit's batches were counted (its
-        ``rows_direction`` counts the rows of B ∪ B̃, its ``n_direction_batches`` their batches):
-        B̃'s batches gave fewer rows than B's mean and the loader or the cap allowed no more;
-        ``None`` when B ∪ B̃ gives every factor at least its dimension in rows.
+    Attributes:
+        needed: The rule's ``k`` before the cap (``>= 1``).
+        wanted: ``min(needed, cap)``: the batches asked of the loader.
+        used: The batches B̃ got (``< wanted`` when the loader had fewer left).
+        cap: :data:`AUTO_MAGNITUDE_CAP` at the time of the fit.
+        limiting: The factor needing most batches; ``None`` when no factor is wider than B's
+            rows.
+        short: A factor that B ∪ B̃ still does not span after the fit's batches were counted
+            (its ``rows_direction`` counts the rows of B ∪ B̃, its ``n_direction_batches``
+            their batches): B̃'s batches gave fewer rows than B's mean and the loader or the cap
+            allowed no more; ``None`` when B ∪ B̃ gives every factor at least its dimension in
+            rows.
     """
 
     needed: int

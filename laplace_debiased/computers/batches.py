@@ -92,27 +92,23 @@ SAME_BATCHES = "same batches (B̃ = B)"
 class BatchChoice:
     """Which batches a fit used and how they were chosen (recorded as ``la.fit_batches``).
 
-    Attributes
-    ----------
-    how : str
-        ``"loader order"`` (the first batches of one pass), ``"random draw"`` (drawn with
-        ``generator``), ``"halves"`` / ``"random halves"`` (``split="halves"``),
-        ``"one-batch split"`` (the loader's only batch split into two halves of samples) or
-        ``"same batches (B̃ = B)"``.
-    direction, magnitude : tuple of int
-        positions, in one pass over the loader, of the batches forming B and B̃ (B̃'s are
-        positions in ``magnitude_loader`` when ``magnitude_source == "magnitude_loader"``).
-    magnitude_source : str
-        ``"train_loader"`` or ``"magnitude_loader"``.
-    direction_size, magnitude_size : int
-        samples in B and B̃.
-    n_data : int
-        ``N = len(train_loader.dataset)``.
-    sample_split : pair of tuples of int, optional
-        for a one-batch split, the sample indices (within the batch) forming B and B̃.
-    auto : AutoMagnitude, optional
-        with ``n_magnitude_batches="auto"``: the chosen number of magnitude batches and why
-        (:class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitude`).
+    Attributes:
+        how: ``"loader order"`` (the first batches of one pass), ``"random draw"`` (drawn with
+            ``generator``), ``"halves"`` / ``"random halves"`` (``split="halves"``),
+            ``"one-batch split"`` (the loader's only batch split into two halves of samples) or
+            ``"same batches (B̃ = B)"``.
+        direction: The positions, in one pass over ``train_loader``, of the batches forming B.
+        magnitude: The positions of the batches forming B̃, in one pass over the loader named
+            by ``magnitude_source``.
+        magnitude_source: ``"train_loader"`` or ``"magnitude_loader"``.
+        direction_size: The number of samples in B.
+        magnitude_size: The number of samples in B̃.
+        n_data: ``N = len(train_loader.dataset)``.
+        sample_split: For a one-batch split, the sample indices (within the batch) forming B
+            and B̃; ``None`` otherwise.
+        auto: With ``n_magnitude_batches="auto"``, the chosen number of magnitude batches and
+            why (:class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitude`); ``None``
+            otherwise.
     """
 
     how: str
@@ -149,17 +145,12 @@ class BatchChoice:
 class BatchSplit:
     """The batches of a two-batch fit.
 
-    Attributes
-    ----------
-    direction : list
-        batches forming B (choose eigenvectors / search directions).
-    magnitude : list
-        batches forming B̃ (measure curvature along them).  Is the very same list as
-        ``direction`` when B̃ = B was requested explicitly.
-    n_data : int
-        ``N = len(train_loader.dataset)``: curvatures are scaled to N data points.
-    choice : BatchChoice
-        which batches were chosen and how.
+    Attributes:
+        direction: The batches forming B (they choose the eigenvectors / search directions).
+        magnitude: The batches forming B̃ (they measure the curvature along them); the very
+            same list as ``direction`` when B̃ = B was requested explicitly.
+        n_data: ``N = len(train_loader.dataset)``: curvatures are scaled to N data points.
+        choice: Which batches were chosen and how.
     """
 
     direction: list[Batch]
@@ -400,33 +391,36 @@ def split_batches(
 ) -> BatchSplit:
     """Choose the direction batches B and the magnitude batches B̃ (see module docstring).
 
-    Parameters
-    ----------
-    train_loader : DataLoader
-        training data; ``len(train_loader.dataset)`` is N.
-    n_direction_batches, n_magnitude_batches : int, optional
-        loader batches forming B and B̃ (default 1 each; not allowed with ``split="halves"``);
-        ``n_magnitude_batches="auto"``: ``magnitude_rule(B).wanted`` (:func:`_choose_auto`).
-    magnitude_loader : DataLoader, optional
-        separate source of B̃; pass ``train_loader`` itself for the reduction B̃ = B.
-    split : {"batches", "halves"}
-        ``"halves"`` uses every batch of one pass, half for B and half for B̃.
-    generator : torch.Generator, optional
-        draws the batches at random instead of taking them in loader order; the same seed gives
-        the same B and B̃, with a shuffling loader too (:func:`loader_rng_from`).
-    dict_key_x, dict_key_y : str
-        keys of dict batches.
-    device : torch.device, optional
-        the model's device: every batch is moved there (:func:`on_device`), as laplace-torch's
-        ``fit`` does.
-    magnitude_rule : callable, optional
-        for "auto": B's batches (checked, on ``device``) -> :class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitude`.
+    Args:
+        train_loader: The training data; ``len(train_loader.dataset)`` is N.
+        n_direction_batches: The number of loader batches forming B (default 1; not allowed
+            with ``split="halves"``).
+        n_magnitude_batches: The number of loader batches forming B̃ (default 1; not allowed
+            with ``split="halves"``); ``"auto"``: ``magnitude_rule(B).wanted``
+            (:func:`_choose_auto`).
+        magnitude_loader: A separate source of B̃; ``train_loader`` itself for the reduction
+            B̃ = B.
+        split: ``"batches"``, or ``"halves"``: every batch of one pass, half for B and half
+            for B̃.
+        generator: Draws the batches at random instead of taking them in loader order; the
+            same seed gives the same B and B̃, with a shuffling loader too
+            (:func:`loader_rng_from`).
+        dict_key_x: The key of the inputs in dict batches.
+        dict_key_y: The key of the targets in dict batches.
+        device: The model's device: every batch is moved there (:func:`on_device`), as
+            laplace-torch's ``fit`` does.
+        magnitude_rule: For ``"auto"``: B's batches (checked, on ``device``) ->
+            :class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitude`.
 
-    Returns
-    -------
-    BatchSplit
-        with ``choice`` recording which batches (or, for a one-batch loader, which samples)
-        form B and B̃.
+    Returns:
+        The batches, with ``choice`` recording which batches (or, for a one-batch loader,
+        which samples) form B and B̃.
+
+    Raises:
+        ValueError: For an invalid combination of arguments, a loader without ``dataset`` or
+            with a sampler that draws with replacement, too few batches, a B̃ from
+            ``magnitude_loader`` that shares samples with B, or a batch that cannot enter the
+            curvature (non-tensor, non-finite or overflowing inputs, fewer than two samples).
     """
     n_data = _dataset_size(train_loader)
     if magnitude_loader is None:

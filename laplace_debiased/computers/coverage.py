@@ -278,18 +278,28 @@ def coverage_record(
 ) -> Coverage:
     """The :class:`Coverage` of a debiased K-FAC decomposition.
 
-    Parameters
-    ----------
-    direction_kfacs, magnitude_kfacs : blocks of 1 or 2 square factors
-        B's and B̃'s K-FAC factors (laplace-torch ``Kron.kfacs`` layout).
-    eigenvectors, eigenvalues : blocks of 1 or 2 matrices / vectors
-        the debiased decomposition (``DebiasedKronDecomposed.eigenvectors`` / ``.eigenvalues``;
-        an implicit factor has ``Q (d, r)`` and ``r + 1`` eigenvalues).
-    names : ``(layer, parameter)`` per block.
-    rows : per block and factor ``(B's rows, B̃'s rows)`` or ``None`` (as for
-        :func:`~laplace_debiased.curvature.linalg.debiased_kron`): ranks from the Gram matrices.
-    null_space : the treatment of B's null space ("isotropic" or "aligned").
-    direction_size, magnitude_size : samples in B and B̃.
+    Every argument but the keywords holds one entry per block (laplace-torch ``Kron.kfacs``
+    layout: a weight block has 2 factors, a bias block 1).
+
+    Args:
+        direction_kfacs: B's K-FAC factors, square ``(d, d)`` matrices.
+        magnitude_kfacs: B̃'s K-FAC factors, in the layout of ``direction_kfacs``.
+        eigenvectors: The debiased decomposition's eigenvectors
+            (``DebiasedKronDecomposed.eigenvectors``): ``Q (d, d)``, or ``Q (d, r)`` for an
+            implicit factor.
+        eigenvalues: The decomposition's eigenvalues (``DebiasedKronDecomposed.eigenvalues``):
+            ``d`` of them, or ``r + 1`` for an implicit factor.
+        names: ``(layer, parameter)`` per block.
+        rows: Per block and factor ``(B's rows, B̃'s rows)`` or ``None`` (as for
+            :func:`~laplace_debiased.curvature.linalg.debiased_kron`): a factor with rows takes
+            its ranks from the Gram matrices, one without from the factors. ``None``: no factor
+            has rows.
+        null_space: The treatment of B's null space, ``"isotropic"`` or ``"aligned"``.
+        direction_size: The number of samples in B.
+        magnitude_size: The number of samples in B̃.
+
+    Returns:
+        The coverage per block and factor.
     """
     blocks = []
     rows = rows if rows is not None else [[None] * len(Fds) for Fds in direction_kfacs]
