@@ -1,7 +1,5 @@
 """Eigen-structured curvature of a list of mini-batches (pure functions, tensors in, tensors out).
 
-What is computed
-----------------
 For a model ``f(x; θ)`` and batches ``B = [(X_1, y_1), ...]`` with ``n`` samples in total, the
 curvature of laplace-torch's **summed** loss ``factor * lossfunc`` (``CrossEntropyLoss(sum)`` with
 ``factor = 1``, or ``MSELoss(sum)`` with ``factor = 1/2``) over the batches, written as
@@ -22,8 +20,8 @@ The parameter space is that of ``model``'s parameters with ``requires_grad``, fl
 ``named_parameters()`` order (laplace-torch's ``parameters_to_vector`` order). For a last-layer
 approximation pass the last layer and batches of its input *features*.
 
-Routes to the top-k eigenpairs (``top_eigenpairs``)
---------------------------------------------------
+The routes to the top-k eigenpairs (``top_eigenpairs``):
+
 - ``"lanczos"``: :func:`lanczos_top_k` (``scipy.sparse.linalg.eigsh`` in float64, the one
   Lanczos routine of the package, also used by the diagnostics) on the matrix-free curvlinops
   GGN/EF operator of :func:`laplace_debiased.curvature.operators.curvature_linop` (mean loss, rescaled to
@@ -38,18 +36,14 @@ Re-measuring curvature along given directions (``directional_curvatures``) costs
 batches for all ``k`` directions together (forward-mode ``J u`` for a chunk of directions at once,
 vectorised with ``torch.func.vmap``): ``λ̃_i = Σ_n ‖A_nᵀ J_n u_i‖²``.
 
-Token outputs
--------------
-A model may output ``(n, tokens, C)`` (any number of token dimensions) with every token an output
+Token outputs. A model may output ``(n, tokens, C)`` (any number of token dimensions) with every token an output
 of its own loss term (laplace-torch's LLM convention), targets ``(n, tokens)`` (class labels) or
 ``(n, tokens, C)``: ``J_n`` and ``Λ_n`` above are then per token, the sum runs over all
 ``n·tokens`` *rows* of the outputs (:func:`laplace_debiased.curvature.kfac.output_rows`, the one
 flattening helper), and ``V`` has ``n·tokens·R`` columns. A sample is still a sequence:
 ``N / n`` and ``count_samples`` count sequences.
 
-Inputs and models
------------------
-A batch's input ``X`` is a tensor or a mapping (a dict or a Hugging Face ``BatchEncoding``) that
+Inputs and models. A batch's input ``X`` is a tensor or a mapping (a dict or a Hugging Face ``BatchEncoding``) that
 the model consumes whole, ``model(X)`` (laplace-torch's ``dict_key_x``/``dict_key_y``
 convention; the targets come separately). Tensor inputs take the ``torch.func`` routes above.
 Mapping inputs, and models with an operation that has no forward-mode derivative (a

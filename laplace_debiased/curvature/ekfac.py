@@ -6,8 +6,8 @@ basis direction, ``diag(Qᵀ C Q)``.  Debiased, the basis comes from the directi
 diagonal from the independent magnitude batch B̃ (Tatzel et al., ICLR 2025, Sec. 4.2 applied to
 EKFAC's eigenvectors).
 
-Conventions (those of :mod:`laplace_debiased.curvature.linalg`)
----------------------------------------------------------------
+The conventions are those of :mod:`laplace_debiased.curvature.linalg`:
+
 * Blocks follow laplace-torch's ``Kron`` layout, one per trainable parameter tensor: a weight
   block has eigenvectors ``[Q_G, Q_A]`` (output side ``(d_out, d_out)`` first, input side
   ``(d_in, d_in)``; the block acts on the row-major flattened weight ``(d_out, d_in)``, a conv

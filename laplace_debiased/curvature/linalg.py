@@ -1,7 +1,7 @@
 """Pure linear algebra of two-batch debiasing (tensors in, tensors out, float64 inside).
 
-Conventions
------------
+Conventions:
+
 * A curvature matrix ``C`` is symmetric positive semi-definite (GGN, Fisher, empirical
   Fisher); shape ``(n, n)``.
 * ``U`` has orthonormal columns, shape ``(n, k)``, ``k <= n``; column ``U[:, i]`` is a
