@@ -156,9 +156,21 @@ def _nested_null_space(V: torch.Tensor, choose: torch.Tensor, measure: torch.Ten
 def debiased_factor_mode(
     direction: torch.Tensor, magnitude: torch.Tensor, null_space: str, terms: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`isotropic_factor` (``null_space="isotropic"``) or
-    :func:`~laplace_debiased.curvature.linalg.debiased_factor` (``"aligned"``); ``terms``: the
-    samples summed into ``magnitude``."""
+    """Debias one factor with the treatment of B's null space that ``null_space`` names.
+
+    Args:
+        direction: B's ``(n, n)`` PSD factor.
+        magnitude: B̃'s ``(n, n)`` PSD factor, same layer and position.
+        null_space: ``"isotropic"`` (:func:`isotropic_factor`) or ``"aligned"``
+            (:func:`~laplace_debiased.curvature.linalg.debiased_factor`).
+        terms: The samples summed into ``magnitude`` (its round-off tolerance).
+
+    Returns:
+        ``(U, lam)`` as the chosen function returns them.
+
+    Raises:
+        ValueError: For another ``null_space``.
+    """
     from laplace_debiased.curvature.linalg import debiased_factor
 
     if null_space == "isotropic":

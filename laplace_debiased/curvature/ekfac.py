@@ -57,8 +57,11 @@ __all__ = [
 def kron_eigenbasis(kfacs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
     """Eigenvectors (float64 ``eigh``, cast back) of every factor of every K-FAC block.
 
-    ``kfacs``: laplace-torch ``Kron.kfacs`` (``[[G, A], [G_bias], ...]``) of batch B.
-    Returns ``[[Q_G, Q_A], [Q_G_bias], ...]`` in the same layout.
+    Args:
+        kfacs: laplace-torch ``Kron.kfacs`` (``[[G, A], [G_bias], ...]``) of batch B.
+
+    Returns:
+        ``[[Q_G, Q_A], [Q_G_bias], ...]`` in the same layout.
     """
     basis = []
     for i, block in enumerate(kfacs):

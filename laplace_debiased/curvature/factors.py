@@ -67,11 +67,19 @@ def per_sample_factor_columns(
 def output_curvature_factor(f: Tensor, y: Tensor, likelihood: str, curvature: Curvature = "ggn") -> Tensor:
     """Per-sample factor ``A_n`` of the output-space curvature, ``Λ_n = A_n A_nᵀ``.
 
-    ``f``: logits ``(n, C)``; ``y``: targets. Returns ``(n, C, R)`` — GGN: ``R = C`` (softmax
-    cross-entropy: ``diag(√p) − p √pᵀ``, exact since ``Σ p = 1``; regression: identity);
-    EF: ``R = 1``, ``√factor · ∇_f lossfunc``. A row whose class label is ``-100`` (a padded
-    position, :func:`~laplace_debiased.curvature.kfac.padded_rows`) has no loss term: its
-    factor is zero.
+    GGN: ``R = C`` (softmax cross-entropy: ``diag(√p) − p √pᵀ``, exact since ``Σ p = 1``;
+    regression: identity); EF: ``R = 1``, ``√factor · ∇_f lossfunc``. A row whose class label is
+    ``-100`` (a padded position, :func:`~laplace_debiased.curvature.kfac.padded_rows`) has no
+    loss term: its factor is zero.
+
+    Args:
+        f: The logits, ``(n, C)``.
+        y: The targets: class labels ``(n,)`` for classification, ``(n, C)`` for regression.
+        likelihood: ``"classification"`` or ``"regression"``.
+        curvature: ``"ggn"`` or ``"ef"``.
+
+    Returns:
+        ``A``, shape ``(n, C, R)``.
     """
     check_likelihood(likelihood)
     check_curvature(curvature)

@@ -474,9 +474,19 @@ def _position_weighted(a: torch.Tensor, kept: torch.Tensor | None) -> torch.Tens
 def zero_sums(
     modules: Sequence[nn.Module], n_groups: int, like: torch.Tensor, keep_rows: bool = False
 ) -> GroupKfacSums:
-    """Zero sums for ``modules`` and ``n_groups`` groups, dtype and device of ``like`` (with
-    empty row lists for the input sides of ``nn.Linear`` / ``nn.Conv2d`` weights if
-    ``keep_rows``: the other layers' blocks are debiased from their sums)."""
+    """Zero K-FAC sums to accumulate passes into.
+
+    Args:
+        modules: The hooked modules, one block each.
+        n_groups: The number of groups (batches summed separately).
+        like: A tensor whose dtype and device the sums take.
+        keep_rows: Also start empty row lists for the input sides of ``nn.Linear`` /
+            ``nn.Conv2d`` weights (the other layers' blocks are debiased from their sums).
+
+    Returns:
+        The sums, all zero: ``output`` ``(n_groups, d_out, d_out)`` and ``input``
+        ``(n_groups, d_in, d_in)`` per module, ``loss`` ``(n_groups,)``.
+    """
     def z(d: int) -> torch.Tensor:
         return torch.zeros(n_groups, d, d, dtype=like.dtype, device=like.device)
 

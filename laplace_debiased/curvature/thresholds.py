@@ -14,9 +14,13 @@ from torch import Tensor
 class EigenPairs:
     """Eigenpairs of a symmetric curvature, eigenvalues in descending order.
 
-    ``values``: ``(k,)``; ``vectors``: ``(P, k)`` with orthonormal columns; float64 from this
-    module (``diagnostics.directions.top_eigenpairs`` casts to the model's dtype);
-    ``method``: the route that computed them (``"gram"``, ``"lanczos"`` or ``"dense"``).
+    The tensors are float64 from this module (``diagnostics.directions.top_eigenpairs`` casts
+    them to the model's dtype).
+
+    Attributes:
+        values: The eigenvalues, ``(k,)``.
+        vectors: The eigenvectors, ``(P, k)`` with orthonormal columns.
+        method: The route that computed them (``"gram"``, ``"lanczos"`` or ``"dense"``).
     """
 
     values: Tensor

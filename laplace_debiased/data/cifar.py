@@ -334,6 +334,11 @@ def read_cifar_arrays(
 
     Args:
         root: directory holding ``cifar-10-batches-bin`` etc.; ``None`` = :func:`default_data_root`.
+        split: ``"train"`` or ``"test"``.
+        dataset: ``"cifar10"`` or ``"cifar100"``.
+        fmt: ``"binary"`` (the official binary version), ``"python"`` (the pickled python
+            version, read without unpickling code) or ``"auto"``: the one found under ``root``,
+            binary first.
         verify: ``"official"`` requires the official record counts (10,000 per CIFAR-10 file,
             50,000 / 10,000 for CIFAR-100) and, for the python version, the official md5;
             ``"structure"`` accepts any whole number of well-formed records (small test files,
@@ -342,6 +347,15 @@ def read_cifar_arrays(
         rows: a contiguous range of the split's rows (in the files' order) to return; the binary
             layout then reads only those records from disk (the python version reads each file
             whole and keeps the rows). ``None``: every row.
+
+    Returns:
+        ``(images, labels)``.
+
+    Raises:
+        ValueError: For an unknown ``split``, ``verify`` or ``dataset``, or ``rows`` outside the
+            split.
+        FileNotFoundError: With ``fmt="auto"``, if neither layout is under ``root``.
+        DataIntegrityError: If a file is missing, altered or fails its checksum.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}.")

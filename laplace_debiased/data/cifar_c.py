@@ -52,7 +52,19 @@ def open_npy(path: Path, shape: tuple[int, ...] | None = None, checksum: str | N
     Checked, from the header before any mapping: the dtype is uint8 (an object array is refused,
     since loading it would run pickle); the shape is ``shape`` (or ends in ``tail``); and the file
     size is exactly header + data (refusing truncated files, trailing bytes and headers that
-    declare more data than the file holds).  ``checksum``: optional md5 or sha256 of the file.
+    declare more data than the file holds).
+
+    Args:
+        path: The ``.npy`` file.
+        shape: The expected shape; ``None``: any shape ending in ``tail``.
+        checksum: An optional md5 or sha256 hex digest of the file.
+        tail: The expected trailing dimensions when ``shape`` is ``None``.
+
+    Returns:
+        The read-only memory map of the array.
+
+    Raises:
+        DataIntegrityError: If the file is missing, fails its checksum, or fails a check above.
     """
     path = Path(path)
     if not path.is_file():

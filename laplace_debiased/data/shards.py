@@ -58,9 +58,20 @@ def tensor_rows(ds: TensorDataset, rows: range) -> TensorDataset:
 class HeldRows(Dataset):
     """A data set of ``n`` rows of which this process holds only some, under their global indices.
 
-    ``own``: the contiguous rows this process loaded, item ``i`` served as ``rows[i - own.start]``;
-    ``extra``: further rows, ``{global index: item}`` (items as the full data set serves them).
     ``len()`` is ``n``; an index that is not held raises ``LookupError``.
+
+    Args:
+        n: The number of rows of the whole data set.
+        own: The contiguous global indices of the rows this process loaded (step 1, within
+            ``[0, n)``).
+        rows: The rows this process loaded, one per index of ``own``: item ``i`` is served as
+            ``rows[i - own.start]``.
+        extra: Further rows, ``{global index: item}`` (items as the full data set serves
+            them); indices in ``own`` are ignored.
+
+    Raises:
+        ValueError: If ``own`` is not a contiguous range within ``[0, n)`` with one row of
+            ``rows`` each.
     """
 
     def __init__(self, n: int, own: range, rows: Dataset, extra: Mapping[int, Any] | None = None) -> None:

@@ -50,12 +50,22 @@ actual count is measured and reported."""
 class DiagnosisConfig:
     """What :func:`diagnose_bias` measures (all part of the report).
 
-    ``batch_size``: the user's mini-batch size b.  ``top_k``: eigenvectors per batch.
-    ``cg_steps``: CG directions per batch.  ``n_sources``: direction batches (repeats).
-    ``ladder``: batch sizes for the batch-size study (default b, 2b, 4b, … ≤ N/2).
-    ``kfac``: also run the K-FAC batch-size study.  ``full_eigen``: Lanczos on the full data
-    for overlaps and Eq. 7.  ``tolerance``: acceptable relative bias of the top-k curvatures.
-    ``lanczos_tol``: relative accuracy of the eigenpairs (ARPACK ``tol``).
+    Attributes:
+        batch_size: The user's mini-batch size b.
+        curvature: ``"ggn"``, ``"hessian"`` or ``"ef"``.
+        beta: The damping β >= 0: the quadratics use ``H + βI``.
+        top_k: The eigenvectors per batch.
+        cg_steps: The CG directions per batch.
+        n_sources: The direction batches (repeats).
+        ladder: The batch sizes of the batch-size study (default b, 2b, 4b, … ≤ N/2).
+        kfac: Also run the K-FAC batch-size study.
+        full_eigen: Run Lanczos on the full data for the overlaps and Eq. 7.
+        tolerance: The acceptable relative bias of the top-k curvatures (> 0).
+        lanczos_tol: The relative accuracy of the eigenpairs (ARPACK ``tol``).
+        seed: The seed of the data partition and of the Lanczos start vectors.
+
+    Raises:
+        ValueError: For another curvature, a count below 1, ``beta < 0`` or ``tolerance <= 0``.
     """
 
     batch_size: int
@@ -85,9 +95,14 @@ class DiagnosisConfig:
 class LadderRow:
     """Top-k curvatures along the eigenvectors of one batch of size ``batch_size``.
 
-    ``same``: eigenvalues on B (K,); ``independent``: curvature on an independent batch B̃ of
-    the same size (K,); ``full``: curvature on the full data (K,); ``full_ggn``: for the K-FAC
-    study, the full-data curvature of the exact curvature along the K-FAC eigenvectors.
+    Attributes:
+        batch_size: The size of the batches.
+        source: The index of the direction batch B in its partition.
+        same: The eigenvalues on B, ``(K,)``.
+        independent: The curvatures on an independent batch B̃ of the same size, ``(K,)``.
+        full: The curvatures on the full data, ``(K,)``.
+        full_ggn: For the K-FAC study, the exact full-data curvature along the K-FAC
+            eigenvectors, ``(K,)``; ``None`` otherwise.
     """
 
     batch_size: int

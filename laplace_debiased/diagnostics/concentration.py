@@ -21,12 +21,18 @@ def softmax_ggn_traces(gram: Tensor, probs: Tensor) -> Tensor:
     """``tr(J_nᵀ Λ_n J_n)`` per sample: the trace of sample ``n``'s GGN of the summed softmax
     cross-entropy, Λ_n = diag(p_n) − p_n p_nᵀ, from the logit Gram matrices ``G_n = J_n J_nᵀ``.
 
-    ``gram``: ``(n, C, C)`` (summed over parameter blocks, e.g.
-    :meth:`~laplace_debiased.posterior.jacobians.LayerJacobian.gram`); ``probs``: softmax
-    outputs ``(n, C)``.  Returns ``(n,)`` in float64, as ``½ Σ_{c,d} p_c p_d ‖J_c − J_d‖²`` with
+    The trace is computed as ``½ Σ_{c,d} p_c p_d ‖J_c − J_d‖²`` with
     ``‖J_c − J_d‖² = G_cc + G_dd − 2 G_cd`` (equal to ``Σ_c p_c G_cc − pᵀ G p`` for Σ p = 1, but
     non-negative term by term: no cancellation for the near-one-hot ``p`` of a converged
     network).  ``p`` is renormalised in float64.
+
+    Args:
+        gram: The logit Gram matrices, ``(n, C, C)`` (summed over parameter blocks, e.g.
+            :meth:`~laplace_debiased.posterior.jacobians.LayerJacobian.gram`).
+        probs: The softmax outputs, ``(n, C)``.
+
+    Returns:
+        The traces, ``(n,)`` in float64.
     """
     if gram.ndim != 3 or gram.shape[1:] != (probs.shape[-1],) * 2 or probs.shape[0] != gram.shape[0]:
         raise ValueError(f"need gram (n, C, C) and probs (n, C), got {tuple(gram.shape)} and {tuple(probs.shape)}")

@@ -72,8 +72,11 @@ def merge_batches(batches: Sequence[Batch], max_rows: int = 1024) -> list[Batch]
 class Restriction:
     """q(·; S) restricted to span D (``K`` directions) around θ•.
 
-    ``value``: q(θ•; S) (scalar); ``slopes``: Dᵀ g_S ``(K,)``; ``gram``: Dᵀ (H_S + βI) D ``(K, K)``;
-    ``n_data``: |S|.
+    Attributes:
+        value: q(θ•; S), a scalar.
+        slopes: Dᵀ g_S, ``(K,)``.
+        gram: Dᵀ (H_S + βI) D, ``(K, K)``.
+        n_data: |S|.
     """
 
     value: Tensor

@@ -263,8 +263,19 @@ _STRUCTURES = {"kron": "K-FAC", "ekfac": "EKFAC", "lowrank": "low-rank"}
 
 
 def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str | int]:
-    """``{"label", "description", "samples"}`` of method ``name``: in words, with its batch
-    sizes, and the number of training points its curvature reads (``samples``)."""
+    """A method in words, with its batch sizes, and the number of training points its curvature
+    reads.
+
+    Args:
+        name: The method, ``"<structure>_<batches>"`` (module docstring), e.g.
+            ``"kron_debiased"``.
+        opts: The run's options; ``"batch_size"`` and, for a low-rank method, ``"rank"`` are
+            read.
+        n_train: The number of training points N.
+
+    Returns:
+        ``{"label", "description", "samples"}``.
+    """
     kind, batches = name.split("_")
     structure = _STRUCTURES[kind] + (f" (rank {opts['rank']})" if kind == "lowrank" else "")
     b = opts["batch_size"]

@@ -716,11 +716,18 @@ def _correction(ctx: _Context, doc: _Doc) -> None:
 
 def write_report(results: str | Path | list[dict], out_dir: str | Path, title: str = "Calibration report",
                  setting: dict | None = None) -> Path:
-    """Write ``report.md``, ``report.html`` and figures into ``out_dir``; returns the Markdown path.
+    """Write ``report.md``, ``report.html`` and figures into ``out_dir``.
 
-    ``results`` (a results file or its rows) is only read.  ``setting``: the run's setting in
-    words (:func:`laplace_debiased.evaluation.pipeline.describe_setting`); by default the
-    ``setting.json`` next to a results file, if there is one.
+    Args:
+        results: A results file or its rows; only read.
+        out_dir: The folder the report is written into.
+        title: The report's title.
+        setting: The run's setting in words
+            (:func:`laplace_debiased.evaluation.pipeline.describe_setting`); by default the
+            ``setting.json`` next to a results file, if there is one.
+
+    Returns:
+        The path of ``report.md``.
     """
     import matplotlib
 

@@ -69,11 +69,19 @@ LOCK_NAME = ".laplace-debiased.lock"
 
 @dataclass
 class EvalSet:
-    """Inputs ``x`` ``(N, ...)`` and labels ``y`` ``(N,)`` (``None`` for unlabelled OOD data).
+    """An evaluation set: inputs, labels and what they are scored for.
 
-    ``kind``: ``"test"`` (the in-distribution reference), ``"validation"`` (labelled,
-    in-distribution, for choosing the prior precision), ``"corrupted"`` (labelled, also scored for
-    detection against the reference) or ``"ood"`` (detection only).
+    Attributes:
+        name: The set's name in results and reports.
+        x: The inputs, ``(N, ...)``.
+        y: The labels, ``(N,)``; ``None`` for unlabelled OOD data.
+        kind: ``"test"`` (the in-distribution reference), ``"validation"`` (labelled,
+            in-distribution, for choosing the prior precision), ``"corrupted"`` (labelled, also
+            scored for detection against the reference) or ``"ood"`` (detection only).
+        severity: The corruption severity of a ``"corrupted"`` set; ``None`` otherwise.
+        size: The rows of the whole set (``None``: ``len(x)``, ``x`` is the whole set).
+        offset: The global index of ``x[0]`` in the whole set (a shard holds rows
+            ``offset .. offset + len(x) - 1``).
     """
 
     name: str

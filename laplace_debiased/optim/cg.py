@@ -102,10 +102,15 @@ class DebiasedCGResult:
 
 @dataclass
 class CGState:
-    """What a ``callback`` sees after iteration ``p`` (``p+1`` steps done).
+    """What a ``callback`` sees after iteration ``p`` (``p+1`` steps done); it returns ``True``
+    to stop.
 
-    ``x``/``r``: CG iterate and residual on ``B``; ``x_tilde``/``r_tilde``: debiased iterate
-    and residual on ``B̃`` (``None`` in plain :func:`cg`). Return ``True`` to stop.
+    Attributes:
+        iteration: The iteration ``p``.
+        x: The CG iterate on ``B``, shape ``(D,)``.
+        r: The residual on ``B``, shape ``(D,)``.
+        x_tilde: The debiased iterate on ``B̃`` (``None`` in plain :func:`cg`).
+        r_tilde: The debiased residual on ``B̃`` (``None`` in plain :func:`cg`).
     """
 
     iteration: int

@@ -97,12 +97,25 @@ class GridPredictive:
     ) -> dict[str, Tensor]:
         """Predictive probabilities for each prior precision and link.
 
-        ``data``: a tensor of inputs ``(N, ...)`` or an iterable of batches.  Returns a dict
-        ``link -> (G, N, C)`` for ``G = len(prior_precisions)``, plus ``"map"`` ``(N, C)``.
         Outputs ``(N, tokens, C)``: every token's predictive is the predictive of its own row
         (:func:`logit_rows`), returned as ``(G, N, tokens, C)`` and ``"map"`` ``(N, tokens, C)``.
-        MC draws come from ``generator``, or, with ``cell_generators``, from the generator of
-        each cell ``(prior precision, link)`` (carried across chunks; resumable sweeps use it).
+
+        Args:
+            data: A tensor of inputs ``(N, ...)`` or an iterable of batches.
+            prior_precisions: The prior precisions, ``G`` of them.
+            links: The link approximations, each once.
+            n_samples: The MC draws of a sampling link.
+            generator: The source of the MC draws.
+            progress: Show a progress bar over the chunks.
+            cell_generators: One generator per cell ``(prior precision, link)``, used instead of
+                ``generator`` and carried across chunks (resumable sweeps use it).
+
+        Returns:
+            A dict ``link -> (G, N, C)`` for ``G = len(prior_precisions)``, plus ``"map"``
+            ``(N, C)``.
+
+        Raises:
+            ValueError: For an unknown or repeated link, or no prior precision.
         """
         for link in links:
             if link not in ALL_LINKS:

@@ -1,4 +1,6 @@
-"""Link approximations on the Gaussian logits ``N(f, Σ)`` of the linearised network (shapes: ``f`` ``(n, C)``, ``Σ`` ``(n, C, C)``):
+"""Link approximations on the Gaussian logits ``N(f, Σ)`` of the linearised network.
+
+The shapes are ``f`` ``(n, C)`` and ``Σ`` ``(n, C, C)``. The links:
 
 * ``"probit"`` -- laplace-torch's diagonal probit ``softmax(f / sqrt(1 + π/8 diag Σ))``.  It is
   fooled by the softmax-invariant all-ones direction: a large ``c`` in ``Σ + c·11ᵀ`` shrinks all

@@ -364,6 +364,14 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         (:class:`~laplace_debiased.computers.kron_estimators.Correction`) what a corrected fit changed.
 
         Args:
+            train_loader: The training data, as in :meth:`TwoBatchLaplace.fit`.
+            override: ``False`` accumulates onto a previous fit.
+            progress_bar: Unused (laplace-torch compatibility).
+            magnitude_loader: Take B̃ from this loader (``train_loader`` itself: B̃ = B).
+            n_direction_batches: Loader batches in B (default 1).
+            n_magnitude_batches: Loader batches in B̃ (default 1), or ``"auto"``.
+            split: ``"batches"`` (default) or ``"halves"``.
+            generator: Draw the batches at random.
             null_space: How directions that B's factors do not distinguish (their null space,
                 where a factor is wider than B) get their magnitude. ``"isotropic"``: B̃'s mean
                 curvature over each such eigenspace, ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased);
@@ -425,7 +433,8 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
 
     def _decompose(self, n_data: int | None = None) -> None:
         """``H``, ``coverage`` and ``correction`` from ``H_facs`` and ``H_facs_magnitude``
-        (:func:`debiased_kron_curvature`; ``n_data``: by default ``self.n_data``)."""
+        (:func:`debiased_kron_curvature`), scaled to ``n_data`` data points (by default
+        ``self.n_data``)."""
         self.H, self.coverage, self.correction = debiased_kron_curvature(
             self.H_facs, self.H_facs_magnitude, getattr(self, "_factor_rows", None), null_space=self._null_space,
             estimator=self._estimator, cross_fit=self._cross_fit, sizes=self._fit_sizes,
