@@ -87,7 +87,7 @@ class GridPredictive:
     @torch.no_grad()
     def grid(
         self,
-        data,
+        data: Tensor | Iterable,
         prior_precisions: Sequence[float | Tensor],
         links: Sequence[str] = ("probit_projected",),
         n_samples: int = 100,
@@ -101,7 +101,8 @@ class GridPredictive:
         (:func:`logit_rows`), returned as ``(G, N, tokens, C)`` and ``"map"`` ``(N, tokens, C)``.
 
         Args:
-            data: A tensor of inputs ``(N, ...)`` or an iterable of batches.
+            data: A tensor of inputs ``(N, ...)``, or an iterable of input tensors or of
+                ``(x, y, ...)`` batches.
             prior_precisions: The prior precisions, ``G`` of them.
             links: The link approximations, each once.
             n_samples: The MC draws of a sampling link.
