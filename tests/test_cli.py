@@ -11,8 +11,7 @@ import sys
 import pytest
 
 from laplace_debiased import cli
-from laplace_debiased.evaluation.options import resolve_options
-from laplace_debiased.evaluation.pipeline import load_config
+from laplace_debiased.evaluation.options import load_config, resolve_options
 from laplace_debiased.evaluation.sweep import LOCK_NAME
 
 

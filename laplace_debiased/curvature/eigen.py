@@ -56,7 +56,8 @@ context they do nothing, so nothing changes.
 
 Modules: :mod:`.inputs` (input plumbing), :mod:`.factors` (the Jacobian routes: ``V``, dense
 ``G_B``, directional curvatures), :mod:`.lanczos` (the Lanczos route), :mod:`.thresholds`
-(:class:`EigenPairs` and which to keep); this module picks the route and re-exports their names.
+(:class:`EigenPairs` and which to keep); this module picks the route. Import each name from the
+module that defines it.
 """
 
 from __future__ import annotations
@@ -85,12 +86,10 @@ from laplace_debiased.curvature.lanczos import summed_curvature_top_k
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.curvature.thresholds import EigenPairs, threshold_eigenpairs
 
-# Also importable from this module: the public names of factors, inputs, lanczos and thresholds.
-from laplace_debiased.curvature.factors import directional_curvatures, output_curvature_factor, per_sample_factor_columns  # noqa: F401
-from laplace_debiased.curvature.inputs import CURVATURES, LIKELIHOODS, Inputs, backward_hooks_detached, count_samples  # noqa: F401
-from laplace_debiased.curvature.inputs import loss_factor, mapping_rows, take_rows, target_rows, trainable_parameters  # noqa: F401
+# Read through this module by computers.lowrank (eigen.NAME); not used here.
+from laplace_debiased.curvature.inputs import trainable_parameters  # noqa: F401
 from laplace_debiased.curvature.lanczos import lanczos_top_k, summed_curvature_product  # noqa: F401
-from laplace_debiased.curvature.thresholds import above_relative_floor, curved_directions  # noqa: F401
+from laplace_debiased.curvature.thresholds import above_relative_floor  # noqa: F401
 
 Method = Literal["auto", "gram", "lanczos"]
 

@@ -188,7 +188,7 @@ def _per_token(
     """``[(model, batches)]`` for ``(n, C)`` outputs; for token outputs one
     ``(_TokenOutput(model, t), batches with their targets at t)`` per token position ``t``
     (batches with fewer tokens are left out of the later positions). The targets' shape is
-    checked against the model's outputs (:func:`~laplace_debiased.curvature.eigen.target_rows`)."""
+    checked against the model's outputs (:func:`~laplace_debiased.curvature.inputs.target_rows`)."""
     per_batch = [(X, *target_rows(model, X, y)) for X, y in batches]
     if all(len(shape) == 1 for _, _, shape in per_batch):
         kept = unpadded_samples([(X, y) for X, y, _ in per_batch])

@@ -61,10 +61,6 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-# the flags live in the torch-free options module (fast --help); re-exported here
-from laplace_debiased.evaluation.options import (  # noqa: F401
-    DEFAULTS, METHODS, add_pipeline_arguments, load_config, resolve_options,
-)
 from laplace_debiased.prior_grid import PriorGrid
 from laplace_debiased.evaluation.report import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep

@@ -3,8 +3,7 @@ laplace-torch posterior and forward-mode Jacobian-vector products, for posterior
 eigenbasis.
 
 The posterior maths (links, Jacobians, posterior structures, grid predictive, grid search) live
-in :mod:`laplace_debiased.posterior`; their public names are also importable from this module
-(``from laplace_debiased.evaluation.predictive import GridPredictive``).
+in :mod:`laplace_debiased.posterior`.
 """
 
 from __future__ import annotations
@@ -13,25 +12,7 @@ import torch
 from torch import Tensor
 
 from laplace_debiased.curvature.inputs import functional_model
-
-# Also importable from this module: the public names of laplace_debiased.posterior.
-from laplace_debiased.posterior.eigen import EigenStructure, orthonormal_eigenpairs  # noqa: F401
-from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure  # noqa: F401
-from laplace_debiased.posterior.grams import PAIR_BUFFER, weighted_grams  # noqa: F401
-from laplace_debiased.posterior.grid import (  # noqa: F401
-    GRIDSEARCH_LINKS,
-    GridPredictive,
-    UnsupportedBatches,
-    grid_validation_scores,
-    gridsearch_supported,
-)
-from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians, logit_rows  # noqa: F401
-from laplace_debiased.posterior.kron import KronStructure  # noqa: F401
-from laplace_debiased.posterior.links import (  # noqa: F401
-    ALL_LINKS, LINKS, apply_link, laplace_bridge, mc_softmax, normal_samples, probit, probit_from_variances,
-    probit_projected, project_classes, project_logits,
-)
-from laplace_debiased.posterior.lowrank import dense_posterior_scale, lowrank_functional_covariance  # noqa: F401
+from laplace_debiased.posterior.from_laplace import laplace_params
 
 
 @torch.no_grad()

@@ -16,6 +16,8 @@ from laplace_debiased.computers.lowrank import (
     summed_dense_curvature,
 )
 from laplace_debiased.curvature import eigen
+from laplace_debiased.curvature.factors import curvature_factor
+from laplace_debiased.curvature.thresholds import EigenPairs
 from laplace_debiased.parallel.reducer import Reducer
 
 EPS64 = torch.finfo(torch.float64).eps
@@ -113,7 +115,7 @@ def test_debiased_lowrank_leaves_out_directions_B_tilde_does_not_curve():
     assert torch.equal(fewer.eigenvalues, lam[lam > rtol * lam.max()])
 
 
-def _range(G: torch.Tensor) -> eigen.EigenPairs:
+def _range(G: torch.Tensor) -> EigenPairs:
     return eigen.dense_range_eigenpairs(G)
 
 
@@ -125,7 +127,7 @@ def test_debiased_full_is_remeasured_eigenbasis_plus_null_space_compression():
     pairs = _range(G_B)
     U = pairs.vectors
     assert 0 < U.shape[1] < 27  # B has a null space
-    V = eigen.curvature_factor(model, Bt, "classification", "ggn") * (N_DATA / 3) ** 0.5
+    V = curvature_factor(model, Bt, "classification", "ggn") * (N_DATA / 3) ** 0.5
     G_Bt = V @ V.T
     Pi = torch.eye(27, dtype=torch.float64) - U @ U.T
     lam = torch.diagonal(U.T @ G_Bt @ U)

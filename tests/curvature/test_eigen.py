@@ -8,6 +8,8 @@ from torch import nn
 from torch.func import functional_call
 
 from laplace_debiased.curvature import eigen
+from laplace_debiased.curvature.factors import curvature_factor, dense_curvature, directional_curvatures, per_sample_factor_columns
+from laplace_debiased.curvature.inputs import CURVATURES
 
 LIKELIHOODS = ("classification", "regression")
 
@@ -69,31 +71,31 @@ def assert_same_subspace_vectors(U: torch.Tensor, V: torch.Tensor, atol: float =
 
 
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)
-@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+@pytest.mark.parametrize("curvature", CURVATURES)
 def test_dense_curvature_matches_explicit(likelihood, curvature):
     model = tiny_mlp()
     batches = [make_batch(5, likelihood, 1), make_batch(4, likelihood, 2)]
-    G = eigen.dense_curvature(model, batches, likelihood, curvature)
+    G = dense_curvature(model, batches, likelihood, curvature)
     torch.testing.assert_close(G, explicit_curvature(model, batches, likelihood, curvature), atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)
-@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+@pytest.mark.parametrize("curvature", CURVATURES)
 def test_linear_features_route_matches_explicit(bias, likelihood, curvature):
     torch.manual_seed(3)
     layer = nn.Linear(5, 3, bias=bias).double()
     batches = [make_batch(7, likelihood, 4, n_in=5), make_batch(6, likelihood, 5, n_in=5)]
-    G = eigen.dense_curvature(layer, batches, likelihood, curvature)
+    G = dense_curvature(layer, batches, likelihood, curvature)
     torch.testing.assert_close(G, explicit_curvature(layer, batches, likelihood, curvature), atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)
-@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+@pytest.mark.parametrize("curvature", CURVATURES)
 def test_curvature_factor_reproduces_dense(likelihood, curvature):
     model = tiny_mlp()
     batches = [make_batch(6, likelihood, 6)]
-    V = eigen.curvature_factor(model, batches, likelihood, curvature, max_chunk_elements=200)  # chunked
+    V = curvature_factor(model, batches, likelihood, curvature, max_chunk_elements=200)  # chunked
     n_out = 3 if curvature == "ggn" else 1
     assert V.shape == (51, 6 * n_out)
     torch.testing.assert_close(V @ V.T, explicit_curvature(model, batches, likelihood, curvature), atol=1e-10, rtol=1e-10)
@@ -115,7 +117,7 @@ def test_top_eigenpairs_match_dense_top_k(n_samples, method, likelihood):
     assert_same_subspace_vectors(pairs.vectors, vectors)
 
 
-@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+@pytest.mark.parametrize("curvature", CURVATURES)
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)  # regression: MSELoss(mean) → summed-loss scale n·C/2
 def test_lanczos_and_gram_routes_agree(curvature, likelihood):
     model = tiny_mlp(seed=1)
@@ -140,13 +142,13 @@ def test_linear_layer_top_eigenpairs_use_features_route():
 
 
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)
-@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+@pytest.mark.parametrize("curvature", CURVATURES)
 def test_directional_curvatures_equal_dense_rayleigh_quotients(likelihood, curvature):
     model = tiny_mlp()
     batches = [make_batch(5, likelihood, 11), make_batch(7, likelihood, 12)]
     G = explicit_curvature(model, batches, likelihood, curvature)
     U = torch.randn(51, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    lam = eigen.directional_curvatures(model, batches, U, likelihood, curvature, chunk_size=3)
+    lam = directional_curvatures(model, batches, U, likelihood, curvature, chunk_size=3)
     torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, G, U), atol=1e-10, rtol=1e-10)
 
 
@@ -155,13 +157,13 @@ def test_remeasured_top_eigenvectors_on_same_batch_give_eigenvalues():
     model = tiny_mlp()
     batches = [make_batch(10, "classification", 13)]
     pairs = eigen.top_eigenpairs(model, batches, "classification", rank=6, method="gram")
-    lam = eigen.directional_curvatures(model, batches, pairs.vectors, "classification")
+    lam = directional_curvatures(model, batches, pairs.vectors, "classification")
     torch.testing.assert_close(lam, pairs.values, atol=1e-10, rtol=1e-10)
 
 
 def test_directional_curvatures_rejects_wrong_shape():
     with pytest.raises(ValueError, match="shape"):
-        eigen.directional_curvatures(tiny_mlp(), [make_batch(3, "classification", 0)], torch.zeros(50, 2), "classification")
+        directional_curvatures(tiny_mlp(), [make_batch(3, "classification", 0)], torch.zeros(50, 2), "classification")
 
 
 def test_relative_threshold_drops_small_eigenvalues():
@@ -249,14 +251,14 @@ class BatchLike(dict):
 
 
 @pytest.mark.parametrize("kind", [dict, BatchLike])
-@pytest.mark.parametrize("curvature", eigen.CURVATURES)
+@pytest.mark.parametrize("curvature", CURVATURES)
 def test_mapping_inputs_give_the_tensor_curvature(kind, curvature):
     """Gram, Lanczos, dense and forward-mode routes on mapping inputs equal the tensor routes."""
     batches = [make_batch(5, "classification", 21), make_batch(4, "classification", 22)]
     mapped = as_mapping(batches, kind)
     model, dict_model = tiny_mlp(), DictMLP()
     G = explicit_curvature(model, batches, "classification", curvature)
-    torch.testing.assert_close(eigen.dense_curvature(dict_model, mapped, "classification", curvature), G, atol=1e-10, rtol=0)
+    torch.testing.assert_close(dense_curvature(dict_model, mapped, "classification", curvature), G, atol=1e-10, rtol=0)
     for method in ("gram", "lanczos"):
         ref = eigen.top_eigenpairs(model, batches, "classification", 4, curvature, method=method)
         got = eigen.top_eigenpairs(dict_model, mapped, "classification", 4, curvature, method=method)
@@ -264,7 +266,7 @@ def test_mapping_inputs_give_the_tensor_curvature(kind, curvature):
         torch.testing.assert_close(got.values, ref.values, atol=1e-9 * float(ref.values[0]), rtol=1e-9)
         assert_same_subspace_vectors(got.vectors, ref.vectors)
     U = torch.randn(51, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    lam = eigen.directional_curvatures(dict_model, mapped, U, "classification", curvature)
+    lam = directional_curvatures(dict_model, mapped, U, "classification", curvature)
     torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, G, U), atol=1e-10, rtol=1e-10)
     assert torch.equal(mapped[0][0]["input_ids"], batches[0][0])  # inputs untouched
 
@@ -272,8 +274,8 @@ def test_mapping_inputs_give_the_tensor_curvature(kind, curvature):
 def test_reverse_mode_columns_equal_functorch_factor():
     model = tiny_mlp()
     X, y = make_batch(6, "regression", 23)
-    V = eigen.curvature_factor(model, [(X, y)], "regression")
-    blocks = list(eigen.per_sample_factor_columns(model, X, y, "regression"))
+    V = curvature_factor(model, [(X, y)], "regression")
+    blocks = list(per_sample_factor_columns(model, X, y, "regression"))
     torch.testing.assert_close(torch.cat(blocks, dim=1), V, atol=1e-12, rtol=0)
 
 
@@ -284,12 +286,12 @@ def test_only_trainable_parameters_are_weights():
     full = explicit_curvature(model, batches, "classification")
     model[0].weight.requires_grad_(False)
     idx = torch.arange(24, 51)  # first weight (6×4) frozen
-    sub = eigen.dense_curvature(model, batches, "classification")
+    sub = dense_curvature(model, batches, "classification")
     torch.testing.assert_close(sub, full[idx][:, idx], atol=1e-10, rtol=0)
     mapped_model = DictMLP()
     mapped_model.net[0].weight.requires_grad_(False)
     U = torch.randn(27, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    lam = eigen.directional_curvatures(mapped_model, as_mapping(batches), U, "classification")
+    lam = directional_curvatures(mapped_model, as_mapping(batches), U, "classification")
     torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, sub, U), atol=1e-10, rtol=1e-10)
 
 
@@ -316,7 +318,7 @@ def test_multihead_attention_model_works_on_every_route():
     G = explicit_curvature(model, batches, "classification")
     P = G.shape[0]
     U = torch.linalg.qr(torch.randn(P, 4, dtype=torch.float64, generator=g))[0]
-    lam = eigen.directional_curvatures(model, batches, U, "classification")
+    lam = directional_curvatures(model, batches, U, "classification")
     torch.testing.assert_close(lam, torch.einsum("pk,pq,qk->k", U, G, U), atol=1e-10, rtol=1e-8)
     pairs = eigen.top_eigenpairs(model, batches, "classification", rank=3, method="auto")
     torch.testing.assert_close(pairs.values, torch.linalg.eigvalsh(G).flip(0)[:3], atol=1e-9, rtol=1e-8)
@@ -331,11 +333,11 @@ def test_backward_hooks_are_detached_and_restored():
     hooks_before = [dict(m._backward_hooks) for m in model.modules()]
     assert any(hooks_before)
     G = explicit_curvature(tiny_mlp(), batches, "classification")
-    V = eigen.curvature_factor(model, batches, "classification")
+    V = curvature_factor(model, batches, "classification")
     torch.testing.assert_close(V @ V.T, G, atol=1e-10, rtol=0)
     U = torch.eye(51, dtype=torch.float64)[:, :4]
     torch.testing.assert_close(
-        eigen.directional_curvatures(model, batches, U, "classification"), torch.diag(G)[:4], atol=1e-10, rtol=1e-10
+        directional_curvatures(model, batches, U, "classification"), torch.diag(G)[:4], atol=1e-10, rtol=1e-10
     )
     assert [dict(m._backward_hooks) for m in model.modules()] == hooks_before
 

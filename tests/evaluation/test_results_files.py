@@ -16,6 +16,7 @@ import pytest
 from _env import pythonpath
 from laplace_debiased.commands import report as report_cmd
 from laplace_debiased.evaluation import pipeline
+from laplace_debiased.evaluation.options import DEFAULTS
 from laplace_debiased.evaluation.sweep import (
     LOCK_NAME,
     OutputLockedError,
@@ -63,7 +64,7 @@ def test_report_command_never_writes_its_input(tmp_path):
 
 
 def _opts(**kw) -> dict:
-    return {**pipeline.DEFAULTS, **kw}
+    return {**DEFAULTS, **kw}
 
 
 def test_options_file_guards_resume(tmp_path):

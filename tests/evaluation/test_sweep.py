@@ -239,7 +239,7 @@ def test_grid_grows_beyond_the_edge_holding_a_validation_choice():
 def test_pipeline_options_refuse_repeats_and_nonpositive_values():
     import argparse
 
-    from laplace_debiased.evaluation.pipeline import add_pipeline_arguments, resolve_options
+    from laplace_debiased.evaluation.options import add_pipeline_arguments, resolve_options
 
     parser = argparse.ArgumentParser()
     add_pipeline_arguments(parser)

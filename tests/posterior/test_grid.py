@@ -23,10 +23,9 @@ from hypothesis import strategies as st
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.evaluation import predictive
 from laplace_debiased.posterior.eigen import EigenStructure
 from laplace_debiased.posterior.from_laplace import laplace_params
-from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.grid import GridPredictive, grid_validation_scores
 from laplace_debiased.posterior.jacobians import logit_jacobians
 from laplace_debiased.posterior.links import apply_link
 from tests.posterior.test_variance_precision import _cast_curvature, fit_pair
@@ -128,13 +127,13 @@ def test_grid_validation_scores_equal_brute_force(structure, subset, link):
     la, val = _fit_debiased(structure, subset)
     interval = torch.logspace(-4, 4, 9, dtype=torch.float64)
     ref = _brute_force_scores(la, RunningNLLMetric, interval, val, link)
-    ours = predictive.grid_validation_scores(la, RunningNLLMetric(), interval, val, link)
+    ours = grid_validation_scores(la, RunningNLLMetric(), interval, val, link)
     torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64), rtol=1e-7, atol=1e-10)
     # a callable loss on the concatenated predictions, as laplace-torch's offline path
     def nll(p, y):
         return -p[torch.arange(len(y)), y].log().mean()
     ref_fn = _brute_force_scores(la, lambda: nll, interval, val, link)
-    torch.testing.assert_close(torch.tensor(predictive.grid_validation_scores(la, nll, interval, val, link), dtype=torch.float64),
+    torch.testing.assert_close(torch.tensor(grid_validation_scores(la, nll, interval, val, link), dtype=torch.float64),
                                torch.tensor(ref_fn, dtype=torch.float64), rtol=1e-7, atol=1e-10)
 
 

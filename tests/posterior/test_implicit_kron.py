@@ -26,8 +26,10 @@ from laplace_debiased.curvature.linalg import (
     roundoff_tolerance,
     row_rank,
 )
-from laplace_debiased.evaluation.predictive import GridPredictive, KronStructure, LayerJacobian
+from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed, complete_basis
+from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.kron import KronStructure
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
 from _models import loader, toy_data
 
