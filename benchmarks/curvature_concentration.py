@@ -37,7 +37,7 @@ FRACTIONS = (0.001, 0.01, 0.05, 0.1)
 
 def per_sample(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, chunk: int) -> dict[str, torch.Tensor]:
     """GGN trace, NLL and correctness of every sample ``(N,)``; the logit Jacobians are the
-    predictive's (:func:`~laplace_debiased.evaluation.predictive.logit_jacobians`), summed into one
+    predictive's (:func:`~laplace_debiased.posterior.jacobians.logit_jacobians`), summed into one
     ``(n, C, C)`` Gram matrix per chunk."""
     params = list(model.parameters())
     traces, nll, correct = [], [], []

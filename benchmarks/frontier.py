@@ -117,7 +117,7 @@ def cifar10_setting(data: str | Path | None, n_test: int, epochs: int | None = N
 def probit_nlls(model: nn.Module, structures: dict[str, object], X: torch.Tensor, y: torch.Tensor,
                 grid: Sequence[float], chunk_size: int = 100) -> dict[str, list[float]]:
     """Test NLL of the probit-linearized predictive of every all-weights posterior structure
-    (:func:`~laplace_debiased.evaluation.predictive.posterior_structure`) at every prior precision:
+    (:func:`~laplace_debiased.posterior.from_laplace.posterior_structure`) at every prior precision:
     ``name -> [NLL(δ) for δ in grid]``.  The logit Jacobians of each chunk of ``X`` are computed
     once and shared by all structures; probabilities in float64."""
     params = list(model.parameters())

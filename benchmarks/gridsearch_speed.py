@@ -14,7 +14,7 @@ Per structure:
   of laplace-torch's gridsearch costs; includes the posterior factorisation the prior change
   invalidates);
 * ``gridsearch``: the whole ``optimize_prior_precision`` call; the debiased classes route it
-  through :func:`laplace_debiased.evaluation.predictive.grid_validation_scores`;
+  through :func:`laplace_debiased.posterior.grid.grid_validation_scores`;
 * stock ``full`` / ``kron``: their gridsearch timed on ``--stock-points`` grid points and
   extrapolated linearly to the full grid (each point costs one ``validate``; measured ratio of
   the timed points given).

@@ -134,7 +134,7 @@ def main() -> None:
     t = time.process_time()
     sweep = pred.grid(x, GRID, links=("probit",))["probit"]
     t_sweep = time.process_time() - t
-    # one point takes the per-point path of predictive.weighted_grams, 14 points the batched one
+    # one point takes the per-point path of posterior.grams.weighted_grams, 14 points the batched one
     a_diff = float((one[0] - sweep[0]).abs().max())
     if a_diff > 1e-5:
         raise AssertionError(f"sweep and single-point probabilities differ by {a_diff:.1e}")

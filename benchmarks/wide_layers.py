@@ -28,7 +28,10 @@ from benchmarks.cifar10.train import MapConfig, map_dir
 from laplace_debiased.evaluation.models import cifar_cnn
 from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronDecomposed
 from laplace_debiased.curvature.completion import debiased_factor_mode, nested_factor
-from laplace_debiased.evaluation.predictive import KronStructure, logit_jacobians, laplace_params, probit_from_variances
+from laplace_debiased.posterior.from_laplace import laplace_params
+from laplace_debiased.posterior.jacobians import logit_jacobians
+from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.links import probit_from_variances
 
 p = argparse.ArgumentParser()
 p.add_argument("--ckpt", default="map"); p.add_argument("--draws", type=int, default=2)
