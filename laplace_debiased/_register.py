@@ -11,7 +11,7 @@ Two more things happen at registration:
 
 * laplace-torch's ``Laplace(...)`` factory is wrapped (:func:`explain_unknown_keys`) so that an
   unknown ``(subset_of_weights, hessian_structure)`` names the valid keys and the closest
-  structure name; valid keys build the same classes as before.
+  structure name; valid keys build the same classes as the unwrapped factory.
 * laplace-torch's import logs through the root logger (``logging.info`` at module level), which
   gives the root logger a WARNING handler (``logging.basicConfig()``) and so turns a later
   ``logging.basicConfig(level=logging.INFO)`` of the user into a no-op.  When

@@ -1,7 +1,7 @@
 """Posterior decompositions and grid structures whose blocks may span several parameter tensors.
 
 A normalisation layer's dense curvature block covers its weight and bias together
-(:mod:`laplace_debiased.curvature.layer_blocks`), so blocks and parameter tensors no longer
+(:mod:`laplace_debiased.curvature.layer_blocks`), so blocks and parameter tensors do not always
 correspond one to one: the decomposed curvatures here carry ``spans`` (parameter tensors per
 block), map per-tensor prior precisions to their blocks, and give the grid predictive a
 structure that concatenates the Jacobians of the tensors of a block.
