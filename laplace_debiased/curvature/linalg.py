@@ -36,7 +36,6 @@ __all__ = [
     "clamp_roundoff_negatives",
     "roundoff_tolerance",
     "symmetric_eigh64",
-    "eigh_float64",
     "degenerate_groups",
     "tied_groups",
     "aligned_eigenbasis",
@@ -166,10 +165,6 @@ def symmetric_eigh64(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"symmetric_eigh64 needs square matrices (..., n, n), got shape {tuple(M.shape)}.")
     M64 = M.double()
     return torch.linalg.eigh(0.5 * (M64 + M64.mT))
-
-
-#: Old name of :func:`symmetric_eigh64` (which returns float64).
-eigh_float64 = symmetric_eigh64
 
 
 def degenerate_groups(eigenvalues: torch.Tensor, tolerance: float) -> list[slice]:

@@ -47,6 +47,3 @@ def threshold_eigenpairs(pairs: EigenPairs, rtol: float) -> EigenPairs:
     keep = above_relative_floor(pairs.values, rtol)
     return EigenPairs(pairs.values[keep], pairs.vectors[:, keep], pairs.method)
 
-
-#: Old name of :func:`above_relative_floor` for re-measured curvatures.
-curved_directions = above_relative_floor

@@ -200,7 +200,7 @@ def test_all_directions_removed_gives_prior_posterior():
     la = make_la(model, "classification", "all", "debiased_lowrank", rank=3, prior_precision=2.0)
     la.fit(loader)
     U, lam = la.H
-    la.H = (U[:, :0], lam[:0])  # what curved_directions leaves when every λ̃ ≤ 0
+    la.H = (U[:, :0], lam[:0])  # what above_relative_floor leaves when every λ̃ ≤ 0
     X = loader.dataset.tensors[0][:3]
     Js, _ = la.backend.jacobians(X)
     torch.testing.assert_close(la.functional_variance(Js), Js @ Js.transpose(1, 2) / 2.0)
