@@ -48,7 +48,7 @@ def spawn_ranks(job: Callable[[int, Path], object], out: Path, nprocs: int, *, w
     rank's result, by rank (saved as ``out/rank<r>.pt`` and loaded here).  ``job`` must be a
     module-level function (it is pickled).  The default ``timeout_s`` is generous on purpose: a
     rank of a loaded machine may wait minutes for a peer that is still importing torch, and
-    that must not fail a test (issue 24)."""
+    that must not fail a test."""
     mp.spawn(_rank_main, args=(job, free_port(), str(out), nprocs, timeout_s), nprocs=nprocs, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=weights_only) for r in range(nprocs)]
 

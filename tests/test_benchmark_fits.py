@@ -1,5 +1,4 @@
-"""The CIFAR-10 benchmark's K-FAC fits (``benchmarks/cifar10/fits.py``) against dense references
-(issue 24, item 6).
+"""The CIFAR-10 benchmark's K-FAC fits (``benchmarks/cifar10/fits.py``) against dense references.
 
 Every K-FAC row is on the scale of ``N`` training samples: the single-batch row is the K-FAC of
 its ``b`` samples times ``N/b``. laplace-torch's ``KronLaplace.fit`` on a loader over ``b`` of the

@@ -1,4 +1,4 @@
-"""``fit(..., n_magnitude_batches="auto")`` (issue 23): the number of magnitude batches chosen from
+"""``fit(..., n_magnitude_batches="auto")``: the number of magnitude batches chosen from
 the K-FAC factors' dimensions and the rows B gives them.
 
 The rule: the smallest ``k >= 1`` with ``rows(B) + k · rows(B)/|B| >= d`` for every factor of

@@ -1,4 +1,4 @@
-"""Per-rank data sharding of the main job under ``torchrun`` (issue 24, item 2).
+"""Per-rank data sharding of the main job under ``torchrun``.
 
 Rank ``r`` of ``W`` loads only its rows ``shard_range(N, r, W)`` of the training set, fetches
 from their owners the rows its own fits read (``fit_rows``: replayed from the fits' seeded

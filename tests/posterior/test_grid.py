@@ -198,7 +198,7 @@ def predict(la, X: torch.Tensor, link: str, delta: float) -> torch.Tensor:
     log10_delta=st.floats(min_value=-8.0, max_value=8.0),
     dtype=st.sampled_from((torch.float32, torch.float64)),
 )
-# the corners of issue 12 item 6, always run: a float32 eigendecomposition / Cholesky at δ = 1e-8
+# corners always run: a float32 eigendecomposition / Cholesky at δ = 1e-8
 @example(structure="debiased_full", subset="all", link="probit", log10_delta=-8.0, dtype=torch.float32)
 @example(structure="debiased_full", subset="last_layer", link="la:probit", log10_delta=-8.0, dtype=torch.float32)
 @example(structure="debiased_kron", subset="all", link="la:mc", log10_delta=-8.0, dtype=torch.float32)

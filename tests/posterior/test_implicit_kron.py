@@ -1,8 +1,7 @@
-"""Issue 23 item 3: K-FAC input factors of a batch narrower than the layer, decomposed through
+"""K-FAC input factors of a batch narrower than the layer, decomposed through
 their rows' Gram matrix with the null space kept implicit, equal the dense route.
 
-Equalities are identities in exact arithmetic; the float64 tolerance 1e-10 (the issue's
-requirement) sits four orders above the ``d · eps64 · κ`` round-off of these tiny problems
+Equalities are identities in exact arithmetic; the float64 tolerance 1e-10 sits four orders above the ``d · eps64 · κ`` round-off of these tiny problems
 (κ ≤ 1e2: well-conditioned Gaussian rows, δ ≥ 1e-3 relative to ``‖sH‖``).
 """
 

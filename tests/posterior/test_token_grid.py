@@ -1,5 +1,5 @@
-"""The grid predictive and the prior-precision grid search on outputs (batch, tokens, classes)
-(issue 14, item 3), in float64.
+"""The grid predictive and the prior-precision grid search on outputs (batch, tokens, classes),
+in float64.
 
 The identity tested: for a model that acts on each token separately, the grid predictive of
 ``n`` sequences of ``T`` tokens is the grid predictive of the ``n·T`` tokens flattened into

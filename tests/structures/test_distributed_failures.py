@@ -1,4 +1,4 @@
-"""Distributed fits on 2 local gloo processes whose ranks disagree or fail (issue 24).
+"""Distributed fits on 2 local gloo processes whose ranks disagree or fail.
 
 * Ranks that hold different models (seeded differently) or select different batches (each
   loader shuffled with its own seed) are refused at fit, on every rank, with an error that says

@@ -1,4 +1,4 @@
-"""Normalisation layers and embeddings over all weights (issue 26), against dense matrices.
+"""Normalisation layers and embeddings over all weights, against dense matrices.
 
 Two tiny float64 models in eval mode: a conv net with BatchNorm (a ``bias=False`` conv and a
 grouped conv) and a one-block pre-LN transformer with token and position embeddings.  The

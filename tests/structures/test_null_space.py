@@ -1,4 +1,4 @@
-"""Wide layers (issue 23): the isotropic completion of B's null space and the coverage record.
+"""Wide layers: the isotropic completion of B's null space and the coverage record.
 
 Dense identities on small matrices, the B̃ = B reduction, seeded statistics of the same-batch
 bias inside B's null space, and the coverage record / warning of a fit whose factor is wider than

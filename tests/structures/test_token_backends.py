@@ -1,4 +1,4 @@
-"""Token outputs ``(batch, tokens, C)`` with every laplace-torch backend (issue 24, item 4).
+"""Token outputs ``(batch, tokens, C)`` with every laplace-torch backend.
 
 laplace-torch's ``lm_example``: frozen self-attention, a trainable ``Linear(D, 1)`` head applied
 to every token (outputs ``(B, L, 1)``), dict batches, regression, ``backend=AsdlGGN``. ASDL's

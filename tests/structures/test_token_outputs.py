@@ -1,5 +1,5 @@
 """Outputs of shape (batch, tokens, classes), every token an output with its own loss term, for
-every debiased structure (issue 14, item 3), in float64.
+every debiased structure, in float64.
 
 The identity tested: for a model that acts on each token separately, a fit on ``n`` sequences of
 ``T`` tokens is the fit on the ``n·T`` tokens flattened into samples with the same B and B̃
