@@ -329,15 +329,17 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 
     After :meth:`fit`, ``H_facs`` / ``H_facs_magnitude`` are the ``Kron`` factors of B and B̃
-    (scaled to ``n_data``) and ``H`` a :class:`DebiasedKronDecomposed` (B's eigenvectors, B̃'s
-    Rayleigh quotients; cross-fitted: a :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`).
+    (scaled to ``n_data``) and ``H`` a :class:`DebiasedKronDecomposed`: by default the pooled
+    eigenvectors of B ∪ B̃ with corrected eigenvalues; with ``estimator="paper"`` B's eigenvectors
+    and B̃'s Rayleigh quotients (cross-fitted: a
+    :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`).
     Layers: :mod:`~laplace_debiased.curvature.layer_blocks` (beyond Linear/Conv2d only with the
     default Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
     """
 
     _key = ("all", "debiased_kron")
     _null_space: str = "isotropic"
-    _estimator: str = "paper"
+    _estimator: str = "corrected"
     _estimators: tuple[str, ...] = ESTIMATORS
     _cross_fit: bool = False
 
@@ -372,15 +374,18 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
             n_magnitude_batches: Loader batches in B̃ (default 1), or ``"auto"``.
             split: ``"batches"`` (default) or ``"halves"``.
             generator: Draw the batches at random.
-            null_space: How directions that B's factors do not distinguish (their null space,
-                where a factor is wider than B) get their magnitude. ``"isotropic"``: B̃'s mean
+            null_space: For ``estimator="paper"``: how directions that B's factors do not
+                distinguish (their null space, where a factor is wider than B) get their
+                magnitude. ``"isotropic"``: B̃'s mean
                 curvature over each such eigenspace, ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased);
                 ``"aligned"``: B̃'s own eigenbasis there (same-batch bias, exact zeros where B ∪ B̃
                 does not reach); :mod:`laplace_debiased.curvature.completion`. Unused by ``debiased_ekfac``.
-            estimator: ``"paper"`` (default; B's eigenvectors, B̃'s Rayleigh quotients; the only
-                one of ``debiased_ekfac``) or ``"corrected"`` (the eigenvectors of B ∪ B̃ with
-                eigenvalues less the regression-to-the-mean gap the two batches measure;
-                :mod:`laplace_debiased.curvature.corrected`; ``null_space`` does not apply).
+            estimator: ``"corrected"`` (the default: the eigenvectors of B ∪ B̃, a single batch of
+                all their samples, with eigenvalues less the regression-to-the-mean gap the two
+                batches measure against each other; :mod:`laplace_debiased.curvature.corrected`)
+                or ``"paper"`` (Tatzel et al.: B's eigenvectors, B̃'s Rayleigh quotients; the only
+                one of ``debiased_ekfac``, and the default with ``cross_fit=True`` or
+                ``null_space="aligned"``, its options). B̃ = B gives stock K-FAC either way.
             cross_fit: Also fit the swapped roles (basis from B̃, eigenvalues from B) and use the
                 equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
 
@@ -393,7 +398,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         if not isinstance(cross_fit, bool):
             raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
         self._null_space = null_space
-        self._estimator = resolve_estimator(estimator, self._estimators, self._key[1], cross_fit)
+        self._estimator = resolve_estimator(estimator, self._estimators, self._key[1], cross_fit, null_space)
         self._cross_fit = cross_fit
         super().fit(
             train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,

@@ -220,6 +220,7 @@ def _pair(likelihood="classification", dtype=torch.float64, b=8, cls=DebiasedKro
     data = toy_data(2 * b, (40,), 4, likelihood, seed=1)
     data = type(data)(*(t.to(dtype) if t.is_floating_point() else t for t in data.tensors))
     la = cls(_wide_mlp(dtype), likelihood, damping=fit_kw.pop("damping", False))
+    fit_kw.setdefault("estimator", "paper")
     la.fit(loader(data, b), **fit_kw)
     ref = copy.copy(la)
     ref._factor_rows = None
@@ -241,16 +242,19 @@ def test_input_factor_rows_give_the_factor():
 @pytest.mark.parametrize(
     "likelihood, kw",
     [("classification", {}), ("classification", {"damping": True}), ("classification", {"cross_fit": True}),
-     ("classification", {"null_space": "aligned"}), ("regression", {})],
+     ("classification", {"null_space": "aligned"}), ("regression", {}),
+     ("classification", {"estimator": "corrected"}), ("regression", {"estimator": "corrected"})],
 )
 def test_fit_posterior_and_predictive_equal_dense_route(likelihood, kw):
     """float64: posterior covariance, log determinant, marginal likelihood, laplace-torch's GLM
     predictive and the grid predictive (probit, projected probit, bridge covariances) equal the
     dense route to 1e-10, with 40- and 30-dimensional input factors of rank ≤ 16. The implicit
-    factor keeps B's 8 directions ("isotropic", the default: one value on the rest) or those plus
-    the 8 of B̃'s compression onto B's null space ("aligned")."""
+    factor keeps B's 8 directions (the paper's estimate, "isotropic": one value on the rest), those
+    plus the 8 of B̃'s compression onto B's null space ("aligned"), or the 16 of B ∪ B̃ (the
+    corrected estimate)."""
     la, ref = _pair(likelihood, **kw)
-    r = 16 if kw.get("null_space") == "aligned" else 8
+    # the corrected estimate keeps the 16 directions of B ∪ B̃ (its pooled eigenvectors)
+    r = 16 if kw.get("null_space") == "aligned" or kw.get("estimator") == "corrected" else 8
     assert [tuple(Q.shape) for Q in _components(la)[0].eigenvectors[0]] == [(30, 30), (40, r)]
     assert len(_components(la)[0].eigenvalues[0][1]) == r + 1
     assert all(Q.shape[0] == Q.shape[1] for c in _components(ref) for Qs in c.eigenvectors for Q in Qs)

@@ -111,11 +111,11 @@ def test_online_fit_rebiases_combined_factors():
     first = loader(TensorDataset(X[:16], y[:16]), 8)  # B1 = 0..7, B̃1 = 8..15
     second = loader(TensorDataset(X[16:], y[16:]), 8)  # B2 = 16..23, B̃2 = 24..31
     la = DebiasedKronLaplace(tiny_mlp(), "classification")
-    la.fit(first)
-    la.fit(second, override=False)
+    la.fit(first, estimator="paper")
+    la.fit(second, override=False, estimator="paper")
     order = torch.cat([torch.arange(0, 8), torch.arange(16, 24), torch.arange(8, 16), torch.arange(24, 32)])
     ref = DebiasedKronLaplace(tiny_mlp(), "classification")
-    ref.fit(loader(TensorDataset(X[order], y[order]), 8), n_direction_batches=2, n_magnitude_batches=2)
+    ref.fit(loader(TensorDataset(X[order], y[order]), 8), n_direction_batches=2, n_magnitude_batches=2, estimator="paper")
     assert la.n_data == ref.n_data == 32
     torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-10, rtol=1e-8)
     torch.testing.assert_close(la.loss, ref.loss)
