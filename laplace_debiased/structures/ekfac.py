@@ -23,7 +23,6 @@ reducer of :func:`~laplace_debiased.parallel.reducer.current_reducer`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -31,29 +30,19 @@ from curvlinops import FisherType
 from laplace.curvature.curvature import EFInterface
 from laplace.lllaplace import KronLLLaplace
 from laplace.utils.matrix import Kron
-from laplace.utils.utils import _is_valid_scalar
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from laplace_debiased.computers.ekfac import EKFACMeasurement, decompose_ekfac
-from laplace_debiased.curvature.ekfac import ekfac_to_dense
-from laplace_debiased.posterior.kron import KronStructure
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed
 from laplace_debiased.parallel.distributed import local_shards
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, is_extra
-from laplace_debiased.posterior.spanned import Spanned, SpannedStructure
+from laplace_debiased.posterior.ekfac import EKFACDecomposed, SpannedEKFACDecomposed
 
-__all__ = [
-    "EKFACDecomposed",
-    "CrossFitDecomposed",
-    "EKFACStructure",
-    "CrossFitStructure",
-    "DebiasedEKFACLaplace",
-    "DebiasedEKFACLLLaplace",
-]
+__all__ = ["DebiasedEKFACLaplace", "DebiasedEKFACLLLaplace"]
 
 
 class DebiasedEKFACLaplace(DebiasedKronLaplace):
