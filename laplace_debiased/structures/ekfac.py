@@ -23,36 +23,191 @@ reducer of :func:`~laplace_debiased.parallel.reducer.current_reducer`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import torch
 from curvlinops import FisherType
-from laplace.curvature.curvature import EFInterface
-from laplace.lllaplace import KronLLLaplace
-from laplace.utils.matrix import Kron
-from torch import Tensor
+from laplace.baselaplace import KronLaplace
+from laplace.curvature.curvature import CurvatureInterface, EFInterface
+from laplace.lllaplace import KronLLLaplace, LLLaplace
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace_debiased.computers.ekfac import EKFACMeasurement, decompose_ekfac
+from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, curvature_modules, is_extra
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed
 from laplace_debiased.parallel.distributed import local_shards
-from laplace_debiased.parallel.reducer import Reducer, current_reducer
-from laplace_debiased.structures.kron import DebiasedKronLaplace
-from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, is_extra
+from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.posterior.ekfac import EKFACDecomposed, SpannedEKFACDecomposed
+from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
+from laplace_debiased.structures.kron import fit_kfacs, kron_fit_options, single_pass_fisher
+from laplace_debiased.structures.kron_layers import check_supported
+from laplace_debiased.structures.two_batch import TwoBatchLaplace
 
-__all__ = ["DebiasedEKFACLaplace", "DebiasedEKFACLLLaplace"]
+__all__ = [
+    "DebiasedEKFACLaplace",
+    "DebiasedEKFACLLLaplace",
+    "debiased_ekfac_curvature",
+    "ekfac_curvature",
+    "ekfac_from_state",
+    "ekfac_measurement",
+    "ekfac_state",
+    "fisher_type",
+]
 
 
-class DebiasedEKFACLaplace(DebiasedKronLaplace):
+def fisher_type(backend: CurvatureInterface) -> str:
+    """The curvature the EKFAC eigenvalues measure for ``backend``.
+
+    Args:
+        backend: laplace-torch's curvature backend.
+
+    Returns:
+        A ``curvlinops.FisherType``: the empirical Fisher for an EF backend, the MC Fisher for a
+        ``stochastic`` GGN backend, else the exact GGN.
+    """
+    if isinstance(backend, EFInterface):
+        return FisherType.EMPIRICAL
+    return FisherType.MC if getattr(backend, "stochastic", False) else FisherType.TYPE2
+
+
+def ekfac_measurement(
+    batches: list[Batch],
+    *,
+    N: int,
+    backend: CurvatureInterface,
+    modules: list[nn.Module],
+    dict_key_x: str,
+    dict_key_y: str,
+    dtype: torch.dtype,
+) -> EKFACMeasurement:
+    """What the Linear/Conv2d blocks' eigenvalues are measured with: this rank's rows of
+    ``batches``, the backend's loss and curvature type, the sum scaled to ``N``.
+
+    Args:
+        batches: The measured batch set (all ranks' batches; this rank keeps its shard).
+        N: Training samples the eigenvalues are scaled to.
+        backend: laplace-torch's curvature backend (its model and loss function).
+        modules: The layers of the K-FAC blocks, in block order.
+        dict_key_x: Key of the inputs in a mapping batch.
+        dict_key_y: Key of the targets in a mapping batch.
+        dtype: The model's dtype.
+
+    Returns:
+        The :class:`~laplace_debiased.computers.ekfac.EKFACMeasurement`.
+    """
+    reducer = current_reducer()
+    n_rows = sum(batch_size(b, dict_key_x, dict_key_y) for b in batches)
+    shards = local_shards(batches, dict_key_x, dict_key_y, rank=reducer.rank, world=reducer.world)
+    data = [batch_inputs_targets(b, dict_key_x, dict_key_y) for b in shards]
+    dict_inputs = bool(data) and not isinstance(data[0][0], Tensor)
+    return EKFACMeasurement(
+        model=backend.model,
+        loss_func=backend.lossfunc,
+        params=[p for m in modules if not is_extra(m) for p in m.parameters(recurse=False) if p.requires_grad],
+        batches=data,
+        fisher_type=fisher_type(backend),
+        batch_size_fn=(lambda x: x[dict_key_x].shape[0]) if dict_inputs else None,
+        scale=N / n_rows * backend.factor,
+        dtype=dtype,
+    )
+
+
+def _ekfac_decomposed(eigenvectors: list, eigenvalues: list[Tensor], modules: list[nn.Module]) -> EKFACDecomposed:
+    """:class:`SpannedEKFACDecomposed` where a block spans several parameter tensors, else
+    :class:`EKFACDecomposed`."""
+    spans = block_spans(modules)
+    if any(span > 1 for span in spans):
+        return SpannedEKFACDecomposed(eigenvectors, eigenvalues, spans)
+    return EKFACDecomposed(eigenvectors, eigenvalues)
+
+
+def ekfac_curvature(basis: list, measured: list, measurement: EKFACMeasurement, modules: list[nn.Module]) -> EKFACDecomposed:
+    """EKFAC with the eigenbasis of one batch set's K-FAC and the curvature of another
+    (:func:`~laplace_debiased.computers.ekfac.decompose_ekfac`).
+
+    Args:
+        basis: The K-FAC blocks (``Kron.kfacs``) whose eigenbasis is kept, scaled to ``N``.
+        measured: The K-FAC blocks of the measured batch set, scaled to ``N`` (for the
+            embedding and normalisation blocks).
+        measurement: The measured batch set (:func:`ekfac_measurement`).
+        modules: The layers of the blocks, in block order.
+
+    Returns:
+        The decomposition, spanned where a block spans several parameter tensors.
+    """
+    result = decompose_ekfac(basis, measured, [is_extra(m) for m in block_modules(modules)], measurement, current_reducer())
+    return _ekfac_decomposed(result.eigenvectors, result.eigenvalues, modules)
+
+
+def debiased_ekfac_curvature(
+    direction: list,
+    magnitude: list,
+    batches: tuple[list[Batch], list[Batch]],
+    measure: Callable[[list[Batch]], EKFACMeasurement],
+    modules: list[nn.Module],
+    *,
+    swap: bool,
+) -> EKFACDecomposed | CrossFitDecomposed:
+    """The debiased EKFAC curvature of a fit: B's eigenbasis, B̃'s curvature along it
+    (:func:`ekfac_curvature`), and with ``swap`` the mixture with the swapped roles.
+
+    Args:
+        direction: B's K-FAC blocks (``Kron.kfacs``), scaled to ``N``.
+        magnitude: B̃'s K-FAC blocks, scaled to ``N`` (B's where B̃'s are not needed).
+        batches: B and B̃.
+        measure: The measurement of a batch set's curvature (:func:`ekfac_measurement`).
+        modules: The layers of the blocks, in block order.
+        swap: Also decompose the swapped roles (basis from B̃, curvature from B).
+
+    Returns:
+        The decomposition, or the :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`
+        of it and the swapped one.
+    """
+    H = ekfac_curvature(direction, magnitude, measure(batches[1]), modules)
+    if swap:
+        H = CrossFitDecomposed(H, ekfac_curvature(magnitude, direction, measure(batches[0]), modules))
+    return H
+
+
+def ekfac_state(H: EKFACDecomposed | CrossFitDecomposed) -> dict[str, Any]:
+    """The ``state_dict`` entry of a debiased EKFAC decomposition.
+
+    Args:
+        H: The decomposition, or a cross-fitted mixture of two.
+
+    Returns:
+        ``{"H_ekfac": [[eigenvectors, eigenvalues], ...]}``, one pair per component.
+    """
+    comps = H.components if isinstance(H, CrossFitDecomposed) else (H,)
+    return {"H_ekfac": [[c.eigenvectors, c.eigenvalues] for c in comps]}
+
+
+def ekfac_from_state(state_dict: dict[str, Any], modules: list[nn.Module]) -> EKFACDecomposed | CrossFitDecomposed:
+    """The decomposition :func:`ekfac_state` saved.
+
+    Args:
+        state_dict: A ``state_dict`` with :func:`ekfac_state`'s entry.
+        modules: The layers of the blocks, in block order.
+
+    Returns:
+        The decomposition, or the mixture of it and the swapped one.
+    """
+    comps = [_ekfac_decomposed(vecs, vals, modules) for vecs, vals in state_dict["H_ekfac"]]
+    return comps[0] if len(comps) == 1 else CrossFitDecomposed(*comps)
+
+
+class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
     """Two-batch debiased EKFAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_ekfac")``).
 
-    Same interface as ``KronLaplace``; ``fit`` takes the two-batch arguments of
-    :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit` plus
-    ``cross_fit``.  After fitting, ``H_facs`` is B's K-FAC (``Kron``, scaled to ``n_data``), and
-    ``H`` an :class:`EKFACDecomposed` (or, cross-fitted, a :class:`CrossFitDecomposed`).
+    Same interface as ``KronLaplace``. After :meth:`fit`, ``H_facs`` is B's K-FAC (``Kron``,
+    scaled to ``n_data``; cross-fitted, ``H_facs_magnitude`` is B̃'s), and ``H`` an
+    :class:`~laplace_debiased.posterior.ekfac.EKFACDecomposed` (or, cross-fitted, a
+    :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`).
     Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
     conv weight gradient is summed over positions before it is rotated and squared); embeddings,
     attention projections and GPT-2 ``Conv1D`` get debiased K-FAC blocks, normalisation layers
@@ -63,7 +218,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
     """
 
     _key = ("all", "debiased_ekfac")
-    _estimators = ("paper",)
+    _cross_fit: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -88,92 +243,93 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         estimator: str | None = None,
         cross_fit: bool = False,
     ) -> None:
-        """Fit as :meth:`DebiasedKronLaplace.fit` (``estimator``: ``"paper"`` only; ``null_space``
-        is not used: the EKFAC eigenvalues are B̃'s exact diagonal in B's basis). ``override=False``
-        raises: EKFAC eigenvalues are measured in one basis and cannot be re-measured in a
-        combined basis without the earlier data."""
+        """Fit the debiased EKFAC approximation at the current (MAP) parameters.
+
+        The arguments up to ``generator`` choose the two batches, as in :meth:`TwoBatchLaplace.fit`;
+        ``override=False`` raises (the eigenvalues are measured in one basis and cannot be
+        re-measured in a combined basis without the earlier data).
+
+        Args:
+            null_space: Checked as in :meth:`DebiasedKronLaplace.fit` but not used: the
+                eigenvalues are B̃'s exact diagonal in B's basis.
+            estimator: ``"paper"`` only (the default).
+            cross_fit: Also fit the swapped roles (basis from B̃, curvature from B) and use the
+                equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
+        """
         if not override:
             raise ValueError(
                 "debiased EKFAC does not support override=False: refit on all the data with "
                 "override=True."
             )
+        kron_fit_options(null_space, estimator, cross_fit, offered=("paper",), structure=self._key[1])
+        self._cross_fit = cross_fit
         super().fit(
             train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
             n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
-            generator=generator, null_space=null_space, estimator=estimator, cross_fit=cross_fit,
+            generator=generator,
         )
 
-    def _fit_two_batch(
-        self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
-    ) -> Tensor:
-        self._check_supported(direction_batches)
+    def _reset_fit_state(self) -> None:
+        super()._reset_fit_state()
+        self.H_facs = self.H_facs_magnitude = self.coverage = self.correction = None
+
+    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
+        modules, fisher = self._kfac_modules(), self._single_pass_fisher()
+        check_supported(self.backend, self.backend._model, direction_batches, fisher, self.fit_output_shape)
         same = magnitude_batches is direction_batches
         swap = self._cross_fit and not same  # the swapped component needs B̃'s K-FAC too
-        # embedding / normalisation blocks are measured from B̃'s sums of the shared pass
-        both = not same and (swap or any(map(is_extra, self._kfac_modules())))
-        groups = [direction_batches, magnitude_batches] if both else [direction_batches]
-        loss, krons = self._kfacs(groups, N)
+        both = not same and (swap or any(map(is_extra, modules)))  # extra blocks: B̃'s sums of the shared pass
+        loss, krons, _ = fit_kfacs(
+            self.model, self.backend, [direction_batches, magnitude_batches] if both else [direction_batches], N,
+            fisher=fisher, likelihood=self.likelihood, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
+            output_shape=self.fit_output_shape, mean=self.mean, dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
+        )
         direction, magnitude = krons[0], krons[-1]
         if not (same or both):
             loss = loss + self._summed_loss(magnitude_batches)
-        H = self._ekfac(direction, magnitude, magnitude_batches, N)
-        if swap:
-            H = CrossFitDecomposed(H, self._ekfac(magnitude, direction, direction_batches, N))
-        self.H_facs, self.H_facs_magnitude, self.H = direction, (magnitude if swap else None), H
+        measure = partial(
+            ekfac_measurement, N=N, backend=self.backend, modules=modules, dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y, dtype=self._dtype,
+        )
+        self.H = debiased_ekfac_curvature(
+            direction.kfacs, magnitude.kfacs, (direction_batches, magnitude_batches), measure, modules, swap=swap
+        )
+        self.H_facs, self.H_facs_magnitude = direction, (magnitude if swap else None)
         return loss
 
-    def _fisher_type(self) -> str:
-        if isinstance(self.backend, EFInterface):
-            return FisherType.EMPIRICAL
-        return FisherType.MC if getattr(self.backend, "stochastic", False) else FisherType.TYPE2
+    def _kfac_modules(self) -> list[nn.Module]:
+        """The layers with trainable parameters, in ``Kron`` block order."""
+        return curvature_modules(self.backend._model)
 
-    def _ekfac(self, kron: Kron, measured: Kron, batches: list[Batch], N: int) -> EKFACDecomposed:
-        """EKFAC with the eigenbasis of ``kron`` and the curvature of ``batches`` (whose K-FAC
-        sums are ``measured``), scaled to N (:func:`~laplace_debiased.computers.ekfac.decompose_ekfac`)."""
-        modules = self._kfac_modules()
-        reducer = current_reducer()
-        result = decompose_ekfac(
-            kron.kfacs, measured.kfacs, [is_extra(m) for m in block_modules(modules)],
-            self._ekfac_measurement(batches, N, reducer), reducer,
+    def _single_pass_fisher(self) -> str | None:
+        """:func:`~laplace_debiased.structures.kron.single_pass_fisher` of this object's backend."""
+        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
+
+    def _auto_magnitude_rule(self) -> Any:
+        """:func:`~laplace_debiased.structures.auto_magnitude.auto_magnitude_rule` for this object."""
+        return auto_magnitude_rule(
+            self.model, lambda: self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
+            likelihood=self.likelihood, dtype=self._dtype, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
+            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
         )
-        spans = block_spans(modules)
-        if any(span > 1 for span in spans):
-            return SpannedEKFACDecomposed(result.eigenvectors, result.eigenvalues, spans)
-        return EKFACDecomposed(result.eigenvectors, result.eigenvalues)
 
-    def _ekfac_measurement(self, batches: list[Batch], N: int, reducer: Reducer) -> EKFACMeasurement:
-        """This rank's rows of ``batches`` and the backend's loss and curvature type, for
-        measuring the Linear/Conv2d blocks; the sum is scaled to N."""
-        n_rows = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
-        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=reducer.rank, world=reducer.world)
-        data = [batch_inputs_targets(b, self.dict_key_x, self.dict_key_y) for b in shards]
-        dict_inputs = bool(data) and not isinstance(data[0][0], Tensor)
-        return EKFACMeasurement(
-            model=self.backend.model,
-            loss_func=self.backend.lossfunc,
-            params=[p for m in self._kfac_modules() if not is_extra(m) for p in m.parameters(recurse=False) if p.requires_grad],
-            batches=data,
-            fisher_type=self._fisher_type(),
-            batch_size_fn=(lambda x: x[self.dict_key_x].shape[0]) if dict_inputs else None,
-            scale=N / n_rows * self.backend.factor,
-            dtype=self._dtype,
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
+        if not isinstance(self.H, CrossFitDecomposed):
+            return super().sample(n_samples, generator)
+        return mixture_samples(
+            self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
         )
 
     def state_dict(self) -> dict[str, Any]:
-        state = super(DebiasedKronLaplace, self).state_dict()  # KronLaplace: "H" = B's K-FAC
-        comps = self.H.components if isinstance(self.H, CrossFitDecomposed) else (self.H,)
-        state["H_ekfac"] = [[c.eigenvectors, c.eigenvalues] for c in comps]
-        return state
+        """KronLaplace's state (``"H"``: B's K-FAC) and the decomposition (:func:`ekfac_state`)."""
+        return {**super().state_dict(), **ekfac_state(self.H)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super(DebiasedKronLaplace, self).load_state_dict(state_dict)
-        spans = block_spans(self._kfac_modules())
-        comps = [
-            SpannedEKFACDecomposed(vecs, vals, spans) if any(s > 1 for s in spans) else EKFACDecomposed(vecs, vals)
-            for vecs, vals in state_dict["H_ekfac"]
-        ]
+        """Restore a saved fit (:func:`ekfac_from_state`)."""
+        super().load_state_dict(state_dict)
         self.H_facs_magnitude = None
-        self.H = comps[0] if len(comps) == 1 else CrossFitDecomposed(*comps)
+        self.H = ekfac_from_state(state_dict, self._kfac_modules())
 
 
 class DebiasedEKFACLLLaplace(DebiasedEKFACLaplace, KronLLLaplace):
