@@ -1,15 +1,17 @@
 """``n_magnitude_batches="auto"`` on a model (:mod:`laplace_debiased.structures.auto_magnitude`):
 the factor rows B gives each K-FAC factor of convolutions, attention projections and GPT-2
-``Conv1D`` layers, and the refusal for a last layer."""
+``Conv1D`` layers, and the refusal for a last layer; the functions on their own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from laplace import Laplace
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule, factor_row_counts, output_columns
 from tests.computers.test_auto_magnitude import N_OUT, _data, _fit, _input_factor, _loader, _mlp
 
 
@@ -100,3 +102,47 @@ def test_conv1d_layers_are_counted():
     # B ∪ B̃ spans it (la.coverage lists a Conv1D block's factors in Kron order, input first)
     block = next(b for b in la.coverage.blocks if b.layer == "0" and b.parameter == "weight")
     assert [(f.dimension, f.rank_union) for f in block.factors if f.dimension == 20] == [(20, 20)]
+
+
+@pytest.mark.parametrize(
+    "backend,likelihood,kwargs,columns",
+    [
+        (CurvlinopsGGN, "classification", {}, 4),  # C - 1: the softmax GGN has rank C - 1
+        (CurvlinopsGGN, "regression", {}, 5),  # C
+        (CurvlinopsGGN, "classification", {"stochastic": True}, 1),  # one MC sample by default
+        (CurvlinopsEF, "classification", {}, 1),  # one gradient per sample
+    ],
+)
+def test_output_columns_per_curvature(backend, likelihood, kwargs, columns):
+    model = nn.Linear(4, 5).double()
+    assert output_columns(backend(model, likelihood, **kwargs), likelihood, 5, {}) == columns
+    if kwargs.get("stochastic"):
+        assert output_columns(backend(model, likelihood, **kwargs), likelihood, 5, {"mc_samples": 3}) == 3
+
+
+def test_factor_row_counts_of_an_mlp():
+    """Three batches of 4 samples: each Linear's input factor gets 4 rows per batch, its output
+    factor 4 · columns(C) rows; dimensions are the layer's in- and out-widths."""
+    model = _mlp(6, hidden=5)
+    batches = list(_loader(6, 4, 3))
+    counts = factor_row_counts(
+        model, model, batches, lambda C: C - 1, dtype=torch.float64, likelihood="classification",
+        dict_key_x="input_ids", dict_key_y="labels",
+    )
+    got = [(c.layer, c.factor, c.dimension, c.rows_direction, c.n_direction_batches) for c in counts]
+    assert got == [
+        ("0", "output", 5, 3 * 4 * 2, 3), ("0", "input", 6, 3 * 4, 3),
+        ("2", "output", 3, 3 * 4 * 2, 3), ("2", "input", 5, 3 * 4, 3),
+    ]
+
+
+def test_auto_magnitude_rule_counts_the_direction_batches_and_refuses_a_last_layer():
+    model = _mlp(20)
+    backend = CurvlinopsGGN(model, "classification")
+    keys = {"likelihood": "classification", "dtype": torch.float64, "asdl_fisher_kwargs": {},
+            "dict_key_x": "input_ids", "dict_key_y": "labels"}
+    rule = auto_magnitude_rule(model, lambda: backend, last_layer=False, owner="X", **keys)
+    auto = rule(list(_loader(20, 4, 2)))  # input factor of layer "0": 8 + k · 4 >= 20 needs k = 3
+    assert (auto.limiting.layer, auto.limiting.factor, auto.limiting.dimension, auto.wanted) == ("0", "input", 20, 3)
+    with pytest.raises(ValueError, match="not for the last-layer MyLaplace"):
+        auto_magnitude_rule(model, lambda: backend, last_layer=True, owner="MyLaplace", **keys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from laplace_debiased.structures.lazy_curvature import PendingCurvature, formed_curvature
 from test_lowrank import data_loader, make_la, reference_parts
 from tests.curvature.test_eigen import explicit_curvature, tiny_mlp
 
@@ -53,3 +54,15 @@ def test_debiased_full_refit_without_override_adds_to_lazy_H():
     twice.fit(loader)
     twice.fit(loader, override=False)
     torch.testing.assert_close(twice.H, 2 * once.H, atol=1e-12, rtol=1e-12)
+
+
+def test_formed_curvature_forms_a_pending_one_and_passes_the_rest_through():
+    g = torch.Generator().manual_seed(0)
+    Q = torch.linalg.qr(torch.randn(6, 3, generator=g, dtype=torch.float64))[0]
+    h = torch.tensor([3.0, 1.0, 0.25], dtype=torch.float64)
+    H = formed_curvature(PendingCurvature(Q, h), torch.device("cpu"), torch.float32)
+    assert H.dtype == torch.float32 and H.shape == (6, 6) and torch.equal(H, H.T)
+    torch.testing.assert_close(H, (Q @ torch.diag(h) @ Q.T).float(), rtol=1e-6, atol=1e-6)
+    dense = torch.eye(6, dtype=torch.float64)
+    assert formed_curvature(dense, torch.device("cpu"), torch.float32) is dense  # stored as it is
+    assert formed_curvature(None, torch.device("cpu"), torch.float64) is None
