@@ -28,6 +28,16 @@ class EKFACDecomposed:
     one per block; ``*`` scales the curvature; ``logdet``, ``bmm``, ``inv_square_form``, ``diag``,
     ``to_matrix``), but the eigenvalues ``Λ`` of a weight block are a full ``(d_out, d_in)``
     array instead of an outer product.  Powers are evaluated in float64 and cast back.
+
+    Args:
+        eigenvectors: Per block ``[Q_G (d_out, d_out), Q_A (d_in, d_in)]`` or ``[Q (d, d)]``,
+            orthonormal.
+        eigenvalues: Per block ``Λ`` of shape ``(d_out, d_in)`` or ``(d,)``.
+        deltas: The added prior precisions, a scalar or one per block (default 0).
+
+    Raises:
+        ValueError: Blocks of eigenvectors and eigenvalues that do not match, or ``deltas`` of
+            another shape.
     """
 
     def __init__(
@@ -120,8 +130,18 @@ class EKFACDecomposed:
         return torch.cat(out, dim=1).reshape(B, K, P)
 
     def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
-        """``self^exponent @ W`` for ``W`` of shape ``(params,)``, ``(batch, params)`` or
-        ``(batch, classes, params)`` (laplace-torch's ``KronDecomposed.bmm`` convention)."""
+        """``self^exponent`` applied to ``W`` (laplace-torch's ``KronDecomposed.bmm`` convention).
+
+        Args:
+            W: ``(params,)``, ``(batch, params)`` or ``(batch, classes, params)``.
+            exponent: The power of the matrix (``-1``: its inverse).
+
+        Returns:
+            ``W`` times ``self^exponent``, with size-1 dimensions squeezed for 1-D and 2-D ``W``.
+
+        Raises:
+            ValueError: ``W`` of another number of dimensions or parameters.
+        """
         if W.ndim == 1:
             return self._bmm(W[None, None], exponent).squeeze()
         if W.ndim == 2:
@@ -131,11 +151,25 @@ class EKFACDecomposed:
         raise ValueError(f"Invalid shape for W: {tuple(W.shape)}")
 
     def inv_square_form(self, W: Tensor) -> Tensor:
-        """``W self⁻¹ Wᵀ`` for ``W`` ``(batch, classes, params)`` -> ``(batch, classes, classes)``."""
+        """``W self⁻¹ Wᵀ``.
+
+        Args:
+            W: ``(batch, classes, params)``.
+
+        Returns:
+            ``(batch, classes, classes)``.
+        """
         return torch.bmm(W, self._bmm(W, exponent=-1).transpose(1, 2))
 
     def diag(self, exponent: float = 1) -> Tensor:
-        """Diagonal of ``self^exponent`` ``(params,)``."""
+        """Diagonal of ``self^exponent``.
+
+        Args:
+            exponent: The power of the matrix.
+
+        Returns:
+            ``(params,)``.
+        """
         diags = []
         for k, Qs in enumerate(self.eigenvectors):
             power = self._powered(k, exponent)
@@ -147,7 +181,11 @@ class EKFACDecomposed:
         return torch.cat(diags)
 
     def to_matrix(self, exponent: float = 1) -> Tensor:
-        """Dense ``self^exponent`` (tests and tiny models only)."""
+        """Dense ``self^exponent`` ``(params, params)`` (tests and tiny models only).
+
+        Args:
+            exponent: The power of the matrix.
+        """
         return ekfac_to_dense(
             self.eigenvectors,
             [self._powered(k, 1.0) for k in range(len(self))],
@@ -155,7 +193,15 @@ class EKFACDecomposed:
         )
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> EKFACStructure:
-        """The :class:`~laplace_debiased.posterior.grid.GridPredictive` structure."""
+        """The :class:`~laplace_debiased.posterior.grid.GridPredictive` structure.
+
+        Args:
+            h_factor: The curvature scale ``s`` (laplace-torch's ``_H_factor``).
+            numels: The sizes of the Laplace object's parameter tensors.
+
+        Returns:
+            An :class:`EKFACStructure` of this curvature without its ``deltas``.
+        """
         return EKFACStructure(self, h_factor, numels)
 
 
@@ -163,7 +209,16 @@ class EKFACStructure(KronStructure):
     """:class:`~laplace_debiased.posterior.grid.GridPredictive` structure of an
     :class:`EKFACDecomposed` curvature: same eigenbasis rotation as K-FAC, eigenvalues per
     basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held and computed
-    in float64 like :class:`KronStructure` (round-off negative eigenvalues clamped to 0)."""
+    in float64 like :class:`KronStructure` (round-off negative eigenvalues clamped to 0).
+
+    Args:
+        H: The curvature.
+        h_factor: The curvature scale ``s``.
+        numels: The sizes of the parameter tensors, one per block.
+
+    Raises:
+        ValueError: Block sizes other than ``numels``.
+    """
 
     def __init__(self, H: EKFACDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
         self.Qs = [[q.double() for q in qs] for qs in H.eigenvectors]

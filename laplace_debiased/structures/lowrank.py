@@ -133,6 +133,9 @@ class EigenConfig:
     def check_state(self, state_dict: dict[str, Any]) -> None:
         """Refuse a ``state_dict`` saved with other settings.
 
+        Args:
+            state_dict: A loaded ``state_dict`` (:meth:`state`'s entries).
+
         Raises:
             ValueError: The saved settings differ from these.
         """
@@ -282,10 +285,13 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
     subset_of_weights="all", hessian_structure="debiased_lowrank")``).
 
     Args:
-        model: As laplace-torch's ``ParametricLaplace``.
-        likelihood: As laplace-torch's ``ParametricLaplace``.
-        rank: Number ``k`` of top eigenvectors of ``G_B``; ``method``, ``eigval_rtol`` and
-            ``remeasured_rtol`` as in :class:`EigenConfig`, which holds all four as ``eigen_config``.
+        model: The network, as for laplace-torch's ``ParametricLaplace``.
+        likelihood: laplace-torch's likelihood.
+        rank: Number ``k`` of top eigenvectors of ``G_B``.
+        method: Route to B's eigenpairs (:class:`EigenConfig`, which holds the four settings as
+            ``eigen_config``).
+        eigval_rtol: Floor on B's eigenvalues, relative to the largest (:class:`EigenConfig`).
+        remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest (:class:`EigenConfig`).
         **kwargs: laplace-torch's ``ParametricLaplace`` arguments.
 
     After ``fit``: ``H = (U (P, r), λ̃ (r,))`` in the model dtype with ``r ≤ rank``;
