@@ -46,6 +46,7 @@ __all__ = [
     "direction_eigenpairs",
     "remeasured_eigenvalues",
     "summed_dense_curvature",
+    "symmetric_outer",
 ]
 
 #: the largest dense float64 ``G_B`` (bytes) a low-rank fit over several ranks sums over them
@@ -297,14 +298,24 @@ def decompose_debiased_full(
     return FullDecomposition(values, lam, 0.5 * (H + H.T), None)
 
 
+def symmetric_outer(Q: Tensor, h: Tensor) -> Tensor:
+    """``Q diag(h) Qᵀ`` made exactly symmetric (the average with its transpose).
+
+    Args:
+        Q: ``(P, r)`` vectors.
+        h: ``(r,)`` weights.
+
+    Returns:
+        The ``(P, P)`` matrix, in the dtype of ``Q``.
+    """
+    H = (Q * h) @ Q.T
+    return 0.5 * (H + H.T)
+
+
 def _dense_debiased_full(pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float) -> list[Tensor]:
     """``[B's eigenvalues, λ̃, H]`` of :func:`decompose_debiased_full` with ``H`` always dense."""
     result = decompose_debiased_full(pairs, G_magnitude, scale_B)
-    H = result.dense
-    if H is None:
-        Q, h = result.eigenpairs
-        H = (Q * h) @ Q.T
-        H = 0.5 * (H + H.T)
+    H = result.dense if result.dense is not None else symmetric_outer(*result.eigenpairs)
     return [result.direction_eigenvalues, result.eigenvalues, H]
 
 

@@ -1,83 +1,110 @@
-"""Marginal likelihood of the eigen-structured classes from the curvature's eigenpairs
-(:class:`EigenMarglikMixin`, a base of ``DebiasedLowRank(LL)Laplace`` and ``DebiasedFull(LL)Laplace``).
+"""Marginal likelihood of the eigen-structured classes from the curvature's eigenpairs, as
+functions that ``DebiasedLowRank(LL)Laplace`` and ``DebiasedFull(LL)Laplace`` call.
 
 laplace-torch's ``log_marginal_likelihood`` is ``log_likelihood − ½ (log det P − log det P₀ +
 scatter)`` with ``P = s·H + P₀`` (``s = 1/σ²/T``) and the MAP's prior term ``scatter =
-(θ* − μ₀)ᵀ P₀ (θ* − μ₀)``; only ``log det P`` depends on the curvature.  The mixin computes it from
-float64 eigenpairs ``H = Q diag(h) Qᵀ`` (:func:`laplace_debiased.posterior.marglik.eigen_log_det`)
-that the class decomposes once per fit, so that every evaluation, its gradient in the prior
-precision and ``σ``, and every step of ``optimize_prior_precision(method="marglik")`` or
-``marglik_training`` cost ``O(r)`` for a scalar prior: no new factorisation per step.  A
-layer-wise or diagonal prior breaks the shared eigenbasis: then ``O(P r²)`` per step (the rank-``r``
-determinant lemma), the dense ``O(P³)`` when ``H`` has full rank ``r = P``.
+(θ* − μ₀)ᵀ P₀ (θ* − μ₀)``; only ``log det P`` depends on the curvature.  The classes compute it
+from float64 eigenpairs ``H = Q diag(h) Qᵀ`` (:func:`laplace_debiased.posterior.marglik.eigen_log_det`)
+that they keep per version of ``la.H`` (:class:`KnownEigenpairs`, decomposed at most once per fit),
+so that every evaluation, its gradient in the prior precision and ``σ``, and every step of
+``optimize_prior_precision(method="marglik")`` or ``marglik_training`` cost ``O(r)`` for a scalar
+prior: no new factorisation per step.  A layer-wise or diagonal prior breaks the shared
+eigenbasis: then ``O(P r²)`` per step (the rank-``r`` determinant lemma), the dense ``O(P³)``
+when ``H`` has full rank ``r = P``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from laplace_debiased.posterior.marglik import eigen_log_det
-
-__all__ = ["EigenMarglikMixin"]
+__all__ = ["KnownEigenpairs", "current_eigenpairs", "eigenpairs_from_state", "eigenpairs_state", "log_det_prior"]
 
 
-class EigenMarglikMixin:
-    """``log_det_posterior_precision`` from :meth:`curvature_eigenpairs` (listed before the
-    laplace-torch base, whose dense or ``K × K`` log-determinant it replaces)."""
+@dataclass(frozen=True)
+class KnownEigenpairs:
+    """Float64 eigenpairs ``H = Q diag(h) Qᵀ`` of one version of ``la.H``.
 
-    def curvature_eigenpairs(self) -> tuple[Tensor, Tensor]:
-        """``(Q (P, r), h (r,))`` float64 with orthonormal ``Q``, ``h ≥ 0`` and ``H = Q diag(h) Qᵀ``
-        (``la.H``, unscaled by ``_H_factor``): those the fit kept (:meth:`_remember_eigenpairs`),
-        else :meth:`_decompose_curvature` once for the current ``la.H`` object."""
-        self._check_H_init()
-        cached = getattr(self, "_eigenpairs_of_H", None)
-        if cached is None or cached[0] is not self._curvature_version():
-            self._remember_eigenpairs(*self._decompose_curvature())
-            cached = self._eigenpairs_of_H
-        return cached[1], cached[2]
+    Attributes:
+        version: The object that identifies the curvature they decompose (it changes whenever
+            ``la.H`` is assigned).
+        vectors: ``Q``, ``(P, r)`` with orthonormal columns.
+        values: ``h``, ``(r,)``, ``≥ 0``.
+    """
 
-    def _remember_eigenpairs(self, Q: Tensor, h: Tensor) -> None:
-        """Keep ``(Q, h)`` as the eigenpairs of the current ``la.H`` (a new ``H`` object, as every
-        fit and ``load_state_dict`` sets, invalidates them)."""
-        self._eigenpairs_of_H = (self._curvature_version(), Q, h)
+    version: object
+    vectors: Tensor
+    values: Tensor
 
-    def _curvature_version(self) -> object:
-        """An object that changes whenever ``la.H`` is assigned: here ``la.H`` itself."""
-        return self.H
 
-    def state_dict(self) -> dict[str, Any]:
-        """The base's state plus the eigenpairs the fit kept for ``H`` (``None`` if none), so a
-        loaded object computes exactly what the saved one did."""
-        state = super().state_dict()
-        cached = getattr(self, "_eigenpairs_of_H", None)
-        known = cached is not None and cached[0] is self._curvature_version()
-        state["curvature_eigenvectors"] = cached[1] if known else None
-        state["curvature_eigenvalues"] = cached[2] if known else None
-        return state
+def current_eigenpairs(
+    known: KnownEigenpairs | None, version: object, decompose: Callable[[], tuple[Tensor, Tensor]]
+) -> KnownEigenpairs:
+    """The eigenpairs of the current curvature.
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        if state_dict.get("curvature_eigenvectors") is not None:
-            self._remember_eigenpairs(state_dict["curvature_eigenvectors"], state_dict["curvature_eigenvalues"])
+    Args:
+        known: The eigenpairs kept so far (``None``: none).
+        version: The current curvature's version.
+        decompose: Gives float64 ``(Q, h)`` of the current curvature.
 
-    def _decompose_curvature(self) -> tuple[Tensor, Tensor]:
-        """Float64 ``(Q, h)`` of ``la.H`` (see :meth:`curvature_eigenpairs`)."""
-        raise NotImplementedError
+    Returns:
+        ``known`` if it is of ``version``, else ``decompose()``'s eigenpairs of it.
+    """
+    if known is None or known.version is not version:
+        return KnownEigenpairs(version, *decompose())
+    return known
 
-    def _prior_for_log_det(self) -> Tensor:
-        """``(1,)`` for a scalar prior precision (it shares the eigenbasis), else the ``(P,)``
-        ``prior_precision_diag``."""
-        prior = torch.as_tensor(self.prior_precision)
-        if prior.numel() == 1:
-            return prior.reshape(1)
-        return self.prior_precision_diag
 
-    @property
-    def log_det_posterior_precision(self) -> Tensor:
-        """``log det(s·H + P₀)`` in the model dtype, computed in float64 from the eigenpairs."""
-        self._check_H_init()
-        Q, h = self.curvature_eigenpairs()
-        return eigen_log_det(Q, h, self._H_factor, self._prior_for_log_det()).to(self._dtype)
+def eigenpairs_state(known: KnownEigenpairs | None, version: object) -> dict[str, Tensor | None]:
+    """The ``state_dict`` entries of the kept eigenpairs, so a loaded object computes exactly what
+    the saved one did.
+
+    Args:
+        known: The eigenpairs kept so far.
+        version: The current curvature's version.
+
+    Returns:
+        ``"curvature_eigenvectors"`` and ``"curvature_eigenvalues"``: those of ``known`` if it is
+        of ``version``, else ``None``.
+    """
+    current = known is not None and known.version is version
+    return {
+        "curvature_eigenvectors": known.vectors if current else None,
+        "curvature_eigenvalues": known.values if current else None,
+    }
+
+
+def eigenpairs_from_state(state_dict: dict[str, Any], version: object) -> KnownEigenpairs | None:
+    """The eigenpairs :func:`eigenpairs_state` saved.
+
+    Args:
+        state_dict: A loaded ``state_dict``.
+        version: The version of the curvature loaded with it.
+
+    Returns:
+        The saved eigenpairs as those of ``version``, or ``None`` if none were saved.
+    """
+    if state_dict.get("curvature_eigenvectors") is None:
+        return None
+    return KnownEigenpairs(version, state_dict["curvature_eigenvectors"], state_dict["curvature_eigenvalues"])
+
+
+def log_det_prior(prior_precision: Tensor | float, diagonal: Callable[[], Tensor]) -> Tensor:
+    """The prior precision as :func:`~laplace_debiased.posterior.marglik.eigen_log_det` takes it.
+
+    Args:
+        prior_precision: laplace-torch's ``prior_precision``.
+        diagonal: Gives laplace-torch's ``prior_precision_diag`` ``(P,)``.
+
+    Returns:
+        ``(1,)`` for a scalar prior precision (it shares the curvature's eigenbasis), else the
+        ``(P,)`` diagonal.
+    """
+    prior = torch.as_tensor(prior_precision)
+    if prior.numel() == 1:
+        return prior.reshape(1)
+    return diagonal()

@@ -23,207 +23,191 @@ reducer of :func:`~laplace_debiased.parallel.reducer.current_reducer`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import torch
 from curvlinops import FisherType
-from laplace.curvature.curvature import EFInterface
-from laplace.lllaplace import KronLLLaplace
-from laplace.utils.matrix import Kron
-from laplace.utils.utils import _is_valid_scalar
-from torch import Tensor
+from laplace.baselaplace import KronLaplace
+from laplace.curvature.curvature import CurvatureInterface, EFInterface
+from laplace.lllaplace import KronLLLaplace, LLLaplace
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace_debiased.computers.ekfac import EKFACMeasurement, decompose_ekfac
-from laplace_debiased.curvature.ekfac import ekfac_to_dense
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, curvature_modules, is_extra
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed, CrossFitStructure
 from laplace_debiased.parallel.distributed import local_shards
-from laplace_debiased.parallel.reducer import Reducer, current_reducer
-from laplace_debiased.structures.kron import DebiasedKronLaplace
-from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, is_extra
-from laplace_debiased.posterior.spanned import Spanned, SpannedStructure
+from laplace_debiased.parallel.reducer import current_reducer
+from laplace_debiased.posterior.ekfac import EKFACDecomposed, SpannedEKFACDecomposed
+from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
+from laplace_debiased.structures.kron import fit_kfacs, kron_fit_options, single_pass_fisher
+from laplace_debiased.structures.kron_layers import check_supported
+from laplace_debiased.structures.two_batch import TwoBatchLaplace
 
 __all__ = [
-    "EKFACDecomposed",
-    "CrossFitDecomposed",
-    "EKFACStructure",
-    "CrossFitStructure",
     "DebiasedEKFACLaplace",
     "DebiasedEKFACLLLaplace",
+    "debiased_ekfac_curvature",
+    "ekfac_curvature",
+    "ekfac_from_state",
+    "ekfac_measurement",
+    "ekfac_state",
+    "fisher_type",
 ]
 
 
-class EKFACDecomposed:
-    """Block-diagonal ``Q diag(vec Λ + δ) Qᵀ`` per parameter block (``Q = Q_G ⊗ Q_A`` or ``Q_G``).
+def fisher_type(backend: CurvatureInterface) -> str:
+    """The curvature the EKFAC eigenvalues measure for ``backend``.
 
-    Same interface as laplace-torch's ``KronDecomposed`` (``+`` adds prior precisions, scalar or
-    one per block; ``*`` scales the curvature; ``logdet``, ``bmm``, ``inv_square_form``, ``diag``,
-    ``to_matrix``), but the eigenvalues ``Λ`` of a weight block are a full ``(d_out, d_in)``
-    array instead of an outer product.  Powers are evaluated in float64 and cast back.
+    Args:
+        backend: laplace-torch's curvature backend.
+
+    Returns:
+        A ``curvlinops.FisherType``: the empirical Fisher for an EF backend, the MC Fisher for a
+        ``stochastic`` GGN backend, else the exact GGN.
     """
-
-    def __init__(
-        self,
-        eigenvectors: Sequence[Sequence[Tensor]],
-        eigenvalues: Sequence[Tensor],
-        deltas: Tensor | None = None,
-    ) -> None:
-        if len(eigenvectors) != len(eigenvalues):
-            raise ValueError(
-                f"{len(eigenvectors)} eigenvector blocks but {len(eigenvalues)} eigenvalue blocks."
-            )
-        for i, (Qs, lam) in enumerate(zip(eigenvectors, eigenvalues)):
-            shape = tuple(len(Q) for Q in Qs)
-            if tuple(lam.shape) != shape:
-                raise ValueError(
-                    f"block {i}: eigenvalues of shape {tuple(lam.shape)} do not match the "
-                    f"eigenbasis {shape}."
-                )
-        self.eigenvectors = [list(Qs) for Qs in eigenvectors]
-        self.eigenvalues = list(eigenvalues)
-        ref = self.eigenvectors[0][0]
-        if deltas is None:
-            deltas = torch.zeros(len(self), device=ref.device, dtype=ref.dtype)
-        self._check_deltas(deltas)
-        self.deltas = deltas * torch.ones(len(self), device=ref.device, dtype=ref.dtype)
-
-    def __len__(self) -> int:
-        return len(self.eigenvalues)
-
-    def _check_deltas(self, deltas: Tensor) -> None:
-        if not isinstance(deltas, Tensor):
-            raise ValueError("Can only add a torch.Tensor (prior precision) to EKFACDecomposed.")
-        if not (deltas.ndim == 0 or (deltas.ndim == 1 and len(deltas) in (1, len(self)))):
-            raise ValueError(
-                f"prior precision of shape {tuple(deltas.shape)}: give a scalar or one value "
-                f"per parameter block ({len(self)})."
-            )
-
-    def detach(self) -> EKFACDecomposed:
-        self.deltas = self.deltas.detach()
-        return self
-
-    def __add__(self, deltas: Tensor) -> EKFACDecomposed:
-        self._check_deltas(deltas)
-        return EKFACDecomposed(self.eigenvectors, self.eigenvalues, self.deltas + deltas)
-
-    def __mul__(self, scalar: Tensor | float) -> EKFACDecomposed:
-        if not _is_valid_scalar(scalar):
-            raise ValueError("Invalid argument, can only multiply EKFACDecomposed with a scalar.")
-        return EKFACDecomposed(
-            self.eigenvectors, [scalar * lam for lam in self.eigenvalues], self.deltas
-        )
-
-    __radd__ = __add__
-    __rmul__ = __mul__
-
-    def _powered(self, k: int, exponent: float) -> Tensor:
-        """``(Λ_k + δ_k)^exponent`` in the shape of ``Λ_k`` (float64 inside)."""
-        lam = self.eigenvalues[k]
-        return torch.pow(lam.double() + self.deltas[k].double(), exponent).to(lam.dtype)
-
-    def logdet(self) -> Tensor:
-        """``log det`` of the whole block-diagonal matrix (with the added ``deltas``)."""
-        total = sum(
-            torch.log(lam.double() + d.double()).sum() for lam, d in zip(self.eigenvalues, self.deltas)
-        )
-        return total.to(self.eigenvalues[0].dtype)
-
-    def _bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
-        """``self^exponent @ W`` for ``W`` of shape ``(batch, classes, params)``."""
-        B, K, P = W.shape
-        W = W.reshape(B * K, P)
-        out, start = [], 0
-        for k, Qs in enumerate(self.eigenvectors):
-            power = self._powered(k, exponent)
-            p = power.numel()
-            Wk = W[:, start : start + p]
-            if len(Qs) == 2:
-                Q_G, Q_A = Qs
-                Wk = Wk.reshape(B * K, *power.shape)
-                Wk = Q_G @ ((Q_G.T @ Wk @ Q_A) * power) @ Q_A.T
-            else:
-                Q = Qs[0]
-                Wk = ((Wk @ Q) * power) @ Q.T
-            out.append(Wk.reshape(B * K, p))
-            start += p
-        if start != P:
-            raise ValueError(f"W has {P} parameters but the blocks have {start}.")
-        return torch.cat(out, dim=1).reshape(B, K, P)
-
-    def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
-        """``self^exponent @ W`` for ``W`` of shape ``(params,)``, ``(batch, params)`` or
-        ``(batch, classes, params)`` (laplace-torch's ``KronDecomposed.bmm`` convention)."""
-        if W.ndim == 1:
-            return self._bmm(W[None, None], exponent).squeeze()
-        if W.ndim == 2:
-            return self._bmm(W.unsqueeze(1), exponent).squeeze()
-        if W.ndim == 3:
-            return self._bmm(W, exponent)
-        raise ValueError(f"Invalid shape for W: {tuple(W.shape)}")
-
-    def inv_square_form(self, W: Tensor) -> Tensor:
-        """``W self⁻¹ Wᵀ`` for ``W`` ``(batch, classes, params)`` -> ``(batch, classes, classes)``."""
-        return torch.bmm(W, self._bmm(W, exponent=-1).transpose(1, 2))
-
-    def diag(self, exponent: float = 1) -> Tensor:
-        """Diagonal of ``self^exponent`` ``(params,)``."""
-        diags = []
-        for k, Qs in enumerate(self.eigenvectors):
-            power = self._powered(k, exponent)
-            if len(Qs) == 2:
-                Q_G, Q_A = Qs
-                diags.append(torch.einsum("ap,bq,pq->ab", Q_G.square(), Q_A.square(), power).flatten())
-            else:
-                diags.append(Qs[0].square() @ power)
-        return torch.cat(diags)
-
-    def to_matrix(self, exponent: float = 1) -> Tensor:
-        """Dense ``self^exponent`` (tests and tiny models only)."""
-        return ekfac_to_dense(
-            self.eigenvectors,
-            [self._powered(k, 1.0) for k in range(len(self))],
-            exponent=exponent,
-        )
-
-    def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> EKFACStructure:
-        """The :class:`~laplace_debiased.posterior.grid.GridPredictive` structure."""
-        return EKFACStructure(self, h_factor, numels)
+    if isinstance(backend, EFInterface):
+        return FisherType.EMPIRICAL
+    return FisherType.MC if getattr(backend, "stochastic", False) else FisherType.TYPE2
 
 
-class EKFACStructure(KronStructure):
-    """:class:`~laplace_debiased.posterior.grid.GridPredictive` structure of an
-    :class:`EKFACDecomposed` curvature: same eigenbasis rotation as K-FAC, eigenvalues per
-    basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held and computed
-    in float64 like :class:`KronStructure` (round-off negative eigenvalues clamped to 0)."""
+def ekfac_measurement(
+    batches: list[Batch],
+    *,
+    N: int,
+    backend: CurvatureInterface,
+    modules: list[nn.Module],
+    dict_key_x: str,
+    dict_key_y: str,
+    dtype: torch.dtype,
+) -> EKFACMeasurement:
+    """What the Linear/Conv2d blocks' eigenvalues are measured with: this rank's rows of
+    ``batches``, the backend's loss and curvature type, the sum scaled to ``N``.
 
-    def __init__(self, H: EKFACDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
-        self.Qs = [[q.double() for q in qs] for qs in H.eigenvectors]
-        self.ls = [lam.double().clamp_min(0.0) for lam in H.eigenvalues]
-        self.damping = False
-        self.s = float(h_factor)
-        sizes = [lam.numel() for lam in self.ls]
-        if sizes != list(numels):
-            raise ValueError(
-                f"EKFAC blocks have sizes {sizes} but the Laplace parameters have "
-                f"{list(numels)}; the posterior and the model do not match"
-            )
+    Args:
+        batches: The measured batch set (all ranks' batches; this rank keeps its shard).
+        N: Training samples the eigenvalues are scaled to.
+        backend: laplace-torch's curvature backend (its model and loss function).
+        modules: The layers of the K-FAC blocks, in block order.
+        dict_key_x: Key of the inputs in a mapping batch.
+        dict_key_y: Key of the targets in a mapping batch.
+        dtype: The model's dtype.
 
-    def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
-        return 1.0 / (self.s * self.ls[k] + delta)
+    Returns:
+        The :class:`~laplace_debiased.computers.ekfac.EKFACMeasurement`.
+    """
+    reducer = current_reducer()
+    n_rows = sum(batch_size(b, dict_key_x, dict_key_y) for b in batches)
+    shards = local_shards(batches, dict_key_x, dict_key_y, rank=reducer.rank, world=reducer.world)
+    data = [batch_inputs_targets(b, dict_key_x, dict_key_y) for b in shards]
+    dict_inputs = bool(data) and not isinstance(data[0][0], Tensor)
+    return EKFACMeasurement(
+        model=backend.model,
+        loss_func=backend.lossfunc,
+        params=[p for m in modules if not is_extra(m) for p in m.parameters(recurse=False) if p.requires_grad],
+        batches=data,
+        fisher_type=fisher_type(backend),
+        batch_size_fn=(lambda x: x[dict_key_x].shape[0]) if dict_inputs else None,
+        scale=N / n_rows * backend.factor,
+        dtype=dtype,
+    )
 
 
-class DebiasedEKFACLaplace(DebiasedKronLaplace):
+def _ekfac_decomposed(eigenvectors: list, eigenvalues: list[Tensor], modules: list[nn.Module]) -> EKFACDecomposed:
+    """:class:`SpannedEKFACDecomposed` where a block spans several parameter tensors, else
+    :class:`EKFACDecomposed`."""
+    spans = block_spans(modules)
+    if any(span > 1 for span in spans):
+        return SpannedEKFACDecomposed(eigenvectors, eigenvalues, spans)
+    return EKFACDecomposed(eigenvectors, eigenvalues)
+
+
+def ekfac_curvature(basis: list, measured: list, measurement: EKFACMeasurement, modules: list[nn.Module]) -> EKFACDecomposed:
+    """EKFAC with the eigenbasis of one batch set's K-FAC and the curvature of another
+    (:func:`~laplace_debiased.computers.ekfac.decompose_ekfac`).
+
+    Args:
+        basis: The K-FAC blocks (``Kron.kfacs``) whose eigenbasis is kept, scaled to ``N``.
+        measured: The K-FAC blocks of the measured batch set, scaled to ``N`` (for the
+            embedding and normalisation blocks).
+        measurement: The measured batch set (:func:`ekfac_measurement`).
+        modules: The layers of the blocks, in block order.
+
+    Returns:
+        The decomposition, spanned where a block spans several parameter tensors.
+    """
+    result = decompose_ekfac(basis, measured, [is_extra(m) for m in block_modules(modules)], measurement, current_reducer())
+    return _ekfac_decomposed(result.eigenvectors, result.eigenvalues, modules)
+
+
+def debiased_ekfac_curvature(
+    direction: list,
+    magnitude: list,
+    batches: tuple[list[Batch], list[Batch]],
+    measure: Callable[[list[Batch]], EKFACMeasurement],
+    modules: list[nn.Module],
+    *,
+    swap: bool,
+) -> EKFACDecomposed | CrossFitDecomposed:
+    """The debiased EKFAC curvature of a fit: B's eigenbasis, B̃'s curvature along it
+    (:func:`ekfac_curvature`), and with ``swap`` the mixture with the swapped roles.
+
+    Args:
+        direction: B's K-FAC blocks (``Kron.kfacs``), scaled to ``N``.
+        magnitude: B̃'s K-FAC blocks, scaled to ``N`` (B's where B̃'s are not needed).
+        batches: B and B̃.
+        measure: The measurement of a batch set's curvature (:func:`ekfac_measurement`).
+        modules: The layers of the blocks, in block order.
+        swap: Also decompose the swapped roles (basis from B̃, curvature from B).
+
+    Returns:
+        The decomposition, or the :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`
+        of it and the swapped one.
+    """
+    H = ekfac_curvature(direction, magnitude, measure(batches[1]), modules)
+    if swap:
+        H = CrossFitDecomposed(H, ekfac_curvature(magnitude, direction, measure(batches[0]), modules))
+    return H
+
+
+def ekfac_state(H: EKFACDecomposed | CrossFitDecomposed) -> dict[str, Any]:
+    """The ``state_dict`` entry of a debiased EKFAC decomposition.
+
+    Args:
+        H: The decomposition, or a cross-fitted mixture of two.
+
+    Returns:
+        ``{"H_ekfac": [[eigenvectors, eigenvalues], ...]}``, one pair per component.
+    """
+    comps = H.components if isinstance(H, CrossFitDecomposed) else (H,)
+    return {"H_ekfac": [[c.eigenvectors, c.eigenvalues] for c in comps]}
+
+
+def ekfac_from_state(state_dict: dict[str, Any], modules: list[nn.Module]) -> EKFACDecomposed | CrossFitDecomposed:
+    """The decomposition :func:`ekfac_state` saved.
+
+    Args:
+        state_dict: A ``state_dict`` with :func:`ekfac_state`'s entry.
+        modules: The layers of the blocks, in block order.
+
+    Returns:
+        The decomposition, or the mixture of it and the swapped one.
+    """
+    comps = [_ekfac_decomposed(vecs, vals, modules) for vecs, vals in state_dict["H_ekfac"]]
+    return comps[0] if len(comps) == 1 else CrossFitDecomposed(*comps)
+
+
+class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
     """Two-batch debiased EKFAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_ekfac")``).
 
-    Same interface as ``KronLaplace``; ``fit`` takes the two-batch arguments of
-    :meth:`~laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin.fit` plus
-    ``cross_fit``.  After fitting, ``H_facs`` is B's K-FAC (``Kron``, scaled to ``n_data``), and
-    ``H`` an :class:`EKFACDecomposed` (or, cross-fitted, a :class:`CrossFitDecomposed`).
+    Same interface as ``KronLaplace``. After :meth:`fit`, ``H_facs`` is B's K-FAC (``Kron``,
+    scaled to ``n_data``; cross-fitted, ``H_facs_magnitude`` is B̃'s), and ``H`` an
+    :class:`~laplace_debiased.posterior.ekfac.EKFACDecomposed` (or, cross-fitted, a
+    :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`).
     Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
     conv weight gradient is summed over positions before it is rotated and squared); embeddings,
     attention projections and GPT-2 ``Conv1D`` get debiased K-FAC blocks, normalisation layers
@@ -234,7 +218,7 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
     """
 
     _key = ("all", "debiased_ekfac")
-    _estimators = ("paper",)
+    _cross_fit: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -259,92 +243,93 @@ class DebiasedEKFACLaplace(DebiasedKronLaplace):
         estimator: str | None = None,
         cross_fit: bool = False,
     ) -> None:
-        """Fit as :meth:`DebiasedKronLaplace.fit` (``estimator``: ``"paper"`` only; ``null_space``
-        is not used: the EKFAC eigenvalues are B̃'s exact diagonal in B's basis). ``override=False``
-        raises: EKFAC eigenvalues are measured in one basis and cannot be re-measured in a
-        combined basis without the earlier data."""
+        """Fit the debiased EKFAC approximation at the current (MAP) parameters.
+
+        The arguments up to ``generator`` choose the two batches, as in :meth:`TwoBatchLaplace.fit`;
+        ``override=False`` raises (the eigenvalues are measured in one basis and cannot be
+        re-measured in a combined basis without the earlier data).
+
+        Args:
+            null_space: Checked as in :meth:`DebiasedKronLaplace.fit` but not used: the
+                eigenvalues are B̃'s exact diagonal in B's basis.
+            estimator: ``"paper"`` only (the default).
+            cross_fit: Also fit the swapped roles (basis from B̃, curvature from B) and use the
+                equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
+        """
         if not override:
             raise ValueError(
                 "debiased EKFAC does not support override=False: refit on all the data with "
                 "override=True."
             )
+        kron_fit_options(null_space, estimator, cross_fit, offered=("paper",), structure=self._key[1])
+        self._cross_fit = cross_fit
         super().fit(
             train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
             n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
-            generator=generator, null_space=null_space, estimator=estimator, cross_fit=cross_fit,
+            generator=generator,
         )
 
-    def _fit_two_batch(
-        self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int
-    ) -> Tensor:
-        self._check_supported(direction_batches)
+    def _reset_fit_state(self) -> None:
+        super()._reset_fit_state()
+        self.H_facs = self.H_facs_magnitude = self.coverage = self.correction = None
+
+    def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
+        modules, fisher = self._kfac_modules(), self._single_pass_fisher()
+        check_supported(self.backend, self.backend._model, direction_batches, fisher, self.fit_output_shape)
         same = magnitude_batches is direction_batches
         swap = self._cross_fit and not same  # the swapped component needs B̃'s K-FAC too
-        # embedding / normalisation blocks are measured from B̃'s sums of the shared pass
-        both = not same and (swap or any(map(is_extra, self._kfac_modules())))
-        groups = [direction_batches, magnitude_batches] if both else [direction_batches]
-        loss, krons = self._kfacs(groups, N)
+        both = not same and (swap or any(map(is_extra, modules)))  # extra blocks: B̃'s sums of the shared pass
+        loss, krons, _ = fit_kfacs(
+            self.model, self.backend, [direction_batches, magnitude_batches] if both else [direction_batches], N,
+            fisher=fisher, likelihood=self.likelihood, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
+            output_shape=self.fit_output_shape, mean=self.mean, dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
+        )
         direction, magnitude = krons[0], krons[-1]
         if not (same or both):
             loss = loss + self._summed_loss(magnitude_batches)
-        H = self._ekfac(direction, magnitude, magnitude_batches, N)
-        if swap:
-            H = CrossFitDecomposed(H, self._ekfac(magnitude, direction, direction_batches, N))
-        self.H_facs, self.H_facs_magnitude, self.H = direction, (magnitude if swap else None), H
+        measure = partial(
+            ekfac_measurement, N=N, backend=self.backend, modules=modules, dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y, dtype=self._dtype,
+        )
+        self.H = debiased_ekfac_curvature(
+            direction.kfacs, magnitude.kfacs, (direction_batches, magnitude_batches), measure, modules, swap=swap
+        )
+        self.H_facs, self.H_facs_magnitude = direction, (magnitude if swap else None)
         return loss
 
-    def _fisher_type(self) -> str:
-        if isinstance(self.backend, EFInterface):
-            return FisherType.EMPIRICAL
-        return FisherType.MC if getattr(self.backend, "stochastic", False) else FisherType.TYPE2
+    def _kfac_modules(self) -> list[nn.Module]:
+        """The layers with trainable parameters, in ``Kron`` block order."""
+        return curvature_modules(self.backend._model)
 
-    def _ekfac(self, kron: Kron, measured: Kron, batches: list[Batch], N: int) -> EKFACDecomposed:
-        """EKFAC with the eigenbasis of ``kron`` and the curvature of ``batches`` (whose K-FAC
-        sums are ``measured``), scaled to N (:func:`~laplace_debiased.computers.ekfac.decompose_ekfac`)."""
-        modules = self._kfac_modules()
-        reducer = current_reducer()
-        result = decompose_ekfac(
-            kron.kfacs, measured.kfacs, [is_extra(m) for m in block_modules(modules)],
-            self._ekfac_measurement(batches, N, reducer), reducer,
+    def _single_pass_fisher(self) -> str | None:
+        """:func:`~laplace_debiased.structures.kron.single_pass_fisher` of this object's backend."""
+        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
+
+    def _auto_magnitude_rule(self) -> Any:
+        """:func:`~laplace_debiased.structures.auto_magnitude.auto_magnitude_rule` for this object."""
+        return auto_magnitude_rule(
+            self.model, lambda: self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
+            likelihood=self.likelihood, dtype=self._dtype, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
+            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
         )
-        spans = block_spans(modules)
-        if any(span > 1 for span in spans):
-            return SpannedEKFACDecomposed(result.eigenvectors, result.eigenvalues, spans)
-        return EKFACDecomposed(result.eigenvectors, result.eigenvalues)
 
-    def _ekfac_measurement(self, batches: list[Batch], N: int, reducer: Reducer) -> EKFACMeasurement:
-        """This rank's rows of ``batches`` and the backend's loss and curvature type, for
-        measuring the Linear/Conv2d blocks; the sum is scaled to N."""
-        n_rows = sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
-        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=reducer.rank, world=reducer.world)
-        data = [batch_inputs_targets(b, self.dict_key_x, self.dict_key_y) for b in shards]
-        dict_inputs = bool(data) and not isinstance(data[0][0], Tensor)
-        return EKFACMeasurement(
-            model=self.backend.model,
-            loss_func=self.backend.lossfunc,
-            params=[p for m in self._kfac_modules() if not is_extra(m) for p in m.parameters(recurse=False) if p.requires_grad],
-            batches=data,
-            fisher_type=self._fisher_type(),
-            batch_size_fn=(lambda x: x[self.dict_key_x].shape[0]) if dict_inputs else None,
-            scale=N / n_rows * self.backend.factor,
-            dtype=self._dtype,
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
+        if not isinstance(self.H, CrossFitDecomposed):
+            return super().sample(n_samples, generator)
+        return mixture_samples(
+            self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
         )
 
     def state_dict(self) -> dict[str, Any]:
-        state = super(DebiasedKronLaplace, self).state_dict()  # KronLaplace: "H" = B's K-FAC
-        comps = self.H.components if isinstance(self.H, CrossFitDecomposed) else (self.H,)
-        state["H_ekfac"] = [[c.eigenvectors, c.eigenvalues] for c in comps]
-        return state
+        """KronLaplace's state (``"H"``: B's K-FAC) and the decomposition (:func:`ekfac_state`)."""
+        return {**super().state_dict(), **ekfac_state(self.H)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super(DebiasedKronLaplace, self).load_state_dict(state_dict)
-        spans = block_spans(self._kfac_modules())
-        comps = [
-            SpannedEKFACDecomposed(vecs, vals, spans) if any(s > 1 for s in spans) else EKFACDecomposed(vecs, vals)
-            for vecs, vals in state_dict["H_ekfac"]
-        ]
+        """Restore a saved fit (:func:`ekfac_from_state`)."""
+        super().load_state_dict(state_dict)
         self.H_facs_magnitude = None
-        self.H = comps[0] if len(comps) == 1 else CrossFitDecomposed(*comps)
+        self.H = ekfac_from_state(state_dict, self._kfac_modules())
 
 
 class DebiasedEKFACLLLaplace(DebiasedEKFACLaplace, KronLLLaplace):
@@ -352,18 +337,3 @@ class DebiasedEKFACLLLaplace(DebiasedEKFACLaplace, KronLLLaplace):
     hessian_structure="debiased_ekfac")``)."""
 
     _key = ("last_layer", "debiased_ekfac")
-
-
-class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
-    """:class:`EKFACStructure` over blocks spanning several parameter tensors."""
-
-
-class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
-    """:class:`EKFACDecomposed` whose blocks may span several parameter tensors (a
-    normalisation layer's dense block; :mod:`laplace_debiased.curvature.layer_blocks`)."""
-
-    _structure = SpannedEKFACStructure
-
-    def __init__(self, eigenvectors, eigenvalues, spans: Sequence[int], deltas: Tensor | None = None) -> None:
-        super().__init__(eigenvectors, eigenvalues, deltas)
-        self.spans = list(spans)

@@ -54,6 +54,7 @@ __all__ = [
     "debiased_kron_curvature",
     "fit_kfacs",
     "kron_decomposed",
+    "kron_fit_options",
     "kron_from_state",
     "kron_state",
     "single_pass_fisher",
@@ -98,6 +99,35 @@ def kron_decomposed(
     if any(span > 1 for span in spans):
         return SpannedKronDecomposed(eigenvectors, eigenvalues, damping=damping, spans=spans)
     return DebiasedKronDecomposed(eigenvectors, eigenvalues, damping=damping)
+
+
+def kron_fit_options(
+    null_space: str, estimator: str | None, cross_fit: object, *, offered: tuple[str, ...], structure: str
+) -> str:
+    """Check the options of a K-FAC-based fit (``debiased_kron``, ``debiased_ekfac``).
+
+    Args:
+        null_space: ``fit(null_space=...)``, one of
+            :data:`~laplace_debiased.curvature.completion.NULL_SPACE_MODES`.
+        estimator: ``fit(estimator=...)``, ``None`` for the default.
+        cross_fit: ``fit(cross_fit=...)``, a bool.
+        offered: The estimators the structure offers.
+        structure: The ``hessian_structure`` name (for the message).
+
+    Returns:
+        The estimator the fit uses
+        (:func:`~laplace_debiased.computers.kron_estimators.resolve_estimator`).
+
+    Raises:
+        ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` with ``cross_fit``
+            or ``null_space="aligned"``.
+        TypeError: ``cross_fit`` is not a bool.
+    """
+    if null_space not in NULL_SPACE_MODES:
+        raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
+    if not isinstance(cross_fit, bool):
+        raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
+    return resolve_estimator(estimator, offered, structure, cross_fit, null_space)
 
 
 def single_pass_fisher(backend: CurvatureInterface, asdl_fisher_kwargs: dict) -> str | None:
@@ -393,12 +423,8 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
             ValueError: An unknown ``null_space`` or ``estimator``.
             TypeError: ``cross_fit`` is not a bool.
         """
-        if null_space not in NULL_SPACE_MODES:
-            raise ValueError(f"null_space must be one of {NULL_SPACE_MODES}, got {null_space!r}.")
-        if not isinstance(cross_fit, bool):
-            raise TypeError(f"cross_fit must be a bool, got {type(cross_fit).__name__}.")
+        self._estimator = kron_fit_options(null_space, estimator, cross_fit, offered=self._estimators, structure=self._key[1])
         self._null_space = null_space
-        self._estimator = resolve_estimator(estimator, self._estimators, self._key[1], cross_fit, null_space)
         self._cross_fit = cross_fit
         super().fit(
             train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,

@@ -23,7 +23,7 @@ loader of ``N`` samples: ``N / |S|`` times the summed-loss curvature of batch se
   features ⊗ output curvature (no per-parameter autograd).
 
 Fit semantics (B/B̃ selection, rescaled loss, bad-input errors, grid-search fix) are those of
-:class:`laplace_debiased.structures.two_batch.TwoBatchLaplaceMixin`. Backends: any exact GGN
+:class:`laplace_debiased.structures.two_batch.TwoBatchLaplace`. Backends: any exact GGN
 backend (``CurvlinopsGGN``, the default, ``AsdlGGN``, ``BackPackGGN``) or empirical-Fisher
 backend (``CurvlinopsEF``, ``AsdlEF``, ``BackPackEF``); the curvature is computed by
 :mod:`laplace_debiased.curvature.eigen` from the backend's *type* only, so every such backend
@@ -49,87 +49,125 @@ or (``method="lanczos"``, or ``"auto"`` above 1 GiB) Lanczos on rank 0 with ever
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from laplace.baselaplace import FullLaplace, LowRankLaplace
-from laplace.curvature.curvature import EFInterface, GGNInterface
+from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.lllaplace import FullLLLaplace, LLLaplace
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace_debiased.computers.lowrank import CurvatureSource, debiased_full, debiased_lowrank, symmetric_outer
 from laplace_debiased.curvature import eigen
-from laplace_debiased.structures.two_batch import TwoBatchLaplace
+from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
-from laplace_debiased.computers.lowrank import CurvatureSource, debiased_full, debiased_lowrank
 from laplace_debiased.parallel.distributed import local_shards
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
-from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.posterior.eigen import orthonormal_eigenpairs
 from laplace_debiased.posterior.lowrank import dense_posterior_scale, lowrank_functional_covariance
-from laplace_debiased.posterior.marglik import eigen_functional_covariance
-from laplace_debiased.structures.eigen_marglik import EigenMarglikMixin
-from laplace_debiased.structures.lazy_curvature import LazyDenseCurvatureMixin, symmetric_outer
+from laplace_debiased.posterior.marglik import eigen_functional_covariance, eigen_log_det
+from laplace_debiased.structures.eigen_marglik import (
+    KnownEigenpairs,
+    current_eigenpairs,
+    eigenpairs_from_state,
+    eigenpairs_state,
+    log_det_prior,
+)
+from laplace_debiased.structures.lazy_curvature import PendingCurvature, formed_curvature
+from laplace_debiased.structures.two_batch import TwoBatchLaplace
 
 __all__ = [
-    "DebiasedLowRankLaplace",
-    "DebiasedLowRankLLLaplace",
     "DebiasedFullLaplace",
     "DebiasedFullLLLaplace",
+    "DebiasedLowRankLaplace",
+    "DebiasedLowRankLLLaplace",
+    "EigenConfig",
+    "EigenFitInputs",
+    "curvature_type",
+    "eigen_fit_inputs",
+    "module_batches",
 ]
 
 
-class _EigenCurvatureMixin:
-    """Turns the Laplace object's model and batches into inputs of :mod:`laplace_debiased.curvature.eigen`."""
+@dataclass(frozen=True)
+class EigenConfig:
+    """The construction settings of ``debiased_lowrank`` that shape ``H``.
 
-    def _curvature_type(self) -> eigen.Curvature:
-        backend = self.backend
-        if isinstance(backend, EFInterface):
-            return "ef"
-        if isinstance(backend, GGNInterface) and not getattr(backend, "stochastic", False):
-            return "ggn"
-        raise ValueError(
-            f"backend {type(backend).__name__} is not an exact GGN or empirical-Fisher backend; "
-            "debiased eigen structures need positive semi-definite curvature. Use the default "
-            "CurvlinopsGGN or CurvlinopsEF."
-        )
+    Attributes:
+        rank: Number ``k`` of top eigenvectors of ``G_B``.
+        method: Route to the eigenpairs, one of ``eigen.METHODS``
+            (:func:`laplace_debiased.curvature.eigen.top_eigenpairs`).
+        eigval_rtol: Directions with B-eigenvalue ``≤ eigval_rtol · λ_max(G_B)`` are not selected
+            (those B does not see; also guards against round-off null-space vectors).
+        remeasured_rtol: Directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are removed.
 
-    @property
-    def _fit_likelihood(self) -> str:
-        """Likelihood of the fit curvature: reward modelling fits as classification."""
-        return "classification" if self.likelihood == "reward_modeling" else self.likelihood
+    Raises:
+        ValueError: ``rank`` is not a positive int, ``method`` unknown, or a tolerance outside ``[0, 1)``.
+    """
 
-    def _curvature_module(self) -> nn.Module:
-        if not isinstance(self, LLLaplace):
-            return self.model
-        if self.likelihood == "reward_modeling":
-            return _PairHead(self.model.last_layer)
-        return self.model.last_layer
+    rank: int = 50
+    method: eigen.Method = "auto"
+    eigval_rtol: float = 1e-6
+    remeasured_rtol: float = 1e-8
 
-    def _n_samples(self, batches: list[Batch]) -> int:
-        return sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in batches)
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"rank must be a positive int, got {self.rank!r}.")
+        if self.method not in eigen.METHODS:
+            raise ValueError(f"method must be one of {eigen.METHODS}, got {self.method!r}.")
+        for name, value in (("eigval_rtol", self.eigval_rtol), ("remeasured_rtol", self.remeasured_rtol)):
+            if not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
 
-    def _curvature_source(self) -> CurvatureSource:
-        """The curvature module, likelihood, curvature type and output width of this fit."""
-        return CurvatureSource(self._curvature_module(), self._fit_likelihood, self._curvature_type(), self.n_outputs)
+    def state(self) -> dict[str, int | float | str]:
+        """The settings under their ``state_dict`` keys (numbers and strings only)."""
+        return {
+            "eigen_rank": self.rank,
+            "eigen_requested_method": self.method,
+            "eigen_eigval_rtol": self.eigval_rtol,
+            "eigen_remeasured_rtol": self.remeasured_rtol,
+        }
 
-    def _local_batches(self, batches: list[Batch], reducer: Reducer) -> list[eigen.Batch]:
-        """This rank's rows of ``batches`` as inputs of the curvature module (all rows in one process)."""
-        shards = local_shards(batches, self.dict_key_x, self.dict_key_y, rank=reducer.rank, world=reducer.world)
-        return self._module_batches(shards)
+    def check_state(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a ``state_dict`` saved with other settings.
 
-    @torch.no_grad()
-    def _module_batches(self, batches: list[Batch]) -> list[eigen.Batch]:
-        """``(input of the curvature module, y)`` per batch: features for a last layer
-        (``(n, tokens, D)`` for token outputs)."""
-        out = []
-        for b in batches:
-            X, y = batch_inputs_targets(b, self.dict_key_x, self.dict_key_y)
-            if isinstance(self, LLLaplace):
-                # features (n, D), or (n, tokens, D) for token outputs (each token an output)
-                _, X = self.model.forward_with_features(X)
-            out.append((X, y))
-        return out
+        Args:
+            state_dict: A loaded ``state_dict`` (:meth:`state`'s entries).
+
+        Raises:
+            ValueError: The saved settings differ from these.
+        """
+        saved = {key: state_dict.get(key) for key in self.state()}
+        if saved != self.state():
+            raise ValueError(
+                f"checkpoint was fitted with {saved} but this object has {self.state()}; "
+                "construct it with the same rank/method/tolerances."
+            )
+
+
+def curvature_type(backend: CurvatureInterface) -> eigen.Curvature:
+    """The curvature a backend stands for in :mod:`laplace_debiased.curvature.eigen`.
+
+    Args:
+        backend: laplace-torch's curvature backend.
+
+    Returns:
+        ``"ef"`` for an empirical-Fisher backend, ``"ggn"`` for an exact GGN backend.
+
+    Raises:
+        ValueError: Any other backend (stochastic GGN, Hessian): the curvature must be PSD.
+    """
+    if isinstance(backend, EFInterface):
+        return "ef"
+    if isinstance(backend, GGNInterface) and not getattr(backend, "stochastic", False):
+        return "ggn"
+    raise ValueError(
+        f"backend {type(backend).__name__} is not an exact GGN or empirical-Fisher backend; "
+        "debiased eigen structures need positive semi-definite curvature. Use the default "
+        "CurvlinopsGGN or CurvlinopsEF."
+    )
 
 
 class _PairHead(nn.Module):
@@ -146,21 +184,115 @@ class _PairHead(nn.Module):
         return out.flatten(1) if x.ndim == 3 else out
 
 
-class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLaplace, LowRankLaplace):
+@torch.no_grad()
+def module_batches(
+    model: nn.Module, batches: list[Batch], *, last_layer: bool, dict_key_x: str, dict_key_y: str
+) -> list[eigen.Batch]:
+    """``(input of the curvature module, y)`` per batch.
+
+    Args:
+        model: The network, or laplace-torch's ``FeatureExtractor`` for a last layer.
+        batches: Loader batches.
+        last_layer: Whether the curvature module is the last layer (its inputs are features).
+        dict_key_x: Key of the inputs in a mapping batch.
+        dict_key_y: Key of the targets in a mapping batch.
+
+    Returns:
+        The batches' inputs (last layer: features ``(n, D)``, or ``(n, tokens, D)`` for token
+        outputs, each token an output) and targets.
+    """
+    out = []
+    for b in batches:
+        X, y = batch_inputs_targets(b, dict_key_x, dict_key_y)
+        if last_layer:
+            _, X = model.forward_with_features(X)
+        out.append((X, y))
+    return out
+
+
+@dataclass(frozen=True)
+class EigenFitInputs:
+    """What :mod:`laplace_debiased.computers.lowrank` computes a two-batch fit from.
+
+    Attributes:
+        source: The curvature module, likelihood, curvature type and output width.
+        direction: This rank's rows of B as inputs of the module.
+        magnitude: This rank's rows of B̃; ``None`` for B̃ = B.
+        sizes: The samples of B and B̃ over all ranks.
+    """
+
+    source: CurvatureSource
+    direction: list[eigen.Batch]
+    magnitude: list[eigen.Batch] | None
+    sizes: tuple[int, int]
+
+
+def eigen_fit_inputs(
+    model: nn.Module,
+    backend: CurvatureInterface,
+    direction_batches: list[Batch],
+    magnitude_batches: list[Batch],
+    *,
+    likelihood: str,
+    n_outputs: int,
+    last_layer: bool,
+    dict_key_x: str,
+    dict_key_y: str,
+    reducer: Reducer,
+) -> EigenFitInputs:
+    """The inputs of a debiased eigen fit of a laplace-torch object.
+
+    Args:
+        model: laplace-torch's ``la.model`` (a ``FeatureExtractor`` for a last layer).
+        backend: laplace-torch's curvature backend (:func:`curvature_type`).
+        direction_batches: B.
+        magnitude_batches: B̃ (the same list object for B̃ = B).
+        likelihood: laplace-torch's likelihood; ``"reward_modeling"`` fits as classification.
+        n_outputs: ``C``.
+        last_layer: Whether the curvature is over the last layer only.
+        dict_key_x: Key of the inputs in a mapping batch.
+        dict_key_y: Key of the targets in a mapping batch.
+        reducer: The ranks' collectives (this rank keeps its shard of every batch).
+
+    Returns:
+        The :class:`EigenFitInputs`.
+
+    Raises:
+        ValueError: The backend is not an exact GGN or empirical-Fisher backend.
+    """
+    kind = curvature_type(backend)
+    module = model
+    if last_layer:
+        module = _PairHead(model.last_layer) if likelihood == "reward_modeling" else model.last_layer
+    fit_likelihood = "classification" if likelihood == "reward_modeling" else likelihood
+    keys = {"dict_key_x": dict_key_x, "dict_key_y": dict_key_y}
+
+    def local(batches: list[Batch]) -> list[eigen.Batch]:
+        shards = local_shards(batches, **keys, rank=reducer.rank, world=reducer.world)
+        return module_batches(model, shards, last_layer=last_layer, **keys)
+
+    same = magnitude_batches is direction_batches
+    return EigenFitInputs(
+        CurvatureSource(module, fit_likelihood, kind, n_outputs),
+        local(direction_batches),
+        None if same else local(magnitude_batches),
+        tuple(sum(batch_size(b, **keys) for b in batches) for batches in (direction_batches, magnitude_batches)),
+    )
+
+
+class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
     """Two-batch debiased low-rank Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_lowrank")``).
 
-    Parameters (besides those of laplace-torch's ``ParametricLaplace``)
-    ----------
-    rank : int, default=50
-        number ``k`` of top eigenvectors of ``G_B``.
-    method : {"auto", "gram", "lanczos"}, default="auto"
-        route to the eigenpairs (:func:`laplace_debiased.curvature.eigen.top_eigenpairs`).
-    eigval_rtol : float, default=1e-6
-        directions with B-eigenvalue ``≤ eigval_rtol · λ_max(G_B)`` are not selected
-        (those B does not see; also guards against round-off null-space vectors).
-    remeasured_rtol : float, default=1e-8
-        directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are removed.
+    Args:
+        model: The network, as for laplace-torch's ``ParametricLaplace``.
+        likelihood: laplace-torch's likelihood.
+        rank: Number ``k`` of top eigenvectors of ``G_B``.
+        method: Route to B's eigenpairs (:class:`EigenConfig`, which holds the four settings as
+            ``eigen_config``).
+        eigval_rtol: Floor on B's eigenvalues, relative to the largest (:class:`EigenConfig`).
+        remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest (:class:`EigenConfig`).
+        **kwargs: laplace-torch's ``ParametricLaplace`` arguments.
 
     After ``fit``: ``H = (U (P, r), λ̃ (r,))`` in the model dtype with ``r ≤ rank``;
     ``direction_eigenvalues`` (``(r,)``) are B's own (biased) eigenvalues of the kept directions,
@@ -180,15 +312,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         remeasured_rtol: float = 1e-8,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-            raise ValueError(f"rank must be a positive int, got {rank!r}.")
-        if method not in eigen.METHODS:
-            raise ValueError(f"method must be one of {eigen.METHODS}, got {method!r}.")
-        for name, value in (("eigval_rtol", eigval_rtol), ("remeasured_rtol", remeasured_rtol)):
-            if not 0 <= value < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
-        self.rank, self.method = rank, method
-        self.eigval_rtol, self.remeasured_rtol = eigval_rtol, remeasured_rtol
+        self.eigen_config = EigenConfig(rank, method, eigval_rtol, remeasured_rtol)
         self.direction_eigenvalues: Tensor | None = None
         self.eigen_method: str | None = None
         # Skip LowRankLaplace.__init__: it insists on the old `asdfghjkl` package, which only
@@ -207,7 +331,7 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         split: str = "batches",
         generator: torch.Generator | None = None,
     ) -> None:
-        """Two-batch fit (the arguments of :meth:`TwoBatchLaplaceMixin.fit`); ``override=False``
+        """Two-batch fit (the arguments of :meth:`TwoBatchLaplace.fit`); ``override=False``
         is refused because an eigen-representation cannot be updated additively."""
         if not override:
             raise ValueError(
@@ -223,12 +347,13 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         """B's top eigenvectors and B̃'s Rayleigh quotients (:func:`~laplace_debiased.computers.lowrank.debiased_lowrank`)."""
         reducer = current_reducer()
-        same = magnitude_batches is direction_batches
+        fit = eigen_fit_inputs(
+            self.model, self.backend, direction_batches, magnitude_batches, likelihood=self.likelihood,
+            n_outputs=self.n_outputs, last_layer=isinstance(self, LLLaplace), dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y, reducer=reducer,
+        )
         result = debiased_lowrank(
-            self._curvature_source(), self._local_batches(direction_batches, reducer),
-            None if same else self._local_batches(magnitude_batches, reducer),
-            sizes=(self._n_samples(direction_batches), self._n_samples(magnitude_batches)), n_data=N,
-            rank=self.rank, method=self.method, eigval_rtol=self.eigval_rtol, remeasured_rtol=self.remeasured_rtol,
+            fit.source, fit.direction, fit.magnitude, sizes=fit.sizes, n_data=N, **asdict(self.eigen_config),
             reducer=reducer,
         )
         self.direction_eigenvalues = result.direction_eigenvalues.to(self._dtype)
@@ -236,9 +361,20 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         self.H = (result.vectors.to(self._device, self._dtype), result.eigenvalues.to(self._device, self._dtype))
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
 
-    def _decompose_curvature(self) -> tuple[Tensor, Tensor]:
-        """``H = (U, λ̃)`` re-orthonormalised in float64 (:func:`orthonormal_eigenpairs`), ``O(P r²)``."""
-        return orthonormal_eigenpairs(*self.H)
+    def curvature_eigenpairs(self) -> tuple[Tensor, Tensor]:
+        """``(Q (P, r), h (r,))`` float64, ``H = Q diag(h) Qᵀ`` (unscaled by ``_H_factor``): ``H``
+        re-orthonormalised (:func:`orthonormal_eigenpairs`, ``O(P r²)``) once per ``H`` object."""
+        self._check_H_init()
+        known = current_eigenpairs(getattr(self, "_known_eigenpairs", None), self.H, lambda: orthonormal_eigenpairs(*self.H))
+        self._known_eigenpairs = known
+        return known.vectors, known.values
+
+    @property
+    def log_det_posterior_precision(self) -> Tensor:
+        """``log det(s·H + P₀)`` in the model dtype, float64 from :meth:`curvature_eigenpairs`."""
+        Q, h = self.curvature_eigenpairs()
+        prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
+        return eigen_log_det(Q, h, self._H_factor, prior).to(self._dtype)
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
@@ -253,33 +389,21 @@ class DebiasedLowRankLaplace(_EigenCurvatureMixin, EigenMarglikMixin, TwoBatchLa
         return self.functional_variance(Js.reshape(1, n * C, P))[0]
 
     def state_dict(self) -> dict[str, Any]:
-        """laplace-torch's state plus the eigen settings as flat entries: tensors, numbers and
-        strings only, so ``torch.load(..., weights_only=True)`` reads it."""
-        state = super().state_dict()
-        state["direction_eigenvalues"] = self.direction_eigenvalues
-        state["eigen_method"] = self.eigen_method
-        state.update(self._eigen_config())
-        return state
+        """laplace-torch's state, the kept eigenpairs and the eigen settings as flat entries:
+        tensors, numbers and strings only, so ``torch.load(..., weights_only=True)`` reads it."""
+        known = getattr(self, "_known_eigenpairs", None)
+        return {
+            **super().state_dict(), **eigenpairs_state(known, self.H), "direction_eigenvalues": self.direction_eigenvalues,
+            "eigen_method": self.eigen_method, **self.eigen_config.state(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = {key: state_dict.get(key) for key in self._eigen_config()}
-        if saved != self._eigen_config():
-            raise ValueError(
-                f"checkpoint was fitted with {saved} but this object has {self._eigen_config()}; "
-                "construct it with the same rank/method/tolerances."
-            )
+        """Restore a saved fit (refused if saved with other :class:`EigenConfig` settings)."""
+        self.eigen_config.check_state(state_dict)
         super().load_state_dict(state_dict)
+        self._known_eigenpairs = eigenpairs_from_state(state_dict, self.H)
         self.direction_eigenvalues = state_dict["direction_eigenvalues"]
         self.eigen_method = state_dict["eigen_method"]
-
-    def _eigen_config(self) -> dict[str, int | float | str]:
-        """The construction settings that shape ``H``, under their ``state_dict`` keys."""
-        return {
-            "eigen_rank": self.rank,
-            "eigen_requested_method": self.method,
-            "eigen_eigval_rtol": self.eigval_rtol,
-            "eigen_remeasured_rtol": self.remeasured_rtol,
-        }
 
 
 class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
@@ -290,7 +414,7 @@ class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
     _key = ("last_layer", "debiased_lowrank")
 
 
-class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMarglikMixin, TwoBatchLaplace, FullLaplace):
+class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
     """Two-batch debiased full Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_full")``), for small models.
 
@@ -304,7 +428,7 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMa
     so the cost is that of ``min(P, |B|·C)`` and ``|B̃|·C`` eigenproblems plus a few ``P × P``
     products; the resulting eigenpairs of ``H`` are kept (:meth:`curvature_eigenpairs`) for the
     marginal likelihood and the scalar-prior predictive, and where they are known the dense ``H``
-    is formed only when read (:class:`~laplace_debiased.structures.lazy_curvature.LazyDenseCurvatureMixin`). ``direction_eigenvalues`` and ``eigenvalues``
+    is formed only when read (:mod:`~laplace_debiased.structures.lazy_curvature`). ``direction_eigenvalues`` and ``eigenvalues``
     hold B's non-zero eigenvalues and their ``λ̃`` (descending in B's order, scaled to
     ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one, as
     ``FullLaplace`` adds curvature.
@@ -312,40 +436,63 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMa
 
     _key = ("all", "debiased_full")
 
+    @property
+    def H(self) -> Tensor | None:
+        """The dense curvature ``(P, P)`` in the model dtype (:func:`formed_curvature` on first read)."""
+        self._H_stored = formed_curvature(self._H_stored, self._device, self._dtype)  # before any: AttributeError
+        return self._H_stored
+
+    @H.setter
+    def H(self, value: Tensor | PendingCurvature | None) -> None:
+        """Every assignment is a new curvature (a new ``_H_version``); forming a pending one is not."""
+        self._H_stored, self._H_version = value, object()
+
+    def _check_H_init(self) -> None:
+        if getattr(self, "_H_stored", None) is None:
+            raise AttributeError("Laplace not fitted. Run fit() first.")
+
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         """Debiased dense curvature and its float64 eigenpairs
-        (:func:`~laplace_debiased.computers.lowrank.debiased_full`); over several ranks the dense
-        ``H`` (its eigenpairs are then decomposed from ``H`` when first needed)."""
+        (:func:`~laplace_debiased.computers.lowrank.debiased_full`), added to ``H``: a first fit keeps the
+        eigenpairs (re-orthonormalised) and leaves ``H`` pending; a later one (``override=False``)
+        and a fit over several ranks (no eigenpairs) add densely."""
         reducer = current_reducer()
-        same = magnitude_batches is direction_batches
-        result = debiased_full(
-            self._curvature_source(), self._local_batches(direction_batches, reducer),
-            None if same else self._local_batches(magnitude_batches, reducer),
-            sizes=(self._n_samples(direction_batches), self._n_samples(magnitude_batches)), n_data=N, reducer=reducer,
+        fit = eigen_fit_inputs(
+            self.model, self.backend, direction_batches, magnitude_batches, likelihood=self.likelihood,
+            n_outputs=self.n_outputs, last_layer=isinstance(self, LLLaplace), dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y, reducer=reducer,
         )
-        self._add_curvature(result.dense, result.eigenpairs)
+        result = debiased_full(fit.source, fit.direction, fit.magnitude, sizes=fit.sizes, n_data=N, reducer=reducer)
+        if self.n_data == 0 and result.eigenpairs is not None:
+            self.H = PendingCurvature(*result.eigenpairs)
+            self._known_eigenpairs = KnownEigenpairs(self._H_version, *orthonormal_eigenpairs(*result.eigenpairs))
+        else:
+            H = result.dense if result.dense is not None else symmetric_outer(*result.eigenpairs)
+            self.H = self.H + H.to(self._device, self._dtype)
         self.direction_eigenvalues = result.direction_eigenvalues.to(self._dtype)
         self.eigenvalues = result.eigenvalues.to(self._dtype)
         self._posterior_scale = None
         return self._summed_loss(self._distinct(direction_batches, magnitude_batches))
 
-    def _add_curvature(self, H: Tensor | None, Q_h: tuple[Tensor, Tensor] | None) -> None:
-        """Add this fit's curvature, the dense float64 ``H`` or (``H is None``) its eigenpairs
-        ``Q_h``, to ``la.H``. A first fit keeps the eigenpairs (re-orthonormalised) and leaves
-        ``la.H`` to be formed from them when read; a later one (``override=False``) adds densely."""
-        if self.n_data == 0 and Q_h is not None:
-            self._set_H_from_eigenpairs(*Q_h)
-            self._remember_eigenpairs(*orthonormal_eigenpairs(*Q_h))
-            return
-        if H is None:
-            H = symmetric_outer(*Q_h)
-        self.H = self.H + H.to(self._device, self._dtype)
+    def curvature_eigenpairs(self) -> tuple[Tensor, Tensor]:
+        """``(Q (P, r), h (r,))`` float64, ``H = Q diag(h) Qᵀ`` (unscaled by ``_H_factor``): those
+        the fit kept, else a float64 eigendecomposition of the dense ``H`` (``O(P³)``, once per
+        assignment of ``H``: distributed and ``override=False`` fits, a state without them)."""
+        self._check_H_init()
+        known = current_eigenpairs(getattr(self, "_known_eigenpairs", None), self._H_version, self._decomposed)
+        self._known_eigenpairs = known
+        return known.vectors, known.values
 
-    def _decompose_curvature(self) -> tuple[Tensor, Tensor]:
-        """Float64 eigendecomposition of the dense ``H`` (``O(P³)``, once): for fits whose
-        eigenpairs are not known from the fit (distributed, ``override=False``, loaded state)."""
+    def _decomposed(self) -> tuple[Tensor, Tensor]:
         h, Q = symmetric_eigh64(self.H)
         return Q, h.clamp_min(0.0)
+
+    @property
+    def log_det_posterior_precision(self) -> Tensor:
+        """``log det(s·H + P₀)`` in the model dtype, float64 from :meth:`curvature_eigenpairs`."""
+        Q, h = self.curvature_eigenpairs()
+        prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
+        return eigen_log_det(Q, h, self._H_factor, prior).to(self._dtype)
 
     def _compute_scale(self) -> None:
         """Posterior scale from a float64 eigendecomposition (laplace-torch's Cholesky fails or
@@ -359,7 +506,7 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMa
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` in ``Js.dtype``, float64 inside. A scalar prior ``δ`` shares
         the curvature's eigenbasis (:func:`~laplace_debiased.posterior.marglik.eigen_functional_covariance`,
         no factorisation per ``δ``); another prior uses the float64 scale ``S Sᵀ = P⁻¹``."""
-        prior = self._prior_for_log_det()
+        prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         if prior.numel() == 1:
             Q, h = self.curvature_eigenpairs()
             return eigen_functional_covariance(Js, Q, float(self._H_factor) * h, prior[0].detach())
@@ -375,19 +522,21 @@ class DebiasedFullLaplace(_EigenCurvatureMixin, LazyDenseCurvatureMixin, EigenMa
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()
-        self.direction_eigenvalues: Tensor | None = None
-        self.eigenvalues: Tensor | None = None
+        self.direction_eigenvalues = self.eigenvalues = None
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["direction_eigenvalues"] = self.direction_eigenvalues
-        state["eigenvalues"] = self.eigenvalues
-        return state
+        """laplace-torch's state (the dense ``H``), the kept eigenpairs and B's and B̃'s eigenvalues."""
+        known = getattr(self, "_known_eigenpairs", None)
+        return {
+            **super().state_dict(), **eigenpairs_state(known, self._H_version),
+            "direction_eigenvalues": self.direction_eigenvalues, "eigenvalues": self.eigenvalues,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a saved fit (its eigenpairs where it kept them)."""
         super().load_state_dict(state_dict)
-        self.direction_eigenvalues = state_dict["direction_eigenvalues"]
-        self.eigenvalues = state_dict["eigenvalues"]
+        self._known_eigenpairs = eigenpairs_from_state(state_dict, self._H_version)
+        self.direction_eigenvalues, self.eigenvalues = state_dict["direction_eigenvalues"], state_dict["eigenvalues"]
         self._posterior_scale = None
 
 

@@ -14,6 +14,7 @@ from laplace_debiased.computers.lowrank import (
     direction_eigenpairs,
     remeasured_eigenvalues,
     summed_dense_curvature,
+    symmetric_outer,
 )
 from laplace_debiased.curvature import eigen
 from laplace_debiased.curvature.factors import curvature_factor
@@ -158,3 +159,13 @@ def test_debiased_full_over_two_ranks_is_that_of_one_process(same):
     assert two.eigenpairs is None and _rel(two.dense, Q @ torch.diag(h) @ Q.T) < 1e-10
     assert _rel(two.eigenvalues, one.eigenvalues) < 1e-10
     assert _rel(two.direction_eigenvalues, one.direction_eigenvalues) < 1e-10
+
+
+def test_symmetric_outer_is_the_weighted_outer_product_exactly_symmetric():
+    g = torch.Generator().manual_seed(4)
+    Q = torch.randn(7, 3, generator=g, dtype=torch.float64)  # not orthonormal: the formula, not an eigh
+    h = torch.tensor([2.0, -0.5, 3.0], dtype=torch.float64)
+    H = symmetric_outer(Q, h)
+    assert torch.equal(H, H.T)
+    torch.testing.assert_close(H, sum(h[i] * torch.outer(Q[:, i], Q[:, i]) for i in range(3)), rtol=1e-14, atol=1e-14)
+    assert symmetric_outer(Q.float(), h.float()).dtype == torch.float32

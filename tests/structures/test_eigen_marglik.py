@@ -15,6 +15,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the structures
 from laplace_debiased.posterior.marglik import eigen_functional_covariance, eigen_log_det
+from laplace_debiased.structures.eigen_marglik import (
+    current_eigenpairs,
+    eigenpairs_from_state,
+    eigenpairs_state,
+    log_det_prior,
+)
 from tests.curvature.test_eigen import make_batch, tiny_mlp
 
 EPS64 = torch.finfo(torch.float64).eps
@@ -219,3 +225,36 @@ def test_float32_eigen_functional_covariance_is_the_dense_one(r, h_max):
     assert got.dtype == torch.float32
     scale = float(expected.diagonal(dim1=-2, dim2=-1).max())
     torch.testing.assert_close(got.double(), expected, atol=4 * EPS32 * scale, rtol=0)
+
+
+def test_eigenpairs_are_decomposed_once_per_curvature_version():
+    Q, h = torch.eye(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    calls = []
+
+    def decompose():
+        calls.append(1)
+        return Q, h
+
+    first, second = object(), object()
+    known = current_eigenpairs(None, first, decompose)
+    assert current_eigenpairs(known, first, decompose) is known and calls == [1]
+    newer = current_eigenpairs(known, second, decompose)
+    assert newer.version is second and calls == [1, 1]
+    # the state carries them only while they are those of the current version
+    assert eigenpairs_state(known, second) == {"curvature_eigenvectors": None, "curvature_eigenvalues": None}
+    state = eigenpairs_state(newer, second)
+    assert state["curvature_eigenvectors"] is Q and state["curvature_eigenvalues"] is h
+    loaded = eigenpairs_from_state(state, first)
+    assert loaded.version is first and loaded.vectors is Q and loaded.values is h
+    assert eigenpairs_from_state(eigenpairs_state(None, first), first) is None
+
+
+def test_log_det_prior_keeps_a_scalar_and_expands_the_rest():
+    diagonal = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
+
+    def unused() -> torch.Tensor:
+        raise AssertionError("a scalar prior needs no diagonal")
+
+    assert torch.equal(log_det_prior(0.7, unused), torch.tensor([0.7]))
+    assert torch.equal(log_det_prior(torch.tensor([0.7]), unused), torch.tensor([0.7]))
+    assert log_det_prior(torch.tensor([0.7, 0.2]), lambda: diagonal) is diagonal
