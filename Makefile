@@ -82,7 +82,7 @@ main-job-doc: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m laplace_debiased --out $(MAIN_JOB_OUT) --threads 1
 	@mkdir -p docs/getting-started/output
 	@{ echo "Written by \`make main-job-doc\` (\`OMP_NUM_THREADS=1 python -m laplace_debiased --threads 1\`)."; echo; \
-	  awk '/^## /{keep=($$0=="## MAP vs LA at the chosen δ" || $$0=="## Tracking the full batch over the whole grid")} keep' \
+	  awk '/^## /{keep=($$0=="## MAP vs LA at the chosen δ" || $$0=="## Batch size: where debiasing helps" || $$0=="## Tracking the full batch over the whole grid")} keep && !/^!\[/' \
 	  $(MAIN_JOB_OUT)/report/report.md | sed 's/^## /### /'; } > docs/getting-started/output/main-job.md
 
 # Benchmarks (not tests) need real CIFAR-10. Give its folder with CIFAR10_DIR=DIR (holding

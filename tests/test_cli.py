@@ -28,7 +28,7 @@ def test_each_command_has_its_own_help_with_its_defaults(capsys, monkeypatch):
     assert len(set(texts.values())) == len(texts)  # main and sweep used to print the same text
     for cmd, text in texts.items():
         assert f"laplace-debiased {cmd}" in text and "--out" in text
-    assert "(default: 64)" in texts["sweep"] and "(default: 3)" in texts["main"]  # batch size, repeats
+    assert "(default: 32 128)" in texts["sweep"] and "(default: 3)" in texts["main"]  # batch sizes, repeats
     assert "(default: 50)" in texts["diagnose"] and "(default: ggn)" in texts["diagnose"]
     assert "cifar100" in texts["main"] and "cifar100" in texts["sweep"]
     for cmd in cli.THREADED:

@@ -4,6 +4,11 @@ Shared by ``laplace-debiased main`` / ``sweep`` (and ``python -m laplace_debiase
 command-line flags; ``--config FILE`` (JSON or TOML) supplies any of them under the same names
 (``batch-size`` or ``batch_size``); flags given on the command line win over the file.
 
+``--batch-size`` takes one batch size b or several.  Each mini-batch method below is fitted and
+evaluated at each b (the full-batch methods once); with several, its rows carry the name
+``method@b<b>`` (``kron_single@b32``, :func:`~laplace_debiased.evaluation.options.sweep_methods`),
+with one the method's own name.  Every mini-batch row records its ``batch_size``.
+
 Methods (``--methods``), all over the weights chosen by ``--subset``:
 
 * ``kron_single``: K-FAC of one mini-batch of ``--batch-size`` samples (B̃ = B), scaled to N;
@@ -61,6 +66,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from laplace_debiased.evaluation.options import batch_sizes, sweep_methods
 from laplace_debiased.prior_grid import PriorGrid
 from laplace_debiased.evaluation.report import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
@@ -154,34 +160,38 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
     return train, sets, lambda: cifar_cnn(n_classes), "cifar_cnn" if n_classes == 10 else "cifar100_cnn"
 
 
-def _fit_loader(name: str, train: Dataset, opts: dict, repeat: int) -> tuple[DataLoader, int]:
-    """The loader that method ``name``'s fit of ``repeat`` reads, and how many of its batches:
-    one of ``--batch-size`` (``*_single``), two of half that (``*_debiased``, ``*_corrected``), or one of every
-    training point (``*_full``); the shuffling is seeded by ``--seed`` and the repeat."""
+def _fit_loader(name: str, train: Dataset, opts: dict, repeat: int, b: int | None) -> tuple[DataLoader, int]:
+    """The loader that method ``name``'s fit of ``repeat`` at batch size ``b`` reads, and how many
+    of its batches: one of ``b`` (``*_single``), two of half that (``*_debiased``, ``*_corrected``),
+    or one of every training point (``*_full``, ``b=None``); the shuffling is seeded by ``--seed``
+    and the repeat (the same draws at every b)."""
     if name.endswith("_full"):
         return DataLoader(train, batch_size=len(train)), 1
     gen = torch.Generator().manual_seed(opts["seed"] * 7919 + repeat)
-    size, count = (opts["batch_size"], 1) if name.endswith("_single") else (opts["batch_size"] // 2, 2)
+    size, count = (b, 1) if name.endswith("_single") else (b // 2, 2)
     return DataLoader(train, batch_size=size, shuffle=True, generator=gen), count
 
 
 def fit_rows(opts: dict, n: int, rank: int, world: int) -> list[int]:
     """The training rows that rank ``rank`` of ``world`` reads in its fits: those of the
     (method, repeat) jobs ``k`` with ``k % world == rank``, the sweep's job order
-    (:func:`~laplace_debiased.evaluation.sweep.run_sweep`). Replays each job's seeded sampler
+    (:func:`~laplace_debiased.evaluation.sweep.run_sweep`; a method at each batch size,
+    :func:`~laplace_debiased.evaluation.options.sweep_methods`). Replays each job's seeded sampler
     (:func:`_fit_loader`) over the row indices themselves: the loader's iterator draws its base
     seed from the generator before the sampler does, so the indices come from iterating the loader."""
     from itertools import islice
 
-    jobs = [(m, r) for m in opts["methods"] for r in range(1 if m.endswith("_full") else opts["repeats"])]
+    jobs = [(m, b, r) for _, m, b in sweep_methods(opts) for r in range(1 if m.endswith("_full") else opts["repeats"])]
     rows: set[int] = set()
-    for name, repeat in jobs[rank::world]:
-        loader, count = _fit_loader(name, range(n), opts, repeat)  # a range: it yields the indices
+    for name, b, repeat in jobs[rank::world]:
+        loader, count = _fit_loader(name, range(n), opts, repeat, b)  # a range: it yields the indices
         rows.update(i for batch in islice(loader, count) for i in batch.tolist())
     return sorted(rows)
 
 
-def _method(name: str, model, train: Dataset, opts: dict) -> Method:
+def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, key: str | None = None) -> Method:
+    """Method ``name`` at batch size ``b`` (``None``: the first of ``opts["batch_size"]``; unused
+    by the full-batch methods), its rows named ``key`` (default ``name``)."""
     from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
     from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
     from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
@@ -202,7 +212,7 @@ def _method(name: str, model, train: Dataset, opts: dict) -> Method:
         if repeat in fitted:
             return fitted[repeat]
         la = make(name.split("_")[0])
-        loader, _ = _fit_loader(name, train, opts, repeat)
+        loader, _ = _fit_loader(name, train, opts, repeat, b)
         if name == "kron_debiased":  # its first two batches: B and B̃, the paper's estimate
             la.fit(loader, estimator="paper")
         elif name.endswith("_debiased"):
@@ -215,7 +225,12 @@ def _method(name: str, model, train: Dataset, opts: dict) -> Method:
         return la
 
     full = name.endswith("_full")
-    return Method(name, fit, repeats=1 if full else opts["repeats"], full_batch=full)
+    if full:
+        b = None
+    elif b is None:
+        b = batch_sizes(opts)[0]
+    return Method(key or name, fit, repeats=1 if full else opts["repeats"], full_batch=full,
+                  extra={} if full else {"batch_size": b})
 
 
 #: options that change the numbers of existing rows; resuming with other values is refused
@@ -231,6 +246,8 @@ def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
     """
     path = Path(out) / "options.json"
     settings = json.loads(json.dumps({**{k: opts[k] for k in SETTINGS_KEYS}, **(extra or {})}))
+    sizes = batch_sizes(opts)
+    settings["batch_size"] = sizes[0] if len(sizes) == 1 else sizes  # one: recorded as before, an integer
     if path.exists():
         try:
             old = json.loads(path.read_text())
@@ -240,8 +257,13 @@ def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
             raise ValueError(f"{path} does not hold a settings object; restore it or choose another --out")
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if changed:
+            hint = ""
+            if "batch_size" in changed:
+                was, now = (" ".join(map(str, v if isinstance(v, list) else [v])) for v in changed["batch_size"])
+                hint = (f"; its results are for --batch-size {was}, not {now} (each list of batch sizes is its "
+                        f"own run: rerun with --batch-size {was} to resume it)")
             raise ValueError(
-                f"{path.parent} holds results of a different setup {changed} (old, new); "
+                f"{path.parent} holds results of a different setup {changed} (old, new){hint}; "
                 "choose another --out to keep both"
             )
         return
@@ -258,7 +280,7 @@ def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
 _STRUCTURES = {"kron": "K-FAC", "ekfac": "EKFAC", "lowrank": "low-rank"}
 
 
-def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str | int]:
+def describe_method(name: str, opts: dict, n_train: int, b: int | None = None) -> dict[str, str | int]:
     """A method in words, with its batch sizes, and the number of training points its curvature
     reads.
 
@@ -268,13 +290,22 @@ def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str | int]
         opts: The run's options; ``"batch_size"`` and, for a low-rank method, ``"rank"`` are
             read.
         n_train: The number of training points N.
+        b: The batch size of a mini-batch method (``None``: the first of ``opts["batch_size"]``).
 
     Returns:
-        ``{"label", "description", "samples"}``.
+        ``{"label", "description", "samples"}``, and ``"batch_size"`` for a mini-batch method.
     """
     kind, batches = name.split("_")
     structure = _STRUCTURES[kind] + (f" (rank {opts['rank']})" if kind == "lowrank" else "")
-    b = opts["batch_size"]
+    if batches == "full":
+        return {"label": f"{structure}, full batch of {n_train}", "samples": n_train,
+                "description": f"{structure} over all N = {n_train} training points (the reference)"}
+    b = batch_sizes(opts)[0] if b is None else b
+    return {**_describe_batches(structure, batches, b), "batch_size": b}
+
+
+def _describe_batches(structure: str, batches: str, b: int) -> dict[str, str | int]:
+    """``describe_method`` of a mini-batch method at batch size ``b``."""
     if batches == "single":
         return {"label": f"{structure}, single batch of {b}", "samples": b,
                 "description": f"{structure} from one batch of {b} training points (B̃ = B: the plain "
@@ -289,8 +320,7 @@ def describe_method(name: str, opts: dict, n_train: int) -> dict[str, str | int]
                 "description": f"corrected {structure}: eigenvectors of both batches of {b // 2} training points "
                                "together, eigenvalues less the regression-to-the-mean bias the two batches "
                                "measure against each other (fit(estimator='corrected'))"}
-    return {"label": f"{structure}, full batch of {n_train}", "samples": n_train,
-            "description": f"{structure} over all N = {n_train} training points (the reference)"}
+    raise ValueError(f"unknown mini-batch method kind {batches!r}")
 
 
 def _describe_eval_set(es: EvalSet, data: str) -> str:
@@ -313,7 +343,7 @@ def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: st
             "cifar100": "CIFAR-100"}[opts["data"]]
     return {
         "data": data, "n_train": n_train, "model": tag, "n_params": n_params, "subset": opts["subset"],
-        "methods": {m: describe_method(m, opts, n_train) for m in opts["methods"]},
+        "methods": {key: describe_method(m, opts, n_train, b) for key, m, b in sweep_methods(opts)},
         "eval_sets": {es.name: _describe_eval_set(es, opts["data"]) for es in eval_sets},
         "corruption": "Gaussian pixel noise" if opts["data"] == "digits" else "corruption",
         "severity_ticks": {str(k): f"σ = {v}" for k, v in DIGITS_NOISE.items()} if opts["data"] == "digits" else {},
@@ -399,7 +429,8 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
     if rank == 0:
         setting = describe_setting(opts, len(train), eval_sets, tag, sum(p.numel() for p in model.parameters()))
         (out / SETTING_NAME).write_text(json.dumps(setting, indent=2, ensure_ascii=False))
-    methods = [_method(m, model, train, opts) for m in opts["methods"]]
+    methods = [_method(m, model, train, opts, b, key) for key, m, b in sweep_methods(opts)]
+    keys = {m.name for m in methods}
     results = out / "results.jsonl"
     configured = PriorGrid.parse(opts["prior_precisions"])
     grid = configured
@@ -407,7 +438,7 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
         rows = run_sweep(methods, eval_sets, results, prior_precisions=list(grid), links=opts["links"],
                          n_samples=opts["n_samples"], seed=opts["seed"], chunk_size=opts["chunk_size"],
                          progress=not opts["quiet"], log=log, map_model=model)
-        ours = [r for r in rows if r["method"] in opts["methods"] or r["method"] == "map"]
+        ours = [r for r in rows if r["method"] in keys or r["method"] == "map"]
         # a resumed run starts from the grid an earlier run already grew (counted from the rows)
         grid = grid.union(r["prior_precision"] for r in ours if r["method"] != "map")
         new = _grid_extension(ours, opts["links"][0])

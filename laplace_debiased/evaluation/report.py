@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from laplace_debiased.prior_grid import PriorGrid, check_criterion, choose_prior_precision
+from laplace_debiased.evaluation.options import method_key, split_method_key
 from laplace_debiased.evaluation.sweep import load_rows
 from laplace_debiased.evaluation.tracking import max_gap_per_draw, reference_of
 
@@ -336,9 +337,10 @@ def _samples(ctx: _Context, method: str) -> int | None:
 def _tracking_verdict(ctx: _Context, nll_gap: dict[str, float]) -> str:
     """Whether each debiased method tracks its reference more closely than the single batch of
     its structure with the same number of samples, and what that depends on."""
-    sentences = []
-    for deb in (m for m in nll_gap if m.endswith(("_debiased", "_corrected"))):
-        single = deb.rsplit("_", 1)[0] + "_single"
+    sentences, explained = [], set()
+    for deb in (m for m in nll_gap if split_method_key(m)[0].endswith(("_debiased", "_corrected"))):
+        base, size = split_method_key(deb)
+        single = method_key(base.rsplit("_", 1)[0] + "_single", size)
         if single not in nll_gap or _samples(ctx, deb) != _samples(ctx, single):
             continue
         closer = nll_gap[deb] < nll_gap[single]
@@ -346,7 +348,8 @@ def _tracking_verdict(ctx: _Context, nll_gap: dict[str, float]) -> str:
                          f"than {ctx.label(single)} with the same samples ({100 * nll_gap[deb]:.1f} % against "
                          f"{100 * nll_gap[single]:.1f} %).")
         b, n = _samples(ctx, single), ctx.setting.get("n_train")
-        if not closer and b and n:
+        if not closer and b and n and b not in explained:
+            explained.add(b)
             sentences.append(f"Here one batch is {b} of N = {n:,} training points ({100 * b / n:.0f} %): a single "
                              "batch that large carries little bias, while B chooses the directions from half "
                              "its samples. Debiasing is for b ≪ N (the paper: 1,024 of 40,000 images); see the "
@@ -370,6 +373,186 @@ def _tracking(ctx: _Context, doc: _Doc) -> None:
     verdict = _tracking_verdict(ctx, {m: float(np.mean(nll)) for m, _, nll, _ in rows})
     if verdict:
         doc.p(verdict)
+
+
+#: the mini-batch fits of the batch-size section, by the method's suffix, in table order
+_FIT_ROLES = ("single", "debiased", "corrected")
+_STRUCTURE_NAMES = {"kron": "K-FAC", "ekfac": "EKFAC", "lowrank": "low-rank"}
+
+
+@dataclass
+class _BatchFit:
+    """One mini-batch method at one batch size, against the full batch of its structure."""
+
+    method: str  # the rows' name (``kron_single@b32``)
+    kind: str  # the structure (``kron``)
+    role: str  # ``single``, ``debiased`` or ``corrected``
+    b: int
+    reference: str
+    gaps: list[float]  # per draw: the largest relative test-NLL gap over δ (a fraction)
+
+
+def _batch_of(ctx: _Context, method: str) -> int | None:
+    """The batch size of ``method``: from its name, its rows' ``batch_size`` or the setting."""
+    b = split_method_key(method)[1]
+    if b is None:
+        b = next((r["batch_size"] for r in ctx.lap if r["method"] == method and r.get("batch_size")), None)
+    if b is None:
+        b = ctx.setting.get("methods", {}).get(method, {}).get("batch_size")
+    return None if b is None else int(b)
+
+
+def _batch_fits(ctx: _Context) -> list[_BatchFit]:
+    """The single, paper (``*_debiased``) and corrected fits with a batch size and a full-batch
+    reference, ordered by structure, b and role."""
+    fits = []
+    for m in ctx.methods:
+        kind, _, role = split_method_key(m)[0].partition("_")
+        ref = None if m in ctx.full_batch else reference_of(m, sorted(ctx.full_batch))
+        b = _batch_of(ctx, m)
+        if role in _FIT_ROLES and ref is not None and b is not None:
+            gaps = max_gap_per_draw(ctx.lap, m, ref, ctx.test_set, ctx.main_link, "nll", True)
+            if gaps:
+                fits.append(_BatchFit(m, kind, role, b, ref, gaps))
+    kinds = list(dict.fromkeys(f.kind for f in fits))
+    return sorted(fits, key=lambda f: (kinds.index(f.kind), f.b, _FIT_ROLES.index(f.role)))
+
+
+def _fit_name(fit: _BatchFit, several_kinds: bool) -> str:
+    """The fit in a few words: "single batch", "paper's split", "corrected split" (with the
+    structure first when the results hold several)."""
+    name = {"single": "single batch", "debiased": "paper's split" if fit.kind == "kron" else "debiased split",
+            "corrected": "corrected split"}[fit.role]
+    return f"{_STRUCTURE_NAMES.get(fit.kind, fit.kind)} {name}" if several_kinds else name
+
+
+def _range(values: list[float]) -> str:
+    """``[min, max]`` of fractions, in percent."""
+    return f"[{100 * min(values):.2f}, {100 * max(values):.2f}] %"
+
+
+def _batch_verdict(fits: list[_BatchFit], several_kinds: bool, n_train: int | None) -> str:
+    """Per structure and b: which fit tracked the full batch best (lowest mean largest gap),
+    whether its range over draws lies below the others' (the difference exceeds the spread over
+    draws) or overlaps them; then at which b a two-batch fit, and at which the single batch, was best."""
+    sentences, outcome = [], defaultdict(list)
+    for key in dict.fromkeys((f.kind, f.b) for f in fits):
+        group = sorted((f for f in fits if (f.kind, f.b) == key), key=lambda f: float(np.mean(f.gaps)))
+        best, others = group[0], group[1:]
+        single = next((o for o in others if o.role == "single"), None)
+        if best.role == "single":
+            outcome["single"].append(best.b)
+        elif single is not None and len(single.gaps) > 1 and max(best.gaps) < min(single.gaps):
+            outcome["helped"].append(best.b)
+        else:
+            outcome["unclear"].append(best.b)
+        text = (f"At b = {best.b}, the {_fit_name(best, several_kinds)} tracked the full batch best: its largest test-NLL gap is "
+                f"{100 * np.mean(best.gaps):.2f} % on average over {len(best.gaps)} "
+                f"draw{'s' if len(best.gaps) > 1 else ''}")
+        if not others:
+            sentences.append(text + ".")
+            continue
+        text += ", against " + ", ".join(f"{100 * np.mean(o.gaps):.2f} % for the {_fit_name(o, several_kinds)}"
+                                         for o in others) + "."
+        if len(best.gaps) < 2 or any(len(o.gaps) < 2 for o in others):
+            text += " With a single draw the spread over draws is unknown, so this order may be chance."
+        else:
+            below = [o for o in others if max(best.gaps) < min(o.gaps)]
+            overlap = [o for o in others if o not in below]
+            parts = []
+            if below:
+                parts.append(f"its range over draws {_range(best.gaps)} lies below that of "
+                             + " and ".join(f"the {_fit_name(o, several_kinds)} {_range(o.gaps)}" for o in below)
+                             + ", a difference that exceeds the spread over draws")
+            if overlap:
+                parts.append(("it" if below else f"its range over draws {_range(best.gaps)}") + " overlaps that of "
+                             + " and ".join(f"the {_fit_name(o, several_kinds)} {_range(o.gaps)}" for o in overlap)
+                             + ", a difference within the spread over draws")
+            joined = "; ".join(parts)
+            text += f" {joined[0].upper()}{joined[1:]}."
+        sentences.append(text)
+
+    def share(sizes: list[int]) -> str:
+        return " and ".join(f"{b} ({100 * b / n_train:.0f} % of N = {n_train:,})" if n_train else str(b)
+                            for b in sorted(set(sizes)))
+
+    parts = []
+    if outcome["helped"]:
+        parts.append(f"debiasing helped at b = {share(outcome['helped'])}")
+    if outcome["unclear"]:
+        parts.append(f"a two-batch fit was closest at b = {share(outcome['unclear'])}, but not beyond the single "
+                     "batch's spread over draws")
+    if outcome["single"]:
+        parts.append(f"the single batch was closest at b = {share(outcome['single'])}, where a single batch "
+                     "is already close and a split into halves costs more than the bias it removes")
+    sentences.append("So " + "; ".join(parts) + ".")
+    return " ".join(sentences)
+
+
+def _batch_sizes(ctx: _Context, doc: _Doc) -> None:
+    """Where debiasing helps: per batch size b, each mini-batch fit's largest relative test-NLL
+    gap to the full batch over the δ grid and its test NLL at the chosen δ, a figure of the gaps
+    against b, and sentences generated from them.  Only for results with two or more b."""
+    fits = _batch_fits(ctx)
+    if len({f.b for f in fits}) < 2:
+        return
+    several_kinds = len({f.kind for f in fits}) > 1
+    chosen = ctx.chosen(ctx.main_link)
+    doc.h("Batch size: where debiasing helps")
+    n = ctx.setting.get("n_train")
+    doc.p(f"Each mini-batch LA at each batch size b (training points per fit: one batch of b, or two of b/2) "
+          f"against the full-batch LA of its structure{f' (all N = {n:,} training points)' if n else ''}, on the "
+          f"test set ({LINK_LABELS[ctx.main_link]}). Gap: per draw, the largest test-NLL difference to the full "
+          "batch over all prior precisions δ, relative to the full batch's NLL (%); mean over draws [min, max]. "
+          f"Test NLL in nats at the chosen δ ({ctx.choice_note}); mean over draws [min, max].")
+
+    def nll_at(m: str) -> list[str]:
+        d = chosen.get(m)
+        return ["–", "–"] if d is None else [f"{d:.3g}", _fmt(ctx.at(m, d, ctx.test_set, "nll"))]
+
+    table = []
+    for kind in dict.fromkeys(f.kind for f in fits):
+        for f in (f for f in fits if f.kind == kind):
+            table.append([str(f.b), ctx.label(f.method), str(len(f.gaps)), _fmt([100 * g for g in f.gaps]),
+                          *nll_at(f.method)])
+        ref = next(f.reference for f in fits if f.kind == kind)
+        table.append([f"all ({n:,})" if n else "all", ctx.label(ref), str(ctx.n_repeats(ref)), "0 (the reference)",
+                      *nll_at(ref)])
+    doc.table(["b (training points per fit)", "fit", "draws", "max rel. test-NLL gap to the full batch (%)",
+               "chosen δ", "test NLL at chosen δ (nats)"], table)
+    _batch_figure(ctx, doc, fits, several_kinds)
+    doc.p(_batch_verdict(fits, several_kinds, n))
+
+
+def _batch_figure(ctx: _Context, doc: _Doc, fits: list[_BatchFit], several_kinds: bool) -> None:
+    """The gaps of the batch-size table against b: mean over draws, bars from min to max."""
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({f.b for f in fits})
+    lines = list(dict.fromkeys((f.kind, f.role) for f in fits))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for i, (kind, role) in enumerate(lines):
+        mine = [f for f in fits if (f.kind, f.role) == (kind, role)]
+        shift = 2 ** (0.04 * (i - (len(lines) - 1) / 2))  # apart on the log axis, so that bars stay visible
+        xs = [f.b * shift for f in mine]
+        mean = np.array([100 * np.mean(f.gaps) for f in mine])
+        lo = mean - [100 * min(f.gaps) for f in mine]
+        hi = np.array([100 * max(f.gaps) for f in mine]) - mean
+        draws = sorted({len(f.gaps) for f in mine})
+        label = _fit_name(mine[0], several_kinds) + f" ({'/'.join(map(str, draws))} draws per b)"
+        ax.errorbar(xs, mean, yerr=[lo, hi], marker="oDs^v"[i % 5], capsize=4, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size b (training points per fit)")
+    ax.set_ylabel("largest test-NLL gap to the full batch over δ (%)")
+    ax.set_ylim(bottom=0)
+    n = ctx.setting.get("n_train")
+    ax.set_title("How closely each mini-batch LA tracks the full batch" + (f" (N = {n:,})" if n else "")
+                 + "\n(mean over draws; bars: min to max)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    _save(fig, ctx, doc, "batch_size.png", "largest relative test-NLL gap to the full batch against the batch size")
 
 
 def _link_comparison(ctx: _Context, doc: _Doc) -> None:
@@ -735,7 +918,7 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
     ctx = _context(results, out_dir, setting)
     doc = _Doc()
     _summary(ctx, doc, title)
-    for step in (_headline, _shift_tables, _figure6, _tracking, _link_comparison, _best_table, _reliability, _auroc_severity):
+    for step in (_headline, _batch_sizes, _shift_tables, _figure6, _tracking, _link_comparison, _best_table, _reliability, _auroc_severity):
         step(ctx, doc)
     _coverage(ctx, doc)
     _correction(ctx, doc)

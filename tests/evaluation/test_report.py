@@ -146,3 +146,72 @@ def test_best_prior_precision_minimises_mean_nll():
 def test_report_refuses_empty_results(tmp_path):
     with pytest.raises(ValueError, match="no sweep results"):
         write_report([], tmp_path)
+
+
+def _batch_rows(gaps: dict[str, list[float]]) -> list[dict]:
+    """Test and validation rows of ``kron_full`` (test NLL 0.5 at every δ) and of each key of
+    ``gaps`` (``kron_single@b32`` ...), whose test NLL at δ = 0.1 lies ``gaps[key][draw]``
+    above the full batch's, relatively, and equals it elsewhere: so each draw's largest relative
+    gap over the grid is that number. Validation NLL is lowest at δ = 1 for every method."""
+    rows = [{"method": "map", "repeat": 0, "prior_precision": None, "eval_set": es, "kind": es, "severity": None,
+             "link": "map", "full_batch": False, "nll": 0.6, "ece": 0.05, "accuracy": 0.9, "brier": 0.2}
+            for es in ("test", "validation")]
+    draws = {"kron_full": [0.0], **gaps}
+    for method, per_draw in draws.items():
+        for rep, g in enumerate(per_draw):
+            for d in (0.1, 1.0, 10.0):
+                base = {"method": method, "repeat": rep, "prior_precision": d, "severity": None,
+                        "link": "probit_projected", "full_batch": method == "kron_full", "ece": 0.05,
+                        "accuracy": 0.9, "brier": 0.2}
+                rows.append({**base, "eval_set": "test", "kind": "test", "nll": 0.5 * (1 + g) if d == 0.1 else 0.5})
+                rows.append({**base, "eval_set": "validation", "kind": "validation", "nll": 0.4 + abs(d - 1.0)})
+    return rows
+
+
+BATCH_GAPS = {  # per b: single batch, paper's split, corrected split (largest relative test-NLL gaps per draw)
+    "kron_single@b32": [0.09, 0.05, 0.04], "kron_debiased@b32": [0.04, 0.027, 0.028],
+    "kron_corrected@b32": [0.036, 0.022, 0.007],
+    "kron_single@b128": [0.013, 0.019, 0.010], "kron_debiased@b128": [0.022, 0.073, 0.013],
+    "kron_corrected@b128": [0.017, 0.013, 0.032],
+}
+
+BATCH_SETTING = {"data": "toy digits", "n_train": 300, "model": "tiny", "n_params": 1234, "subset": "all"}
+
+
+def test_the_batch_size_section_names_the_closest_fit_per_b_and_whether_it_beats_the_spread(tmp_path):
+    text = write_report(_batch_rows(BATCH_GAPS), tmp_path / "rep", setting=BATCH_SETTING).read_text()
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert sections[1:3] == ["## MAP vs LA at the chosen δ", "## Batch size: where debiasing helps"]
+    part = text.split("## Batch size: where debiasing helps")[1].split("\n## ")[0]
+    assert ("| b (training points per fit) | fit | draws | max rel. test-NLL gap to the full batch (%) | chosen δ "
+            "| test NLL at chosen δ (nats) |") in part
+    # mean [min, max] over the 3 draws, in percent; δ = 1 chosen on validation, where every fit has NLL 0.5
+    assert "| 32 | kron_single@b32 | 3 | 6 [4, 9] | 1 | 0.5 [0.5, 0.5] |" in part
+    assert "| 128 | kron_debiased@b128 | 3 | 3.6 [1.3, 7.3] | 1 | 0.5 [0.5, 0.5] |" in part
+    assert "| all (300) | kron_full | 1 | 0 (the reference) | 1 | 0.5 |" in part
+    assert (tmp_path / "rep" / "batch_size.png").is_file() and "](batch_size.png)" in part
+    assert "At b = 32, the corrected split tracked the full batch best: its largest test-NLL gap is 2.17 %" in part
+    # corrected at b = 32: [0.70, 3.60] lies below the single batch's [4.00, 9.00], overlaps the paper's
+    assert "lies below that of the single batch [4.00, 9.00] %, a difference that exceeds the spread" in part
+    assert "it overlaps that of the paper's split [2.70, 4.00] %, a difference within the spread" in part
+    assert "At b = 128, the single batch tracked the full batch best: its largest test-NLL gap is 1.40 %" in part
+    assert ("So debiasing helped at b = 32 (11 % of N = 300); the single batch was closest at b = 128 "
+            "(43 % of N = 300)") in part
+
+
+def test_a_closest_two_batch_fit_within_the_single_batchs_spread_is_not_called_a_help(tmp_path):
+    gaps = {**BATCH_GAPS, "kron_single@b32": [0.09, 0.05, 0.03]}  # now reaches below corrected's 3.6 %
+    part = write_report(_batch_rows(gaps), tmp_path / "rep").read_text().split("## Batch size")[1]
+    assert "At b = 32, the corrected split tracked the full batch best" in part
+    assert "overlaps that of the paper's split [2.70, 4.00] % and the single batch [3.00, 9.00] %" in part
+    assert "So a two-batch fit was closest at b = 32, but not beyond the single batch's spread over draws" in part
+    assert "debiasing helped" not in part
+
+
+def test_results_of_one_batch_size_have_no_batch_size_section(tmp_path):
+    one = {k.split("@")[0]: v for k, v in BATCH_GAPS.items() if k.endswith("@b32")}
+    rows = [{**r, "batch_size": 32} if r["method"] not in ("map", "kron_full") else r for r in _batch_rows(one)]
+    rep = tmp_path / "rep"
+    text = write_report(rows, rep).read_text()
+    assert "## Batch size" not in text and not (rep / "batch_size.png").exists()
+    assert "## Tracking the full batch over the whole grid" in text
