@@ -5,18 +5,19 @@ Measured in one run (``OMP_NUM_THREADS=1 nice python benchmarks/fit_cost.py``), 
 timed in interleaved repeats (the order of the methods rotates every repeat) and the median
 over repeats is reported:
 
-* ``debiased``: ``DebiasedKronLaplace.fit`` with B and B̃ one loader batch of b/2 each (the
-  single forward/backward pass over B ∪ B̃);
+* ``debiased``: ``DebiasedKronLaplace.fit(estimator="paper")`` with B and B̃ one loader batch of
+  b/2 each (the single forward/backward pass over B ∪ B̃);
 * ``debiased_per_batch``: the same fit with one backend call per batch (the path before the
   single pass; kept for backends the single pass does not reproduce);
-* ``corrected``: ``DebiasedKronLaplace.fit(estimator="corrected")`` on the same two batches
-  (three float64 eigendecompositions per factor: B ∪ B̃'s and, for the gaps, B's and B̃'s);
+* ``corrected``: ``DebiasedKronLaplace.fit(estimator="corrected")`` (the default) on the same two
+  batches (three float64 eigendecompositions per factor: B ∪ B̃'s and, for the gaps, B's and
+  B̃'s; through the rows' Gram matrices for a factor wider than B ∪ B̃);
 * ``single``: laplace-torch's ``KronLaplace.fit`` on one batch of b (the reference of the
   target ``debiased / single <= 1.05``);
 * ``single_same_code``: ``DebiasedKronLaplace.fit`` with B̃ = B, one batch of b;
 * ``eigh_float64`` / ``eigh_stock``: the debiased decomposition alone (float64 ``eigh`` of
   B's factors and B̃'s Rayleigh quotients, or the Gram route for factors wider than B ∪ B̃)
-  and laplace-torch's ``Kron.decompose`` (model dtype), on the factors of the b-fit.
+  and laplace-torch's ``Kron.decompose`` (model dtype), on the factors of the paper's b-fit.
 
 With ``--predictive`` also ``debiased+predictive`` / ``single+predictive``: the fit followed by
 laplace-torch's first GLM predictive (``la(x, pred_type="glm", link_approx="probit")`` on
@@ -96,7 +97,7 @@ def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int, n_test: in
         loader = _loader(b, b, seed)
         la, kw = DebiasedKronLaplace(model, "classification"), {"magnitude_loader": loader}
     else:
-        la, loader, kw = DebiasedKronLaplace(model, "classification"), _loader(b, b // 2, seed), {}
+        la, loader, kw = DebiasedKronLaplace(model, "classification"), _loader(b, b // 2, seed), {"estimator": "paper"}
         if method == "debiased_per_batch":
             la._single_pass_fisher = lambda: None
     if method == "corrected":
@@ -110,7 +111,7 @@ def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int, n_test: in
 
 def _time_eigh(model: torch.nn.Module, b: int, seed: int) -> dict[str, float]:
     la = DebiasedKronLaplace(model, "classification")
-    la.fit(_loader(b, b // 2, seed))
+    la.fit(_loader(b, b // 2, seed), estimator="paper")
     t0 = time.perf_counter()
     la._decompose()
     t1 = time.perf_counter()

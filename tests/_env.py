@@ -30,12 +30,16 @@ def free_port() -> int:
 def _rank_main(rank: int, job: Callable[[int, Path], object], port: int, out: str, nprocs: int,
                timeout_s: float) -> None:
     """One spawned rank: one torch thread, a gloo group of ``nprocs``, ``job(rank, out)`` saved
-    as ``out/rank<rank>.pt``, the group destroyed whatever happens."""
+    as ``out/rank<rank>.pt``, every rank waiting for the others after a success, the group
+    destroyed whatever happens."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
                             timeout=timedelta(seconds=timeout_s))
     try:
         torch.save(job(rank, Path(out)), Path(out) / f"rank{rank}.pt")
+        # no rank destroys the group while gloo still moves a peer's last messages (under load a
+        # rank that left early aborted its peer: "terminate called without an active exception")
+        dist.barrier()
     finally:
         if dist.is_initialized():  # a failed distributed fit destroys it itself
             dist.destroy_process_group()

@@ -245,11 +245,16 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
     ) -> None:
         """Fit the debiased EKFAC approximation at the current (MAP) parameters.
 
-        The arguments up to ``generator`` choose the two batches, as in :meth:`TwoBatchLaplace.fit`;
-        ``override=False`` raises (the eigenvalues are measured in one basis and cannot be
-        re-measured in a combined basis without the earlier data).
-
         Args:
+            train_loader: The training data, as in :meth:`TwoBatchLaplace.fit`.
+            override: Must be ``True``: ``False`` raises (the eigenvalues are measured in one
+                basis and cannot be re-measured in a combined basis without the earlier data).
+            progress_bar: Unused (laplace-torch compatibility).
+            magnitude_loader: Take B̃ from this loader (``train_loader`` itself: B̃ = B).
+            n_direction_batches: Loader batches in B (default 1).
+            n_magnitude_batches: Loader batches in B̃ (default 1), or ``"auto"``.
+            split: ``"batches"`` (default) or ``"halves"``.
+            generator: Draw the batches at random.
             null_space: Checked as in :meth:`DebiasedKronLaplace.fit` but not used: the
                 eigenvalues are B̃'s exact diagonal in B's basis.
             estimator: ``"paper"`` only (the default).
