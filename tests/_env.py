@@ -39,7 +39,8 @@ def _rank_main(rank: int, job: Callable[[int, Path], object], port: int, out: st
         torch.save(job(rank, Path(out)), Path(out) / f"rank{rank}.pt")
         # no rank destroys the group while gloo still moves a peer's last messages (under load a
         # rank that left early aborted its peer: "terminate called without an active exception")
-        dist.barrier()
+        if dist.is_initialized():  # a failed distributed fit destroyed the group itself
+            dist.barrier()
     finally:
         if dist.is_initialized():  # a failed distributed fit destroys it itself
             dist.destroy_process_group()
