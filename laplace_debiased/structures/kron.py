@@ -25,7 +25,6 @@ from typing import Any, Literal
 import torch
 from laplace.baselaplace import KronLaplace
 from laplace.curvature.curvature import CurvatureInterface
-from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
 from laplace.lllaplace import KronLLLaplace, LLLaplace
 from laplace.utils.matrix import Kron
 from torch import nn
@@ -43,7 +42,13 @@ from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed
 from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
 from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
-from laplace_debiased.structures.kron_layers import block_names, check_blocks, check_supported, trainable_blocks
+from laplace_debiased.structures.kron_layers import (
+    block_names,
+    check_blocks,
+    check_supported,
+    single_pass_fisher,
+    trainable_blocks,
+)
 from laplace_debiased.structures.two_batch import TwoBatchLaplace
 
 __all__ = [
@@ -130,27 +135,6 @@ def kron_fit_options(
     return resolve_estimator(estimator, offered, structure, cross_fit, null_space)
 
 
-def single_pass_fisher(backend: CurvatureInterface, asdl_fisher_kwargs: dict) -> str | None:
-    """The curvature type of ``backend`` if the shared K-FAC pass
-    (:func:`~laplace_debiased.computers.kron_passes.single_pass_kfacs`) reproduces it exactly.
-
-    Args:
-        backend: laplace-torch's curvature backend.
-        asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
-
-    Returns:
-        ``"type2"`` (Curvlinops exact GGN) or ``"empirical"`` (Curvlinops EF) with K-FAC
-        "expand"; ``None`` for any other backend or option.
-    """
-    if set(asdl_fisher_kwargs) - {"kfac_approx"} or asdl_fisher_kwargs.get("kfac_approx", "expand") != "expand":
-        return None
-    if isinstance(backend, CurvlinopsGGN) and not backend.stochastic:
-        return "type2"
-    if isinstance(backend, CurvlinopsEF):
-        return "empirical"
-    return None
-
-
 def backend_kfacs(
     model: nn.Module,
     backend: CurvatureInterface,
@@ -165,8 +149,9 @@ def backend_kfacs(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, list[Kron]]:
     """K-FAC of each batch set by one backend call per batch (backends that
-    :func:`single_pass_fisher` does not reproduce), scaled to ``N`` points (module docstring
-    convention), with the blocks of frozen parameters dropped and the rest checked.
+    :func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` does not reproduce),
+    scaled to ``N`` points (module docstring convention), with the blocks of frozen parameters
+    dropped and the rest checked.
 
     Args:
         model: The network.
@@ -244,7 +229,8 @@ def fit_kfacs(
         backend: laplace-torch's curvature backend.
         groups: The batch sets (B, and B̃ unless it is B).
         N: Training samples the factors are scaled to.
-        fisher: :func:`single_pass_fisher` of the backend (``None``: :func:`backend_kfacs`).
+        fisher: :func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` of the
+            backend (``None``: :func:`backend_kfacs`).
         likelihood: laplace-torch's likelihood.
         asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
         output_shape: The per-sample output shape ``([tokens, ...,] C)``.
@@ -477,7 +463,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         return curvature_modules(self.backend._model)
 
     def _single_pass_fisher(self) -> str | None:
-        """:func:`single_pass_fisher` of this object's backend."""
+        """:func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` of this object's backend."""
         return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
 
     def _check_supported(self, batches: list[Batch]) -> None:

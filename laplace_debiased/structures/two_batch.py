@@ -48,6 +48,7 @@ from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import check_same_fit_inputs, fail_together, local_shards
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
 from laplace_debiased.posterior.links import normal_samples
+from laplace_debiased.structures.auto_magnitude import sample_output_shape
 from laplace_debiased.structures.block_priors import block_marglik, prior_spans
 from laplace_debiased.structures.chunked import Output, checked_chunk_size, chunked
 from laplace_debiased.structures.fit_checks import (
@@ -109,24 +110,6 @@ def map_estimate(params: Iterable[torch.Tensor], enable_backprop: bool) -> torch
     if not torch.isfinite(mean).all():
         raise ValueError("the model parameters (the MAP estimate) contain NaN or Inf.")
     return mean
-
-
-@torch.no_grad()
-def sample_output_shape(model: nn.Module, batch: Batch, dict_key_x: str, dict_key_y: str) -> tuple[int, ...]:
-    """Per-sample output shape of ``model``, ``([tokens, ...,] C)``.
-
-    Args:
-        model: The network.
-        batch: A loader batch; its first sample is forwarded (the whole batch for dict inputs).
-        dict_key_x: Key of the inputs in a mapping batch.
-        dict_key_y: Key of the targets in a mapping batch.
-
-    Returns:
-        The output shape without the batch dimension.
-    """
-    X, _ = batch_inputs_targets(batch, dict_key_x, dict_key_y)
-    out = model(X[:1] if isinstance(X, torch.Tensor) else X)
-    return tuple(out.shape[1:])
 
 
 @torch.no_grad()
