@@ -1,7 +1,8 @@
 """``n_magnitude_batches="auto"`` of the debiased K-FAC structures over all weights: the rows the
 direction batches give each K-FAC factor, counted on the model (the rule and its record are in
-:mod:`laplace_debiased.computers.auto_magnitude`).  Plain functions of the model, the batches and
-laplace-torch's backend, called by :class:`~laplace_debiased.structures.kron.DebiasedKronLaplace`."""
+:mod:`laplace_debiased.computers.auto_magnitude`), and the model's per-sample output shape.  Plain
+functions of the model, the batches and laplace-torch's backend, called by
+:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`."""
 
 from __future__ import annotations
 

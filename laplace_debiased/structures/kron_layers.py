@@ -1,8 +1,9 @@
 """Which layers and K-FAC blocks a debiased K-FAC covers: the supported layers (K-FAC, embedding
 and dense normalisation blocks, :mod:`laplace_debiased.curvature.layer_blocks`), the blocks of
-frozen parameters dropped, and refusals for what a backend would get wrong.  Plain functions of
-the layers, the blocks and laplace-torch's backend, called by
-:class:`~laplace_debiased.structures.kron.DebiasedKronLaplace`.
+frozen parameters dropped, refusals for what a backend would get wrong, and which backends the
+shared K-FAC pass reproduces.  Plain functions of the layers, the blocks and laplace-torch's
+backend, called by :mod:`~laplace_debiased.structures.kron`, :mod:`~laplace_debiased.structures.ekfac`
+and :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`.
 """
 
 from __future__ import annotations
