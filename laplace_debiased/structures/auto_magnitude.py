@@ -1,7 +1,8 @@
 """``n_magnitude_batches="auto"`` of the debiased K-FAC structures over all weights: the rows the
 direction batches give each K-FAC factor, counted on the model (the rule and its record are in
-:mod:`laplace_debiased.computers.auto_magnitude`).  Plain functions of the model, the batches and
-laplace-torch's backend, called by :class:`~laplace_debiased.structures.kron.DebiasedKronLaplace`."""
+:mod:`laplace_debiased.computers.auto_magnitude`), and the model's per-sample output shape.  Plain
+functions of the model, the batches and laplace-torch's backend, called by
+:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`."""
 
 from __future__ import annotations
 
@@ -18,9 +19,26 @@ from laplace_debiased.curvature.kfac import layer_positions
 from laplace_debiased.curvature.layer_blocks import named_curvature_modules
 from laplace_debiased.data.batch import Batch, batch_inputs_targets
 from laplace_debiased.structures.fit_checks import check_batch_dtypes
-from laplace_debiased.structures.two_batch import sample_output_shape
 
-__all__ = ["auto_magnitude_rule", "factor_row_counts", "output_columns"]
+__all__ = ["auto_magnitude_rule", "factor_row_counts", "output_columns", "sample_output_shape"]
+
+
+@torch.no_grad()
+def sample_output_shape(model: nn.Module, batch: Batch, dict_key_x: str, dict_key_y: str) -> tuple[int, ...]:
+    """Per-sample output shape of ``model``, ``([tokens, ...,] C)``.
+
+    Args:
+        model: The network.
+        batch: A loader batch; its first sample is forwarded (the whole batch for dict inputs).
+        dict_key_x: Key of the inputs in a mapping batch.
+        dict_key_y: Key of the targets in a mapping batch.
+
+    Returns:
+        The output shape without the batch dimension.
+    """
+    X, _ = batch_inputs_targets(batch, dict_key_x, dict_key_y)
+    out = model(X[:1] if isinstance(X, torch.Tensor) else X)
+    return tuple(out.shape[1:])
 
 
 def output_columns(backend: CurvatureInterface, likelihood: str, n_outputs: int, asdl_fisher_kwargs: dict) -> int:

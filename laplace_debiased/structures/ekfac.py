@@ -31,7 +31,7 @@ import torch
 from curvlinops import FisherType
 from laplace.baselaplace import KronLaplace
 from laplace.curvature.curvature import CurvatureInterface, EFInterface
-from laplace.lllaplace import KronLLLaplace, LLLaplace
+from laplace.lllaplace import KronLLLaplace
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -41,10 +41,8 @@ from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import local_shards
 from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.posterior.ekfac import EKFACDecomposed, SpannedEKFACDecomposed
-from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
-from laplace_debiased.structures.kron import fit_kfacs, kron_fit_options, single_pass_fisher
-from laplace_debiased.structures.kron_layers import check_supported
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed
+from laplace_debiased.structures.kron import fit_kfacs, kron_fit_options
 from laplace_debiased.structures.two_batch import TwoBatchLaplace
 
 __all__ = [
@@ -218,6 +216,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
     """
 
     _key = ("all", "debiased_ekfac")
+    _kfac_blocks = True
     _cross_fit: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -279,8 +278,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         self.H_facs = self.H_facs_magnitude = self.coverage = self.correction = None
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
-        modules, fisher = self._kfac_modules(), self._single_pass_fisher()
-        check_supported(self.backend, self.backend._model, direction_batches, fisher, self.fit_output_shape)
+        modules, fisher = curvature_modules(self.backend._model), self._single_pass_fisher()
         same = magnitude_batches is direction_batches
         swap = self._cross_fit and not same  # the swapped component needs B̃'s K-FAC too
         both = not same and (swap or any(map(is_extra, modules)))  # extra blocks: B̃'s sums of the shared pass
@@ -302,30 +300,6 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         self.H_facs, self.H_facs_magnitude = direction, (magnitude if swap else None)
         return loss
 
-    def _kfac_modules(self) -> list[nn.Module]:
-        """The layers with trainable parameters, in ``Kron`` block order."""
-        return curvature_modules(self.backend._model)
-
-    def _single_pass_fisher(self) -> str | None:
-        """:func:`~laplace_debiased.structures.kron.single_pass_fisher` of this object's backend."""
-        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
-
-    def _auto_magnitude_rule(self) -> Any:
-        """:func:`~laplace_debiased.structures.auto_magnitude.auto_magnitude_rule` for this object."""
-        return auto_magnitude_rule(
-            self.model, lambda: self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
-            likelihood=self.likelihood, dtype=self._dtype, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
-            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
-        )
-
-    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
-        if not isinstance(self.H, CrossFitDecomposed):
-            return super().sample(n_samples, generator)
-        return mixture_samples(
-            self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
-        )
-
     def state_dict(self) -> dict[str, Any]:
         """KronLaplace's state (``"H"``: B's K-FAC) and the decomposition (:func:`ekfac_state`)."""
         return {**super().state_dict(), **ekfac_state(self.H)}
@@ -334,7 +308,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         """Restore a saved fit (:func:`ekfac_from_state`)."""
         super().load_state_dict(state_dict)
         self.H_facs_magnitude = None
-        self.H = ekfac_from_state(state_dict, self._kfac_modules())
+        self.H = ekfac_from_state(state_dict, curvature_modules(self.backend._model))
 
 
 class DebiasedEKFACLLLaplace(DebiasedEKFACLaplace, KronLLLaplace):

@@ -25,8 +25,7 @@ from typing import Any, Literal
 import torch
 from laplace.baselaplace import KronLaplace
 from laplace.curvature.curvature import CurvatureInterface
-from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
-from laplace.lllaplace import KronLLLaplace, LLLaplace
+from laplace.lllaplace import KronLLLaplace
 from laplace.utils.matrix import Kron
 from torch import nn
 from torch.utils.data import DataLoader
@@ -41,9 +40,14 @@ from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed
 from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
-from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
-from laplace_debiased.structures.kron_layers import block_names, check_blocks, check_supported, trainable_blocks
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed
+from laplace_debiased.structures.kron_layers import (
+    block_names,
+    check_blocks,
+    check_supported,
+    single_pass_fisher,
+    trainable_blocks,
+)
 from laplace_debiased.structures.two_batch import TwoBatchLaplace
 
 __all__ = [
@@ -130,27 +134,6 @@ def kron_fit_options(
     return resolve_estimator(estimator, offered, structure, cross_fit, null_space)
 
 
-def single_pass_fisher(backend: CurvatureInterface, asdl_fisher_kwargs: dict) -> str | None:
-    """The curvature type of ``backend`` if the shared K-FAC pass
-    (:func:`~laplace_debiased.computers.kron_passes.single_pass_kfacs`) reproduces it exactly.
-
-    Args:
-        backend: laplace-torch's curvature backend.
-        asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
-
-    Returns:
-        ``"type2"`` (Curvlinops exact GGN) or ``"empirical"`` (Curvlinops EF) with K-FAC
-        "expand"; ``None`` for any other backend or option.
-    """
-    if set(asdl_fisher_kwargs) - {"kfac_approx"} or asdl_fisher_kwargs.get("kfac_approx", "expand") != "expand":
-        return None
-    if isinstance(backend, CurvlinopsGGN) and not backend.stochastic:
-        return "type2"
-    if isinstance(backend, CurvlinopsEF):
-        return "empirical"
-    return None
-
-
 def backend_kfacs(
     model: nn.Module,
     backend: CurvatureInterface,
@@ -165,8 +148,9 @@ def backend_kfacs(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, list[Kron]]:
     """K-FAC of each batch set by one backend call per batch (backends that
-    :func:`single_pass_fisher` does not reproduce), scaled to ``N`` points (module docstring
-    convention), with the blocks of frozen parameters dropped and the rest checked.
+    :func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` does not reproduce),
+    scaled to ``N`` points (module docstring convention), with the blocks of frozen parameters
+    dropped and the rest checked.
 
     Args:
         model: The network.
@@ -237,14 +221,17 @@ def fit_kfacs(
 ) -> tuple[torch.Tensor, list[Kron], list | None]:
     """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of them: one
     shared pass (:func:`~laplace_debiased.computers.kron_passes.single_pass_kfacs`) where the
-    backend allows, else :func:`backend_kfacs`; the blocks checked against the trainable parameters.
+    backend allows, else :func:`backend_kfacs`; the layers and the first set checked first
+    (:func:`~laplace_debiased.structures.kron_layers.check_supported`), the blocks checked against
+    the trainable parameters.
 
     Args:
         model: The network.
         backend: laplace-torch's curvature backend.
         groups: The batch sets (B, and B̃ unless it is B).
         N: Training samples the factors are scaled to.
-        fisher: :func:`single_pass_fisher` of the backend (``None``: :func:`backend_kfacs`).
+        fisher: :func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` of the
+            backend (``None``: :func:`backend_kfacs`).
         likelihood: laplace-torch's likelihood.
         asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
         output_shape: The per-sample output shape ``([tokens, ...,] C)``.
@@ -255,7 +242,13 @@ def fit_kfacs(
     Returns:
         The summed loss, one ``Kron`` per set, and the shared pass's factor rows (``None`` for
         :func:`backend_kfacs`).
+
+    Raises:
+        ValueError: What the backend would get wrong for these layers and batches
+            (:func:`~laplace_debiased.structures.kron_layers.check_supported`), or what
+            :func:`backend_kfacs` refuses.
     """
+    check_supported(backend, backend._model, groups[0], fisher, output_shape)
     params = next(model.parameters())
     if fisher is None:
         loss, krons = backend_kfacs(
@@ -368,6 +361,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     """
 
     _key = ("all", "debiased_kron")
+    _kfac_blocks = True
     _null_space: str = "isotropic"
     _estimator: str = "corrected"
     _estimators: tuple[str, ...] = ESTIMATORS
@@ -438,9 +432,12 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         self._fit_sizes = (0, 0)
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> torch.Tensor:
-        self._check_supported(direction_batches)
         groups = [direction_batches] if magnitude_batches is direction_batches else [direction_batches, magnitude_batches]
-        loss, krons = self._kfacs(groups, N)
+        loss, krons, self._factor_rows = fit_kfacs(
+            self.model, self.backend, groups, N, fisher=self._single_pass_fisher(), likelihood=self.likelihood,
+            asdl_fisher_kwargs=self._asdl_fisher_kwargs, output_shape=self.fit_output_shape, mean=self.mean,
+            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
+        )
         direction, magnitude = krons[0], krons[-1]
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             self._factor_rows = None
@@ -453,15 +450,6 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         report_coverage(self.coverage)
         return loss
 
-    def _kfacs(self, groups: list[list[Batch]], N: int) -> tuple[torch.Tensor, list[Kron]]:
-        """:func:`fit_kfacs` of the batch sets, keeping the factor rows of the shared pass."""
-        loss, krons, self._factor_rows = fit_kfacs(
-            self.model, self.backend, groups, N, fisher=self._single_pass_fisher(), likelihood=self.likelihood,
-            asdl_fisher_kwargs=self._asdl_fisher_kwargs, output_shape=self.fit_output_shape, mean=self.mean,
-            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
-        )
-        return loss, krons
-
     def _decompose(self, n_data: int | None = None) -> None:
         """``H``, ``coverage`` and ``correction`` from ``H_facs`` and ``H_facs_magnitude``
         (:func:`debiased_kron_curvature`), scaled to ``n_data`` data points (by default
@@ -470,34 +458,6 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
             self.H_facs, self.H_facs_magnitude, getattr(self, "_factor_rows", None), null_space=self._null_space,
             estimator=self._estimator, cross_fit=self._cross_fit, sizes=self._fit_sizes,
             n_data=n_data or self.n_data, layers=self.backend._model, damping=self.damping,
-        )
-
-    def _kfac_modules(self) -> list[nn.Module]:
-        """The layers with trainable parameters, in ``Kron`` block order."""
-        return curvature_modules(self.backend._model)
-
-    def _single_pass_fisher(self) -> str | None:
-        """:func:`single_pass_fisher` of this object's backend."""
-        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
-
-    def _check_supported(self, batches: list[Batch]) -> None:
-        """:func:`~laplace_debiased.structures.kron_layers.check_supported` for this fit."""
-        check_supported(self.backend, self.backend._model, batches, self._single_pass_fisher(), self.fit_output_shape)
-
-    def _auto_magnitude_rule(self) -> Any:
-        """:func:`~laplace_debiased.structures.auto_magnitude.auto_magnitude_rule` for this object."""
-        return auto_magnitude_rule(
-            self.model, lambda: self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
-            likelihood=self.likelihood, dtype=self._dtype, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
-            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
-        )
-
-    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Posterior samples ``(n_samples, n_params)``; cross-fitted: exact mixture samples."""
-        if not isinstance(self.H, CrossFitDecomposed):
-            return super().sample(n_samples, generator)
-        return mixture_samples(
-            self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -509,7 +469,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         super().load_state_dict(state_dict)
         self.coverage = self.correction = None
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
-        self.H = kron_from_state(state_dict, self.damping, self._kfac_modules())
+        self.H = kron_from_state(state_dict, self.damping, curvature_modules(self.backend._model))
 
 
 class DebiasedKronLLLaplace(DebiasedKronLaplace, KronLLLaplace):

@@ -1,8 +1,9 @@
 """Which layers and K-FAC blocks a debiased K-FAC covers: the supported layers (K-FAC, embedding
 and dense normalisation blocks, :mod:`laplace_debiased.curvature.layer_blocks`), the blocks of
-frozen parameters dropped, and refusals for what a backend would get wrong.  Plain functions of
-the layers, the blocks and laplace-torch's backend, called by
-:class:`~laplace_debiased.structures.kron.DebiasedKronLaplace`.
+frozen parameters dropped, refusals for what a backend would get wrong, and which backends the
+shared K-FAC pass reproduces.  Plain functions of the layers, the blocks and laplace-torch's
+backend, called by :mod:`~laplace_debiased.structures.kron`, :mod:`~laplace_debiased.structures.ekfac`
+and :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import MutableMapping
 import torch
 from laplace.curvature.backpack import BackPackInterface
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.curvlinops import CurvlinopsEF, CurvlinopsGGN
 from torch import nn
 
 from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
@@ -23,7 +25,7 @@ from laplace_debiased.curvature.layer_blocks import (
 )
 from laplace_debiased.data.batch import Batch
 
-__all__ = ["block_names", "check_blocks", "check_supported", "trainable_blocks"]
+__all__ = ["block_names", "check_blocks", "check_supported", "single_pass_fisher", "trainable_blocks"]
 
 _KFAC_LAYERS = (nn.Linear, nn.Conv2d)
 
@@ -155,3 +157,24 @@ def check_blocks(kfacs: list[list[torch.Tensor]], modules: list[nn.Module], back
             f"the backend returned K-FAC blocks {shapes} but the trainable parameters "
             f"need {wanted}; some layer is unsupported by {type(backend).__name__}."
         )
+
+
+def single_pass_fisher(backend: CurvatureInterface, asdl_fisher_kwargs: dict) -> str | None:
+    """The curvature type of ``backend`` if the shared K-FAC pass
+    (:func:`~laplace_debiased.computers.kron_passes.single_pass_kfacs`) reproduces it exactly.
+
+    Args:
+        backend: laplace-torch's curvature backend.
+        asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
+
+    Returns:
+        ``"type2"`` (Curvlinops exact GGN) or ``"empirical"`` (Curvlinops EF) with K-FAC
+        "expand"; ``None`` for any other backend or option.
+    """
+    if set(asdl_fisher_kwargs) - {"kfac_approx"} or asdl_fisher_kwargs.get("kfac_approx", "expand") != "expand":
+        return None
+    if isinstance(backend, CurvlinopsGGN) and not backend.stochastic:
+        return "type2"
+    if isinstance(backend, CurvlinopsEF):
+        return "empirical"
+    return None

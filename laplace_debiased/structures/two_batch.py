@@ -22,9 +22,11 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
 The overrides are thin: each calls the plain functions of a sibling module, the input checks
-of :mod:`.fit_checks`, the predictive over chunks of the inputs of :mod:`.chunked`, the GLM
-predictive of token outputs and per-example Jacobians of :mod:`.token_outputs`, the grid search
-of :mod:`.gridsearch` and the per-block layerwise marglik of :mod:`.block_priors`.
+of :mod:`.fit_checks`, ``n_magnitude_batches="auto"`` of :mod:`.auto_magnitude`, the predictive
+over chunks of the inputs of :mod:`.chunked`, the GLM predictive of token outputs and per-example
+Jacobians of :mod:`.token_outputs`, the mixture samples of a cross-fitted ``H`` of
+:mod:`.cross_fit`, the grid search of :mod:`.gridsearch` and the per-block layerwise marglik of
+:mod:`.block_priors`.
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ from torch.utils.data import DataLoader
 
 from laplace_debiased.computers.batches import BatchChoice, BatchSplit, check_targets, split_batches
 from laplace_debiased.curvature.kfac import output_rows, padded_rows
+from laplace_debiased.curvature.layer_blocks import curvature_modules
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import check_same_fit_inputs, fail_together, local_shards
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
 from laplace_debiased.posterior.links import normal_samples
+from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule, sample_output_shape
 from laplace_debiased.structures.block_priors import block_marglik, prior_spans
 from laplace_debiased.structures.chunked import Output, checked_chunk_size, chunked
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
 from laplace_debiased.structures.fit_checks import (
     check_batch_dtypes,
     check_model_mode,
@@ -59,6 +64,7 @@ from laplace_debiased.structures.fit_checks import (
     check_trainable,
 )
 from laplace_debiased.structures.gridsearch import grid_search, regression_grid_loss
+from laplace_debiased.structures.kron_layers import single_pass_fisher
 from laplace_debiased.structures.token_outputs import (
     per_example_jacobians,
     token_jacobians,
@@ -109,24 +115,6 @@ def map_estimate(params: Iterable[torch.Tensor], enable_backprop: bool) -> torch
     if not torch.isfinite(mean).all():
         raise ValueError("the model parameters (the MAP estimate) contain NaN or Inf.")
     return mean
-
-
-@torch.no_grad()
-def sample_output_shape(model: nn.Module, batch: Batch, dict_key_x: str, dict_key_y: str) -> tuple[int, ...]:
-    """Per-sample output shape of ``model``, ``([tokens, ...,] C)``.
-
-    Args:
-        model: The network.
-        batch: A loader batch; its first sample is forwarded (the whole batch for dict inputs).
-        dict_key_x: Key of the inputs in a mapping batch.
-        dict_key_y: Key of the targets in a mapping batch.
-
-    Returns:
-        The output shape without the batch dimension.
-    """
-    X, _ = batch_inputs_targets(batch, dict_key_x, dict_key_y)
-    out = model(X[:1] if isinstance(X, torch.Tensor) else X)
-    return tuple(out.shape[1:])
 
 
 @torch.no_grad()
@@ -192,12 +180,18 @@ class TwoBatchLaplace:
     (B picks directions, B̃ measures magnitudes), the predictive over chunks of inputs and token
     outputs, and the prior-precision tuning (module docstring).
 
+    Structures whose curvature is laplace-torch's K-FAC blocks (``debiased_kron``,
+    ``debiased_ekfac``) set ``_kfac_blocks``; it turns on ``n_magnitude_batches="auto"``
+    (:mod:`.auto_magnitude`), the shared K-FAC pass's check of padded targets and per-block
+    layerwise priors (:mod:`.block_priors`).
+
     Attributes:
         predictive_chunk_size: Inputs per chunk of the predictive; ``None`` (default) picks
             :func:`~laplace_debiased.structures.chunked.auto_chunk_size` from the fit.
     """
 
     predictive_chunk_size: int | None = None
+    _kfac_blocks: bool = False
 
     def fit(
         self,
@@ -264,20 +258,29 @@ class TwoBatchLaplace:
         raise NotImplementedError
 
     def _magnitude_rule(self, n_magnitude_batches: object) -> Callable[[list[Batch]], AutoMagnitude] | None:
-        """``None`` unless ``n_magnitude_batches="auto"``, then :meth:`_auto_magnitude_rule`; another string raises."""
+        """``None`` unless ``n_magnitude_batches="auto"``, then
+        :func:`~laplace_debiased.structures.auto_magnitude.auto_magnitude_rule` (K-FAC blocks only);
+        another string raises."""
         if not isinstance(n_magnitude_batches, str):
             return None
         if n_magnitude_batches != "auto":
             raise ValueError(f"n_magnitude_batches must be a positive integer or 'auto', got {n_magnitude_batches!r}.")
-        return self._auto_magnitude_rule()
-
-    def _auto_magnitude_rule(self) -> Callable[[list[Batch]], AutoMagnitude]:
-        """The rule of ``n_magnitude_batches="auto"``; structures with K-FAC factors override this."""
-        raise ValueError(
-            f"n_magnitude_batches='auto' counts the rows B gives each K-FAC factor, and {type(self).__name__} "
-            "has no K-FAC factors. Pass an integer n_magnitude_batches (default 1), or use "
-            "hessian_structure='debiased_kron' or 'debiased_ekfac' with subset_of_weights='all'."
+        if not self._kfac_blocks:
+            raise ValueError(
+                f"n_magnitude_batches='auto' counts the rows B gives each K-FAC factor, and {type(self).__name__} "
+                "has no K-FAC factors. Pass an integer n_magnitude_batches (default 1), or use "
+                "hessian_structure='debiased_kron' or 'debiased_ekfac' with subset_of_weights='all'."
+            )
+        return auto_magnitude_rule(
+            self.model, lambda: self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
+            likelihood=self.likelihood, dtype=self._dtype, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
+            dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
         )
+
+    def _single_pass_fisher(self) -> str | None:
+        """:func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` of the backend (K-FAC
+        blocks only; ``None`` otherwise)."""
+        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs) if self._kfac_blocks else None
 
     def _fit_split(self, batches: BatchSplit, override: bool) -> None:
         """:meth:`fit` on the selected B and B̃: the inputs checked, the curvature fitted, and this
@@ -313,10 +316,8 @@ class TwoBatchLaplace:
         if override:
             self._reset_fit_state()
         self.fit_output_shape = sample_output_shape(self.model, first, *keys)
-        if has_padded_targets(used, self.fit_output_shape, self.likelihood, *keys):
-            single_pass = getattr(self, "_single_pass_fisher", None)  # laplace-torch's K-FAC backends
-            if single_pass is not None:
-                check_padded_targets_supported(single_pass(), self.backend, self._asdl_fisher_kwargs)
+        if has_padded_targets(used, self.fit_output_shape, self.likelihood, *keys) and self._kfac_blocks:
+            check_padded_targets_supported(self._single_pass_fisher(), self.backend, self._asdl_fisher_kwargs)
         self.n_outputs = self.fit_output_shape[-1] if self.fit_output_shape else 1
         setattr(self.model, "output_size", self.n_outputs)
 
@@ -349,6 +350,15 @@ class TwoBatchLaplace:
         self.prior_precision = self._prior_precision
         self.prior_mean = self._prior_mean
         self._init_H()
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Posterior samples ``(n_samples, n_params)``; a cross-fitted ``H``
+        (:class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`): exact mixture samples."""
+        if not isinstance(self.H, CrossFitDecomposed):
+            return super().sample(n_samples, generator)
+        return mixture_samples(
+            self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
+        )
 
     # ------------------------------------------------------------------ predictive
     def __call__(
@@ -521,8 +531,8 @@ class TwoBatchLaplace:
         """
         spans = [1]
         if method == "marglik" and prior_structure == "layerwise":
-            modules = getattr(self, "_kfac_modules", None)  # blocks of the K-FAC structures
-            spans = prior_spans(None if modules is None or isinstance(self, LLLaplace) else modules(), self.n_layers)
+            blocks = self._kfac_blocks and not isinstance(self, LLLaplace)
+            spans = prior_spans(curvature_modules(self.backend._model) if blocks else None, self.n_layers)
         if any(span > 1 for span in spans):
             self.prior_precision = block_marglik(
                 lambda delta: self.log_marginal_likelihood(prior_precision=delta), spans, init_prior_prec,
