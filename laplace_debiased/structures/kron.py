@@ -45,7 +45,6 @@ from laplace_debiased.structures.kron_layers import (
     block_names,
     check_blocks,
     check_supported,
-    single_pass_fisher,
     trainable_blocks,
 )
 from laplace_debiased.structures.two_batch import TwoBatchLaplace
@@ -61,7 +60,6 @@ __all__ = [
     "kron_fit_options",
     "kron_from_state",
     "kron_state",
-    "single_pass_fisher",
 ]
 
 

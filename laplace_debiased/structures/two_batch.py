@@ -75,7 +75,7 @@ from laplace_debiased.structures.token_outputs import (
 if TYPE_CHECKING:
     from laplace_debiased.computers.auto_magnitude import AutoMagnitude
 
-__all__ = ["TwoBatchLaplace", "distinct_batches", "map_estimate", "sample_output_shape", "summed_loss"]
+__all__ = ["TwoBatchLaplace", "distinct_batches", "map_estimate", "summed_loss"]
 
 logger = logging.getLogger(__name__)
 
