@@ -97,8 +97,14 @@ def roundoff_tolerance(C: torch.Tensor, terms: int = 0) -> float:
 
 
 def frobenius_tolerance(n: int, dtype: torch.dtype, frobenius: float) -> float:
-    """``ROUNDOFF_FACTOR * n * eps(dtype) * frobenius`` (:func:`roundoff_tolerance`)."""
-    return ROUNDOFF_FACTOR * n * torch.finfo(dtype).eps * frobenius
+    """``ROUNDOFF_FACTOR * n * eps(dtype) * (frobenius + tiny(dtype))`` (:func:`roundoff_tolerance`).
+
+    The ``tiny`` term (the smallest normal number) covers the absolute error ``eps · tiny`` of each
+    operation under gradual underflow (Higham, *Accuracy and Stability of Numerical Algorithms*,
+    §2.1): a factor whose entries lie below ``tiny`` is not counted as of higher rank than its rows.
+    """
+    finfo = torch.finfo(dtype)
+    return ROUNDOFF_FACTOR * n * finfo.eps * (frobenius + finfo.tiny)
 
 
 def clamp_roundoff_negatives(
