@@ -32,7 +32,11 @@ import torch
 from torch import Tensor, nn
 
 from laplace_debiased.curvature import eigen
+from laplace_debiased.curvature.factors import dense_curvature, directional_curvatures
+from laplace_debiased.curvature.inputs import Batch, Curvature, parameter_count, trainable_parameters
+from laplace_debiased.curvature.lanczos import lanczos_top_k, summed_curvature_product
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
+from laplace_debiased.curvature.thresholds import EigenPairs, above_relative_floor, threshold_eigenpairs
 from laplace_debiased.parallel.reducer import Reducer
 
 __all__ = [
@@ -67,7 +71,7 @@ class CurvatureSource:
 
     module: nn.Module
     likelihood: str
-    curvature: eigen.Curvature
+    curvature: Curvature
     n_outputs: int
 
 
@@ -109,7 +113,7 @@ class FullDecomposition:
     eigenpairs: tuple[Tensor, Tensor] | None
 
 
-def summed_dense_curvature(source: CurvatureSource, batches: list[eigen.Batch], reducer: Reducer) -> Tensor:
+def summed_dense_curvature(source: CurvatureSource, batches: list[Batch], reducer: Reducer) -> Tensor:
     """Dense ``G`` of the summed loss over every rank's rows, on every rank.
 
     Args:
@@ -120,13 +124,13 @@ def summed_dense_curvature(source: CurvatureSource, batches: list[eigen.Batch], 
     Returns:
         ``(P, P)`` float64 ``G`` (not rescaled).
     """
-    G = eigen.dense_curvature(source.module, batches, source.likelihood, source.curvature)
+    G = dense_curvature(source.module, batches, source.likelihood, source.curvature)
     reducer.sum_([G])
     return G
 
 
 def remeasured_eigenvalues(
-    source: CurvatureSource, batches: list[eigen.Batch], vectors: Tensor, reducer: Reducer
+    source: CurvatureSource, batches: list[Batch], vectors: Tensor, reducer: Reducer
 ) -> Tensor:
     """The Rayleigh quotients ``λ̃_i = u_iᵀ G u_i`` of the summed-loss curvature ``G`` over
     every rank's rows, on every rank.
@@ -140,20 +144,20 @@ def remeasured_eigenvalues(
     Returns:
         ``(k,)`` float64 ``λ̃`` (not rescaled).
     """
-    lam = eigen.directional_curvatures(source.module, batches, vectors, source.likelihood, source.curvature)
+    lam = directional_curvatures(source.module, batches, vectors, source.likelihood, source.curvature)
     reducer.sum_([lam])
     return lam
 
 
 def direction_eigenpairs(
     source: CurvatureSource,
-    batches: list[eigen.Batch],
+    batches: list[Batch],
     *,
     rank: int,
     method: eigen.Method,
     eigval_rtol: float,
     reducer: Reducer,
-) -> eigen.EigenPairs:
+) -> EigenPairs:
     """Top-``rank`` eigenpairs of ``G_B`` over every rank's rows of B (not rescaled), on every rank.
 
     In one process: :func:`~laplace_debiased.curvature.eigen.top_eigenpairs` by ``method``. Over
@@ -171,7 +175,7 @@ def direction_eigenpairs(
         reducer: the ranks' collectives.
 
     Returns:
-        float64 :class:`~laplace_debiased.curvature.eigen.EigenPairs`, ``(r,)`` descending and
+        float64 :class:`~laplace_debiased.curvature.thresholds.EigenPairs`, ``(r,)`` descending and
         ``(P, r)`` with ``r ≤ rank``.
 
     Raises:
@@ -181,7 +185,7 @@ def direction_eigenpairs(
         return eigen.top_eigenpairs(
             source.module, batches, source.likelihood, rank, source.curvature, method, eigval_rtol
         )
-    n_params = eigen.parameter_count(source.module)
+    n_params = parameter_count(source.module)
     dense_fits = 8 * n_params**2 <= MAX_DISTRIBUTED_DENSE_BYTES
     if method == "lanczos" or (method == "auto" and not dense_fits):
         return _lanczos_pairs(source, batches, rank, eigval_rtol, n_params, reducer)
@@ -195,36 +199,36 @@ def direction_eigenpairs(
     values, vectors = reducer.computed_on_rank0(
         lambda: _pair_tensors(eigen.dense_top_eigenpairs(G_B, rank, eigval_rtol)), G_B.device
     )
-    return eigen.EigenPairs(values, vectors, "dense")
+    return EigenPairs(values, vectors, "dense")
 
 
 def _lanczos_pairs(
-    source: CurvatureSource, batches: list[eigen.Batch], rank: int, eigval_rtol: float, n_params: int,
+    source: CurvatureSource, batches: list[Batch], rank: int, eigval_rtol: float, n_params: int,
     reducer: Reducer,
-) -> eigen.EigenPairs:
+) -> EigenPairs:
     """Lanczos on rank 0 over ``v ↦ G_B v``, each product summed over the ranks' rows."""
-    product = eigen.summed_curvature_product(
+    product = summed_curvature_product(
         source.module, batches, source.likelihood, source.curvature, source.n_outputs
     )
-    first = next(iter(eigen.trainable_parameters(source.module).values()))
+    first = next(iter(trainable_parameters(source.module).values()))
     k = min(rank, n_params)
 
     def lanczos(operator: Any) -> tuple[Tensor, Tensor]:
-        pairs = eigen.lanczos_top_k(operator, n_params, k, dtype=first.dtype, device=first.device)
-        return _pair_tensors(eigen.threshold_eigenpairs(pairs, eigval_rtol))
+        pairs = lanczos_top_k(operator, n_params, k, dtype=first.dtype, device=first.device)
+        return _pair_tensors(threshold_eigenpairs(pairs, eigval_rtol))
 
     values, vectors = reducer.run_with_summed_operator(product, lanczos, n_params, first.dtype, first.device)
-    return eigen.EigenPairs(values, vectors, "lanczos")
+    return EigenPairs(values, vectors, "lanczos")
 
 
-def _pair_tensors(pairs: eigen.EigenPairs) -> tuple[Tensor, Tensor]:
+def _pair_tensors(pairs: EigenPairs) -> tuple[Tensor, Tensor]:
     return pairs.values, pairs.vectors
 
 
 def debiased_lowrank(
     source: CurvatureSource,
-    direction_batches: list[eigen.Batch],
-    magnitude_batches: list[eigen.Batch] | None,
+    direction_batches: list[Batch],
+    magnitude_batches: list[Batch] | None,
     *,
     sizes: tuple[int, int],
     n_data: int,
@@ -261,12 +265,12 @@ def debiased_lowrank(
         remeasured = pairs.values * scale_B
     else:
         remeasured = remeasured_eigenvalues(source, magnitude_batches, pairs.vectors, reducer) * (n_data / sizes[1])
-    keep = eigen.above_relative_floor(remeasured, remeasured_rtol)
+    keep = above_relative_floor(remeasured, remeasured_rtol)
     return LowRankDecomposition(pairs.vectors[:, keep], remeasured[keep], pairs.values[keep] * scale_B, pairs.method)
 
 
 def decompose_debiased_full(
-    pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float
+    pairs: EigenPairs, G_magnitude: Tensor | None, scale_B: float
 ) -> FullDecomposition:
     """The debiased dense curvature from B's range eigenpairs and B̃'s curvature.
 
@@ -312,7 +316,7 @@ def symmetric_outer(Q: Tensor, h: Tensor) -> Tensor:
     return 0.5 * (H + H.T)
 
 
-def _dense_debiased_full(pairs: eigen.EigenPairs, G_magnitude: Tensor | None, scale_B: float) -> list[Tensor]:
+def _dense_debiased_full(pairs: EigenPairs, G_magnitude: Tensor | None, scale_B: float) -> list[Tensor]:
     """``[B's eigenvalues, λ̃, H]`` of :func:`decompose_debiased_full` with ``H`` always dense."""
     result = decompose_debiased_full(pairs, G_magnitude, scale_B)
     H = result.dense if result.dense is not None else symmetric_outer(*result.eigenpairs)
@@ -320,12 +324,12 @@ def _dense_debiased_full(pairs: eigen.EigenPairs, G_magnitude: Tensor | None, sc
 
 
 def _magnitude_curvature(
-    source: CurvatureSource, batches: list[eigen.Batch], scale: float, reducer: Reducer
+    source: CurvatureSource, batches: list[Batch], scale: float, reducer: Reducer
 ) -> Tensor:
     """``G_B̃`` times ``scale``: in one process the factor ``√scale · V`` (``(P, M)``,
     ``G_B̃ = V Vᵀ``) when ``M < P``, else (and over several ranks) the dense ``(P, P)`` matrix."""
     module = source.module
-    if reducer.world == 1 and eigen.factor_columns(module, batches, source.curvature) < eigen.parameter_count(module):
+    if reducer.world == 1 and eigen.factor_columns(module, batches, source.curvature) < parameter_count(module):
         V = eigen.curvature_factor(module, batches, source.likelihood, source.curvature)
         return V.double() * scale**0.5
     return summed_dense_curvature(source, batches, reducer) * scale
@@ -333,8 +337,8 @@ def _magnitude_curvature(
 
 def debiased_full(
     source: CurvatureSource,
-    direction_batches: list[eigen.Batch],
-    magnitude_batches: list[eigen.Batch] | None,
+    direction_batches: list[Batch],
+    magnitude_batches: list[Batch] | None,
     *,
     sizes: tuple[int, int],
     n_data: int,

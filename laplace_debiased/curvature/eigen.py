@@ -86,12 +86,6 @@ from laplace_debiased.curvature.lanczos import summed_curvature_top_k
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.curvature.thresholds import EigenPairs, threshold_eigenpairs
 
-# Read through this module by computers.lowrank (eigen.NAME); not used here.
-from laplace_debiased.curvature.factors import directional_curvatures  # noqa: F401
-from laplace_debiased.curvature.inputs import trainable_parameters  # noqa: F401
-from laplace_debiased.curvature.lanczos import lanczos_top_k, summed_curvature_product  # noqa: F401
-from laplace_debiased.curvature.thresholds import above_relative_floor  # noqa: F401
-
 Method = Literal["auto", "gram", "lanczos"]
 
 METHODS = ("auto", "gram", "lanczos")

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace_debiased.computers.lowrank import CurvatureSource, debiased_full, debiased_lowrank, symmetric_outer
-from laplace_debiased.curvature import eigen
+from laplace_debiased.curvature import eigen, inputs
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import local_shards
@@ -147,7 +147,7 @@ class EigenConfig:
             )
 
 
-def curvature_type(backend: CurvatureInterface) -> eigen.Curvature:
+def curvature_type(backend: CurvatureInterface) -> inputs.Curvature:
     """The curvature a backend stands for in :mod:`laplace_debiased.curvature.eigen`.
 
     Args:
@@ -187,7 +187,7 @@ class _PairHead(nn.Module):
 @torch.no_grad()
 def module_batches(
     model: nn.Module, batches: list[Batch], *, last_layer: bool, dict_key_x: str, dict_key_y: str
-) -> list[eigen.Batch]:
+) -> list[inputs.Batch]:
     """``(input of the curvature module, y)`` per batch.
 
     Args:
@@ -222,8 +222,8 @@ class EigenFitInputs:
     """
 
     source: CurvatureSource
-    direction: list[eigen.Batch]
-    magnitude: list[eigen.Batch] | None
+    direction: list[inputs.Batch]
+    magnitude: list[inputs.Batch] | None
     sizes: tuple[int, int]
 
 
@@ -267,7 +267,7 @@ def eigen_fit_inputs(
     fit_likelihood = "classification" if likelihood == "reward_modeling" else likelihood
     keys = {"dict_key_x": dict_key_x, "dict_key_y": dict_key_y}
 
-    def local(batches: list[Batch]) -> list[eigen.Batch]:
+    def local(batches: list[Batch]) -> list[inputs.Batch]:
         shards = local_shards(batches, **keys, rank=reducer.rank, world=reducer.world)
         return module_batches(model, shards, last_layer=last_layer, **keys)
 

@@ -8,6 +8,7 @@ from torch import nn
 from torch.func import functional_call
 
 from laplace_debiased.curvature import eigen
+from laplace_debiased.curvature.thresholds import above_relative_floor
 from laplace_debiased.curvature.factors import curvature_factor, dense_curvature, directional_curvatures, per_sample_factor_columns
 from laplace_debiased.curvature.inputs import CURVATURES
 
@@ -178,11 +179,11 @@ def test_relative_threshold_drops_small_eigenvalues():
 
 def test_above_relative_floor_removes_nonpositive_and_tiny():
     lam = torch.tensor([2.0, 0.0, -1e-17, 1e-12, 1e-9], dtype=torch.float64)
-    assert eigen.above_relative_floor(lam, rtol=1e-10).tolist() == [True, False, False, False, True]
-    assert eigen.above_relative_floor(lam, rtol=0.0).tolist() == [True, False, False, True, True]
-    assert not eigen.above_relative_floor(torch.zeros(4, dtype=torch.float64), rtol=0.0).any()
-    assert not eigen.above_relative_floor(-torch.ones(3, dtype=torch.float64), rtol=0.5).any()
-    assert eigen.above_relative_floor(torch.zeros(0), rtol=0.1).shape == (0,)
+    assert above_relative_floor(lam, rtol=1e-10).tolist() == [True, False, False, False, True]
+    assert above_relative_floor(lam, rtol=0.0).tolist() == [True, False, False, True, True]
+    assert not above_relative_floor(torch.zeros(4, dtype=torch.float64), rtol=0.0).any()
+    assert not above_relative_floor(-torch.ones(3, dtype=torch.float64), rtol=0.5).any()
+    assert above_relative_floor(torch.zeros(0), rtol=0.1).shape == (0,)
 
 
 def test_choose_method_cost_rules():
