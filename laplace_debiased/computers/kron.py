@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from laplace_debiased.computers.coverage import Coverage, coverage_record
-from laplace_debiased.computers.kron_estimators import Correction, corrected_decomposition, on_rank0
+from laplace_debiased.computers.kron_estimators import CORRECTED, Correction, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.completion import debiased_factor_mode
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.parallel.reducer import Reducer
@@ -117,9 +117,9 @@ def decompose_two_batch(
         rows: B's and B̃'s factor rows per block and factor (``None`` where unknown); a factor
             wider than its rows is decomposed through them, with an implicit null space.
         null_space: ``"isotropic"`` or ``"aligned"``, the treatment of B's null space.
-        estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients) or ``"corrected"``
-            (:mod:`laplace_debiased.curvature.corrected`; B̃ = B falls back to the paper's, which
-            is then stock K-FAC).
+        estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients), ``"corrected"`` or
+            ``"shrunk"`` (:mod:`laplace_debiased.curvature.corrected`; B̃ = B falls back to the
+            paper's, which is then stock K-FAC).
         cross_fit: also the role-swapped decomposition (``"paper"`` only).
         sizes: samples summed into B's and B̃'s factors.
         n_data: the training data B and B̃ were drawn from (finite-population scaling).
@@ -132,9 +132,10 @@ def decompose_two_batch(
     same = magnitude is direction
     correction = None
     swapped = None
-    if estimator == "corrected" and not same:
+    if estimator in CORRECTED and not same:
         vecs, vals, correction = corrected_decomposition(
-            direction, magnitude, sizes, list(names), n_data, reducer, paired_rows(rows[0], rows[-1]))
+            direction, magnitude, sizes, list(names), n_data, reducer, paired_rows(rows[0], rows[-1]),
+            shrink=estimator == "shrunk")
     else:
         terms = max(sizes)
         vecs, vals = _debiased(direction, magnitude, rows[0], rows[-1], null_space, terms, reducer)

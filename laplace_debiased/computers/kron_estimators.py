@@ -4,7 +4,8 @@ debiased K-FAC Laplace classes (:mod:`laplace_debiased.structures.kron`).
 ``"paper"``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al., ICLR 2025), with the
 null-space completion of :mod:`laplace_debiased.curvature.completion`. ``"corrected"``: the
 eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches measure
-against each other (:mod:`laplace_debiased.curvature.corrected`).
+against each other (:mod:`laplace_debiased.curvature.corrected`). ``"shrunk"``: the same, with each
+factor's correction shrunk by its noise, the two orders' disagreement (James–Stein; the default).
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import torch
 from laplace_debiased.curvature.corrected import FactorCorrection, corrected_kron
 from laplace_debiased.parallel.reducer import Reducer
 
-__all__ = ["ESTIMATORS", "Correction", "corrected_decomposition", "on_rank0", "resolve_estimator"]
+__all__ = ["CORRECTED", "ESTIMATORS", "Correction", "corrected_decomposition", "on_rank0", "resolve_estimator"]
 
 logger = logging.getLogger("laplace_debiased")
 
 #: the estimates ``fit(estimator=...)`` offers (module docstring)
-ESTIMATORS = ("paper", "corrected")
+ESTIMATORS = ("paper", "corrected", "shrunk")
+
+#: the estimates on the eigenvectors of B ∪ B̃ (:mod:`laplace_debiased.curvature.corrected`)
+CORRECTED = ("corrected", "shrunk")
 
 
 def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: str, cross_fit: bool,
@@ -31,9 +35,9 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
     """The estimate a fit uses.
 
     Args:
-        estimator: the one asked for, or ``None`` for the default: ``"corrected"`` where
-            ``offered`` has it (measured closer to the full batch than the paper's in
-            docs/benchmarks.md), except that ``cross_fit=True`` or ``null_space="aligned"``
+        estimator: the one asked for, or ``None`` for the default: ``"shrunk"`` where
+            ``offered`` has it (measured against the single batch, the paper's and the corrected
+            estimate in docs/benchmarks.md), except that ``cross_fit=True`` or ``null_space="aligned"``
             (options of the paper's estimate) select ``"paper"``; ``"paper"`` elsewhere.
         offered: the estimates the structure offers (:data:`ESTIMATORS` for ``debiased_kron``).
         structure: the structure's name, for the error message.
@@ -41,22 +45,22 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
         null_space: the fit's null-space treatment (``"isotropic"`` or ``"aligned"``).
 
     Returns:
-        ``"paper"`` or ``"corrected"``.
+        One of :data:`ESTIMATORS`.
 
     Raises:
-        ValueError: ``estimator`` is not one of ``offered``, or ``"corrected"`` is combined with
+        ValueError: ``estimator`` is not one of ``offered``, or ``"corrected"`` or ``"shrunk"`` is combined with
             ``cross_fit`` (the corrected estimate already uses both orders) or with
             ``null_space="aligned"`` (it completes the pooled null space its own way).
     """
     if estimator is None:
         paper_options = cross_fit or null_space != "isotropic"
-        return "corrected" if "corrected" in offered and not paper_options else "paper"
+        return "shrunk" if "shrunk" in offered and not paper_options else "paper"
     if estimator not in offered:
         raise ValueError(f"{structure} offers estimator in {tuple(offered)}, got {estimator!r}.")
-    if estimator == "corrected" and cross_fit:
-        raise ValueError("estimator='corrected' already uses both orders of B and B̃; drop cross_fit=True.")
-    if estimator == "corrected" and null_space != "isotropic":
-        raise ValueError(f"null_space={null_space!r} is an option of estimator='paper'; the corrected "
+    if estimator in CORRECTED and cross_fit:
+        raise ValueError(f"estimator={estimator!r} already uses both orders of B and B̃; drop cross_fit=True.")
+    if estimator in CORRECTED and null_space != "isotropic":
+        raise ValueError(f"null_space={null_space!r} is an option of estimator='paper'; the {estimator} "
                          "estimate completes the null space of B ∪ B̃ itself. Pass estimator='paper' or drop null_space.")
     return estimator
 
@@ -90,23 +94,26 @@ class Correction:
 
     def rows(self) -> list[dict]:
         """One JSON-able dict per block and factor: layer, parameter, factor, change, the two
-        orders' changes and the standard error (fractions)."""
+        orders' changes, the standard error and the share of the range correction kept (fractions)."""
         return [{"layer": layer, "parameter": parameter, "factor": _factor_name(i, len(fs)),
-                 "change": f.change, "change_B": f.change_b, "change_B~": f.change_b_tilde, "stderr": f.stderr}
+                 "change": f.change, "change_B": f.change_b, "change_B~": f.change_b_tilde, "stderr": f.stderr,
+                 "kept": f.kept}
                 for (layer, parameter), fs in zip(self.names, self.factors) for i, f in enumerate(fs)]
 
     def markdown(self) -> str:
         """A Markdown table of :meth:`rows` in percent."""
-        lines = ["| layer | parameter | factor | change of the single-batch spectrum [%] | ± s.e. [%] |",
-                 "|---|---|---|---|---|"]
+        lines = ["| layer | parameter | factor | change of the single-batch spectrum [%] | ± s.e. [%] "
+                 "| correction kept on the range [%] |",
+                 "|---|---|---|---|---|---|"]
         lines += [f"| {r['layer']} | {r['parameter']} | {r['factor']} | {100 * r['change']:.1f} | "
-                  f"{100 * r['stderr']:.1f} |" for r in self.rows()]
+                  f"{100 * r['stderr']:.1f} | {100 * r['kept']:.0f} |" for r in self.rows()]
         return "\n".join(lines)
 
     def log(self) -> None:
         """One INFO line per block (logger ``laplace_debiased``)."""
         for (layer, parameter), fs in zip(self.names, self.factors):
-            text = ", ".join(f"{_factor_name(i, len(fs))} {100 * f.change:.1f} % ± {100 * f.stderr:.1f} %"
+            text = ", ".join(f"{_factor_name(i, len(fs))} {100 * f.change:.1f} % ± {100 * f.stderr:.1f} % "
+                             f"({100 * f.kept:.0f} % of the range correction kept)"
                              for i, f in enumerate(fs))
             logger.info("corrected %s.%s: spectrum of the single batch B ∪ B̃ changed by %s", layer, parameter, text)
 
@@ -123,15 +130,17 @@ def corrected_decomposition(
     n_data: int,
     reducer: Reducer,
     rows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
+    shrink: bool = False,
 ) -> tuple[list, list, Correction | None]:
     """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
-    ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known), on rank 0
+    ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known;
+    ``shrink``: the ``"shrunk"`` estimate), on rank 0
     and broadcast (:func:`on_rank0`); returns ``(eigenvectors, eigenvalues, correction)`` with
     rank 0's :class:`Correction` (``None`` on the other ranks), logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:
-        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data, rows)
+        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data, rows, shrink)
         records.extend(recs)
         return vecs, vals
 

@@ -42,6 +42,28 @@ averaged, so the result does not depend on the basis ``eigh`` returns there.
 
 With B̃ = B every gap is zero in exact arithmetic and the estimate is the single batch's
 eigendecomposition (to round-off; the Laplace class takes its exact stock path then).
+
+**Shrinkage** (``shrink=True``, the ``"shrunk"`` estimate). The correction is itself an
+estimate, and where the bias it removes is small against its noise (larger batches, and batches
+of ``m ≈ d`` samples, where the second-order theory no longer holds), subtracting it costs more
+than it gains. Write ``x_i = s_{B,i} + s_{B̃,i}`` for the correction of the ``i``-th eigenvalue of
+the pooled range (``s`` the two orders' shifts above) and ``e_i = s_{B,i} - s_{B̃,i}``. Swapping
+B and B̃ swaps the orders, so both estimate the same bias ``c_i``: ``E[x_i] = 2 c_i`` and
+``E[e_i] = 0``, and with errors of the orders uncorrelated ``Var x_i = Var e_i``. The weight
+``w`` minimising ``E Σ_i (w x_i - 2 c_i)²`` over one factor's range is
+``Σ 4c_i² / (Σ 4c_i² + Σ Var x_i)``; ``E Σ x_i² = Σ 4c_i² + Σ Var x_i`` and ``E Σ e_i² = Σ Var x_i``
+give the positive-part James–Stein estimate
+
+.. math::
+
+    w = \max\bigl(0,\; 1 - Σ_i e_i² / Σ_i x_i²\bigr),
+
+and the eigenvalues ``(λ_{P,i} - w x_i)⁺`` on the pooled range. The pooled null space (where
+the single batch has no curvature at all, and any positive value is closer to the truth) keeps
+the whole correction. ``w`` is near 1 where the two orders agree on a large correction (small
+batches) and near 0 where they disagree as much as they correct, so the estimate moves between
+the corrected one and the single batch by what the two batches measure. With B̃ = B every
+``x_i`` is zero (to round-off), and so is the correction, whatever ``w``: the single batch again.
 """
 
 from __future__ import annotations
@@ -61,7 +83,8 @@ from laplace_debiased.curvature.linalg import (
     tied_groups,
 )
 
-__all__ = ["FactorCorrection", "corrected_factor", "corrected_factor_rows", "corrected_kron", "same_minus_cross"]
+__all__ = ["FactorCorrection", "corrected_factor", "corrected_factor_rows", "corrected_kron", "same_minus_cross",
+           "shrinkage_weight"]
 
 
 @dataclass(frozen=True)
@@ -76,12 +99,15 @@ class FactorCorrection:
         change_b_tilde: the same with B̃ choosing.
         stderr: ``|change_b - change_b_tilde| / 2``, the standard error of ``change`` from the
             two orders (one degree of freedom: a rough scale, not a confidence bound).
+        kept: the share ``w`` of the correction kept on the pooled range (module docstring:
+            1 without shrinkage, ``[0, 1]`` with it).
     """
 
     change: float
     change_b: float
     change_b_tilde: float
     stderr: float
+    kept: float = 1.0
 
 
 def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: int = 0) -> torch.Tensor:
@@ -126,7 +152,7 @@ def _order_weight(m: int, n: int, n_data: int | None) -> float:
 
 def corrected_factor(
     direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0,
-    n_data: int | None = None,
+    n_data: int | None = None, shrink: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """Pooled eigenvectors and corrected eigenvalues of one factor (module docstring).
 
@@ -139,6 +165,7 @@ def corrected_factor(
         terms: samples summed into either factor (round-off tolerance of the quotients).
         n_data: the number ``N`` of training data the batches were drawn from without
             replacement (finite-population scaling); ``None``: an infinite population.
+        shrink: shrink the correction on the pooled range by its measured noise (module docstring).
 
     Returns:
         ``(U, lam, record)``: ``U (d, d)`` orthonormal eigenvectors of the pooled factor
@@ -159,7 +186,8 @@ def corrected_factor(
     L, U = symmetric_eigh64(pooled)
     shift_b = _order_weight(m_direction, n, n_data) * same_minus_cross(direction, magnitude, terms) / 2
     shift_t = _order_weight(m_magnitude, n, n_data) * same_minus_cross(magnitude, direction, terms) / 2
-    lam, record = _corrected_values(L, shift_b, shift_t)
+    null = int((L <= frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(pooled)))).sum())
+    lam, record = _corrected_values(L, shift_b, shift_t, null, shrink)
     return U.to(direction.dtype), lam.to(direction.dtype), record
 
 
@@ -191,7 +219,7 @@ def _gaps_from_rows(direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, 
 
 def corrected_factor_rows(
     direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, m_direction: int, m_magnitude: int,
-    dtype: torch.dtype, n_data: int | None = None,
+    dtype: torch.dtype, n_data: int | None = None, shrink: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection] | None:
     """:func:`corrected_factor` of a factor wider than its rows, through the rows (``O(d n²)``).
 
@@ -202,6 +230,7 @@ def corrected_factor_rows(
         m_magnitude: samples in B̃.
         dtype: the dtype of the dense factors (round-off tolerances, the results).
         n_data: the training-set size (finite-population scaling, :func:`corrected_factor`).
+        shrink: shrink the correction on the pooled range (:func:`corrected_factor`).
 
     Returns:
         ``(Q, lam, record)``: ``Q (d, r)`` orthonormal eigenvectors of the pooled factor
@@ -223,21 +252,35 @@ def corrected_factor_rows(
     full = torch.cat([L.new_zeros(d - r), L])
     shift_b = _order_weight(m_direction, n, n_data) * gaps_b / 2
     shift_t = _order_weight(m_magnitude, n, n_data) * gaps_t / 2
-    lam, record = _corrected_values(full, shift_b, shift_t)
+    lam, record = _corrected_values(full, shift_b, shift_t, d - r, shrink)
     values = torch.cat([lam[d - r:], lam[:1]]) if r < d else lam
     return Q.to(dtype), values.to(dtype), record
 
 
-def _corrected_values(L: torch.Tensor, shift_b: torch.Tensor, shift_t: torch.Tensor
+def shrinkage_weight(shift_b: torch.Tensor, shift_t: torch.Tensor) -> float:
+    """The positive-part James–Stein weight ``max(0, 1 - Σ e_i² / Σ x_i²)`` of the correction
+    ``x = shift_b + shift_t`` (both ``(k,)``, one per pooled range direction) with the orders'
+    difference ``e = shift_b - shift_t`` as its noise (module docstring); 0 where ``x`` is zero."""
+    total = float((shift_b + shift_t).square().sum())
+    if total == 0.0:
+        return 0.0
+    return max(0.0, 1.0 - float((shift_b - shift_t).square().sum()) / total)
+
+
+def _corrected_values(L: torch.Tensor, shift_b: torch.Tensor, shift_t: torch.Tensor, null: int, shrink: bool
                       ) -> tuple[torch.Tensor, FactorCorrection]:
-    """The corrected eigenvalues ``(L - shift_b - shift_t)⁺`` (all ``(d,)``, ascending) and the
-    record of what each order and both changed."""
-    lam = (L - shift_b - shift_t).clamp(min=0.0)
+    """The corrected eigenvalues ``(L - w (shift_b + shift_t))⁺`` (all ``(d,)``, ascending; ``w = 1``
+    on the first ``null`` entries, the pooled null space, and without ``shrink``) and the record of
+    what each order and both changed."""
+    kept = shrinkage_weight(shift_b[null:], shift_t[null:]) if shrink else 1.0
+    weight = torch.full_like(L, kept)
+    weight[:null] = 1.0
+    lam = (L - weight * (shift_b + shift_t)).clamp(min=0.0)
     L0 = L.clamp(min=0.0)
-    one_b, one_t = (L - 2 * shift_b).clamp(min=0.0), (L - 2 * shift_t).clamp(min=0.0)
+    one_b, one_t = (L - 2 * weight * shift_b).clamp(min=0.0), (L - 2 * weight * shift_t).clamp(min=0.0)
     change_b, change_t = _change(one_b, L0), _change(one_t, L0)
     record = FactorCorrection(change=_change(lam, L0), change_b=change_b, change_b_tilde=change_t,
-                              stderr=abs(change_b - change_t) / 2)
+                              stderr=abs(change_b - change_t) / 2, kept=kept)
     return lam, record
 
 
@@ -249,6 +292,7 @@ def corrected_kron(
     terms: int = 0,
     n_data: int | None = None,
     rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
+    shrink: bool = False,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[FactorCorrection]]]:
     """:func:`corrected_factor` for every factor of a layer-wise K-FAC approximation.
 
@@ -266,6 +310,7 @@ def corrected_kron(
         terms: samples summed into the factors (round-off tolerance).
         n_data: the training-set size the batches were drawn from (:func:`corrected_factor`).
         rows: ``None``, or per block and factor ``(B's rows, B̃'s rows)`` (``F = XᵀX``) where known.
+        shrink: shrink each factor's correction on its pooled range (:func:`corrected_factor`).
 
     Returns:
         ``(eigenvectors, eigenvalues, records)``, lists of lists per block and factor, the
@@ -280,7 +325,7 @@ def corrected_kron(
     vectors, values, records = [], [], []
     for i, (F_dir, F_mag) in enumerate(zip(direction_kfacs, magnitude_kfacs)):
         block_rows = rows[i] if rows is not None else [None] * len(F_dir)
-        block = [_corrected_route(D, M, r, m_direction, m_magnitude, terms, n_data)
+        block = [_corrected_route(D, M, r, m_direction, m_magnitude, terms, n_data, shrink)
                  for D, M, r in zip(F_dir, F_mag, block_rows)]
         vectors.append([b[0] for b in block])
         values.append([b[1] for b in block])
@@ -290,14 +335,14 @@ def corrected_kron(
 
 def _corrected_route(
     direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
-    m_direction: int, m_magnitude: int, terms: int, n_data: int | None,
+    m_direction: int, m_magnitude: int, terms: int, n_data: int | None, shrink: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """:func:`corrected_factor_rows` where the rows are known and fewer than the dimension (and
     it applies), else :func:`corrected_factor` on the dense factors."""
     if rows is not None and len(rows[0]) + len(rows[1]) < direction.shape[0]:
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")
-        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data)
+        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, shrink)
         if result is not None:
             return result
-    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data)
+    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, shrink)

@@ -121,8 +121,8 @@ def kron_fit_options(
         (:func:`~laplace_debiased.computers.kron_estimators.resolve_estimator`).
 
     Raises:
-        ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` with ``cross_fit``
-            or ``null_space="aligned"``.
+        ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` / ``"shrunk"``
+            with ``cross_fit`` or ``null_space="aligned"``.
         TypeError: ``cross_fit`` is not a bool.
     """
     if null_space not in NULL_SPACE_MODES:
@@ -285,7 +285,7 @@ def debiased_kron_curvature(
         magnitude: B̃'s K-FAC, scaled to ``n_data``.
         rows: The shared pass's factor rows per batch set (``None``: not known).
         null_space: ``"isotropic"`` or ``"aligned"``.
-        estimator: ``"paper"`` or ``"corrected"``.
+        estimator: ``"paper"``, ``"corrected"`` or ``"shrunk"``.
         cross_fit: Also decompose the swapped roles.
         sizes: Samples summed into B's and B̃'s factors.
         n_data: The training data the batches were drawn from.
@@ -351,7 +351,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
 
     After :meth:`fit`, ``H_facs`` / ``H_facs_magnitude`` are the ``Kron`` factors of B and B̃
     (scaled to ``n_data``) and ``H`` a :class:`DebiasedKronDecomposed`: by default the pooled
-    eigenvectors of B ∪ B̃ with corrected eigenvalues; with ``estimator="paper"`` B's eigenvectors
+    eigenvectors of B ∪ B̃ with corrected eigenvalues, the correction shrunk by its noise; with ``estimator="paper"`` B's eigenvectors
     and B̃'s Rayleigh quotients (cross-fitted: a
     :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`).
     Layers: :mod:`~laplace_debiased.curvature.layer_blocks` (beyond Linear/Conv2d only with the
@@ -361,7 +361,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     _key = ("all", "debiased_kron")
     _kfac_blocks = True
     _null_space: str = "isotropic"
-    _estimator: str = "corrected"
+    _estimator: str = "shrunk"
     _estimators: tuple[str, ...] = ESTIMATORS
     _cross_fit: bool = False
 
@@ -402,9 +402,11 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
                 curvature over each such eigenspace, ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased);
                 ``"aligned"``: B̃'s own eigenbasis there (same-batch bias, exact zeros where B ∪ B̃
                 does not reach); :mod:`laplace_debiased.curvature.completion`. Unused by ``debiased_ekfac``.
-            estimator: ``"corrected"`` (the default: the eigenvectors of B ∪ B̃, a single batch of
+            estimator: ``"shrunk"`` (the default): the eigenvectors of B ∪ B̃, a single batch of
                 all their samples, with eigenvalues less the regression-to-the-mean gap the two
-                batches measure against each other; :mod:`laplace_debiased.curvature.corrected`)
+                batches measure against each other, that correction shrunk per factor by its noise
+                (the two orders' disagreement; the pooled null space keeps all of it);
+                ``"corrected"``: the same unshrunk (:mod:`laplace_debiased.curvature.corrected`);
                 or ``"paper"`` (Tatzel et al.: B's eigenvectors, B̃'s Rayleigh quotients; the only
                 one of ``debiased_ekfac``, and the default with ``cross_fit=True`` or
                 ``null_space="aligned"``, its options). B̃ = B gives stock K-FAC either way.

@@ -23,9 +23,10 @@ def _dense(vecs, vals):
     return torch.block_diag(*blocks)
 
 
+@pytest.mark.parametrize("estimator", ["corrected", "shrunk"])
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_corrected_fit_equals_the_dense_formula(name, likelihood, caplog):
+def test_corrected_fit_equals_the_dense_formula(name, likelihood, estimator, caplog):
     make, shape = MODELS[name]
     model = make()
     N, m = 72, 24
@@ -33,10 +34,10 @@ def test_corrected_fit_equals_the_dense_formula(name, likelihood, caplog):
     X = ds.tensors[0]
     la = DebiasedKronLaplace(model, likelihood)
     with caplog.at_level(logging.INFO, logger="laplace_debiased"):
-        la.fit(loader(ds, m), estimator="corrected")
+        la.fit(loader(ds, m), estimator=estimator)
     ref_B = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[:m], likelihood)]
     ref_Bt = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[m:2 * m], likelihood)]
-    vecs, vals, _ = corrected_kron(ref_B, ref_Bt, m, m, n_data=N)
+    vecs, vals, _ = corrected_kron(ref_B, ref_Bt, m, m, n_data=N, shrink=estimator == "shrunk")
     torch.testing.assert_close(la.H.to_matrix(), _dense(vecs, vals), atol=1e-9, rtol=1e-8)
     # it is neither the paper's estimate nor the single batch B ∪ B̃
     pooled = [[(a + b) / 2 for a, b in zip(FB, FM)] for FB, FM in zip(ref_B, ref_Bt)]
@@ -47,30 +48,48 @@ def test_corrected_fit_equals_the_dense_formula(name, likelihood, caplog):
     assert len(la.correction.factors) == len(la.H_facs.kfacs)
     rows = la.correction.rows()
     assert len(rows) == sum(len(b) for b in la.H_facs.kfacs)
-    assert all(0 <= r["change"] and r["stderr"] >= 0 for r in rows)
+    assert all(0 <= r["change"] and r["stderr"] >= 0 and 0 <= r["kept"] <= 1 for r in rows)
+    assert all(r["kept"] == 1 for r in rows) == (estimator == "corrected")
     assert la.correction.markdown().count("\n") == len(rows) + 1
     assert any("corrected" in r.getMessage() and "changed by" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("estimator", ["corrected", "shrunk"])
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_corrected_with_the_same_batch_is_kron_laplace(name):
+def test_corrected_with_the_same_batch_is_kron_laplace(name, estimator):
     make, shape = MODELS[name]
     model = make()
     dl = loader(toy_data(8, shape, 3, "classification"), 8)
     la = DebiasedKronLaplace(model, "classification", prior_precision=0.7)
-    la.fit(dl, magnitude_loader=dl, estimator="corrected")
+    la.fit(dl, magnitude_loader=dl, estimator=estimator)
     ref = KronLaplace(model, "classification", prior_precision=0.7)
     ref.fit(dl)
     torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
 
 
+def test_the_default_is_the_shrunk_estimate_unless_a_paper_option_is_asked_for():
+    ds = toy_data(16, (4,), 3, "classification")
+    for options, expected in (({}, "shrunk"), ({"cross_fit": True}, "paper"), ({"null_space": "aligned"}, "paper")):
+        la = DebiasedKronLaplace(tiny_mlp(), "classification")
+        la.fit(loader(ds, 8), **options)
+        assert la._estimator == expected
+    shrunk = DebiasedKronLaplace(tiny_mlp(), "classification")
+    shrunk.fit(loader(ds, 8), estimator="shrunk")
+    default = DebiasedKronLaplace(tiny_mlp(), "classification")
+    default.fit(loader(ds, 8))
+    torch.testing.assert_close(default.H.to_matrix(), shrunk.H.to_matrix(), atol=0, rtol=0)
+
+
 def test_refusals_say_what_to_pass():
     ds = toy_data(16, (4,), 3, "classification")
     la = DebiasedKronLaplace(tiny_mlp(), "classification")
-    with pytest.raises(ValueError, match=r"offers estimator in \('paper', 'corrected'\)"):
-        la.fit(loader(ds, 8), estimator="shrunk")
-    with pytest.raises(ValueError, match="drop cross_fit=True"):
-        la.fit(loader(ds, 8), estimator="corrected", cross_fit=True)
+    with pytest.raises(ValueError, match=r"offers estimator in \('paper', 'corrected', 'shrunk'\)"):
+        la.fit(loader(ds, 8), estimator="median")
+    for estimator in ("corrected", "shrunk"):
+        with pytest.raises(ValueError, match="drop cross_fit=True"):
+            la.fit(loader(ds, 8), estimator=estimator, cross_fit=True)
+        with pytest.raises(ValueError, match="Pass estimator='paper'"):
+            la.fit(loader(ds, 8), estimator=estimator, null_space="aligned")
     ek = DebiasedEKFACLaplace(tiny_mlp(), "classification")
     with pytest.raises(ValueError, match=r"debiased_ekfac offers estimator in \('paper',\)"):
         ek.fit(loader(ds, 8), estimator="corrected")

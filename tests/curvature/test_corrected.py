@@ -8,7 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laplace_debiased.curvature.corrected import corrected_factor, corrected_factor_rows, corrected_kron, same_minus_cross
+from laplace_debiased.curvature.corrected import (
+    corrected_factor,
+    corrected_factor_rows,
+    corrected_kron,
+    same_minus_cross,
+    shrinkage_weight,
+)
 
 EPS64 = torch.finfo(torch.float64).eps
 
@@ -169,8 +175,8 @@ def _dense_from_implicit(Q: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
 
 @settings(max_examples=25, deadline=None)
 @given(d=st.integers(6, 40), mB=st.integers(1, 12), mM=st.integers(1, 12), seed=st.integers(0, 10_000),
-       n_data=st.one_of(st.none(), st.integers(25, 200)))
-def test_rows_route_equals_the_dense_corrected_factor(d, mB, mM, seed, n_data):
+       n_data=st.one_of(st.none(), st.integers(25, 200)), shrink=st.booleans())
+def test_rows_route_equals_the_dense_corrected_factor(d, mB, mM, seed, n_data, shrink):
     """A factor wider than B ∪ B̃'s rows: the corrected factor from the rows (Gram matrices,
     implicit complement) is the dense one, to the round-off of a d × d eigendecomposition, and
     so is the record of what it changed."""
@@ -181,8 +187,8 @@ def test_rows_route_equals_the_dense_corrected_factor(d, mB, mM, seed, n_data):
     XB = torch.randn(mB, d, generator=g, dtype=torch.float64) * scale
     XM = torch.randn(mM, d, generator=g, dtype=torch.float64) * scale
     D, M = XB.T @ XB, XM.T @ XM
-    U, lam, rec = corrected_factor(D, M, mB, mM, n_data=n_data)
-    routed = corrected_factor_rows(XB, XM, mB, mM, torch.float64, n_data)
+    U, lam, rec = corrected_factor(D, M, mB, mM, n_data=n_data, shrink=shrink)
+    routed = corrected_factor_rows(XB, XM, mB, mM, torch.float64, n_data, shrink)
     assert routed is not None
     Q, values, rec_rows = routed
     assert Q.shape == (d, mB + mM) and values.shape == (mB + mM + 1,)
@@ -192,6 +198,7 @@ def test_rows_route_equals_the_dense_corrected_factor(d, mB, mM, seed, n_data):
     assert torch.allclose(_dense_from_implicit(Q, values), dense, atol=tol, rtol=0)
     assert abs(rec_rows.change - rec.change) <= 1e3 * d * EPS64 * max(1.0, rec.change)
     assert abs(rec_rows.stderr - rec.stderr) <= 1e3 * d * EPS64 * max(1.0, rec.stderr)
+    assert abs(rec_rows.kept - rec.kept) <= 1e3 * d * EPS64
 
 
 def test_kron_takes_the_rows_route_for_wide_factors_only():
@@ -208,3 +215,111 @@ def test_kron_takes_the_rows_route_for_wide_factors_only():
     assert torch.equal(vecs[0][0], dense_vecs[0][0])
     dense = dense_vecs[0][1] @ torch.diag(dense_vals[0][1]) @ dense_vecs[0][1].T
     assert torch.allclose(_dense_from_implicit(vecs[0][1], vals[0][1]), dense, atol=1e-10)
+
+
+@settings(max_examples=50, deadline=None)
+@given(k=st.integers(1, 12), seed=st.integers(0, 10_000), scale=st.floats(1e-6, 1e6))
+def test_shrinkage_weight_is_a_share_symmetric_and_scale_free(k, seed, scale):
+    """w ∈ [0, 1]; swapping the orders leaves it; scaling both shifts leaves it; orders that agree
+    keep everything, orders that cancel keep nothing."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(k, generator=g, dtype=torch.float64), torch.randn(k, generator=g, dtype=torch.float64)
+    w = shrinkage_weight(a, b)
+    assert 0.0 <= w <= 1.0
+    assert w == pytest.approx(shrinkage_weight(b, a), abs=4 * k * EPS64)
+    assert w == pytest.approx(shrinkage_weight(scale * a, scale * b), abs=16 * k * EPS64)
+    assert shrinkage_weight(a, a.clone()) == 1.0
+    assert shrinkage_weight(a, -a) == 0.0
+    # James–Stein: 1 - Σ(a - b)² / Σ(a + b)², positive part
+    assert w == pytest.approx(max(0.0, 1 - float((a - b).square().sum() / (a + b).square().sum())), abs=4 * k * EPS64)
+
+
+def _shrunk_by_hand(D, M, m, n_data=None):
+    """The shrunk factor from its definition (module docstring), dense and float64."""
+    n = 2 * m
+    P = (D + M) / 2
+    L, U = torch.linalg.eigh(P)
+    weight = 0.5 if n_data is None else (1 / n - 1 / n_data) / (1 / m - 1 / n_data)
+    sb, st_ = weight * same_minus_cross(D, M) / 2, weight * same_minus_cross(M, D) / 2
+    null = int((L <= 1e-12 * float(L.abs().max())).sum())
+    x, e = (sb + st_)[null:], (sb - st_)[null:]
+    w = max(0.0, 1 - float(e.square().sum() / x.square().sum()))
+    shift = torch.cat([(sb + st_)[:null], w * x])
+    return U, (L - shift).clamp(min=0), w
+
+
+@pytest.mark.parametrize("d, m", [(5, 10), (12, 4)])
+def test_shrunk_factor_equals_its_definition(d, m):
+    """Narrow (no null space) and wide (B ∪ B̃ of 8 rows in 12 dimensions, null space kept
+    corrected in full): eigenvalues L_P - w x on the range, L_P - x on the null space."""
+    g = torch.Generator().manual_seed(d)
+    scale = torch.linspace(0.3, 3.0, d, dtype=torch.float64)
+    XB = torch.randn(m, d, generator=g, dtype=torch.float64) * scale
+    XM = torch.randn(m, d, generator=g, dtype=torch.float64) * scale
+    D, M = _factor(XB), _factor(XM)
+    U, lam, rec = corrected_factor(D, M, m, m, shrink=True)
+    U_ref, lam_ref, w = _shrunk_by_hand(D, M, m)
+    assert 0 < rec.kept < 1 and rec.kept == pytest.approx(w, abs=1e-9)
+    tol = 1e3 * d * EPS64 * float(torch.linalg.matrix_norm(D + M))
+    torch.testing.assert_close(U @ torch.diag(lam) @ U.T, U_ref @ torch.diag(lam_ref) @ U_ref.T, atol=tol, rtol=0)
+    _, lam_corr, rec_corr = corrected_factor(D, M, m, m)
+    assert rec_corr.kept == 1.0 and not torch.allclose(lam, lam_corr)
+    if d > 2 * m:  # the null space keeps the whole correction
+        torch.testing.assert_close(lam[:d - 2 * m], lam_corr[:d - 2 * m], atol=tol, rtol=0)
+
+
+def test_shrunk_with_the_same_batch_is_the_single_batch():
+    X = torch.randn(30, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    D = _factor(X)
+    U, lam, rec = corrected_factor(D, D.clone(), 30, 30, shrink=True)
+    L, _ = torch.linalg.eigh(D)
+    torch.testing.assert_close(lam, L.clamp(min=0), atol=10 * 5 * EPS64 * float(torch.linalg.matrix_norm(D)), rtol=0)
+
+
+def _squared_errors(spectrum: list[float], m: int, draws: int) -> dict[str, torch.Tensor]:
+    """Per draw, ``‖λ̂ - target‖²`` of the single batch B ∪ B̃, the corrected and the shrunk
+    eigenvalues along the pooled eigenvectors (Gaussian samples of a known covariance)."""
+    F, root = _truth(spectrum)
+    d = len(spectrum)
+    g = torch.Generator().manual_seed(1)
+    out = {"single": [], "corrected": [], "shrunk": [], "kept": []}
+    for _ in range(draws):
+        XB = torch.randn(m, d, generator=g, dtype=torch.float64) @ root.T
+        XM = torch.randn(m, d, generator=g, dtype=torch.float64) @ root.T
+        D, M = _factor(XB), _factor(XM)
+        U, corrected, _ = corrected_factor(D, M, m, m)
+        _, shrunk, rec = corrected_factor(D, M, m, m, shrink=True)
+        target = ((F @ U) * U).sum(0)
+        single = (((D + M) / 2 @ U) * U).sum(0)
+        for key, values in (("single", single), ("corrected", corrected), ("shrunk", shrunk)):
+            out[key].append(float((values - target).square().sum()))
+        out["kept"].append(rec.kept)
+    return {k: torch.tensor(v, dtype=torch.float64) for k, v in out.items()}
+
+
+def _paired_z(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``mean(a - b)`` in standard errors of the paired difference."""
+    diff = a - b
+    return float(diff.mean() / (diff.std() / math.sqrt(len(diff))))
+
+
+def test_shrinkage_keeps_the_correction_where_the_bias_dominates():
+    """Flat spectrum, m = d = 8 (each half's bias large against its noise): the shrunk estimate
+    keeps most of the correction and is closer to the target than the single batch by far more
+    than 4 paired standard errors."""
+    errs = _squared_errors([1.0] * 8, 8, 300)
+    assert errs["kept"].mean() > 0.5
+    assert _paired_z(errs["shrunk"], errs["single"]) < -4
+
+
+def test_shrinkage_drops_the_correction_where_the_noise_dominates():
+    """Separated spectrum, m = 256 per half (a bias of order 1/m against a noise of order
+    1/√m, so the correction costs the single batch more than it removes): the shrunk estimate
+    keeps little of the correction, is closer to the target than the corrected one (z < -4) and
+    gives back at least 90 % of what the corrected one loses against the single batch."""
+    errs = _squared_errors([4.0, 2.0, 1.0, 0.5], 256, 1000)
+    assert errs["kept"].mean() < 0.1
+    assert _paired_z(errs["shrunk"], errs["corrected"]) < -4
+    loss_corrected = float((errs["corrected"] - errs["single"]).mean())
+    assert loss_corrected > 0
+    assert float((errs["shrunk"] - errs["single"]).mean()) < 0.1 * loss_corrected
