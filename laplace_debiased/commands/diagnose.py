@@ -153,17 +153,19 @@ def _two_batch_kron(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likeliho
 
 def correction_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likelihood: str, batch_size: int,
                        seed: int) -> str:
-    """Markdown: what the corrected K-FAC estimate (``fit(estimator="corrected")``) changes at
-    this batch size, per layer and factor, or why there is no such fit."""
+    """Markdown: what the default K-FAC fit (``fit(estimator="shrunk")``) changes at this batch
+    size, per layer and factor, or why there is no such fit."""
     lines = ["", "## What debiasing changes at this batch size", "",
-             f"A corrected K-FAC fit (`fit(estimator='corrected')`) on two disjoint random batches of "
+             f"The default debiased K-FAC fit (`fit(estimator='shrunk')`) on two disjoint random batches of "
              f"{max(batch_size // 2, 2)} samples: per layer and factor, how far the regression-to-the-mean "
-             "correction moves the spectrum of the single batch B ∪ B̃, with its standard error from the two "
-             "orders of the batches. Near zero: at this batch size a single batch is already unbiased there.", ""]
+             "correction moves the spectrum of the single batch B ∪ B̃, its standard error from the two "
+             "orders of the batches, and the share of the correction kept on the range of B ∪ B̃ (it is shrunk "
+             "by the two orders' disagreement). Near zero: at this batch size a single batch is already "
+             "unbiased there, and the fit keeps it.", ""]
     try:
-        la = _two_batch_kron(model, X, y, likelihood, batch_size, seed, estimator="corrected")
+        la = _two_batch_kron(model, X, y, likelihood, batch_size, seed, estimator="shrunk")
     except ValueError as err:
-        return "\n".join([*lines, f"No corrected K-FAC fit for this model: {err}", ""])
+        return "\n".join([*lines, f"No debiased K-FAC fit for this model: {err}", ""])
     return "\n".join([*lines, la.correction.markdown(), ""])
 
 

@@ -17,6 +17,8 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
 * ``kron_corrected``: the same two batches, ``fit(estimator="corrected")``: the eigenvectors of
   B ∪ B̃ with eigenvalues less the regression-to-the-mean gap the batches measure against each
   other (:mod:`laplace_debiased.curvature.corrected`);
+* ``kron_shrunk``: the same two batches, ``fit(estimator="shrunk")`` (the default of ``fit``): the
+  corrected estimate with each factor's correction shrunk by its noise;
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
 * ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
   from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.structures.lowrank`);
@@ -162,7 +164,7 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
 
 def _fit_loader(name: str, train: Dataset, opts: dict, repeat: int, b: int | None) -> tuple[DataLoader, int]:
     """The loader that method ``name``'s fit of ``repeat`` at batch size ``b`` reads, and how many
-    of its batches: one of ``b`` (``*_single``), two of half that (``*_debiased``, ``*_corrected``),
+    of its batches: one of ``b`` (``*_single``), two of half that (``*_debiased``, ``*_corrected``, ``*_shrunk``),
     or one of every training point (``*_full``, ``b=None``); the shuffling is seeded by ``--seed``
     and the repeat (the same draws at every b)."""
     if name.endswith("_full"):
@@ -217,8 +219,8 @@ def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, 
             la.fit(loader, estimator="paper")
         elif name.endswith("_debiased"):
             la.fit(loader)
-        elif name.endswith("_corrected"):
-            la.fit(loader, estimator="corrected")
+        elif name.endswith(("_corrected", "_shrunk")):
+            la.fit(loader, estimator=name.split("_")[1])
         else:  # one batch of b, or every training point, B̃ = B
             la.fit(loader, magnitude_loader=loader)
         fitted[repeat] = la
@@ -320,6 +322,12 @@ def _describe_batches(structure: str, batches: str, b: int) -> dict[str, str | i
                 "description": f"corrected {structure}: eigenvectors of both batches of {b // 2} training points "
                                "together, eigenvalues less the regression-to-the-mean bias the two batches "
                                "measure against each other (fit(estimator='corrected'))"}
+    if batches == "shrunk":
+        return {"label": f"{structure}, shrunk {b // 2} + {b // 2}", "samples": 2 * (b // 2),
+                "description": f"shrunk {structure} (the default fit): eigenvectors of both batches of {b // 2} "
+                               "training points together, eigenvalues less the regression-to-the-mean bias the "
+                               "two batches measure, that correction shrunk per factor by how much the two "
+                               "batches disagree on it (fit(estimator='shrunk'))"}
     raise ValueError(f"unknown mini-batch method kind {batches!r}")
 
 

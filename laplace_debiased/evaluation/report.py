@@ -338,7 +338,7 @@ def _tracking_verdict(ctx: _Context, nll_gap: dict[str, float]) -> str:
     """Whether each debiased method tracks its reference more closely than the single batch of
     its structure with the same number of samples, and what that depends on."""
     sentences, explained = [], set()
-    for deb in (m for m in nll_gap if split_method_key(m)[0].endswith(("_debiased", "_corrected"))):
+    for deb in (m for m in nll_gap if split_method_key(m)[0].endswith(("_debiased", "_corrected", "_shrunk"))):
         base, size = split_method_key(deb)
         single = method_key(base.rsplit("_", 1)[0] + "_single", size)
         if single not in nll_gap or _samples(ctx, deb) != _samples(ctx, single):
@@ -376,7 +376,7 @@ def _tracking(ctx: _Context, doc: _Doc) -> None:
 
 
 #: the mini-batch fits of the batch-size section, by the method's suffix, in table order
-_FIT_ROLES = ("single", "debiased", "corrected")
+_FIT_ROLES = ("single", "debiased", "corrected", "shrunk")
 _STRUCTURE_NAMES = {"kron": "K-FAC", "ekfac": "EKFAC", "lowrank": "low-rank"}
 
 
@@ -386,7 +386,7 @@ class _BatchFit:
 
     method: str  # the rows' name (``kron_single@b32``)
     kind: str  # the structure (``kron``)
-    role: str  # ``single``, ``debiased`` or ``corrected``
+    role: str  # one of ``_FIT_ROLES``
     b: int
     reference: str
     gaps: list[float]  # per draw: the largest relative test-NLL gap over δ (a fraction)
@@ -403,7 +403,7 @@ def _batch_of(ctx: _Context, method: str) -> int | None:
 
 
 def _batch_fits(ctx: _Context) -> list[_BatchFit]:
-    """The single, paper (``*_debiased``) and corrected fits with a batch size and a full-batch
+    """The single, paper (``*_debiased``), corrected and shrunk fits with a batch size and a full-batch
     reference, ordered by structure, b and role."""
     fits = []
     for m in ctx.methods:
@@ -419,10 +419,10 @@ def _batch_fits(ctx: _Context) -> list[_BatchFit]:
 
 
 def _fit_name(fit: _BatchFit, several_kinds: bool) -> str:
-    """The fit in a few words: "single batch", "paper's split", "corrected split" (with the
+    """The fit in a few words: "single batch", "paper's split", "corrected split", "shrunk split" (with the
     structure first when the results hold several)."""
     name = {"single": "single batch", "debiased": "paper's split" if fit.kind == "kron" else "debiased split",
-            "corrected": "corrected split"}[fit.role]
+            "corrected": "corrected split", "shrunk": "shrunk split (default)"}[fit.role]
     return f"{_STRUCTURE_NAMES.get(fit.kind, fit.kind)} {name}" if several_kinds else name
 
 
@@ -878,23 +878,24 @@ def _coverage(ctx: _Context, doc: _Doc) -> None:
 
 
 def _correction(ctx: _Context, doc: _Doc) -> None:
-    """What each corrected K-FAC fit changed (first repeat): per layer and factor, how far the
-    correction moved the spectrum of the single batch B ∪ B̃, with the standard error from the
-    two orders of the batches."""
+    """What each corrected or shrunk K-FAC fit changed (first repeat): per layer and factor, how far
+    the correction moved the spectrum of the single batch B ∪ B̃, with the standard error from the
+    two orders of the batches and the share of the correction kept on the range."""
     fits = _first_records(ctx, "correction")
     if not fits:
         return
     doc.h("What the corrected estimate changed")
-    doc.p("Per layer and K-FAC factor of each corrected fit (first repeat): the relative change "
+    doc.p("Per layer and K-FAC factor of each corrected or shrunk fit (first repeat): the relative change "
           "‖λ̂ − λ‖ / ‖λ‖ of the eigenvalues λ of the single batch B ∪ B̃ (the same samples) that the "
-          "regression-to-the-mean correction made, and its standard error from the two orders of B and "
-          "B̃. A change within about two standard errors of zero means the batches found no bias to remove "
-          "in that factor, and the fit is the single batch there.")
+          "regression-to-the-mean correction made, its standard error from the two orders of B and "
+          "B̃, and the share of the correction kept on the range of B ∪ B̃ (100 % for the corrected fit; "
+          "the shrunk fit keeps less where the two orders disagree, 0 % where they disagree as much as "
+          "they correct: the single batch there). Directions B ∪ B̃ does not reach keep the whole correction.")
     for method, rows in fits.items():
         doc.p(f"**{method}**")
-        doc.table(["layer", "parameter", "factor", "change [%]", "± s.e. [%]"],
+        doc.table(["layer", "parameter", "factor", "change [%]", "± s.e. [%]", "kept [%]"],
                   [[str(c["layer"]), c["parameter"], c["factor"], f"{100 * c['change']:.1f}",
-                    f"{100 * c['stderr']:.1f}"] for c in rows])
+                    f"{100 * c['stderr']:.1f}", f"{100 * c.get('kept', 1.0):.0f}"] for c in rows])
 
 
 def write_report(results: str | Path | list[dict], out_dir: str | Path, title: str = "Calibration report",
