@@ -4,11 +4,13 @@ main job's embedded digits (N = 300), for several batch sizes.
     OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py [--batch-sizes 32 64 128] [--repeats 3] [--out DIR]
 
 Runs the main job (``python -m laplace_debiased``) once per batch size b with the methods
-kron_single (b samples), kron_debiased and kron_corrected (two halves of b/2) and kron_full, ``--repeats`` draws
+kron_single (b samples), kron_debiased, kron_corrected and kron_shrunk (two halves of b/2; the last is
+``fit``'s default) and kron_full, ``--repeats`` draws
 each (default 3), into ``DIR/b<b>/``, then writes ``results/digits_estimators.{json,md}``: per method and b
 the largest relative test-NLL gap and ECE gap to the full batch over the whole δ grid (projected
-probit), mean and range over the draws, and the test NLL at the validation-chosen δ. The probit
-predictive is deterministic, so there is no MC noise floor; the range over draws is the noise.
+probit), mean and range over the draws, and per two-batch method its paired difference to the
+single batch (the same draws: mean ± standard error, and in how many draws it was worse). The
+probit predictive is deterministic, so there is no MC noise floor; the spread over draws is the noise.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from laplace_debiased.evaluation.sweep import load_rows
 from laplace_debiased.evaluation.tracking import max_gap_per_draw
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("kron_single", "kron_debiased", "kron_corrected")
-LABELS = {"kron_single": "single batch b", "kron_debiased": "paper 2 × b/2", "kron_corrected": "corrected 2 × b/2"}
+METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk")
+LABELS = {"kron_single": "single batch b", "kron_debiased": "paper 2 × b/2", "kron_corrected": "corrected 2 × b/2",
+          "kron_shrunk": "shrunk 2 × b/2 (default)"}
 LINK = "probit_projected"
 
 
@@ -38,29 +41,62 @@ def run_main_job(b: int, out: Path, repeats: int) -> None:
     subprocess.run(cmd, check=True)
 
 
+def marglik_test_nll(rows: list[dict], method: str) -> list[float]:
+    """Per draw of ``method``: the test NLL at the δ of the highest log marginal likelihood."""
+    marglik: dict[int, dict[float, float]] = {}
+    test: dict[int, dict[float, float]] = {}
+    for r in rows:
+        if r["method"] != method or r.get("link") != LINK or r["prior_precision"] is None:
+            continue
+        if r.get("log_marglik") is not None:
+            marglik.setdefault(r["repeat"], {})[r["prior_precision"]] = r["log_marglik"]
+        if r["eval_set"] == "test":
+            test.setdefault(r["repeat"], {})[r["prior_precision"]] = r["nll"]
+    return [test[rep][max(ml, key=ml.get)] for rep, ml in sorted(marglik.items())]
+
+
 def summarise(rows: list[dict]) -> dict[str, dict]:
-    """Per method: NLL and ECE gaps per draw to kron_full over the grid on the test set."""
+    """Per method: NLL and ECE gaps per draw to kron_full over the grid on the test set, and the
+    test NLL at the marglik-chosen δ per draw."""
     out = {}
     for m in METHODS:
         nll = max_gap_per_draw(rows, m, "kron_full", "test", LINK, "nll")
         ece = max_gap_per_draw(rows, m, "kron_full", "test", LINK, "ece", relative=False)
-        out[m] = {"nll_gap_per_draw": nll, "ece_gap_per_draw": ece}
+        out[m] = {"nll_gap_per_draw": nll, "ece_gap_per_draw": ece, "marglik_test_nll_per_draw": marglik_test_nll(rows, m)}
     return out
 
 
 def markdown(results: dict[int, dict], repeats: int) -> str:
-    lines = ["# Digits: single batch, paper and corrected estimates at equal samples", "",
+    lines = ["# Digits: single batch, paper, corrected and shrunk estimates at equal samples", "",
              f"Written by `OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py --repeats {repeats}` (the main "
              f"job on the embedded digits, N = 300, digits_cnn, {repeats} draws per method, projected probit). Largest gap to the "
              "full-batch K-FAC LA over the whole δ grid on the 1,000 test images: test NLL relative to the full "
-             "batch (%), ECE in points; mean over draws [min, max]. No MC noise: the probit is deterministic.", "",
-             "| b | method | max rel. NLL gap (%) | max ECE gap (pt) |", "|---|---|---|---|"]
+             "batch (%), ECE in points; mean over draws [min, max]. No MC noise: the probit is deterministic. "
+             "Paired: each draw's NLL gap less the single batch's on the same draw (every method at a b "
+             "reads the same seeded samples), mean ± standard error over the draws. Last column: the test NLL "
+             "(nats) at the δ of the highest log marginal likelihood, mean over draws, and its paired "
+             "difference to the single batch's.", "",
+             "| b | method | max rel. NLL gap (%) | max ECE gap (pt) | NLL gap − single's, paired (pt) "
+             "| draws worse than single | test NLL at the marglik δ (− single's) |", "|---|---|---|---|---|---|---|"]
     for b, res in sorted(results.items()):
+        single = 100 * np.array(res["kron_single"]["nll_gap_per_draw"])
+        single_ml = np.array(res["kron_single"]["marglik_test_nll_per_draw"])
         for m in METHODS:
             nll, ece = (100 * np.array(res[m][k]) for k in ("nll_gap_per_draw", "ece_gap_per_draw"))
+            ml = np.array(res[m]["marglik_test_nll_per_draw"])
+            paired = worse = "–"
+            ml_text = f"{ml.mean():.3f}"
+            if m != "kron_single":
+                paired, worse = _paired(nll - single, 2), f"{int((nll > single).sum())} of {len(nll)}"
+                ml_text += f" ({_paired(ml - single_ml, 3)})"
             lines.append(f"| {b} | {LABELS[m]} | {nll.mean():.2f} [{nll.min():.2f}, {nll.max():.2f}] | "
-                         f"{ece.mean():.2f} [{ece.min():.2f}, {ece.max():.2f}] |")
+                         f"{ece.mean():.2f} [{ece.min():.2f}, {ece.max():.2f}] | {paired} | {worse} | {ml_text} |")
     return "\n".join(lines) + "\n"
+
+
+def _paired(diff: np.ndarray, digits: int) -> str:
+    """``mean ± standard error`` of paired differences."""
+    return f"{diff.mean():+.{digits}f} ± {diff.std(ddof=1) / np.sqrt(len(diff)):.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:

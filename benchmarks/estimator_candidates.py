@@ -9,8 +9,9 @@ random basis; B and B̃ of m Gaussian samples each. Candidates, all from the sam
 * ``paper``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al.);
 * ``corrected``: :func:`laplace_debiased.curvature.corrected.corrected_factor` (pooled eigenvectors,
   eigenvalues less the bias the two orders measure);
-* ``shrunk``: the corrected shift scaled by the positive-part James–Stein weight
-  ``max(0, 1 - ‖c_B - c_B̃‖² / (4 ‖c‖²))`` per factor (noise from the two orders' disagreement);
+* ``shrunk``: ``corrected_factor(..., shrink=True)``, the package's default: the corrected shift on
+  the pooled range scaled by the positive-part James–Stein weight ``max(0, 1 - Σ e_i² / Σ x_i²)``
+  (``x`` the shift, ``e`` the two orders' difference), the pooled null space corrected in full;
 * ``midpoint``: half the corrected shift (targets the true eigenvalues, not the curvature along
   the pooled eigenvectors);
 * ``downward``: only the downward part of the shift (never raises a curvature).
@@ -48,16 +49,16 @@ def candidates(XB: torch.Tensor, XM: torch.Tensor) -> dict[str, torch.Tensor]:
     cb = same_minus_cross(Db, Dm) / 2  # each order's estimate of the shift, m/n = 1/2
     ct = same_minus_cross(Dm, Db) / 2
     c = (cb + ct) / 2
-    w = max(0.0, 1 - float(((cb - ct) ** 2).sum() / (4 * (c ** 2).sum()))) if float((c ** 2).sum()) > 0 else 0.0
     Ub = symmetric_eigh64(Db)[1]
     paper = remeasure_eigenvalues(Ub, Dm)
     Uc, lc, _ = corrected_factor(Db, Dm, m, m)
+    Us, ls, _ = corrected_factor(Db, Dm, m, m, shrink=True)
 
     def mat(V: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
         return V @ torch.diag(lam.clamp(min=0)) @ V.T
 
     return {"single": mat(U, L), "paper": mat(Ub, paper), "corrected": mat(Uc, lc),
-            "shrunk": mat(U, L - w * c), "midpoint": mat(U, L - c / 2), "downward": mat(U, L - c.clamp(min=0))}
+            "shrunk": mat(Us, ls), "midpoint": mat(U, L - c / 2), "downward": mat(U, L - c.clamp(min=0))}
 
 
 def kls(F_hat: torch.Tensor, F: torch.Tensor) -> tuple[float, float]:

@@ -15,8 +15,10 @@ Methods, all over every weight except the last row (K-FAC blocks for the convolu
 linear head, one exact dense GGN block per BatchNorm layer, ``Laplace(..., "all",
 "debiased_kron")``), predicted with the linearized network and a shared prior-precision grid:
 
+* ``shrunk``: the same two halves, ``fit(estimator="shrunk")`` (the package's default: the
+  corrected estimate with each factor's correction shrunk by its noise);
 * ``corrected``: the same two halves, ``fit(estimator="corrected")`` (the eigenvectors of B ∪ B̃,
-  eigenvalues less the regression-to-the-mean bias the halves measure; the package's default);
+  eigenvalues less the regression-to-the-mean bias the halves measure);
 * ``debiased``: B, B̃ two disjoint halves of ``b`` random training images (directions from B,
   magnitudes on B̃);
 * ``single batch``: the same ``b`` images, B̃ = B (plain K-FAC + dense blocks on one batch);
@@ -60,7 +62,7 @@ from laplace_debiased.prior_grid import PriorGrid
 MAP = MapConfig(n_train=10000, epochs=30, model="resnet20_w8")
 #: Half-decade steps from the paper's smallest δ (1e-4, where a mini-batch LA's bias shows) to 1e6.
 GRID = [float(d) for d in np.logspace(-4, 6, 21)]
-ALL_WEIGHTS = ("corrected", "debiased", "single batch", "full batch")
+ALL_WEIGHTS = ("shrunk", "corrected", "debiased", "single batch", "full batch")
 LINKS = ("probit_projected",)
 
 
@@ -105,6 +107,7 @@ def fit_all(model, train: TensorDataset, b: int, n_full: int, seed: int, log) ->
 
     timed("debiased", lambda: kron(_loader(train, idx, b // 2), estimator="paper"))
     timed("corrected", lambda: kron(_loader(train, idx, b // 2), estimator="corrected"))
+    timed("shrunk", lambda: kron(_loader(train, idx, b // 2), estimator="shrunk"))
     single = _loader(train, idx, b)
     timed("single batch", lambda: kron(single, magnitude_loader=single))
     full = _loader(train, np.arange(n_full), 250)
@@ -164,7 +167,7 @@ def evaluate(preds: dict, sets: dict, link: str = "probit_projected") -> dict:
         res["methods"][name] = {"delta": GRID[best], "interior": 0 < best < len(GRID) - 1, "grid": grid,
                                 "chosen": {s: grid[s][best] for s in grid}}
     ref = res["methods"]["full batch"]["grid"]["test"]
-    for name in ("corrected", "debiased", "single batch"):
+    for name in ("shrunk", "corrected", "debiased", "single batch"):
         mine = res["methods"][name]["grid"]["test"]
         res["methods"][name]["tracking"] = {
             "nll_rel_pct": max(100 * abs(a["nll"] - r["nll"]) / r["nll"] for a, r in zip(mine, ref)),
@@ -190,7 +193,7 @@ def eval_sets(data, n_val: int, n_test: int, n_corrupt: int, seed: int, severiti
     return sets
 
 
-ROWS = ("map", "last layer", "single batch", "debiased", "corrected", "full batch")
+ROWS = ("map", "last layer", "single batch", "debiased", "corrected", "shrunk", "full batch")
 
 
 def markdown(res: dict, info: dict, cmd: str) -> str:
@@ -205,7 +208,7 @@ def markdown(res: dict, info: dict, cmd: str) -> str:
         f"(eval mode, all {MAP.n_train:,} images); last epoch: running train NLL "
         f"{hist.get('train_nll_running', float('nan')):.3f}, train acc {hist.get('train_acc_running', float('nan')):.3f}, "
         f"val NLL {hist.get('val_nll', float('nan')):.3f}, val acc {hist.get('val_accuracy', float('nan')):.3f}.",
-        f"Fits: b = {info['b']} (debiased, the paper's estimate, and corrected: 2 x {info['b'] // 2}), full batch over {info['n_full']:,} images; "
+        f"Fits: b = {info['b']} (debiased, the paper's estimate, corrected and shrunk: 2 x {info['b'] // 2}), full batch over {info['n_full']:,} images; "
         f"sets: {info['sizes']}; link: {res['link']}; δ grid {len(GRID)} points in "
         f"[{GRID[0]:g}, {GRID[-1]:g}]; {info['threads']} torch thread(s), wall {info['wall_min']:.0f} min.", "",
         "| method | δ (val) | fit s | test NLL | test ECE | test acc | NLL tracking err. (max over grid, %) | ECE tracking err. (pp) |",
