@@ -1,7 +1,8 @@
 """The package's docstring style: Google sections (``Args:``, ``Returns:``, ``Raises:``,
 ``Attributes:``), as mkdocstrings renders them (``docstring_style: google`` in mkdocs.yml), and no
 issue numbers. ruff's pydocstyle rules with the Google convention (``[tool.ruff.lint]`` in
-pyproject.toml) check the sections; a scan of every docstring checks what they do not see."""
+pyproject.toml) check the sections, and its W605 the escapes (a ``\\b`` in a maths docstring is a
+backspace); a scan of every docstring checks what they do not see."""
 
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def test_package_docstrings_have_no_numpy_sections_issue_numbers_or_combined_ent
 
 
 def test_ruff_pydocstyle_google_convention():
-    """``ruff check laplace_debiased`` with pyproject.toml's rules (pydocstyle, Google convention)."""
+    """``ruff check laplace_debiased`` with pyproject.toml's rules (pydocstyle, Google convention;
+    no invalid escape sequences)."""
     pytest.importorskip("ruff", reason="ruff is pinned in requirements-cpu.lock")
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "laplace_debiased"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

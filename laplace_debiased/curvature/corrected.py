@@ -56,7 +56,7 @@ give the positive-part James–Stein estimate
 
 .. math::
 
-    w = \max\bigl(0,\; 1 - Σ_i e_i² / Σ_i x_i²\bigr),
+    w = \\max\\bigl(0,\\; 1 - Σ_i e_i² / Σ_i x_i²\\bigr),
 
 and the eigenvalues ``(λ_{P,i} - w x_i)⁺`` on the pooled range. The pooled null space (where
 the single batch has no curvature at all, and any positive value is closer to the truth) keeps
