@@ -317,17 +317,13 @@ def _describe_batches(structure: str, batches: str, b: int) -> dict[str, str | i
                 "description": f"debiased {structure}: directions (eigenvectors) from a batch B of {b // 2} "
                                f"training points, magnitudes re-measured on an independent batch B̃ of "
                                f"{b // 2}"}
-    if batches == "corrected":
-        return {"label": f"{structure}, corrected {b // 2} + {b // 2}", "samples": 2 * (b // 2),
-                "description": f"corrected {structure}: eigenvectors of both batches of {b // 2} training points "
-                               "together, eigenvalues less the regression-to-the-mean bias the two batches "
-                               "measure against each other (fit(estimator='corrected'))"}
-    if batches == "shrunk":
-        return {"label": f"{structure}, shrunk {b // 2} + {b // 2}", "samples": 2 * (b // 2),
-                "description": f"shrunk {structure} (the default fit): eigenvectors of both batches of {b // 2} "
-                               "training points together, eigenvalues less the regression-to-the-mean bias the "
-                               "two batches measure, that correction shrunk per factor by how much the two "
-                               "batches disagree on it (fit(estimator='shrunk'))"}
+    if batches in ("corrected", "shrunk"):
+        shrunk = (" (the default fit)", ", that correction shrunk per factor by how much the two batches "
+                  "disagree on it") if batches == "shrunk" else ("", "")
+        return {"label": f"{structure}, {batches} {b // 2} + {b // 2}", "samples": 2 * (b // 2),
+                "description": f"{batches} {structure}{shrunk[0]}: eigenvectors of both batches of {b // 2} training "
+                               "points together, eigenvalues less the regression-to-the-mean bias the two batches "
+                               f"measure against each other{shrunk[1]} (fit(estimator='{batches}'))"}
     raise ValueError(f"unknown mini-batch method kind {batches!r}")
 
 

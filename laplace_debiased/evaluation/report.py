@@ -338,7 +338,8 @@ def _tracking_verdict(ctx: _Context, nll_gap: dict[str, float]) -> str:
     """Whether each debiased method tracks its reference more closely than the single batch of
     its structure with the same number of samples, and what that depends on."""
     sentences, explained = [], set()
-    for deb in (m for m in nll_gap if split_method_key(m)[0].endswith(("_debiased", "_corrected", "_shrunk"))):
+    two_batch = tuple(f"_{role}" for role in _FIT_ROLES if role != "single")
+    for deb in (m for m in nll_gap if split_method_key(m)[0].endswith(two_batch)):
         base, size = split_method_key(deb)
         single = method_key(base.rsplit("_", 1)[0] + "_single", size)
         if single not in nll_gap or _samples(ctx, deb) != _samples(ctx, single):
