@@ -5,7 +5,8 @@ debiased K-FAC Laplace classes (:mod:`laplace_debiased.structures.kron`).
 null-space completion of :mod:`laplace_debiased.curvature.completion`. ``"corrected"``: the
 eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches measure
 against each other (:mod:`laplace_debiased.curvature.corrected`). ``"shrunk"``: the same, with each
-factor's correction shrunk by its noise, the two orders' disagreement (James–Stein; the default).
+factor's correction kept in the measure that its bias, not its noise, dominates the single batch's
+error (the two orders' disagreement measures that noise; the default).
 """
 
 from __future__ import annotations

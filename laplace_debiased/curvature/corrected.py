@@ -43,26 +43,36 @@ averaged, so the result does not depend on the basis ``eigh`` returns there.
 With B̃ = B every gap is zero in exact arithmetic and the estimate is the single batch's
 eigendecomposition (to round-off; the Laplace class takes its exact stock path then).
 
-**Shrinkage** (``shrink=True``, the ``"shrunk"`` estimate). The correction is itself an
-estimate, and where the bias it removes is small against its noise (larger batches, and batches
-of ``m ≈ d`` samples, where the second-order theory no longer holds), subtracting it costs more
-than it gains. Write ``x_i = s_{B,i} + s_{B̃,i}`` for the correction of the ``i``-th eigenvalue of
-the pooled range (``s`` the two orders' shifts above) and ``e_i = s_{B,i} - s_{B̃,i}``. Swapping
-B and B̃ swaps the orders, so both estimate the same bias ``c_i``: ``E[x_i] = 2 c_i`` and
-``E[e_i] = 0``, and with errors of the orders uncorrelated ``Var x_i = Var e_i``. The weight
-``w`` minimising ``E Σ_i (w x_i - 2 c_i)²`` over one factor's range is
-``Σ 4c_i² / (Σ 4c_i² + Σ Var x_i)``; ``E Σ x_i² = Σ 4c_i² + Σ Var x_i`` and ``E Σ e_i² = Σ Var x_i``
-give the positive-part James–Stein estimate
+**Shrinkage** (``shrink=True``, the ``"shrunk"`` estimate). Removing the bias pays only where
+the bias is a large part of the single batch's error; elsewhere that error is mostly sampling
+noise, which no correction removes, and the correction's own noise is added to it. Write
+``x_i = s_{B,i} + s_{B̃,i}`` for the correction of the ``i``-th eigenvalue of the pooled range
+(``s`` the two orders' shifts above) and ``e_i = s_{B,i} - s_{B̃,i}``. With the half difference
+``Δ = (F̂_B - F̂_B̃) / 2`` in the pooled eigenbasis, second-order perturbation theory gives each
+order's shift as ``±Δ_ii / 2 + g_i`` (``g_i = Σ_{j≠i} Δ_ij² / (λ_{P,i} - λ_{P,j})`` at the order
+weight ``1/2``, second order): the first-order parts cancel in ``x_i = 2 g_i``, the estimate of the
+bias ``2 c_i``, and remain in ``e_i = Δ_ii``. For independent halves ``Δ`` has the covariance of
+the pooled error ``E_P = (E_B + E_B̃) / 2``, so ``E[e_i²]`` is, to first order, the variance of the
+pooled eigenvalue ``λ_{P,i}``: the single batch's own noise (it is *not* the noise of ``x_i``,
+which is of second order and smaller by a factor growing like ``m``). The weight
 
 .. math::
 
-    w = \\max\\bigl(0,\\; 1 - Σ_i e_i² / Σ_i x_i²\\bigr),
+    w = \\max\\bigl(0,\\; 1 - Σ_i e_i² / Σ_i x_i²\\bigr)
 
-and the eigenvalues ``(λ_{P,i} - w x_i)⁺`` on the pooled range. The pooled null space (where
+(of the positive-part James–Stein form) therefore compares, over one factor's range, the single
+batch's noise with its squared bias plus the correction's noise: it is near 1 where the bias
+dominates the single batch's error (small batches, flat spectra), and falls to 0 as the batch
+grows, since the bias shrinks like ``1/m`` and the noise like ``1/√m``. It is more conservative
+than the weight minimising ``E Σ_i (w x_i - 2 c_i)²`` (``Σ 4c_i² / (Σ 4c_i² + Σ Var x_i)``, which
+needs the second-order ``Var x_i`` that two batches do not measure), and gives up only a small
+share of the bias there: one that is small against the noise it leaves. The eigenvalues are
+``(λ_{P,i} - w x_i)⁺`` on the pooled range. The pooled null space (where
 the single batch has no curvature at all, and any positive value is closer to the truth) keeps
 the whole correction. ``w`` is near 1 where the two orders agree on a large correction (small
-batches) and near 0 where they disagree as much as they correct, so the estimate moves between
-the corrected one and the single batch by what the two batches measure. With B̃ = B every
+batches) and near 0 where they disagree as much as they correct (their disagreement being the
+single batch's noise), so the estimate moves between the corrected one and the single batch by
+what the two batches measure. With B̃ = B every
 ``x_i`` is zero (to round-off), and so is the correction, whatever ``w``: the single batch again.
 """
 
@@ -259,8 +269,9 @@ def corrected_factor_rows(
 
 def shrinkage_weight(shift_b: torch.Tensor, shift_t: torch.Tensor) -> float:
     """The positive-part James–Stein weight ``max(0, 1 - Σ e_i² / Σ x_i²)`` of the correction
-    ``x = shift_b + shift_t`` (both ``(k,)``, one per pooled range direction) with the orders'
-    difference ``e = shift_b - shift_t`` as its noise (module docstring); 0 where ``x`` is zero."""
+    ``x = shift_b + shift_t`` (both ``(k,)``, one per pooled range direction), with the orders'
+    difference ``e = shift_b - shift_t`` measuring the pooled eigenvalues' noise (module
+    docstring); 0 where ``x`` is zero."""
     total = float((shift_b + shift_t).square().sum())
     if total == 0.0:
         return 0.0
