@@ -29,12 +29,21 @@ with B choosing, ``m_B̃ g_{B̃,i} / 2`` with B̃ choosing); their mean gives
 
     \\hat λ_i = λ_{P,i} - (m_B g_{B,i} + m_{B̃} g_{B̃,i}) / (2 n),
 
-clamped at 0 (a curvature). Batches drawn without replacement from ``N`` training data have
-the finite-population variance ``s_ij (1/m - 1/N)`` (up to ``N/(N-1)``), so each order's gap
-is scaled by ``(1/n - 1/N) / (1/m - 1/N)`` instead of ``m / n`` (the same for ``N → ∞``), and
-a pooled batch of all ``N`` data is left uncorrected: it is the full batch. The bias left is of
-third order, ``O(n^{-2})``; the noise added is
-that of the gaps, which shrink like ``1/m`` with the bias they measure, so for large batches the
+clamped at 0 (a curvature). Batches drawn without replacement from ``N`` training data (the
+target is then the full-batch factor ``F_N``) have the finite-population variance
+``s_ij (1/m - 1/N)`` (up to ``N/(N-1)``), so an ``m``-batch's eigenvalue is biased against
+``u_iᵀ F_N u_i`` by ``2 β_i (1/m - 1/N)`` and the pooled one by ``2 β_i (1/n - 1/N)``. B̃, disjoint
+from B, is drawn from the ``N - m_B`` data outside it: ``E[F_B̃ | B] = (N F_N - m_B F_B) / (N - m_B)``,
+so the gap of the order B chooses measures ``N / (N - m_B)`` times B's bias. Each order's gap is
+therefore scaled by
+
+.. math::
+
+    \\frac{N - m}{N} \\cdot \\frac{1/n - 1/N}{1/m - 1/N} = \\frac{m}{n} \\Bigl(1 - \\frac{n}{N}\\Bigr)
+
+(``m`` the size of the batch that chooses; ``m / n`` for ``N → ∞``), and a pooled batch of all
+``N`` data is left uncorrected: it is the full batch. The bias left is of third order,
+``O(n^{-2})``; the noise added is that of the gaps, which shrink like ``1/m`` with the bias they measure, so for large batches the
 estimate tends to the single batch of ``n`` samples, and for small ones it removes the bias the
 single batch has. Eigenvalues are matched by position in the sorted spectra; inside a tied run
 of a half (its null space above all, where the eigenvectors are an arbitrary basis) the gaps are
@@ -151,13 +160,14 @@ def _change(values: torch.Tensor, pooled: torch.Tensor) -> float:
 
 
 def _order_weight(m: int, n: int, n_data: int | None) -> float:
-    """``(1/n - 1/N) / (1/m - 1/N)``: the bias of a batch of ``n`` over that of ``m`` drawn from
-    ``N = n_data`` (``m / n`` for ``n_data=None``, an infinite population)."""
+    """``(m / n)(1 - n / N)``: the bias of the pooled batch of ``n`` over the gap measured by the
+    order whose batch of ``m`` chooses, all drawn without replacement from ``N = n_data`` (module
+    docstring; ``m / n`` for ``n_data=None``, an infinite population)."""
     if n_data is None:
         return m / n
     if n > n_data:
         raise ValueError(f"B ∪ B̃ has {n} samples but the data only {n_data}; pass the training-set size as n_data.")
-    return (1 / n - 1 / n_data) / (1 / m - 1 / n_data)
+    return m / n * (1 - n / n_data)
 
 
 def corrected_factor(
