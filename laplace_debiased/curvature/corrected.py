@@ -43,9 +43,9 @@ therefore scaled by
 
 (``m`` the size of the batch that chooses; ``m / n`` for ``N → ∞``), and a pooled batch of all
 ``N`` data is left uncorrected: it is the full batch. The bias left is of third order,
-``O(n^{-2})``; the noise added is that of the gaps, which shrink like ``1/m`` with the bias they measure, so for large batches the
-estimate tends to the single batch of ``n`` samples, and for small ones it removes the bias the
-single batch has. Eigenvalues are matched by position in the sorted spectra; inside a tied run
+``O(n^{-2})``; the noise added is that of the gaps, which shrink like ``1/m`` with the bias they
+measure, so for large batches the estimate tends to the single batch of ``n`` samples, and for
+small ones it removes the bias the single batch has. Eigenvalues are matched by position in the sorted spectra; inside a tied run
 of a half (its null space above all, where the eigenvectors are an arbitrary basis) the gaps are
 averaged, so the result does not depend on the basis ``eigh`` returns there.
 
@@ -76,13 +76,13 @@ grows, since the bias shrinks like ``1/m`` and the noise like ``1/√m``. It is 
 than the weight minimising ``E Σ_i (w x_i - 2 c_i)²`` (``Σ 4c_i² / (Σ 4c_i² + Σ Var x_i)``, which
 needs the second-order ``Var x_i`` that two batches do not measure), and gives up only a small
 share of the bias there: one that is small against the noise it leaves. The eigenvalues are
-``(λ_{P,i} - w x_i)⁺`` on the pooled range. The pooled null space (where
-the single batch has no curvature at all, and any positive value is closer to the truth) keeps
-the whole correction. ``w`` is near 1 where the two orders agree on a large correction (small
-batches) and near 0 where they disagree as much as they correct (their disagreement being the
-single batch's noise), so the estimate moves between the corrected one and the single batch by
-what the two batches measure. With B̃ = B every
-``x_i`` is zero (to round-off), and so is the correction, whatever ``w``: the single batch again.
+``(λ_{P,i} - w x_i)⁺`` on the pooled range. The pooled null space (where the single batch has no
+curvature at all, and any positive value is closer to the truth) keeps the whole correction.
+``w`` is near 1 where the two orders agree on a large correction (small batches) and near 0 where
+they disagree as much as they correct (their disagreement being the single batch's noise), so the
+estimate moves between the corrected one and the single batch by what the two batches measure.
+With B̃ = B every ``x_i`` is zero (to round-off), and so is the correction, whatever ``w``: the
+single batch again.
 """
 
 from __future__ import annotations
