@@ -76,9 +76,11 @@ examples: $(STAMP)
 
 # Runs the main job with one thread and writes the command and two sections of its report (MAP vs
 # LA at the chosen δ; tracking the full batch over the grid) to docs/getting-started/output/main-job.md,
-# which the main-job page includes.
+# which the main-job page includes. It starts from an empty MAIN_JOB_OUT: resuming a folder of an
+# earlier checkout would keep that code's rows.
 MAIN_JOB_OUT ?= /tmp/laplace-debiased-main-job
 main-job-doc: $(STAMP)
+	rm -rf $(MAIN_JOB_OUT)
 	OMP_NUM_THREADS=1 $(PY) -m laplace_debiased --out $(MAIN_JOB_OUT) --threads 1
 	@mkdir -p docs/getting-started/output
 	@{ echo "Written by \`make main-job-doc\` (\`OMP_NUM_THREADS=1 python -m laplace_debiased --threads 1\`)."; echo; \
