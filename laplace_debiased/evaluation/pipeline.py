@@ -37,8 +37,8 @@ beyond that edge (the edge's own log spacing) and the sweep resumes, up to
 
 The output folder is locked while a run writes into it (a second run refuses, or waits up to
 ``--lock-timeout`` seconds).  ``options.json`` records every setting that changes the numbers
-(:data:`SETTINGS_KEYS` and the MAP training configuration); resuming with other values, or into
-a folder that has results but no ``options.json``, is refused.
+(:data:`SETTINGS_KEYS`, the MAP training configuration and the :func:`software_versions`);
+resuming with other values, or into a folder that has results but no ``options.json``, is refused.
 
 Under an initialised ``torch.distributed`` group (``torchrun --nproc-per-node W -m
 laplace_debiased ...``; every rank runs :func:`run_pipeline` with the same options) rank 0 alone
@@ -58,6 +58,7 @@ predictions of every row bitwise).  A failure on any rank raises on every rank
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from collections.abc import Callable
@@ -240,14 +241,29 @@ SETTINGS_KEYS = ("seed", "data", "data_root", "eval", "eval_size", "train_size",
                  "batch_size", "rank", "n_samples", "chunk_size")
 
 
+def software_versions() -> dict[str, str]:
+    """The installed versions of the packages whose code makes the numbers of a row: this one and
+    laplace-torch (``"unknown"`` when run from a source tree without an installed distribution)."""
+    found = {}
+    for dist in ("laplace-debiased", "laplace-torch"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = "unknown"
+    return found
+
+
 def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
     """Record the settings in ``out/options.json``, or refuse to resume under other ones.
 
-    ``extra`` adds settings that are not options (the MAP training configuration).  The caller
-    holds the folder's lock; the file is written to a temporary name and renamed.
+    ``extra`` adds settings that are not options (the MAP training configuration).  The settings
+    include :func:`software_versions`: another release may give other numbers for the same row
+    keys, so its rows are not resumed either.  The caller holds the folder's lock; the file is
+    written to a temporary name and renamed.
     """
     path = Path(out) / "options.json"
-    settings = json.loads(json.dumps({**{k: opts[k] for k in SETTINGS_KEYS}, **(extra or {})}))
+    settings = json.loads(json.dumps({**{k: opts[k] for k in SETTINGS_KEYS}, **(extra or {}),
+                                      "software": software_versions()}))
     sizes = batch_sizes(opts)
     settings["batch_size"] = sizes[0] if len(sizes) == 1 else sizes  # one: recorded as before, an integer
     if path.exists():
@@ -260,7 +276,10 @@ def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if changed:
             hint = ""
-            if "batch_size" in changed:
+            if "software" in changed:
+                hint = (f"; its rows were written by {changed['software'][0] or 'an older release'} and this is "
+                        f"{changed['software'][1]}, whose numbers may differ")
+            elif "batch_size" in changed:
                 was, now = (" ".join(map(str, v if isinstance(v, list) else [v])) for v in changed["batch_size"])
                 hint = (f"; its results are for --batch-size {was}, not {now} (each list of batch sizes is its "
                         f"own run: rerun with --batch-size {was} to resume it)")

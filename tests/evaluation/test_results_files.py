@@ -186,3 +186,23 @@ def test_two_concurrent_sweeps_write_every_row_once(tmp_path):
         assert p.returncode == 0, err
     keys = [row_key(r) for r in load_rows(path)]
     assert len(keys) == len(set(keys)) == 2 + 3 * 3 * 2 * 2  # MAP + repeats x priors x sets x links
+
+
+def test_resuming_results_of_another_software_version_is_refused(tmp_path, monkeypatch):
+    """Rows written by another release of this package (or of laplace-torch) hold other numbers for
+    the same keys (an estimator changed, say): a resume would mix them into one report."""
+    out = tmp_path / "out"
+    out.mkdir()
+    pipeline.check_settings(out, _opts())
+    saved = json.loads((out / "options.json").read_text())
+    assert set(saved["software"]) == {"laplace-debiased", "laplace-torch"}
+    pipeline.check_settings(out, _opts())  # the same versions: resumes
+    newer = {**saved["software"], "laplace-debiased": "9.9"}
+    monkeypatch.setattr(pipeline, "software_versions", lambda: newer)
+    with pytest.raises(ValueError, match=r"laplace-debiased.*9\.9.*choose another --out"):
+        pipeline.check_settings(out, _opts())
+    assert json.loads((out / "options.json").read_text()) == saved  # nothing rewritten
+    del saved["software"]  # a folder written before the versions were recorded
+    (out / "options.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="an older release"):
+        pipeline.check_settings(out, _opts())
