@@ -84,7 +84,7 @@ def load_map(cfg: MapConfig, partial: bool) -> tuple[torch.nn.Module, dict]:
     return model.eval(), {"epochs_done": len(history), "epochs_planned": cfg.epochs, "history": history}
 
 
-def _loader(train: TensorDataset, idx: np.ndarray, batch: int) -> DataLoader:
+def index_loader(train: TensorDataset, idx: np.ndarray, batch: int) -> DataLoader:
     """Loader over ``idx`` (in order); ``len(dataset)`` = N, so every fit scales to N."""
     return DataLoader(train, batch_size=batch, sampler=idx.tolist(), shuffle=False)
 
@@ -105,12 +105,12 @@ def fit_all(model, train: TensorDataset, b: int, n_full: int, seed: int, log) ->
         la.fit(loader, **kw)
         return la
 
-    timed("debiased", lambda: kron(_loader(train, idx, b // 2), estimator="paper"))
-    timed("corrected", lambda: kron(_loader(train, idx, b // 2), estimator="corrected"))
-    timed("shrunk", lambda: kron(_loader(train, idx, b // 2), estimator="shrunk"))
-    single = _loader(train, idx, b)
+    timed("debiased", lambda: kron(index_loader(train, idx, b // 2), estimator="paper"))
+    timed("corrected", lambda: kron(index_loader(train, idx, b // 2), estimator="corrected"))
+    timed("shrunk", lambda: kron(index_loader(train, idx, b // 2), estimator="shrunk"))
+    single = index_loader(train, idx, b)
     timed("single batch", lambda: kron(single, magnitude_loader=single))
-    full = _loader(train, np.arange(n_full), 250)
+    full = index_loader(train, np.arange(n_full), 250)
     k = len(full)
     timed("full batch", lambda: kron(full, magnitude_loader=full, n_direction_batches=k, n_magnitude_batches=k))
 

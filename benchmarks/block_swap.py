@@ -1,0 +1,179 @@
+"""Which blocks make the paper's split closer to the full batch than one batch on ResNet-20?
+
+    python -m benchmarks.block_swap [--data DIR] [--threads 1] [--seeds 0 1] [--b 512]
+        [--n-test 1000] [--out benchmarks/results]
+
+On the BatchNorm ResNet-20 of :mod:`benchmarks.normalisation` (its trained MAP, its batch draws
+and test images per seed), the single batch of ``b`` images (B̃ = B), the paper's split of the
+same images (B: the first ``b/2``, B̃: the second; ``fit(estimator="paper")``) and the shrunk
+default are compared with *hybrids*: the single batch's posterior with one kind of block (the
+BatchNorm blocks, the convolutions' K-FAC blocks, or the linear head) replaced by the paper's
+decomposition of that block. Each posterior's tracking error is the maximum over
+:data:`~benchmarks.normalisation.GRID` of the relative test-NLL gap to the full batch of all
+10,000 training images (projected probit link, the normalisation benchmark's).
+
+It also reports, per convolution, the trace of each K-FAC factor (output side ``G``, input side
+``A``) of the single batch, of each half alone and of the paper's fit (B's directions, B̃'s
+Rayleigh quotients, so its trace is B̃'s) relative to the full batch's: how far each estimate's
+scale is off, and from which half the paper's fit takes it.
+
+Writes ``block_swap.json`` and ``block_swap.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from laplace import Laplace
+
+import laplace_debiased  # noqa: F401  (registers the debiased structures)
+from benchmarks.cifar10.data import load_data
+from benchmarks.normalisation import GRID, MAP, eval_sets, index_loader, load_map
+from laplace_debiased.evaluation.metrics import nll
+from laplace_debiased.posterior.from_laplace import posterior_structure
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
+
+LINK = "probit_projected"
+KINDS = ("BatchNorm", "convolutions", "head")
+
+
+def kron_fit(model, loader, **kw):
+    """``Laplace(model, "classification", "all", "debiased_kron")`` fitted on ``loader``."""
+    la = Laplace(model, "classification", "all", "debiased_kron")
+    la.fit(loader, **kw)
+    return la
+
+
+def block_kinds(la) -> dict[str, set[int]]:
+    """Block indices per kind: BatchNorm (one dense block over weight and bias), the linear head
+    (the last layer's blocks), the convolutions (the rest)."""
+    names = la.correction.names
+    bn = {i for i, (_, param) in enumerate(names) if param == "weight+bias"}
+    head = {i for i, (layer, _) in enumerate(names) if layer == names[-1][0]}
+    return {"BatchNorm": bn, "head": head, "convolutions": set(range(len(names))) - bn - head}
+
+
+def swapped(base, other, blocks: set[int]):
+    """``base``'s grid structure with the decompositions of ``blocks`` taken from ``other``."""
+    st, ot = posterior_structure(base), posterior_structure(other)
+    st.Qs = [ot.Qs[i] if i in blocks else q for i, q in enumerate(st.Qs)]
+    st.ls = [ot.ls[i] if i in blocks else v for i, v in enumerate(st.ls)]
+    return st
+
+
+def factor_traces(structure, reference, blocks: list[int]) -> dict[str, list[float]]:
+    """Per block in ``blocks`` (two-factor K-FAC blocks): ``tr G / tr G_ref`` (with the data
+    scale ``s``, which the output factor carries) and ``tr A / tr A_ref``."""
+    g = [float(structure.ls[i][0].sum() * structure.s / (reference.ls[i][0].sum() * reference.s)) for i in blocks]
+    a = [float(structure.ls[i][1].sum() / reference.ls[i][1].sum()) for i in blocks]
+    return {"G": g, "A": a}
+
+
+def test_curves(model, predictives: dict, X: torch.Tensor, y: torch.Tensor, chunk: int = 32) -> dict[str, list[float]]:
+    """Test NLL on the grid per posterior; the chunks' Jacobians are shared by every posterior."""
+    params = next(iter(predictives.values())).params
+    parts: dict = {k: [] for k in predictives}
+    with torch.no_grad():
+        for x in X.split(chunk):
+            f, jacs = logit_jacobians(model, params, x)
+            for k, p in predictives.items():
+                probs = p._chunk(logit_rows(f), jacs, GRID, (LINK,), 100, torch.Generator().manual_seed(0))  # noqa: SLF001
+                parts[k].append(probs[LINK].float())
+    return {k: [nll(torch.cat(v, 1)[g], y) for g in range(len(GRID))] for k, v in parts.items()}
+
+
+def one_seed(model, data, full, b: int, n_test: int, seed: int, log) -> dict:
+    """Fits, hybrids, tracking errors and factor traces of one batch draw (``seed``, as in
+    :mod:`benchmarks.normalisation`)."""
+    idx = np.random.default_rng(seed).choice(len(data.train), size=b, replace=False)
+    single = index_loader(data.train, idx, b)
+    fits = {"single batch": kron_fit(model, single, magnitude_loader=single),
+            "paper": kron_fit(model, index_loader(data.train, idx, b // 2), estimator="paper"),
+            "shrunk (default)": kron_fit(model, index_loader(data.train, idx, b // 2), estimator="shrunk")}
+    kinds = block_kinds(fits["shrunk (default)"])
+    base = fits["single batch"]
+    predictives = {k: GridPredictive(la) for k, la in fits.items()}
+    for kind in KINDS:
+        predictives[f"single batch, paper's {kind}"] = GridPredictive(base, structure=swapped(base, fits["paper"], kinds[kind]))
+    predictives["full batch"] = GridPredictive(base, structure=full)
+    X, y = eval_sets(data, 1, n_test, 0, seed, severities=())["test"]
+    start = time.perf_counter()
+    curves = test_curves(model, predictives, X, y)
+    log(f"  seed {seed}: predicted {len(y)} test images for {len(predictives)} posteriors, {time.perf_counter() - start:.0f} s")
+    ref = curves.pop("full batch")
+    tracking = {k: max(100 * abs(a - r) / r for a, r in zip(c, ref)) for k, c in curves.items()}
+    convs = sorted(kinds["convolutions"])
+    halves = {}
+    for name, part in (("first half (B)", idx[: b // 2]), ("second half (B̃)", idx[b // 2:])):
+        loader = index_loader(data.train, part, len(part))
+        halves[name] = posterior_structure(kron_fit(model, loader, magnitude_loader=loader))
+    traces = {k: factor_traces(st, full, convs) for k, st in
+              {"single batch": posterior_structure(base), **halves, "paper": posterior_structure(fits["paper"])}.items()}
+    return {"tracking_nll_pct": tracking, "traces": traces, "n_conv_blocks": len(convs),
+            "blocks": {k: len(v) for k, v in kinds.items()}}
+
+
+def markdown(res: dict, cmd: str) -> str:
+    """The tracking table (one column per seed) and the factor-trace summary."""
+    seeds = list(res["seeds"])
+    lines = ["# Block swap on ResNet-20: where the paper's split gains", "", f"Command: `{cmd}`", "",
+             f"{res['info']}", "",
+             "Largest relative test-NLL gap to the full batch over the grid [%] (projected probit link):", "",
+             "| posterior | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for k in res["seeds"][seeds[0]]["tracking_nll_pct"]:
+        lines.append(f"| {k} | " + " | ".join(f"{res['seeds'][s]['tracking_nll_pct'][k]:.2f}" for s in seeds) + " |")
+    lines += ["", "Trace of the convolutions' K-FAC factors relative to the full batch's (mean [min, max] over "
+              "the convolution blocks; `G` output side with the data scale, `A` input side):", "",
+              "| estimate | " + " | ".join(f"seed {s}: tr G / tr G_full | seed {s}: tr A / tr A_full" for s in seeds) + " |",
+              "|---|" + "---|---|" * len(seeds)]
+    for k in res["seeds"][seeds[0]]["traces"]:
+        cells = []
+        for s in seeds:
+            for f in ("G", "A"):
+                v = res["seeds"][s]["traces"][k][f]
+                cells.append(f"{np.mean(v):.3f} [{min(v):.3f}, {max(v):.3f}]")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--b", type=int, default=512)
+    p.add_argument("--n-test", type=int, default=1000)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    start = time.perf_counter()
+    data = load_data(a.data, n_train=MAP.n_train)
+    model, _ = load_map(MAP, False)
+    everything = index_loader(data.train, np.arange(len(data.train)), 250)
+    k = len(everything)
+    full = posterior_structure(kron_fit(model, everything, magnitude_loader=everything,
+                                        n_direction_batches=k, n_magnitude_batches=k))
+    log(f"full batch ({len(data.train):,} images): {time.perf_counter() - start:.0f} s")
+    seeds = {s: one_seed(model, data, full, a.b, a.n_test, s, log) for s in a.seeds}
+    info = (f"MAP `{MAP.model}` of `benchmarks.normalisation`; b = {a.b} (paper and shrunk: 2 x {a.b // 2}); "
+            f"full batch over {len(data.train):,} images; {a.n_test} test images; {len(GRID)} prior precisions "
+            f"in [{GRID[0]:g}, {GRID[-1]:g}]; {a.threads} torch thread(s); wall {(time.perf_counter() - start) / 60:.0f} min.")
+    cmd = "python -m benchmarks.block_swap " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    res = {"command": cmd, "info": info, "seeds": seeds}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "block_swap.json").write_text(json.dumps(res, indent=1))
+    (out / "block_swap.md").write_text(markdown(res, cmd))
+    log((out / "block_swap.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
