@@ -1,16 +1,18 @@
-"""Which blocks make the paper's split closer to the full batch than one batch on ResNet-20?
+"""Which blocks, and which order of the halves, make the paper's split closer to the full batch
+than one batch on ResNet-20?
 
     python -m benchmarks.block_swap [--data DIR] [--threads 1] [--seeds 0 1] [--b 512]
         [--n-test 1000] [--out benchmarks/results]
 
 On the BatchNorm ResNet-20 of :mod:`benchmarks.normalisation` (its trained MAP, its batch draws
 and test images per seed), the single batch of ``b`` images (B̃ = B), the paper's split of the
-same images (B: the first ``b/2``, B̃: the second; ``fit(estimator="paper")``) and the shrunk
-default are compared with *hybrids*: the single batch's posterior with one kind of block (the
-BatchNorm blocks, the convolutions' K-FAC blocks, or the linear head) replaced by the paper's
-decomposition of that block. Each posterior's tracking error is the maximum over
-:data:`~benchmarks.normalisation.GRID` of the relative test-NLL gap to the full batch of all
-10,000 training images (projected probit link, the normalisation benchmark's).
+same images (B: the first ``b/2``, B̃: the second; ``fit(estimator="paper")``), the same split
+with the halves' roles swapped, its cross-fit (``cross_fit=True``: the mean of both orders'
+predictive covariances) and the shrunk default are compared with *hybrids*: the single batch's
+posterior with one kind of block (the BatchNorm blocks, the convolutions' K-FAC blocks, or the
+linear head) replaced by the paper's decomposition of that block. Each posterior's tracking error
+is the maximum over :data:`~benchmarks.normalisation.GRID` of the relative test-NLL gap to the
+full batch of all 10,000 training images (projected probit link, the normalisation benchmark's).
 
 It also reports, per convolution, the trace of each K-FAC factor (output side ``G``, input side
 ``A``) of the single batch, of each half alone and of the paper's fit (B's directions, B̃'s
@@ -93,9 +95,13 @@ def one_seed(model, data, full, b: int, n_test: int, seed: int, log) -> dict:
     :mod:`benchmarks.normalisation`)."""
     idx = np.random.default_rng(seed).choice(len(data.train), size=b, replace=False)
     single = index_loader(data.train, idx, b)
+    halves = index_loader(data.train, idx, b // 2)
+    swapped_halves = index_loader(data.train, np.concatenate([idx[b // 2:], idx[: b // 2]]), b // 2)
     fits = {"single batch": kron_fit(model, single, magnitude_loader=single),
-            "paper": kron_fit(model, index_loader(data.train, idx, b // 2), estimator="paper"),
-            "shrunk (default)": kron_fit(model, index_loader(data.train, idx, b // 2), estimator="shrunk")}
+            "paper": kron_fit(model, halves, estimator="paper"),
+            "paper, halves swapped": kron_fit(model, swapped_halves, estimator="paper"),
+            "paper, cross-fit (both orders)": kron_fit(model, halves, estimator="paper", cross_fit=True),
+            "shrunk (default)": kron_fit(model, halves, estimator="shrunk")}
     kinds = block_kinds(fits["shrunk (default)"])
     base = fits["single batch"]
     predictives = {k: GridPredictive(la) for k, la in fits.items()}
@@ -109,12 +115,12 @@ def one_seed(model, data, full, b: int, n_test: int, seed: int, log) -> dict:
     ref = curves.pop("full batch")
     tracking = {k: max(100 * abs(a - r) / r for a, r in zip(c, ref)) for k, c in curves.items()}
     convs = sorted(kinds["convolutions"])
-    halves = {}
+    alone = {}
     for name, part in (("first half (B)", idx[: b // 2]), ("second half (B̃)", idx[b // 2:])):
         loader = index_loader(data.train, part, len(part))
-        halves[name] = posterior_structure(kron_fit(model, loader, magnitude_loader=loader))
+        alone[name] = posterior_structure(kron_fit(model, loader, magnitude_loader=loader))
     traces = {k: factor_traces(st, full, convs) for k, st in
-              {"single batch": posterior_structure(base), **halves, "paper": posterior_structure(fits["paper"])}.items()}
+              {"single batch": posterior_structure(base), **alone, "paper": posterior_structure(fits["paper"])}.items()}
     return {"tracking_nll_pct": tracking, "traces": traces, "n_conv_blocks": len(convs),
             "blocks": {k: len(v) for k, v in kinds.items()}}
 
