@@ -31,25 +31,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from laplace import Laplace
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from benchmarks.cifar10.data import load_data
-from benchmarks.normalisation import GRID, MAP, eval_sets, index_loader, load_map
+from benchmarks.normalisation import (GRID, LINKS, MAP, eval_sets, full_batch_fit, index_loader, kron_fit, load_map,
+                                      shared_jacobian_grid)
 from laplace_debiased.evaluation.metrics import nll
 from laplace_debiased.posterior.from_laplace import posterior_structure
 from laplace_debiased.posterior.grid import GridPredictive
-from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
 
-LINK = "probit_projected"
+LINK = LINKS[0]
 KINDS = ("BatchNorm", "convolutions", "head")
-
-
-def kron_fit(model, loader, **kw):
-    """``Laplace(model, "classification", "all", "debiased_kron")`` fitted on ``loader``."""
-    la = Laplace(model, "classification", "all", "debiased_kron")
-    la.fit(loader, **kw)
-    return la
 
 
 def block_kinds(la) -> dict[str, set[int]]:
@@ -78,16 +70,9 @@ def factor_traces(structure, reference, blocks: list[int]) -> dict[str, list[flo
 
 
 def test_curves(model, predictives: dict, X: torch.Tensor, y: torch.Tensor, chunk: int = 32) -> dict[str, list[float]]:
-    """Test NLL on the grid per posterior; the chunks' Jacobians are shared by every posterior."""
-    params = next(iter(predictives.values())).params
-    parts: dict = {k: [] for k in predictives}
-    with torch.no_grad():
-        for x in X.split(chunk):
-            f, jacs = logit_jacobians(model, params, x)
-            for k, p in predictives.items():
-                probs = p._chunk(logit_rows(f), jacs, GRID, (LINK,), 100, torch.Generator().manual_seed(0))  # noqa: SLF001
-                parts[k].append(probs[LINK].float())
-    return {k: [nll(torch.cat(v, 1)[g], y) for g in range(len(GRID))] for k, v in parts.items()}
+    """Test NLL on the grid per posterior (:func:`~benchmarks.normalisation.shared_jacobian_grid`)."""
+    probs = shared_jacobian_grid(model, predictives, X, chunk)
+    return {k: [nll(p[LINK][g], y) for g in range(len(GRID))] for k, p in probs.items()}
 
 
 def one_seed(model, data, full, b: int, n_test: int, seed: int, log) -> dict:
@@ -162,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     data = load_data(a.data, n_train=MAP.n_train)
     model, _ = load_map(MAP, False)
-    everything = index_loader(data.train, np.arange(len(data.train)), 250)
-    k = len(everything)
-    full = posterior_structure(kron_fit(model, everything, magnitude_loader=everything,
-                                        n_direction_batches=k, n_magnitude_batches=k))
+    full = posterior_structure(full_batch_fit(model, data.train, len(data.train)))
     log(f"full batch ({len(data.train):,} images): {time.perf_counter() - start:.0f} s")
     seeds = {s: one_seed(model, data, full, a.b, a.n_test, s, log) for s in a.seeds}
     info = (f"MAP `{MAP.model}` of `benchmarks.normalisation`; b = {a.b} (paper and shrunk: 2 x {a.b // 2}); "

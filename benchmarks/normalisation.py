@@ -89,6 +89,25 @@ def index_loader(train: TensorDataset, idx: np.ndarray, batch: int) -> DataLoade
     return DataLoader(train, batch_size=batch, sampler=idx.tolist(), shuffle=False)
 
 
+def kron_fit(model, loader: DataLoader, **kw):
+    """``Laplace(model, "classification", "all", "debiased_kron")`` fitted on ``loader``."""
+    la = Laplace(model, "classification", "all", "debiased_kron")
+    la.fit(loader, **kw)
+    return la
+
+
+def full_loader(train: TensorDataset, n_full: int) -> DataLoader:
+    """The first ``n_full`` training images in batches of 250 (the full-batch reference's data)."""
+    return index_loader(train, np.arange(n_full), 250)
+
+
+def full_batch_fit(model, train: TensorDataset, n_full: int):
+    """The full-batch reference: K-FAC with B̃ = B = the first ``n_full`` training images."""
+    full = full_loader(train, n_full)
+    k = len(full)
+    return kron_fit(model, full, magnitude_loader=full, n_direction_batches=k, n_magnitude_batches=k)
+
+
 def fit_all(model, train: TensorDataset, b: int, n_full: int, seed: int, log) -> dict:
     """The four fits, timed: ``name -> (la, seconds)``."""
     idx = np.random.default_rng(seed).choice(len(train), size=b, replace=False)
@@ -100,51 +119,51 @@ def fit_all(model, train: TensorDataset, b: int, n_full: int, seed: int, log) ->
         out[name] = (la, time.perf_counter() - start)
         log(f"  fit {name}: {out[name][1]:.1f} s")
 
-    def kron(loader, **kw):
-        la = Laplace(model, "classification", "all", "debiased_kron")
-        la.fit(loader, **kw)
-        return la
-
-    timed("debiased", lambda: kron(index_loader(train, idx, b // 2), estimator="paper"))
-    timed("corrected", lambda: kron(index_loader(train, idx, b // 2), estimator="corrected"))
-    timed("shrunk", lambda: kron(index_loader(train, idx, b // 2), estimator="shrunk"))
+    timed("debiased", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="paper"))
+    timed("corrected", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="corrected"))
+    timed("shrunk", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="shrunk"))
     single = index_loader(train, idx, b)
-    timed("single batch", lambda: kron(single, magnitude_loader=single))
-    full = index_loader(train, np.arange(n_full), 250)
-    k = len(full)
-    timed("full batch", lambda: kron(full, magnitude_loader=full, n_direction_batches=k, n_magnitude_batches=k))
+    timed("single batch", lambda: kron_fit(model, single, magnitude_loader=single))
+    timed("full batch", lambda: full_batch_fit(model, train, n_full))
 
     def last_layer():
         la = Laplace(model, "classification", "last_layer", "full")
-        la.fit(full)
+        la.fit(full_loader(train, n_full))
         return la
 
     timed("last layer", last_layer)
     return out
 
 
+def shared_jacobian_grid(model, predictives: dict[str, GridPredictive], X: torch.Tensor, chunk: int,
+                         ) -> dict[str, dict[str, torch.Tensor]]:
+    """``name -> link -> (G, n, C)`` probabilities on :data:`GRID` of all-weights predictives of
+    one network: each chunk's Jacobians are computed once and shared; each predictive's MC draws
+    come from its own generator seeded 0."""
+    params = next(iter(predictives.values())).params
+    gens = {name: torch.Generator().manual_seed(0) for name in predictives}
+    parts: dict = {name: {link: [] for link in LINKS} for name in predictives}
+    with torch.no_grad():
+        for x in X.split(chunk):
+            f, jacs = logit_jacobians(model, params, x)
+            for name, pred in predictives.items():
+                probs = pred._chunk(logit_rows(f), jacs, GRID, LINKS, 100, gens[name])  # noqa: SLF001
+                for link in LINKS:
+                    parts[name][link].append(probs[link].float())
+    return {name: {link: torch.cat(v, dim=1) for link, v in per.items()} for name, per in parts.items()}
+
+
 def predict_sets(model, fits: dict, sets: dict, chunk: int, log) -> dict:
     """``method -> set -> link -> (G, n, C)`` probabilities on :data:`GRID`; the all-weights
     methods share each chunk's Jacobians, MC draws use the same seed for every method."""
     preds = {name: GridPredictive(la, chunk_size=chunk) for name, (la, _) in fits.items()}
-    params = preds[ALL_WEIGHTS[0]].params
     out: dict = {name: {} for name in fits}
     for set_name, (X, _) in sets.items():
         start = time.perf_counter()
-        gens = {name: torch.Generator().manual_seed(0) for name in fits}
-        parts: dict = {name: {link: [] for link in LINKS} for name in fits}
-        with torch.no_grad():
-            for x in X.split(chunk):
-                f, jacs = logit_jacobians(model, params, x)
-                for name in ALL_WEIGHTS:
-                    probs = preds[name]._chunk(logit_rows(f), jacs, GRID, LINKS, 100, gens[name])  # noqa: SLF001
-                    for link in LINKS:
-                        parts[name][link].append(probs[link].float())
-        ll = preds["last layer"].grid(X, GRID, links=LINKS, generator=gens["last layer"])
-        for link in LINKS:
-            parts["last layer"][link].append(ll[link].float())
-        for name in fits:
-            out[name][set_name] = {link: torch.cat(v, dim=1) for link, v in parts[name].items()}
+        for name, probs in shared_jacobian_grid(model, {n: preds[n] for n in ALL_WEIGHTS}, X, chunk).items():
+            out[name][set_name] = probs
+        ll = preds["last layer"].grid(X, GRID, links=LINKS, generator=torch.Generator().manual_seed(0))
+        out["last layer"][set_name] = {link: ll[link].float() for link in LINKS}
         out.setdefault("map", {})[set_name] = torch.softmax(_logits(model, X, chunk), -1)
         log(f"  predicted {set_name} ({len(X)} images): {time.perf_counter() - start:.0f} s")
     return out

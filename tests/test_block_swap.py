@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from benchmarks.block_swap import block_kinds, kron_fit, swapped
+from benchmarks.block_swap import block_kinds, swapped
+from benchmarks.normalisation import kron_fit
 from laplace_debiased.posterior.from_laplace import posterior_structure
 from laplace_debiased.posterior.jacobians import logit_jacobians
 from tests._models import loader, toy_data
@@ -19,7 +20,7 @@ def _bn_net() -> nn.Module:
 
 
 def _covariances(model, structure, X):
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     _, jacs = logit_jacobians(model, params, X)
     return structure.covariances(structure.rotate(jacs), torch.tensor([1e-2, 1.0], dtype=torch.float64))
 

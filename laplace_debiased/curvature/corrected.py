@@ -45,9 +45,10 @@ therefore scaled by
 ``N`` data is left uncorrected: it is the full batch. The bias left is of third order,
 ``O(n^{-2})``; the noise added is that of the gaps, which shrink like ``1/m`` with the bias they
 measure, so for large batches the estimate tends to the single batch of ``n`` samples, and for
-small ones it removes the bias the single batch has. Eigenvalues are matched by position in the sorted spectra; inside a tied run
-of a half (its null space above all, where the eigenvectors are an arbitrary basis) the gaps are
-averaged, so the result does not depend on the basis ``eigh`` returns there.
+small ones it removes the bias the single batch has. Eigenvalues are matched by position in the
+sorted spectra; inside a tied run of a half (its null space above all, where the eigenvectors are
+an arbitrary basis) the gaps are averaged, so the result does not depend on the basis ``eigh``
+returns there.
 
 With B̃ = B every gap is zero in exact arithmetic and the estimate is the single batch's
 eigendecomposition (to round-off; the Laplace class takes its exact stock path then).

@@ -234,7 +234,6 @@ def test_shrinkage_weight_is_a_share_symmetric_and_scale_free(k, seed, scale):
     assert w == pytest.approx(max(0.0, 1 - float((a - b).square().sum() / (a + b).square().sum())), abs=4 * k * EPS64)
 
 
-
 @pytest.mark.parametrize("n_data, m, spectrum", [(400, 100, [4.0, 2.0, 1.0, 0.5]), (120, 30, [4.0, 1.0, 0.25, 0.0625])])
 def test_corrected_eigenvalues_are_unbiased_for_disjoint_batches_of_a_finite_training_set(n_data, m, spectrum):
     """B and B̃ drawn together without replacement from a fixed training set of N points, half
