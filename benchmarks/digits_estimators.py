@@ -9,7 +9,9 @@ kron_single (b samples), kron_debiased, kron_corrected and kron_shrunk (two halv
 each (default 3), into ``DIR/b<b>/``, then writes ``results/digits_estimators.{json,md}``: per method and b
 the largest relative test-NLL gap and ECE gap to the full batch over the whole δ grid (projected
 probit), mean and range over the draws, and per two-batch method its paired difference to the
-single batch (the same draws: mean ± standard error, and in how many draws it was worse). The
+single batch (the same draws: mean ± standard error, and in how many draws it was worse); then
+the signed gap at each δ (a table for the single batch and the default, and
+``results/digits_estimators.png`` for every method), which shows where on the grid each errs. The
 probit predictive is deterministic, so there is no MC noise floor; the spread over draws is the noise.
 """
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from laplace_debiased.evaluation.sweep import load_rows
-from laplace_debiased.evaluation.tracking import max_gap_per_draw
+from laplace_debiased.evaluation.tracking import gap_curves, max_gap_per_draw
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk")
@@ -62,7 +64,10 @@ def summarise(rows: list[dict]) -> dict[str, dict]:
     for m in METHODS:
         nll = max_gap_per_draw(rows, m, "kron_full", "test", LINK, "nll")
         ece = max_gap_per_draw(rows, m, "kron_full", "test", LINK, "ece", relative=False)
-        out[m] = {"nll_gap_per_draw": nll, "ece_gap_per_draw": ece, "marglik_test_nll_per_draw": marglik_test_nll(rows, m)}
+        curves = gap_curves(rows, m, "kron_full", "test", LINK, "nll")
+        by_delta = {repr(d): [curves[r][d] for r in sorted(curves)] for d in curves[min(curves)]}
+        out[m] = {"nll_gap_per_draw": nll, "ece_gap_per_draw": ece, "marglik_test_nll_per_draw": marglik_test_nll(rows, m),
+                  "signed_nll_gap_by_delta": by_delta}
     return out
 
 
@@ -91,7 +96,59 @@ def markdown(results: dict[int, dict], repeats: int) -> str:
                 ml_text += f" ({_paired(ml - single_ml, 3)})"
             lines.append(f"| {b} | {LABELS[m]} | {nll.mean():.2f} [{nll.min():.2f}, {nll.max():.2f}] | "
                          f"{ece.mean():.2f} [{ece.min():.2f}, {ece.max():.2f}] | {paired} | {worse} | {ml_text} |")
+    return "\n".join(lines) + "\n" + by_delta_markdown(results)
+
+
+def _mean_se(values: np.ndarray) -> str:
+    return f"{values.mean():+.2f} ± {values.std(ddof=1) / np.sqrt(len(values)):.2f}"
+
+
+def by_delta_markdown(results: dict[int, dict]) -> str:
+    """The signed relative test-NLL gap of the single batch and the default at each δ of the grid,
+    per b: mean ± standard error over the draws (%)."""
+    sizes = sorted(results)
+    lines = ["", "## Where on the δ grid the gaps lie", "",
+             "Signed relative test-NLL gap to the full batch (%) at each prior precision δ, mean ± standard error "
+             "over the draws (positive: a higher NLL than the full batch's). The table above reports, per draw, the "
+             "largest absolute value of these over the grid. Figure: [digits_estimators.png](digits_estimators.png).", "",
+             "| δ | " + " | ".join(f"b = {b}: single | b = {b}: shrunk (default)" for b in sizes) + " |",
+             "|---|" + "---|---|" * len(sizes)]
+    for key in results[sizes[0]]["kron_single"]["signed_nll_gap_by_delta"]:
+        cells = [_mean_se(100 * np.array(results[b][m]["signed_nll_gap_by_delta"][key]))
+                 for b in sizes for m in ("kron_single", "kron_shrunk")]
+        lines.append(f"| {float(key):.3g} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[int, dict], path: Path) -> None:
+    """Per b one panel: each method's mean signed relative test-NLL gap over δ, ± one standard error."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(results)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), sharey=True, squeeze=False)
+    for ax, b in zip(axes[0], sizes):
+        for m in METHODS:
+            by_delta = results[b][m]["signed_nll_gap_by_delta"]
+            deltas = np.array([float(k) for k in by_delta])
+            gaps = 100 * np.array(list(by_delta.values()))  # (δ, draws)
+            mean, se = gaps.mean(1), gaps.std(1, ddof=1) / np.sqrt(gaps.shape[1])
+            line, = ax.plot(deltas, mean, marker="o", markersize=3, label=LABELS[m])
+            ax.fill_between(deltas, mean - se, mean + se, color=line.get_color(), alpha=0.2)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("prior precision δ")
+        draws = len(next(iter(results[b]["kron_single"]["signed_nll_gap_by_delta"].values())))
+        ax.set_title(f"b = {b} samples ({draws} draws)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test NLL − full batch's (% of full batch's)")
+    axes[0][-1].legend(fontsize=8, loc="upper right")
+    fig.suptitle("Digits (N = 300): signed test-NLL gap to full-batch K-FAC, mean ± 1 s.e. over draws", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _paired(diff: np.ndarray, digits: int) -> str:
@@ -113,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "digits_estimators.json").write_text(json.dumps(results, indent=1) + "\n")
     (HERE / "results" / "digits_estimators.md").write_text(markdown(results, args.repeats))
+    plot(results, HERE / "results" / "digits_estimators.png")
     print(markdown(results, args.repeats))
     return 0
 

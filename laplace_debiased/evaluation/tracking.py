@@ -9,7 +9,8 @@ and link approximation:
 
 the maximum over the prior precisions ``δ`` both were evaluated at. Functions here take sweep
 rows (``results.jsonl`` dicts with ``method``, ``repeat``, ``prior_precision``, ``eval_set``,
-``link`` and the metric) and return floats, one per draw.
+``link`` and the metric) and return floats, one per draw, or with :func:`gap_curves` the signed
+gaps at each ``δ`` (where on the grid a method errs, and in which direction).
 
 A percentile bootstrap interval of such a maximum is not valid: resampling adds noise to every
 grid point, and the maximum of noisier values is larger, so the resampled maxima sit above the
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["max_abs_interval", "max_gap_per_draw", "reference_of"]
+__all__ = ["gap_curves", "max_abs_interval", "max_gap_per_draw", "reference_of"]
 
 
 def reference_of(method: str, full_batch: Sequence[str]) -> str | None:
@@ -44,10 +45,11 @@ def _curve(rows: Sequence[dict], method: str, eval_set: str, link: str, metric: 
     return out
 
 
-def max_gap_per_draw(rows: Sequence[dict], method: str, reference: str, eval_set: str, link: str,
-                     metric: str = "nll", relative: bool = True) -> list[float]:
-    """Per draw of ``method`` (ascending repeat), the largest gap to ``reference`` over the
-    prior precisions both were evaluated at (relative to the reference when ``relative``).
+def gap_curves(rows: Sequence[dict], method: str, reference: str, eval_set: str, link: str,
+               metric: str = "nll", relative: bool = True) -> dict[int, dict[float, float]]:
+    """Per draw of ``method``, its signed gap to ``reference`` at each prior precision both were
+    evaluated at: ``{repeat: {δ: (s_m(δ) − s_f(δ)) / |s_f(δ)|}}`` (without the division when not
+    ``relative``); positive where the method's metric is the larger.
 
     The reference is one draw (repeat 0 of a full-batch fit; its first repeat if it has several).
     Raises ``ValueError`` when the two share no prior precision, since there is no gap to report.
@@ -56,13 +58,21 @@ def max_gap_per_draw(rows: Sequence[dict], method: str, reference: str, eval_set
     if not ref_draws:
         raise ValueError(f"no {metric!r} rows of the reference {reference!r} on {eval_set!r} with link {link!r}")
     ref = ref_draws[min(ref_draws)]
-    gaps = []
+    gaps = {}
     for repeat, curve in sorted(_curve(rows, method, eval_set, link, metric).items()):
         common = sorted(set(curve) & set(ref))
         if not common:
             raise ValueError(f"{method!r} (repeat {repeat}) and {reference!r} share no prior precision")
-        gaps.append(max(abs(curve[d] - ref[d]) / (abs(ref[d]) if relative else 1.0) for d in common))
+        gaps[repeat] = {d: (curve[d] - ref[d]) / (abs(ref[d]) if relative else 1.0) for d in common}
     return gaps
+
+
+def max_gap_per_draw(rows: Sequence[dict], method: str, reference: str, eval_set: str, link: str,
+                     metric: str = "nll", relative: bool = True) -> list[float]:
+    """Per draw of ``method`` (ascending repeat), the largest absolute gap to ``reference`` over the
+    prior precisions both were evaluated at: the maximum over ``δ`` of ``|`` :func:`gap_curves` ``|``."""
+    curves = gap_curves(rows, method, reference, eval_set, link, metric, relative)
+    return [max(abs(g) for g in curve.values()) for _, curve in sorted(curves.items())]
 
 
 def max_abs_interval(point: np.ndarray, boot: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from laplace_debiased.evaluation.report import write_report
-from laplace_debiased.evaluation.tracking import max_abs_interval, max_gap_per_draw, reference_of
+from laplace_debiased.evaluation.tracking import gap_curves, max_abs_interval, max_gap_per_draw, reference_of
 
 GRID = (1e-4, 1e-2, 1.0, 1e2)
 FLOATS = st.floats(-1e3, 1e3, allow_nan=False, width=64)
@@ -42,6 +42,18 @@ def test_gap_is_the_largest_relative_difference_over_the_grid_per_draw():
     # absolute: 0.2 and 0.1
     assert max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected",
                             relative=False) == pytest.approx([0.2, 0.1])
+
+
+def test_signed_gaps_per_prior_precision_keep_their_direction():
+    full = [2.0, 1.0, 0.5, 0.25]
+    rows = _curves(full, {"kron_single": [[2.2, 1.0, 0.4, 0.25]]})
+    # (2.2 - 2) / 2 = +0.1 above the reference, (0.4 - 0.5) / 0.5 = -0.2 below it
+    curves = gap_curves(rows, "kron_single", "kron_full", "test", "probit_projected")
+    assert list(curves) == [0] and list(curves[0]) == list(GRID)
+    assert list(curves[0].values()) == pytest.approx([0.1, 0.0, -0.2, 0.0])
+    absolute = gap_curves(rows, "kron_single", "kron_full", "test", "probit_projected", relative=False)
+    assert list(absolute[0].values()) == pytest.approx([0.2, 0.0, -0.1, 0.0])
+    assert max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected") == pytest.approx([0.2])
 
 
 def test_only_rows_of_the_asked_set_link_and_shared_prior_precisions_count():
