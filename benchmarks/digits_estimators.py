@@ -117,7 +117,19 @@ def by_delta_markdown(results: dict[int, dict]) -> str:
         cells = [_mean_se(100 * np.array(results[b][m]["signed_nll_gap_by_delta"][key]))
                  for b in sizes for m in ("kron_single", "kron_shrunk")]
         lines.append(f"| {float(key):.3g} | " + " | ".join(cells) + " |")
+    lines += ["", "The δ at which each draw's gap is largest (δ: draws):", ""]
+    for b in sizes:
+        for m in ("kron_single", "kron_shrunk"):
+            lines.append(f"- b = {b}, {LABELS[m]}: {_argmax_counts(results[b][m]['signed_nll_gap_by_delta'])}")
     return "\n".join(lines) + "\n"
+
+
+def _argmax_counts(by_delta: dict[str, list[float]]) -> str:
+    """``"δ₁: k₁, δ₂: k₂, ..."``: how many draws have their largest absolute gap at each δ (ascending δ)."""
+    deltas = [float(k) for k in by_delta]
+    where = np.abs(np.array(list(by_delta.values()))).argmax(0)
+    counts = np.bincount(where, minlength=len(deltas))
+    return ", ".join(f"{deltas[i]:.3g}: {c}" for i, c in enumerate(counts) if c)
 
 
 def plot(results: dict[int, dict], path: Path) -> None:

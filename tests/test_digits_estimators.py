@@ -36,5 +36,8 @@ def test_signed_gaps_per_delta_are_what_the_headline_maximum_is_taken_over(tmp_p
         assert by_delta[0, 0] == (first - FULL[0]) / FULL[0]
     table = by_delta_markdown({64: summary})
     assert table.count("\n| ") == len(GRID) + 1  # header and one row per δ
+    # where each draw's largest gap lies: the counts add up to the draws
+    for line in (l for l in table.splitlines() if l.startswith("- b = 64")):
+        assert sum(int(part.split(": ")[1]) for part in line.split(": ", 1)[1].split(", ")) == 4
     plot({64: summary, 128: summary}, tmp_path / "gaps.png")
     assert (tmp_path / "gaps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
