@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from laplace_debiased.evaluation.sweep import load_rows
-from laplace_debiased.evaluation.tracking import gap_curves, max_gap_per_draw
+from laplace_debiased.evaluation.tracking import gap_curves, max_gap_per_draw, where_largest
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk")
@@ -120,16 +120,10 @@ def by_delta_markdown(results: dict[int, dict]) -> str:
     lines += ["", "The δ at which each draw's gap is largest (δ: draws):", ""]
     for b in sizes:
         for m in ("kron_single", "kron_shrunk"):
-            lines.append(f"- b = {b}, {LABELS[m]}: {_argmax_counts(results[b][m]['signed_nll_gap_by_delta'])}")
+            by_delta = results[b][m]["signed_nll_gap_by_delta"]
+            curves = {r: {float(d): g[r] for d, g in by_delta.items()} for r in range(len(next(iter(by_delta.values()))))}
+            lines.append(f"- b = {b}, {LABELS[m]}: " + ", ".join(f"{d:.3g}: {k}" for d, k in where_largest(curves).items()))
     return "\n".join(lines) + "\n"
-
-
-def _argmax_counts(by_delta: dict[str, list[float]]) -> str:
-    """``"δ₁: k₁, δ₂: k₂, ..."``: how many draws have their largest absolute gap at each δ (ascending δ)."""
-    deltas = [float(k) for k in by_delta]
-    where = np.abs(np.array(list(by_delta.values()))).argmax(0)
-    counts = np.bincount(where, minlength=len(deltas))
-    return ", ".join(f"{deltas[i]:.3g}: {c}" for i, c in enumerate(counts) if c)
 
 
 def plot(results: dict[int, dict], path: Path) -> None:

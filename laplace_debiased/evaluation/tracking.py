@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["gap_curves", "max_abs_interval", "max_gap_per_draw", "reference_of"]
+__all__ = ["gap_curves", "max_abs_interval", "max_gap_per_draw", "reference_of", "where_largest"]
 
 
 def reference_of(method: str, full_batch: Sequence[str]) -> str | None:
@@ -73,6 +73,16 @@ def max_gap_per_draw(rows: Sequence[dict], method: str, reference: str, eval_set
     prior precisions both were evaluated at: the maximum over ``δ`` of ``|`` :func:`gap_curves` ``|``."""
     curves = gap_curves(rows, method, reference, eval_set, link, metric, relative)
     return [max(abs(g) for g in curve.values()) for _, curve in sorted(curves.items())]
+
+
+def where_largest(curves: dict[int, dict[float, float]]) -> dict[float, int]:
+    """For :func:`gap_curves`' output: ``{δ: draws}``, how many draws have their largest absolute gap
+    at each prior precision (ascending δ, only those that hold one; the first δ on ties)."""
+    counts: dict[float, int] = {}
+    for curve in curves.values():
+        at = max(curve, key=lambda d: abs(curve[d]))
+        counts[at] = counts.get(at, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def max_abs_interval(point: np.ndarray, boot: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from laplace_debiased.evaluation.report import write_report
-from laplace_debiased.evaluation.tracking import gap_curves, max_abs_interval, max_gap_per_draw, reference_of
+from laplace_debiased.evaluation.tracking import (
+    gap_curves,
+    max_abs_interval,
+    max_gap_per_draw,
+    reference_of,
+    where_largest,
+)
 
 GRID = (1e-4, 1e-2, 1.0, 1e2)
 FLOATS = st.floats(-1e3, 1e3, allow_nan=False, width=64)
@@ -54,6 +60,18 @@ def test_signed_gaps_per_prior_precision_keep_their_direction():
     absolute = gap_curves(rows, "kron_single", "kron_full", "test", "probit_projected", relative=False)
     assert list(absolute[0].values()) == pytest.approx([0.2, 0.0, -0.1, 0.0])
     assert max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected") == pytest.approx([0.2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(gaps=hnp.arrays(np.float64, st.tuples(st.integers(1, 6), st.just(len(GRID))), elements=FLOATS))
+def test_where_the_largest_gap_lies_counts_each_draw_once_at_its_maximum(gaps):
+    curves = {r: dict(zip(GRID, map(float, row))) for r, row in enumerate(gaps)}
+    where = where_largest(curves)
+    assert sum(where.values()) == len(gaps) and list(where) == sorted(where)
+    for delta, count in where.items():
+        column = GRID.index(delta)
+        at_max = [r for r, row in enumerate(np.abs(gaps)) if row[column] == row.max() and row.argmax() == column]
+        assert len(at_max) == count
 
 
 def test_only_rows_of_the_asked_set_link_and_shared_prior_precisions_count():
