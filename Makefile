@@ -86,6 +86,7 @@ main-job-doc: $(STAMP)
 	@{ echo "Written by \`make main-job-doc\` (\`OMP_NUM_THREADS=1 python -m laplace_debiased --threads 1\`)."; echo; \
 	  awk '/^## /{keep=($$0=="## MAP vs LA at the chosen δ" || $$0=="## Batch size: where debiasing helps" || $$0=="## Tracking the full batch over the whole grid")} keep && !/^!\[/' \
 	  $(MAIN_JOB_OUT)/report/report.md | sed 's/^## /### /'; } > docs/getting-started/output/main-job.md
+	cp $(MAIN_JOB_OUT)/report/tracking_by_delta.png docs/getting-started/output/
 
 # Benchmarks (not tests) need real CIFAR-10. Give its folder with CIFAR10_DIR=DIR (holding
 # cifar-10-batches-bin/ or cifar-10-batches-py/), or CIFAR10_SOURCE=DIR holding the project's

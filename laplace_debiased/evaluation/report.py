@@ -9,6 +9,9 @@ likelihood's choice marked and its measured cost stated), NLL and ECE under shif
   LA's largest gap to its full-batch reference over the grid (:mod:`.tracking`), one line per method (mean over
   repeats, min-max band), MAP as a horizontal line, full-batch methods as markers; one figure per
   link approximation;
+* where on the grid each mini-batch LA errs: its signed test-NLL gap to the full batch vs δ (mean
+  over draws, ±1 standard-error band), one panel per batch size, and per method the δ at which
+  each draw's gap is largest;
 * link comparison: test NLL vs δ per link approximation, one panel per method;
 * reliability diagrams at each method's chosen δ;
 * shift-detection AUROC vs corruption severity (when corrupted evaluation sets were swept).
@@ -34,7 +37,7 @@ import numpy as np
 from laplace_debiased.prior_grid import PriorGrid, check_criterion, choose_prior_precision
 from laplace_debiased.evaluation.options import method_key, split_method_key
 from laplace_debiased.evaluation.sweep import load_rows
-from laplace_debiased.evaluation.tracking import max_gap_per_draw, reference_of
+from laplace_debiased.evaluation.tracking import gap_curves, max_gap_per_draw, reference_of, where_largest
 
 #: file next to ``results.jsonl`` with the run's setting in words (written by the main job)
 SETTING_NAME = "setting.json"
@@ -317,16 +320,30 @@ def _figure6(ctx: _Context, doc: _Doc) -> None:
         _save(fig, ctx, doc, f"fig6_{link}.png", f"metrics vs prior precision, {link}", tight=False)
 
 
-def _tracking_rows(ctx: _Context) -> list[tuple[str, str, list[float], list[float]]]:
-    """``(method, reference, relative NLL gaps, ECE gaps)`` per mini-batch method with a
-    full-batch reference: per draw, the largest gap on the test set over the whole grid."""
+@dataclass
+class _Tracked:
+    """One mini-batch method against the full-batch LA of its structure, on the test set."""
+
+    method: str
+    reference: str
+    curves: dict[int, dict[float, float]]  # per draw: δ -> signed relative test-NLL gap (a fraction)
+    ece: list[float]  # per draw: the largest absolute ECE gap over δ (a fraction)
+
+    @property
+    def nll(self) -> list[float]:
+        """Per draw: the largest relative test-NLL gap over δ (a fraction)."""
+        return [max(abs(g) for g in curve.values()) for _, curve in sorted(self.curves.items())]
+
+
+def _tracking_rows(ctx: _Context) -> list[_Tracked]:
+    """Each mini-batch method with a full-batch reference: its signed NLL gaps per draw and δ, and
+    its largest ECE gaps, on the test set over the whole grid."""
     out = []
     for m in ctx.methods:
         ref = None if m in ctx.full_batch else reference_of(m, sorted(ctx.full_batch))
         if ref is not None:
-            gaps = [max_gap_per_draw(ctx.lap, m, ref, ctx.test_set, ctx.main_link, metric, relative)
-                    for metric, relative in (("nll", True), ("ece", False))]
-            out.append((m, ref, *gaps))
+            out.append(_Tracked(m, ref, gap_curves(ctx.lap, m, ref, ctx.test_set, ctx.main_link, "nll"),
+                                max_gap_per_draw(ctx.lap, m, ref, ctx.test_set, ctx.main_link, "ece", False)))
     return out
 
 
@@ -360,20 +377,58 @@ def _tracking_verdict(ctx: _Context, nll_gap: dict[str, float]) -> str:
 
 def _tracking(ctx: _Context, doc: _Doc) -> None:
     """The Figure-6 criterion as a table: per mini-batch method the largest gap to its
-    full-batch reference over the whole grid, per draw, and whether debiasing helped."""
+    full-batch reference over the whole grid, per draw, where on the grid it lies, whether
+    debiasing helped, and a figure of the signed gaps over δ."""
     rows = _tracking_rows(ctx)
     if not rows:
         return
     doc.h("Tracking the full batch over the whole grid")
     doc.p(f"Per draw, the largest gap over all prior precisions between a mini-batch LA and the "
           f"full-batch LA of its structure on the test set ({LINK_LABELS[ctx.main_link]}): test NLL "
-          "relative to the full batch (%), ECE in percentage points. Mean over draws [min, max].")
-    doc.table(["method", "samples", "draws", "max rel. NLL gap (%)", "max ECE gap (pt)"],
-              [[ctx.label(m), f"{_samples(ctx, m) or '–'}", str(len(nll)), _fmt([100 * g for g in nll]),
-                _fmt([100 * g for g in ece])] for m, _, nll, ece in rows])
-    verdict = _tracking_verdict(ctx, {m: float(np.mean(nll)) for m, _, nll, _ in rows})
+          "relative to the full batch (%), ECE in percentage points. Mean over draws [min, max]; last "
+          "column: the δ at which each draw's NLL gap is largest (δ: draws).")
+    doc.table(["method", "samples", "draws", "max rel. NLL gap (%)", "max ECE gap (pt)", "at δ (draws)"],
+              [[ctx.label(t.method), f"{_samples(ctx, t.method) or '–'}", str(len(t.curves)),
+                _fmt([100 * g for g in t.nll]), _fmt([100 * g for g in t.ece]),
+                ", ".join(f"{d:.3g}: {k}" for d, k in where_largest(t.curves).items())] for t in rows])
+    verdict = _tracking_verdict(ctx, {t.method: float(np.mean(t.nll)) for t in rows})
     if verdict:
         doc.p(verdict)
+    _tracking_figure(ctx, doc, rows)
+
+
+def _tracking_figure(ctx: _Context, doc: _Doc, rows: list[_Tracked]) -> None:
+    """The signed relative test-NLL gaps over δ, mean over draws with a ±1 standard-error band
+    (from two draws on), one panel per batch size."""
+    import matplotlib.pyplot as plt
+
+    sizes = list(dict.fromkeys(_batch_of(ctx, t.method) for t in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes) + 1, 4.2), sharey=True, squeeze=False)
+    for ax, b in zip(axes[0], sizes):
+        for t in (t for t in rows if _batch_of(ctx, t.method) == b):
+            deltas = sorted(set.intersection(*(set(c) for c in t.curves.values())))
+            gaps = 100 * np.array([[c[d] for d in deltas] for c in t.curves.values()])  # (draws, δ)
+            mean = gaps.mean(0)
+            ax.plot(deltas, mean, marker="o", markersize=3, color=ctx.colors[t.method],
+                    label=f"{ctx.label(t.method)} ({len(gaps)} draws)")
+            if len(gaps) > 1:
+                se = gaps.std(0, ddof=1) / np.sqrt(len(gaps))
+                ax.fill_between(deltas, mean - se, mean + se, color=ctx.colors[t.method], alpha=0.2)
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("prior precision δ")
+        ax.set_title(f"b = {b}" if b is not None else "mini-batch fits", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[0][0].set_ylabel("test NLL − full batch's (% of full batch's)")
+    n = ctx.setting.get("n_train")
+    fig.suptitle(f"{ctx.test_set}: signed test-NLL gap to the full batch{f' (N = {n:,})' if n else ''}, "
+                 f"{LINK_LABELS[ctx.main_link]}; mean ± 1 s.e. over draws", fontsize=10)
+    doc.p("Where on the grid each fit errs: the signed gap (positive: a higher test NLL than the full "
+          "batch's), mean over draws with a band of ±1 standard error. A gap that every draw shares is a "
+          "bias (at small δ, that of the flattest directions' curvature); a band wide against its mean is "
+          "the draws' noise.")
+    _save(fig, ctx, doc, "tracking_by_delta.png", "signed relative test-NLL gap to the full batch against δ")
 
 
 #: the mini-batch fits of the batch-size section, by the method's suffix, in table order

@@ -127,6 +127,9 @@ def test_report_tabulates_the_gaps_and_says_whether_debiasing_helped_at_equal_sa
     section = text.split("## Tracking the full batch over the whole grid")[1].split("\n## ")[0]
     single_gap = "20 [20, 20]" if debiased_closer else "1 [1, 1]"
     assert f"| single 64 | 64 | 2 | {single_gap} |" in section
+    # the gap is the same at every δ: each draw's largest lies at the first, and the figure is linked
+    assert "| 0.0001: 2 |" in section
+    assert "](tracking_by_delta.png)" in section and (tmp_path / "rep" / "tracking_by_delta.png").is_file()
     word = "more" if debiased_closer else "less"
     assert f"debiased 32 + 32 tracks the full batch {word} closely than single 64 with the same samples" in section
     # only a debiased LA that loses is explained, with the batch's share of N
