@@ -37,7 +37,7 @@ import numpy as np
 from laplace_debiased.prior_grid import PriorGrid, check_criterion, choose_prior_precision
 from laplace_debiased.evaluation.options import method_key, split_method_key
 from laplace_debiased.evaluation.sweep import load_rows
-from laplace_debiased.evaluation.tracking import gap_curves, max_gap_per_draw, reference_of, where_largest
+from laplace_debiased.evaluation.tracking import gap_curves, largest_gaps, max_gap_per_draw, reference_of, where_largest
 
 #: file next to ``results.jsonl`` with the run's setting in words (written by the main job)
 SETTING_NAME = "setting.json"
@@ -332,7 +332,7 @@ class _Tracked:
     @property
     def nll(self) -> list[float]:
         """Per draw: the largest relative test-NLL gap over δ (a fraction)."""
-        return [max(abs(g) for g in curve.values()) for _, curve in sorted(self.curves.items())]
+        return largest_gaps(self.curves)
 
 
 def _tracking_rows(ctx: _Context) -> list[_Tracked]:
@@ -402,7 +402,7 @@ def _tracking_figure(ctx: _Context, doc: _Doc, rows: list[_Tracked]) -> None:
     (from two draws on), one panel per batch size."""
     import matplotlib.pyplot as plt
 
-    sizes = list(dict.fromkeys(_batch_of(ctx, t.method) for t in rows))
+    sizes = sorted({_batch_of(ctx, t.method) for t in rows}, key=lambda b: (b is None, b or 0))  # ascending, unknown last
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes) + 1, 4.2), sharey=True, squeeze=False)
     for ax, b in zip(axes[0], sizes):
         for t in (t for t in rows if _batch_of(ctx, t.method) == b):

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["gap_curves", "max_abs_interval", "max_gap_per_draw", "reference_of", "where_largest"]
+__all__ = ["gap_curves", "largest_gaps", "max_abs_interval", "max_gap_per_draw", "reference_of", "where_largest"]
 
 
 def reference_of(method: str, full_batch: Sequence[str]) -> str | None:
@@ -71,7 +71,11 @@ def max_gap_per_draw(rows: Sequence[dict], method: str, reference: str, eval_set
                      metric: str = "nll", relative: bool = True) -> list[float]:
     """Per draw of ``method`` (ascending repeat), the largest absolute gap to ``reference`` over the
     prior precisions both were evaluated at: the maximum over ``δ`` of ``|`` :func:`gap_curves` ``|``."""
-    curves = gap_curves(rows, method, reference, eval_set, link, metric, relative)
+    return largest_gaps(gap_curves(rows, method, reference, eval_set, link, metric, relative))
+
+
+def largest_gaps(curves: dict[int, dict[float, float]]) -> list[float]:
+    """For :func:`gap_curves`' output: per draw (ascending repeat), the largest absolute gap over δ."""
     return [max(abs(g) for g in curve.values()) for _, curve in sorted(curves.items())]
 
 
