@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from laplace_debiased.evaluation.report import signed_gap_figure
 from laplace_debiased.evaluation.sweep import load_rows
 from laplace_debiased.evaluation.tracking import gap_curves, max_gap_per_draw, where_largest
 
@@ -99,10 +100,6 @@ def markdown(results: dict[int, dict], repeats: int) -> str:
     return "\n".join(lines) + "\n" + by_delta_markdown(results)
 
 
-def _mean_se(values: np.ndarray) -> str:
-    return f"{values.mean():+.2f} ± {values.std(ddof=1) / np.sqrt(len(values)):.2f}"
-
-
 def by_delta_markdown(results: dict[int, dict]) -> str:
     """The signed relative test-NLL gap of the single batch and the default at each δ of the grid,
     per b: mean ± standard error over the draws (%)."""
@@ -114,51 +111,42 @@ def by_delta_markdown(results: dict[int, dict]) -> str:
              "| δ | " + " | ".join(f"b = {b}: single | b = {b}: shrunk (default)" for b in sizes) + " |",
              "|---|" + "---|---|" * len(sizes)]
     for key in results[sizes[0]]["kron_single"]["signed_nll_gap_by_delta"]:
-        cells = [_mean_se(100 * np.array(results[b][m]["signed_nll_gap_by_delta"][key]))
+        cells = [_paired(100 * np.array(results[b][m]["signed_nll_gap_by_delta"][key]), 2)
                  for b in sizes for m in ("kron_single", "kron_shrunk")]
         lines.append(f"| {float(key):.3g} | " + " | ".join(cells) + " |")
     lines += ["", "The δ at which each draw's gap is largest (δ: draws):", ""]
     for b in sizes:
         for m in ("kron_single", "kron_shrunk"):
-            by_delta = results[b][m]["signed_nll_gap_by_delta"]
-            curves = {r: {float(d): g[r] for d, g in by_delta.items()} for r in range(len(next(iter(by_delta.values()))))}
+            curves = _curves(results[b][m]["signed_nll_gap_by_delta"])
             lines.append(f"- b = {b}, {LABELS[m]}: " + ", ".join(f"{d:.3g}: {k}" for d, k in where_largest(curves).items()))
     return "\n".join(lines) + "\n"
 
 
+def _curves(by_delta: dict[str, list[float]]) -> dict[int, dict[float, float]]:
+    """The JSON form ``{repr(δ): [gap per draw]}`` back in :func:`gap_curves`' form ``{draw: {δ: gap}}``."""
+    draws = len(next(iter(by_delta.values())))
+    return {r: {float(d): gaps[r] for d, gaps in by_delta.items()} for r in range(draws)}
+
+
 def plot(results: dict[int, dict], path: Path) -> None:
-    """Per b one panel: each method's mean signed relative test-NLL gap over δ, ± one standard error."""
+    """Per b one panel: each method's mean signed relative test-NLL gap over δ, ± one standard error
+    (:func:`~laplace_debiased.evaluation.report.signed_gap_figure`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted(results)
-    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), sharey=True, squeeze=False)
-    for ax, b in zip(axes[0], sizes):
-        for m in METHODS:
-            by_delta = results[b][m]["signed_nll_gap_by_delta"]
-            deltas = np.array([float(k) for k in by_delta])
-            gaps = 100 * np.array(list(by_delta.values()))  # (δ, draws)
-            mean, se = gaps.mean(1), gaps.std(1, ddof=1) / np.sqrt(gaps.shape[1])
-            line, = ax.plot(deltas, mean, marker="o", markersize=3, label=LABELS[m])
-            ax.fill_between(deltas, mean - se, mean + se, color=line.get_color(), alpha=0.2)
-        ax.axhline(0.0, color="black", linewidth=0.8)
-        ax.set_xscale("log")
-        ax.set_xlabel("prior precision δ")
-        draws = len(next(iter(results[b]["kron_single"]["signed_nll_gap_by_delta"].values())))
-        ax.set_title(f"b = {b} samples ({draws} draws)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test NLL − full batch's (% of full batch's)")
-    axes[0][-1].legend(fontsize=8, loc="upper right")
-    fig.suptitle("Digits (N = 300): signed test-NLL gap to full-batch K-FAC, mean ± 1 s.e. over draws", fontsize=10)
+    panels = {f"b = {b} samples": {LABELS[m]: _curves(results[b][m]["signed_nll_gap_by_delta"]) for m in METHODS}
+              for b in sorted(results)}
+    fig = signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "
+                                    "mean ± 1 s.e. over draws")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def _paired(diff: np.ndarray, digits: int) -> str:
-    """``mean ± standard error`` of paired differences."""
+    """``mean ± standard error`` of values over draws (paired differences, signed gaps)."""
     return f"{diff.mean():+.{digits}f} ± {diff.std(ddof=1) / np.sqrt(len(diff)):.{digits}f}"
 
 

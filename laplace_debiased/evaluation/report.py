@@ -397,33 +397,45 @@ def _tracking(ctx: _Context, doc: _Doc) -> None:
     _tracking_figure(ctx, doc, rows)
 
 
-def _tracking_figure(ctx: _Context, doc: _Doc, rows: list[_Tracked]) -> None:
-    """The signed relative test-NLL gaps over δ, mean over draws with a ±1 standard-error band
-    (from two draws on), one panel per batch size."""
+def signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]], title: str,
+                      colors: dict[str, str] | None = None):
+    """A matplotlib figure of signed gap curves, one panel per key of ``panels`` (side by side, shared
+    y axis): per label its :func:`~laplace_debiased.evaluation.tracking.gap_curves` output
+    (fractions) as the mean over draws in percent against δ (log axis), with a ±1 standard-error band
+    from two draws on, and a zero line. ``colors``: label -> matplotlib colour (default: the cycle)."""
     import matplotlib.pyplot as plt
 
-    sizes = sorted({_batch_of(ctx, t.method) for t in rows}, key=lambda b: (b is None, b or 0))  # ascending, unknown last
-    fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes) + 1, 4.2), sharey=True, squeeze=False)
-    for ax, b in zip(axes[0], sizes):
-        for t in (t for t in rows if _batch_of(ctx, t.method) == b):
-            deltas = sorted(set.intersection(*(set(c) for c in t.curves.values())))
-            gaps = 100 * np.array([[c[d] for d in deltas] for c in t.curves.values()])  # (draws, δ)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1, 4.2), sharey=True, squeeze=False)
+    for ax, (panel, curves_by_label) in zip(axes[0], panels.items()):
+        for label, curves in curves_by_label.items():
+            deltas = sorted(set.intersection(*(set(c) for c in curves.values())))
+            gaps = 100 * np.array([[c[d] for d in deltas] for c in curves.values()])  # (draws, δ)
             mean = gaps.mean(0)
-            ax.plot(deltas, mean, marker="o", markersize=3, color=ctx.colors[t.method],
-                    label=f"{ctx.label(t.method)} ({len(gaps)} draws)")
+            line, = ax.plot(deltas, mean, marker="o", markersize=3, label=f"{label} ({len(gaps)} draws)",
+                            **({"color": colors[label]} if colors else {}))
             if len(gaps) > 1:
                 se = gaps.std(0, ddof=1) / np.sqrt(len(gaps))
-                ax.fill_between(deltas, mean - se, mean + se, color=ctx.colors[t.method], alpha=0.2)
+                ax.fill_between(deltas, mean - se, mean + se, color=line.get_color(), alpha=0.2)
         ax.axhline(0.0, color="k", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("prior precision δ")
-        ax.set_title(f"b = {b}" if b is not None else "mini-batch fits", fontsize=10)
+        ax.set_title(panel, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     axes[0][0].set_ylabel("test NLL − full batch's (% of full batch's)")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _tracking_figure(ctx: _Context, doc: _Doc, rows: list[_Tracked]) -> None:
+    """:func:`signed_gap_figure` of the tracking rows, one panel per batch size (ascending, unknown last)."""
+    sizes = sorted({_batch_of(ctx, t.method) for t in rows}, key=lambda b: (b is None, b or 0))
+    panels = {f"b = {b}" if b is not None else "mini-batch fits":
+              {ctx.label(t.method): t.curves for t in rows if _batch_of(ctx, t.method) == b} for b in sizes}
     n = ctx.setting.get("n_train")
-    fig.suptitle(f"{ctx.test_set}: signed test-NLL gap to the full batch{f' (N = {n:,})' if n else ''}, "
-                 f"{LINK_LABELS[ctx.main_link]}; mean ± 1 s.e. over draws", fontsize=10)
+    fig = signed_gap_figure(panels, f"{ctx.test_set}: signed test-NLL gap to the full batch"
+                            f"{f' (N = {n:,})' if n else ''}, {LINK_LABELS[ctx.main_link]}; mean ± 1 s.e. over draws",
+                            {ctx.label(t.method): ctx.colors[t.method] for t in rows})
     doc.p("Where on the grid each fit errs: the signed gap (positive: a higher test NLL than the full "
           "batch's), mean over draws with a band of ±1 standard error. A gap that every draw shares is a "
           "bias (at small δ, that of the flattest directions' curvature); a band wide against its mean is "
