@@ -51,7 +51,8 @@ def candidates(XB: torch.Tensor, XM: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each candidate's factor estimate ``(D, D)`` from the rows of B and B̃ (m each)."""
     m = len(XB)
     Db, Dm = XB.T @ XB / m, XM.T @ XM / m
-    L, U = symmetric_eigh64((Db + Dm) / 2)
+    pooled = (Db + Dm) / 2
+    L, U = symmetric_eigh64(pooled)
     cb = same_minus_cross(Db, Dm) / 2  # each order's estimate of the shift, m/n = 1/2
     ct = same_minus_cross(Dm, Db) / 2
     c = (cb + ct) / 2
@@ -59,7 +60,6 @@ def candidates(XB: torch.Tensor, XM: torch.Tensor) -> dict[str, torch.Tensor]:
     paper = remeasure_eigenvalues(Ub, Dm)
     Uc, lc, _ = corrected_factor(Db, Dm, m, m)
     Us, ls, _ = corrected_factor(Db, Dm, m, m, shrink=True)
-    pooled = (Db + Dm) / 2
     rng = L > frobenius_tolerance(D, torch.float64, float(torch.linalg.matrix_norm(pooled)))
     relative = torch.ones_like(L)  # the pooled null space keeps the whole correction
     relative[rng] = shrinkage_weight(cb[rng] / L[rng], ct[rng] / L[rng])
@@ -68,7 +68,8 @@ def candidates(XB: torch.Tensor, XM: torch.Tensor) -> dict[str, torch.Tensor]:
         return V @ torch.diag(lam.clamp(min=0)) @ V.T
 
     return {"single": mat(U, L), "paper": mat(Ub, paper), "corrected": mat(Uc, lc),
-            "shrunk": mat(Us, ls), "relative": mat(U, L - relative * c), "midpoint": mat(U, L - c / 2), "downward": mat(U, L - c.clamp(min=0))}
+            "shrunk": mat(Us, ls), "relative": mat(U, L - relative * c), "midpoint": mat(U, L - c / 2),
+            "downward": mat(U, L - c.clamp(min=0))}
 
 
 def kls(F_hat: torch.Tensor, F: torch.Tensor) -> tuple[float, float]:
