@@ -37,6 +37,7 @@ from benchmarks.cifar10.data import load_data
 from benchmarks.normalisation import (GRID, LINKS, MAP, eval_sets, full_batch_fit, index_loader, kron_fit, load_map,
                                       shared_jacobian_grid)
 from laplace_debiased.evaluation.metrics import nll
+from laplace_debiased.evaluation.tracking import largest_gap
 from laplace_debiased.posterior.from_laplace import posterior_structure
 from laplace_debiased.posterior.grid import GridPredictive
 
@@ -98,7 +99,7 @@ def one_seed(model, data, full, b: int, n_test: int, seed: int, log) -> dict:
     curves = test_curves(model, predictives, X, y)
     log(f"  seed {seed}: predicted {len(y)} test images for {len(predictives)} posteriors, {time.perf_counter() - start:.0f} s")
     ref = curves.pop("full batch")
-    tracking = {k: max(100 * abs(a - r) / r for a, r in zip(c, ref)) for k, c in curves.items()}
+    tracking = {k: 100 * largest_gap(c, ref) for k, c in curves.items()}
     convs = sorted(kinds["convolutions"])
     alone = {}
     for name, part in (("first half (B)", idx[: b // 2]), ("second half (B̃)", idx[b // 2:])):

@@ -54,6 +54,7 @@ from benchmarks.cifar10.models import MODELS
 from benchmarks.cifar10.train import MapConfig, map_dir
 from laplace_debiased.data.eval_sets import resolve_eval_set
 from laplace_debiased.evaluation.metrics import accuracy, ece, nll
+from laplace_debiased.evaluation.tracking import largest_gap
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
 from laplace_debiased.prior_grid import PriorGrid
@@ -189,8 +190,8 @@ def evaluate(preds: dict, sets: dict, link: str = "probit_projected") -> dict:
     for name in ("shrunk", "corrected", "debiased", "single batch"):
         mine = res["methods"][name]["grid"]["test"]
         res["methods"][name]["tracking"] = {
-            "nll_rel_pct": max(100 * abs(a["nll"] - r["nll"]) / r["nll"] for a, r in zip(mine, ref)),
-            "ece_abs_pp": max(100 * abs(a["ece"] - r["ece"]) for a, r in zip(mine, ref)),
+            "nll_rel_pct": 100 * largest_gap([a["nll"] for a in mine], [r["nll"] for r in ref]),
+            "ece_abs_pp": 100 * largest_gap([a["ece"] for a in mine], [r["ece"] for r in ref], relative=False),
         }
     return res
 

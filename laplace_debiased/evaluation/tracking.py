@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["gap_curves", "largest_gaps", "max_abs_interval", "max_gap_per_draw", "reference_of", "where_largest"]
+__all__ = ["gap_curves", "largest_gap", "largest_gaps", "max_abs_interval", "max_gap_per_draw", "reference_of",
+           "signed_gap", "where_largest"]
 
 
 def reference_of(method: str, full_batch: Sequence[str]) -> str | None:
@@ -45,6 +46,20 @@ def _curve(rows: Sequence[dict], method: str, eval_set: str, link: str, metric: 
     return out
 
 
+def signed_gap(value: float, reference: float, relative: bool = True) -> float:
+    """The gap of one metric value to its reference at one δ: ``(value − reference) / |reference|``
+    (without the division when not ``relative``); positive where ``value`` is the larger."""
+    return (value - reference) / (abs(reference) if relative else 1.0)
+
+
+def largest_gap(values: Sequence[float], reference: Sequence[float], relative: bool = True) -> float:
+    """``max_δ |`` :func:`signed_gap` ``|`` over two curves given at the same prior precisions
+    (``values[g]`` and ``reference[g]`` at the ``g``-th δ): one draw's tracking error."""
+    if len(values) != len(reference) or not len(values):
+        raise ValueError(f"two curves of equal, non-zero length are needed, got {len(values)} and {len(reference)}")
+    return max(abs(signed_gap(v, r, relative)) for v, r in zip(values, reference))
+
+
 def gap_curves(rows: Sequence[dict], method: str, reference: str, eval_set: str, link: str,
                metric: str = "nll", relative: bool = True) -> dict[int, dict[float, float]]:
     """Per draw of ``method``, its signed gap to ``reference`` at each prior precision both were
@@ -63,7 +78,7 @@ def gap_curves(rows: Sequence[dict], method: str, reference: str, eval_set: str,
         common = sorted(set(curve) & set(ref))
         if not common:
             raise ValueError(f"{method!r} (repeat {repeat}) and {reference!r} share no prior precision")
-        gaps[repeat] = {d: (curve[d] - ref[d]) / (abs(ref[d]) if relative else 1.0) for d in common}
+        gaps[repeat] = {d: signed_gap(curve[d], ref[d], relative) for d in common}
     return gaps
 
 

@@ -16,6 +16,7 @@ from hypothesis.extra import numpy as hnp
 from laplace_debiased.evaluation.report import write_report
 from laplace_debiased.evaluation.tracking import (
     gap_curves,
+    largest_gap,
     max_abs_interval,
     max_gap_per_draw,
     reference_of,
@@ -72,6 +73,18 @@ def test_where_the_largest_gap_lies_counts_each_draw_once_at_its_maximum(gaps):
         column = GRID.index(delta)
         at_max = [r for r, row in enumerate(np.abs(gaps)) if row[column] == row.max() and row.argmax() == column]
         assert len(at_max) == count
+
+
+@settings(max_examples=40, deadline=None)
+@given(full=st.lists(st.floats(0.05, 5.0), min_size=4, max_size=4),
+       mini=st.lists(st.floats(0.05, 5.0), min_size=4, max_size=4))
+def test_largest_gap_of_two_curves_is_the_rows_tracking_error(full, mini):
+    rows = _curves(full, {"kron_single": [mini]})
+    for relative in (True, False):
+        assert largest_gap(mini, full, relative) == pytest.approx(
+            max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected", relative=relative)[0])
+    with pytest.raises(ValueError, match="equal, non-zero length"):
+        largest_gap(mini, full[:-1])
 
 
 def test_only_rows_of_the_asked_set_link_and_shared_prior_precisions_count():
