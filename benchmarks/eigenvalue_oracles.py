@@ -1,0 +1,277 @@
+"""How close can any estimate that keeps the single batch's eigenvectors get? Two oracles on the digits.
+
+    OMP_NUM_THREADS=1 python benchmarks/eigenvalue_oracles.py [--batch-sizes 32 64 128] [--repeats 16]
+        [--bias-draws 64] [--out DIR]
+
+The corrected and shrunk estimates (``fit``'s default) take the eigenvectors of B ∪ B̃, which are
+the single batch's of ``b = |B ∪ B̃|`` samples, and change only the eigenvalues of each K-FAC
+factor. Two oracles, which know the full-batch factor ``F_N``, bound what any such eigenvalue
+estimate can do. For one factor of the single batch, ``F̂ = U diag(λ̂) Uᵀ`` (ascending, float64)
+with ``c_i = u_iᵀ F_N u_i`` its true curvature along ``u_i``:
+
+* **bias oracle**: ``(λ̂_i - β_i)⁺`` with ``β_i = E[λ̂_i - c_i]``, the exact mean regression-to-the-mean
+  bias at this ``b`` by position in the sorted spectrum, estimated over ``--bias-draws`` further
+  independent draws of ``b`` (seeds that the evaluated draws do not use). It removes all of the
+  bias and none of the noise: the best that the two batches' gaps can aim for;
+* **eigenvalue oracle**: ``c_i`` itself, no eigenvalue error at all; what is left is the error
+  of the single batch's directions, which no eigenvalue estimate removes.
+
+On the null run of ``F̂`` (``λ̂_i`` at round-off, where ``b`` is below the factor's dimension and the
+eigenvectors are an arbitrary basis) ``c_i`` is replaced by its mean over the run,
+``tr(Pᵀ F_N P) / dim P``, so that neither oracle depends on that basis.
+
+Each draw of the single batch, the shrunk estimate and both oracles reads the same seeded samples
+as the main job's (``python -m laplace_debiased --batch-size b``), so the single and shrunk rows
+reproduce ``results/digits_estimators.md``. The sweep is the main job's (the projected probit on
+the 1,000 test images, the main job's δ grid); the results are resumable in ``DIR/results.jsonl``.
+Writes ``results/eigenvalue_oracles.{json,md,png}``: per b and posterior, the largest relative
+test-NLL gap to the full batch over the grid, its paired difference to the single batch, and the
+signed gap at each δ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from laplace_debiased.curvature.linalg import frobenius_tolerance, remeasure_eigenvalues, symmetric_eigh64
+from laplace_debiased.evaluation.options import DEFAULTS
+from laplace_debiased.evaluation.report import signed_gap_figure
+from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
+from laplace_debiased.evaluation.tracking import gap_curves, largest_gaps, where_largest
+from laplace_debiased.evaluation.training import default_digits_model
+from laplace_debiased.structures.kron import DebiasedKronLaplace
+
+HERE = Path(__file__).resolve().parent
+LINK = "probit_projected"
+POSTERIORS = ("single", "shrunk", "bias_oracle", "eigenvalue_oracle")
+LABELS = {"single": "single batch b", "shrunk": "shrunk 2 × b/2 (default)",
+          "bias_oracle": "bias oracle (single batch less its exact mean bias)",
+          "eigenvalue_oracle": "eigenvalue oracle (true curvature along the single batch's eigenvectors)"}
+COLORS = {"single": "tab:red", "shrunk": "tab:purple", "bias_oracle": "tab:green", "eigenvalue_oracle": "tab:gray"}
+#: seeds of the draws that estimate the mean bias start here (the evaluated draws use 0 .. repeats - 1)
+BIAS_SEED_OFFSET = 10_000
+
+Factors = list[list[torch.Tensor]]  # per K-FAC block, its one or two square factors
+
+
+def true_curvature(direction: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(λ̂, U, c)``: the eigenpairs of one factor ``direction`` (``(d,)``, ``(d, d)``, ascending,
+    float64, ``λ̂`` clamped at 0) and the curvature ``c_i = u_iᵀ truth u_i`` (``(d,)`` float64) of
+    ``truth`` along them, averaged over ``direction``'s null run (module docstring)."""
+    L, U = symmetric_eigh64(direction)
+    c = remeasure_eigenvalues(U, truth, dtype=torch.float64)
+    null = int((L <= frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(direction)))).sum())
+    if null:
+        c[:null] = c[:null].mean()
+    return L.clamp(min=0.0), U, c
+
+
+def mean_bias(draws: list[Factors], truth: Factors) -> Factors:
+    """``β = E[λ̂ - c]`` per block, factor and sorted position: the mean over ``draws`` (each one
+    draw's factors) of :func:`true_curvature`'s ``λ̂ - c`` (float64)."""
+    sums = [[torch.zeros(F.shape[0], dtype=torch.float64) for F in block] for block in truth]
+    for factors in draws:
+        for s_block, d_block, t_block in zip(sums, factors, truth):
+            for s, D, F in zip(s_block, d_block, t_block):
+                L, _, c = true_curvature(D, F)
+                s += L - c
+    return [[s / len(draws) for s in block] for block in sums]
+
+
+def oracle_eigenpairs(direction: Factors, truth: Factors, bias: Factors | None) -> tuple[Factors, Factors]:
+    """The oracles' ``(eigenvectors, eigenvalues)`` per block and factor, in ``direction``'s dtype:
+    the single batch's eigenvectors with ``(λ̂ - β)⁺`` (``bias`` given: the bias oracle) or with
+    ``c`` (``bias=None``: the eigenvalue oracle)."""
+    vectors, values = [], []
+    for d_block, t_block, b_block in zip(direction, truth, bias or [[None] * len(b) for b in direction]):
+        pairs = [true_curvature(D, F) for D, F in zip(d_block, t_block)]
+        vectors.append([U.to(D.dtype) for (_, U, _), D in zip(pairs, d_block)])
+        values.append([((L - beta).clamp(min=0.0) if beta is not None else c).to(D.dtype)
+                       for (L, _, c), beta, D in zip(pairs, b_block, d_block)])
+    return vectors, values
+
+
+def with_eigenpairs(la: DebiasedKronLaplace, vectors: Factors, values: Factors) -> DebiasedKronLaplace:
+    """A new Laplace object with ``la``'s fit (its MAP, factors and scaling) and the K-FAC eigenpairs
+    ``vectors``, ``values`` (per block and factor) in place of its own, through its ``state_dict``."""
+    new = type(la)(la.model, la.likelihood)
+    new.load_state_dict({**la.state_dict(), "H_eigenvectors": vectors, "H_eigenvalues": values})
+    return new
+
+
+class Fits:
+    """The fits of one run: the full batch once, each draw's single batch and shrunk estimate at
+    each ``b``, the mean biases, and the oracles built from them."""
+
+    def __init__(self, model: torch.nn.Module, train: Dataset, seed: int, bias_draws: int) -> None:
+        self.model, self.train, self.seed, self.bias_draws = model, train, seed, bias_draws
+        self._full: DebiasedKronLaplace | None = None
+        self._bias: dict[int, Factors] = {}
+
+    def loader(self, size: int, repeat: int) -> DataLoader:
+        """The main job's seeded loader of draw ``repeat`` (``batch_size`` ``size``)."""
+        return DataLoader(self.train, batch_size=size, shuffle=True,
+                          generator=torch.Generator().manual_seed(self.seed * 7919 + repeat))
+
+    def full(self) -> DebiasedKronLaplace:
+        if self._full is None:
+            loader = DataLoader(self.train, batch_size=len(self.train))
+            self._full = self._laplace()
+            self._full.fit(loader, magnitude_loader=loader)
+        return self._full
+
+    def single(self, b: int, repeat: int) -> DebiasedKronLaplace:
+        la, loader = self._laplace(), self.loader(b, repeat)
+        la.fit(loader, magnitude_loader=loader)
+        return la
+
+    def shrunk(self, b: int, repeat: int) -> DebiasedKronLaplace:
+        la = self._laplace()
+        la.fit(self.loader(b // 2, repeat), estimator="shrunk")
+        return la
+
+    def bias(self, b: int) -> Factors:
+        if b not in self._bias:
+            draws = [self.single(b, BIAS_SEED_OFFSET + r).H_facs.kfacs for r in range(self.bias_draws)]
+            self._bias[b] = mean_bias(draws, self.full().H_facs.kfacs)
+        return self._bias[b]
+
+    def oracle(self, b: int, repeat: int, with_bias: bool) -> DebiasedKronLaplace:
+        """The single batch of draw ``repeat`` with the oracle's eigenpairs in place of its own."""
+        single = self.single(b, repeat)
+        return with_eigenpairs(single, *oracle_eigenpairs(single.H_facs.kfacs, self.full().H_facs.kfacs,
+                                                          self.bias(b) if with_bias else None))
+
+    def _laplace(self) -> DebiasedKronLaplace:
+        return DebiasedKronLaplace(self.model, "classification")
+
+
+def methods(fits: Fits, sizes: list[int], repeats: int) -> list[Method]:
+    """One :class:`Method` per posterior and ``b`` (rows ``<posterior>@b<b>``), and the full batch."""
+    makers: dict[str, Callable[[int, int], DebiasedKronLaplace]] = {
+        "single": fits.single, "shrunk": fits.shrunk,
+        "bias_oracle": lambda b, r: fits.oracle(b, r, with_bias=True),
+        "eigenvalue_oracle": lambda b, r: fits.oracle(b, r, with_bias=False)}
+    out = [Method("full", lambda _: fits.full(), full_batch=True)]
+    for b in sizes:
+        for name in POSTERIORS:
+            out.append(Method(f"{name}@b{b}", lambda r, make=makers[name], b=b: make(b, r), repeats=repeats,
+                              extra={"batch_size": b}))
+    return out
+
+
+def summarise(rows: list[dict], sizes: list[int]) -> dict[int, dict[str, dict]]:
+    """Per b and posterior: the largest relative test-NLL gap to the full batch per draw, and the
+    signed gap per δ and draw."""
+    out: dict[int, dict[str, dict]] = {}
+    for b in sizes:
+        out[b] = {}
+        for name in POSTERIORS:
+            curves = gap_curves(rows, f"{name}@b{b}", "full", "test", LINK, "nll")
+            out[b][name] = {"nll_gap_per_draw": largest_gaps(curves),
+                            "signed_nll_gap_by_delta": {repr(d): [curves[r][d] for r in sorted(curves)]
+                                                        for d in curves[min(curves)]}}
+    return out
+
+
+def _mean_se(values: np.ndarray, digits: int = 2) -> str:
+    return f"{values.mean():+.{digits}f} ± {values.std(ddof=1) / np.sqrt(len(values)):.{digits}f}"
+
+
+def _curves(by_delta: dict[str, list[float]]) -> dict[int, dict[float, float]]:
+    draws = len(next(iter(by_delta.values())))
+    return {r: {float(d): gaps[r] for d, gaps in by_delta.items()} for r in range(draws)}
+
+
+def markdown(results: dict[int, dict[str, dict]], command: str, meta: dict) -> str:
+    lines = ["# Eigenvalue oracles on the digits: how close can an estimate on the single batch's eigenvectors get?", "",
+             f"Written by `{command}` ({meta['wall_s']:.0f} s, {meta['threads']} thread(s)). The main job's "
+             f"embedded digits (N = {meta['n_train']}), digits_cnn, K-FAC over all weights, {meta['repeats']} draws per b "
+             f"(the main job's seeded samples), the mean bias from {meta['bias_draws']} further draws; projected "
+             "probit on the 1,000 test images, no MC noise. Largest relative test-NLL gap to the full batch over the "
+             "δ grid (%): mean over draws [min, max]; paired: each draw's gap less the single batch's, mean ± "
+             "standard error. The two oracles know the full-batch factors (the benchmark's docstring): no estimate "
+             "from the b samples can be expected to do better than the bias oracle's row by removing bias.", "",
+             "| b | posterior | max rel. NLL gap (%) | − single's, paired (pt) | draws worse than single |",
+             "|---|---|---|---|---|"]
+    for b, res in sorted(results.items()):
+        single = 100 * np.array(res["single"]["nll_gap_per_draw"])
+        for name in POSTERIORS:
+            gap = 100 * np.array(res[name]["nll_gap_per_draw"])
+            paired, worse = ("–", "–") if name == "single" else (_mean_se(gap - single), f"{int((gap > single).sum())} of {len(gap)}")
+            lines.append(f"| {b} | {LABELS[name]} | {gap.mean():.2f} [{gap.min():.2f}, {gap.max():.2f}] | {paired} | {worse} |")
+    sizes = sorted(results)
+    lines += ["", "## Signed gap at each δ", "",
+              "Relative test-NLL gap to the full batch (%), mean ± standard error over the draws (positive: a higher "
+              "NLL than the full batch's). Figure: [eigenvalue_oracles.png](eigenvalue_oracles.png).", "",
+              "| δ | " + " | ".join(f"b = {b}: {name.replace('_', ' ')}" for b in sizes for name in POSTERIORS) + " |",
+              "|---|" + "---|" * (len(sizes) * len(POSTERIORS))]
+    for key in results[sizes[0]]["single"]["signed_nll_gap_by_delta"]:
+        cells = [_mean_se(100 * np.array(results[b][name]["signed_nll_gap_by_delta"][key])) for b in sizes for name in POSTERIORS]
+        lines.append(f"| {float(key):.3g} | " + " | ".join(cells) + " |")
+    lines += ["", "The δ at which each draw's gap is largest (δ: draws):", ""]
+    for b in sizes:
+        for name in POSTERIORS:
+            counts = where_largest(_curves(results[b][name]["signed_nll_gap_by_delta"]))
+            lines.append(f"- b = {b}, {LABELS[name]}: " + ", ".join(f"{d:.3g}: {k}" for d, k in counts.items()))
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[int, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    short = {"single": "single batch b", "shrunk": "shrunk 2 × b/2 (default)", "bias_oracle": "bias oracle",
+             "eigenvalue_oracle": "eigenvalue oracle"}
+    panels = {f"b = {b} samples": {short[n]: _curves(results[b][n]["signed_nll_gap_by_delta"]) for n in POSTERIORS}
+              for b in sorted(results)}
+    fig = signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "
+                                    "mean ± 1 s.e. over draws", colors={short[n]: COLORS[n] for n in POSTERIORS})
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--repeats", type=int, default=16, help="evaluated draws per b")
+    parser.add_argument("--bias-draws", type=int, default=64, help="further draws per b that estimate the mean bias")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("eigenvalue-oracles-output"),
+                        help="where the sweep's rows go (kept, so an interrupted run resumes)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model, splits = default_digits_model(seed=DEFAULTS["seed"], log=None)
+    fits = Fits(model, splits["train"], DEFAULTS["seed"], args.bias_draws)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = run_sweep(methods(fits, args.batch_sizes, args.repeats), [EvalSet("test", *splits["test"].tensors, "test")],
+                     args.out / "results.jsonl", prior_precisions=DEFAULTS["prior_precisions"], links=[LINK],
+                     seed=DEFAULTS["seed"], progress=False)
+    results = summarise(rows, args.batch_sizes)
+    meta = {"wall_s": time.perf_counter() - start, "threads": args.threads, "n_train": len(splits["train"]),
+            "repeats": args.repeats, "bias_draws": args.bias_draws}
+    command = (f"OMP_NUM_THREADS={args.threads} python benchmarks/eigenvalue_oracles.py --batch-sizes "
+               f"{' '.join(map(str, args.batch_sizes))} --repeats {args.repeats} --bias-draws {args.bias_draws} "
+               f"--threads {args.threads}")
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "eigenvalue_oracles.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    (HERE / "results" / "eigenvalue_oracles.md").write_text(markdown(results, command, meta))
+    plot(results, HERE / "results" / "eigenvalue_oracles.png")
+    print(markdown(results, command, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
