@@ -1,7 +1,8 @@
 """The eigenvalue oracles of ``benchmarks/eigenvalue_oracles.py`` against their definitions on
 small dense factors: the true curvature along a batch's eigenvectors, its null-run mean, the
 mean bias's sign pattern (regression to the mean), the reductions between the two oracles, and
-the oracle posterior of a batch measured against itself (the single batch, BatchNorm block too)."""
+the oracle posterior of a batch measured against itself (the single batch, BatchNorm block too),
+and the cross-validated eigenvalues against the paper's two-batch quotients."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from benchmarks.eigenvalue_oracles import mean_bias, oracle_eigenpairs, true_curvature, with_eigenpairs
+import pytest
+
+from benchmarks.eigenvalue_oracles import (cross_validated_eigenpairs, mean_bias, oracle_eigenpairs, true_curvature,
+                                           with_eigenpairs)
+from laplace_debiased.curvature.corrected import same_minus_cross
 from benchmarks.normalisation import kron_fit
 from laplace_debiased.posterior.from_laplace import posterior_structure
 from laplace_debiased.posterior.jacobians import logit_jacobians
@@ -98,3 +103,22 @@ def test_eigenvalue_oracle_against_its_own_batch_is_the_single_batch():
     deltas = torch.tensor([1e-2, 1.0], dtype=torch.float64)
     covs = [s.covariances(s.rotate(jacs), deltas) for s in map(posterior_structure, (single, oracle))]
     torch.testing.assert_close(covs[1], covs[0])
+
+
+def test_cross_validated_eigenvalues_of_two_folds_are_the_mean_of_both_orders():
+    """``K = 2``: ``d_i`` is the mean of the paper's cross-batch quotients of both orders
+    (``λ_i(F_1) - g_i``, :func:`same_minus_cross`), on the eigenvectors of the folds' mean."""
+    folds = [[[_factor(20, 4, 9)]], [[_factor(21, 4, 9)]]]
+    (U,), (d,) = (x[0] for x in cross_validated_eigenpairs(folds))
+    F1, F2 = folds[0][0][0], folds[1][0][0]
+    cross = [torch.linalg.eigvalsh(A) - same_minus_cross(A, B) for A, B in ((F2, F1), (F1, F2))]
+    torch.testing.assert_close(d, (cross[0] + cross[1]) / 2, atol=200 * EPS64 * float(F1.norm()), rtol=0)
+    torch.testing.assert_close(U @ torch.diag(torch.linalg.eigvalsh((F1 + F2) / 2)) @ U.T, (F1 + F2) / 2)
+
+
+def test_cross_validated_eigenvalues_of_equal_folds_are_their_eigenvalues():
+    F = _factor(22, 5, 3)  # rank 3 of 5: a null run of 2
+    (_,), (d,) = (x[0] for x in cross_validated_eigenpairs([[[F]]] * 4))
+    torch.testing.assert_close(d, torch.linalg.eigvalsh(F).clamp(min=0), atol=100 * EPS64 * float(F.norm()), rtol=0)
+    with pytest.raises(ValueError, match="at least 2 folds"):
+        cross_validated_eigenpairs([[[F]]])
