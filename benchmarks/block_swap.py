@@ -14,6 +14,12 @@ linear head) replaced by the paper's decomposition of that block. Each posterior
 is the maximum over :data:`~benchmarks.normalisation.GRID` of the relative test-NLL gap to the
 full batch of all 10,000 training images (projected probit link, the normalisation benchmark's).
 
+Two oracles (:mod:`benchmarks.eigenvalue_oracles`), which know the full batch's K-FAC factors,
+bound what an estimate on the single batch's eigenvectors can do: the single batch less its exact
+mean eigenvalue bias at this ``b`` (the bias oracle; the bias estimated over ``--bias-draws``
+further draws of ``b`` images, seeds from :data:`~benchmarks.eigenvalue_oracles.BIAS_SEED_OFFSET`
+on), and the full batch's curvature along the single batch's eigenvectors (the eigenvalue oracle).
+
 It also reports, per convolution, the trace of each K-FAC factor (output side ``G``, input side
 ``A``) of the single batch, of each half alone and of the paper's fit (B's directions, B̃'s
 Rayleigh quotients, so its trace is B̃'s) relative to the full batch's: how far each estimate's
@@ -34,6 +40,7 @@ import torch
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from benchmarks.cifar10.data import load_data
+from benchmarks.eigenvalue_oracles import BIAS_SEED_OFFSET, mean_bias, oracle_eigenpairs, with_eigenpairs
 from benchmarks.normalisation import (GRID, LINKS, MAP, eval_sets, full_batch_fit, index_loader, kron_fit, load_map,
                                       shared_jacobian_grid)
 from laplace_debiased.evaluation.metrics import nll
@@ -76,14 +83,25 @@ def test_curves(model, predictives: dict, X: torch.Tensor, y: torch.Tensor, chun
     return {k: [nll(p[LINK][g], y) for g in range(len(GRID))] for k, p in probs.items()}
 
 
-def one_seed(model, data, full, b: int, n_test: int, seed: int, log) -> dict:
-    """Fits, hybrids, tracking errors and factor traces of one batch draw (``seed``, as in
-    :mod:`benchmarks.normalisation`)."""
-    idx = np.random.default_rng(seed).choice(len(data.train), size=b, replace=False)
-    single = index_loader(data.train, idx, b)
+def draw(n: int, b: int, seed: int) -> np.ndarray:
+    """The ``b`` image indices of batch draw ``seed`` (as in :mod:`benchmarks.normalisation`)."""
+    return np.random.default_rng(seed).choice(n, size=b, replace=False)
+
+
+def single_fit(model, train, idx: np.ndarray):
+    """The single batch of the images ``idx`` (B̃ = B)."""
+    loader = index_loader(train, idx, len(idx))
+    return kron_fit(model, loader, magnitude_loader=loader)
+
+
+def one_seed(model, data, full_la, bias, b: int, n_test: int, seed: int, log) -> dict:
+    """Fits, hybrids, oracles, tracking errors and factor traces of one batch draw (``seed``);
+    ``full_la`` the full batch's fit, ``bias`` the mean bias of the single batch's factors
+    (:func:`~benchmarks.eigenvalue_oracles.mean_bias`)."""
+    idx = draw(len(data.train), b, seed)
     halves = index_loader(data.train, idx, b // 2)
     swapped_halves = index_loader(data.train, np.concatenate([idx[b // 2:], idx[: b // 2]]), b // 2)
-    fits = {"single batch": kron_fit(model, single, magnitude_loader=single),
+    fits = {"single batch": single_fit(model, data.train, idx),
             "paper": kron_fit(model, halves, estimator="paper"),
             "paper, halves swapped": kron_fit(model, swapped_halves, estimator="paper"),
             "paper, cross-fit (both orders)": kron_fit(model, halves, estimator="paper", cross_fit=True),
@@ -93,6 +111,11 @@ def one_seed(model, data, full, b: int, n_test: int, seed: int, log) -> dict:
     predictives = {k: GridPredictive(la) for k, la in fits.items()}
     for kind in KINDS:
         predictives[f"single batch, paper's {kind}"] = GridPredictive(base, structure=swapped(base, fits["paper"], kinds[kind]))
+    truth = full_la.H_facs.kfacs
+    for name, beta in (("bias oracle", bias), ("eigenvalue oracle", None)):
+        predictives[name] = GridPredictive(with_eigenpairs(base, *oracle_eigenpairs(base.H_facs.kfacs, truth, beta,
+                                                                                    len(data.train))))
+    full = posterior_structure(full_la)
     predictives["full batch"] = GridPredictive(base, structure=full)
     X, y = eval_sets(data, 1, n_test, 0, seed, severities=())["test"]
     start = time.perf_counter()
@@ -103,8 +126,7 @@ def one_seed(model, data, full, b: int, n_test: int, seed: int, log) -> dict:
     convs = sorted(kinds["convolutions"])
     alone = {}
     for name, part in (("first half (B)", idx[: b // 2]), ("second half (B̃)", idx[b // 2:])):
-        loader = index_loader(data.train, part, len(part))
-        alone[name] = posterior_structure(kron_fit(model, loader, magnitude_loader=loader))
+        alone[name] = posterior_structure(single_fit(model, data.train, part))
     traces = {k: factor_traces(st, full, convs) for k, st in
               {"single batch": posterior_structure(base), **alone, "paper": posterior_structure(fits["paper"])}.items()}
     return {"tracking_nll_pct": tracking, "traces": traces, "n_conv_blocks": len(convs),
@@ -141,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--b", type=int, default=512)
     p.add_argument("--n-test", type=int, default=1000)
+    p.add_argument("--bias-draws", type=int, default=32, help="further draws of b images that estimate the mean bias")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -148,11 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     data = load_data(a.data, n_train=MAP.n_train)
     model, _ = load_map(MAP, False)
-    full = posterior_structure(full_batch_fit(model, data.train, len(data.train)))
+    full_la = full_batch_fit(model, data.train, len(data.train))
     log(f"full batch ({len(data.train):,} images): {time.perf_counter() - start:.0f} s")
-    seeds = {s: one_seed(model, data, full, a.b, a.n_test, s, log) for s in a.seeds}
+    draws = [single_fit(model, data.train, draw(len(data.train), a.b, BIAS_SEED_OFFSET + r)).H_facs.kfacs
+             for r in range(a.bias_draws)]
+    bias = mean_bias(draws, full_la.H_facs.kfacs, len(data.train))
+    del draws
+    log(f"mean bias from {a.bias_draws} draws of {a.b}: {time.perf_counter() - start:.0f} s")
+    seeds = {s: one_seed(model, data, full_la, bias, a.b, a.n_test, s, log) for s in a.seeds}
     info = (f"MAP `{MAP.model}` of `benchmarks.normalisation`; b = {a.b} (paper and shrunk: 2 x {a.b // 2}); "
-            f"full batch over {len(data.train):,} images; {a.n_test} test images; {len(GRID)} prior precisions "
+            f"full batch over {len(data.train):,} images; oracles' mean bias over {a.bias_draws} further draws; {a.n_test} test images; {len(GRID)} prior precisions "
             f"in [{GRID[0]:g}, {GRID[-1]:g}]; {a.threads} torch thread(s); wall {(time.perf_counter() - start) / 60:.0f} min.")
     cmd = "python -m benchmarks.block_swap " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     res = {"command": cmd, "info": info, "seeds": seeds}
