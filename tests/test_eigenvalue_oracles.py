@@ -13,8 +13,8 @@ from torch import nn
 
 import pytest
 
-from benchmarks.eigenvalue_oracles import (cross_validated_eigenpairs, mean_bias, oracle_eigenpairs, true_curvature,
-                                           with_eigenpairs)
+from benchmarks.eigenvalue_oracles import (cross_validated_eigenpairs, kronecker_eigenvalues, mean_bias,
+                                           oracle_eigenpairs, true_curvature, with_eigenpairs)
 from laplace_debiased.curvature.corrected import same_minus_cross
 from benchmarks.normalisation import kron_fit
 from laplace_debiased.posterior.from_laplace import posterior_structure
@@ -122,3 +122,10 @@ def test_cross_validated_eigenvalues_of_equal_folds_are_their_eigenvalues():
     torch.testing.assert_close(d, torch.linalg.eigvalsh(F).clamp(min=0), atol=100 * EPS64 * float(F.norm()), rtol=0)
     with pytest.raises(ValueError, match="at least 2 folds"):
         cross_validated_eigenpairs([[[F]]])
+
+
+def test_kronecker_eigenvalues_are_those_of_the_dense_blocks():
+    A, G, D = _factor(30, 3, 5), _factor(31, 2, 5), _factor(32, 4, 2)
+    dense = torch.cat([torch.linalg.eigvalsh(torch.kron(A, G)), torch.linalg.eigvalsh(D)]).clamp(min=0)
+    ours = kronecker_eigenvalues([[A, G], [D]])
+    torch.testing.assert_close(ours, dense.sort(descending=True).values, atol=100 * EPS64 * float(dense.max()), rtol=0)
