@@ -27,9 +27,15 @@ laplace-torch's first GLM predictive (``la(x, pred_type="glm", link_approx="prob
 Models (``--model``): ``cifar_cnn()`` (56,714 weights, all weights; its largest factor is
 1,025), or ``wide_cnn`` (issue 23): two convolutions, then ``Linear(2048, 64)`` and
 ``Linear(64, 10)`` (138,618 weights), whose 2,048-dimensional input factor has rank ``≤ b/2`` on
-each of B and B̃ and is decomposed through their Gram matrices. Random CIFAR-shaped inputs and
-labels at the random initialisation (fit time does not depend on the data), float32,
-Curvlinops GGN (the default backend), ``torch.set_num_threads(--threads)``.
+each of B and B̃ and is decomposed through their Gram matrices, or ``allcnnc``, the paper's
+ALL-CNN-C (1,369,738 weights; its largest factor is 1,728, wider than a batch of up to 1,024). Random
+CIFAR-shaped inputs and labels at the random initialisation (fit time does not depend on the
+data), float32, Curvlinops GGN (the default backend), ``torch.set_num_threads(--threads)``. With
+``--device cuda`` the model and the data lie on the GPU and every timed interval ends with
+``torch.cuda.synchronize()`` (a fit ends when its kernels do); a GPU run of ALL-CNN-C (issue 31:
+the default costs at most 1.1× the paper's fit) is
+``python -m benchmarks.fit_cost --model allcnnc --device cuda --threads 8 --batch-sizes 64 256 1024
+--methods debiased shrunk single --out DIR``.
 
 Issue 23's run (machine shared, so under ``nice``):
 ``OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fit_cost.py --model wide_cnn --batch-sizes 64 256
@@ -76,47 +82,71 @@ def wide_cnn(n_classes: int = 10) -> nn.Sequential:
     )
 
 
+def _allcnnc() -> nn.Sequential:
+    """The CIFAR-10 benchmark's ALL-CNN-C; imported here, so that the other models also run as
+    ``python benchmarks/fit_cost.py`` (this one needs the repository root on the path:
+    ``python -m benchmarks.fit_cost``)."""
+    from benchmarks.cifar10.models import allcnnc
+
+    return allcnnc()
+
+
 MODELS = {
     "cifar_cnn": (cifar_cnn, "cifar_cnn (56,714 weights), float32, all weights, CurvlinopsGGN"),
     "wide_cnn": (wide_cnn, "wide_cnn (Linear(2048, 64) head, 138,618 weights), float32, all weights, CurvlinopsGGN"),
+    "allcnnc": (_allcnnc, "ALL-CNN-C (1,369,738 weights), float32, all weights, CurvlinopsGGN"),
 }
 
 
-def _loader(n: int, batch: int, seed: int) -> DataLoader:
+def _sync(device: torch.device) -> None:
+    """Wait for the queued GPU work (nothing on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loader(n: int, batch: int, seed: int, device: torch.device) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (n,), generator=g)
-    return DataLoader(TensorDataset(X, y), batch_size=batch, shuffle=False)
+    return DataLoader(TensorDataset(X.to(device), y.to(device)), batch_size=batch, shuffle=False)
 
 
 def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int, n_test: int = 32) -> float:
     method, predictive = method.removesuffix("+predictive"), method.endswith("+predictive")
-    x_test = torch.randn(n_test, 3, 32, 32, generator=torch.Generator().manual_seed(seed + 1))
+    device = next(model.parameters()).device
+    x_test = torch.randn(n_test, 3, 32, 32, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     if method == "single":
-        la, loader, kw = KronLaplace(model, "classification"), _loader(b, b, seed), {}
+        la, loader, kw = KronLaplace(model, "classification"), _loader(b, b, seed, device), {}
     elif method == "single_same_code":
-        loader = _loader(b, b, seed)
+        loader = _loader(b, b, seed, device)
         la, kw = DebiasedKronLaplace(model, "classification"), {"magnitude_loader": loader}
     else:
-        la, loader, kw = DebiasedKronLaplace(model, "classification"), _loader(b, b // 2, seed), {"estimator": "paper"}
+        la, loader, kw = (DebiasedKronLaplace(model, "classification"), _loader(b, b // 2, seed, device),
+                          {"estimator": "paper"})
         if method == "debiased_per_batch":
             la._single_pass_fisher = lambda: None
     if method in ("corrected", "shrunk"):
         kw = {"estimator": method}
+    _sync(device)
     t0 = time.perf_counter()
     la.fit(loader, **kw)
     if predictive:
         la(x_test, pred_type="glm", link_approx="probit")
+    _sync(device)
     return time.perf_counter() - t0
 
 
 def _time_eigh(model: torch.nn.Module, b: int, seed: int) -> dict[str, float]:
+    device = next(model.parameters()).device
     la = DebiasedKronLaplace(model, "classification")
-    la.fit(_loader(b, b // 2, seed), estimator="paper")
+    la.fit(_loader(b, b // 2, seed, device), estimator="paper")
+    _sync(device)
     t0 = time.perf_counter()
     la._decompose()
+    _sync(device)
     t1 = time.perf_counter()
     la.H_facs.decompose()
+    _sync(device)
     return {"eigh_float64": t1 - t0, "eigh_stock": time.perf_counter() - t1}
 
 
@@ -127,13 +157,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "fit_cost")
     parser.add_argument("--model", choices=sorted(MODELS), default="cifar_cnn")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (model and data on the GPU)")
     parser.add_argument("--predictive", action="store_true", help="also time fit + first GLM predictive")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="fit methods timed")
     parser.add_argument("--notes", default="", help="the run's circumstances (machine load), written to the results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = MODELS[args.model][0]().eval()
+    device = torch.device(args.device)
+    model = MODELS[args.model][0]().eval().to(device)
     if not {"debiased", "single"} <= set(args.methods):
         parser.error("--methods must include debiased and single (the ratio's terms)")
     methods = [*args.methods, *(PREDICTIVE if args.predictive else [])]
@@ -153,14 +185,16 @@ def main() -> None:
     meta = {
         "model": MODELS[args.model][1],
         "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} "
-        + (f"nice -n {os.nice(0)} " if os.nice(0) else "") + "python benchmarks/fit_cost.py "
+        + (f"nice -n {os.nice(0)} " if os.nice(0) else "")
+        + ("python -m benchmarks.fit_cost " if args.model == "allcnnc" else "python benchmarks/fit_cost.py ")
         + " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                    for k, v in vars(args).items() if k not in ("predictive", "out", "notes"))
         + (" --predictive" if args.predictive else "") + f" --out {args.out}",
         "threads": args.threads,
         "repeats": args.repeats,
         "torch": torch.__version__,
-        "cpu": f"{platform.machine()} ({platform.processor() or 'cpu'})",
+        "cpu": f"{platform.machine()} ({platform.processor() or 'cpu'})" if device.type == "cpu"
+        else f"{torch.cuda.get_device_name(device)} (cuda)",
         "wall_seconds": time.perf_counter() - start,
         "load_average_1min": [load_start, os.getloadavg()[0]],  # at start and end (2 cores here)
         "notes": args.notes,
