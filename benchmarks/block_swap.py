@@ -15,7 +15,7 @@ is the maximum over :data:`~benchmarks.normalisation.GRID` of the relative test-
 full batch of all 10,000 training images (projected probit link, the normalisation benchmark's).
 
 Two oracles (:mod:`benchmarks.eigenvalue_oracles`), which know the full batch's K-FAC factors,
-bound what an estimate on the single batch's eigenvectors can do: the single batch less its exact
+show what an estimate on the single batch's eigenvectors can reach: the single batch less its exact
 mean eigenvalue bias at this ``b`` (the bias oracle; the bias estimated over ``--bias-draws``
 further draws of ``b`` images, seeds from :data:`~benchmarks.eigenvalue_oracles.BIAS_SEED_OFFSET`
 on), and the full batch's curvature along the single batch's eigenvectors (the eigenvalue oracle).

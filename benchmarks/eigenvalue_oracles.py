@@ -5,8 +5,8 @@
 
 The corrected and shrunk estimates (``fit``'s default) take the eigenvectors of B ∪ B̃, which are
 the single batch's of ``b = |B ∪ B̃|`` samples, and change only the eigenvalues of each K-FAC
-factor. Two oracles, which know the full-batch factor ``F_N``, bound what any such eigenvalue
-estimate can do. For one factor of the single batch, ``F̂ = U diag(λ̂) Uᵀ`` (ascending, float64)
+factor. Two oracles, which know the full-batch factor ``F_N``, show what such an eigenvalue
+estimate can reach: the first removes all of the mean bias, the second all eigenvalue error. For one factor of the single batch, ``F̂ = U diag(λ̂) Uᵀ`` (ascending, float64)
 with ``c_i = u_iᵀ F_N u_i`` its true curvature along ``u_i``:
 
 * **bias oracle**: ``(λ̂_i - β_i)⁺`` with ``β_i = E[λ̂_i - c_i]``, the exact mean regression-to-the-mean
