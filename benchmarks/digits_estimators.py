@@ -25,9 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from laplace_debiased.evaluation.report import signed_gap_figure
+from laplace_debiased.evaluation.report import mean_stderr_text, signed_gap_figure
 from laplace_debiased.evaluation.sweep import load_rows
-from laplace_debiased.evaluation.tracking import gap_curves, max_gap_per_draw, where_largest
+from laplace_debiased.evaluation.tracking import (curves_from_json, curves_to_json, gap_curves, max_gap_per_draw,
+                                                  where_largest)
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk")
@@ -65,8 +66,7 @@ def summarise(rows: list[dict]) -> dict[str, dict]:
     for m in METHODS:
         nll = max_gap_per_draw(rows, m, "kron_full", "test", LINK, "nll")
         ece = max_gap_per_draw(rows, m, "kron_full", "test", LINK, "ece", relative=False)
-        curves = gap_curves(rows, m, "kron_full", "test", LINK, "nll")
-        by_delta = {repr(d): [curves[r][d] for r in sorted(curves)] for d in curves[min(curves)]}
+        by_delta = curves_to_json(gap_curves(rows, m, "kron_full", "test", LINK, "nll"))
         out[m] = {"nll_gap_per_draw": nll, "ece_gap_per_draw": ece, "marglik_test_nll_per_draw": marglik_test_nll(rows, m),
                   "signed_nll_gap_by_delta": by_delta}
     return out
@@ -93,8 +93,8 @@ def markdown(results: dict[int, dict], repeats: int) -> str:
             paired = worse = "–"
             ml_text = f"{ml.mean():.3f}"
             if m != "kron_single":
-                paired, worse = _paired(nll - single, 2), f"{int((nll > single).sum())} of {len(nll)}"
-                ml_text += f" ({_paired(ml - single_ml, 3)})"
+                paired, worse = mean_stderr_text(nll - single, 2), f"{int((nll > single).sum())} of {len(nll)}"
+                ml_text += f" ({mean_stderr_text(ml - single_ml, 3)})"
             lines.append(f"| {b} | {LABELS[m]} | {nll.mean():.2f} [{nll.min():.2f}, {nll.max():.2f}] | "
                          f"{ece.mean():.2f} [{ece.min():.2f}, {ece.max():.2f}] | {paired} | {worse} | {ml_text} |")
     return "\n".join(lines) + "\n" + by_delta_markdown(results)
@@ -111,21 +111,15 @@ def by_delta_markdown(results: dict[int, dict]) -> str:
              "| δ | " + " | ".join(f"b = {b}: single | b = {b}: shrunk (default)" for b in sizes) + " |",
              "|---|" + "---|---|" * len(sizes)]
     for key in results[sizes[0]]["kron_single"]["signed_nll_gap_by_delta"]:
-        cells = [_paired(100 * np.array(results[b][m]["signed_nll_gap_by_delta"][key]), 2)
+        cells = [mean_stderr_text(100 * np.array(results[b][m]["signed_nll_gap_by_delta"][key]), 2)
                  for b in sizes for m in ("kron_single", "kron_shrunk")]
         lines.append(f"| {float(key):.3g} | " + " | ".join(cells) + " |")
     lines += ["", "The δ at which each draw's gap is largest (δ: draws):", ""]
     for b in sizes:
         for m in ("kron_single", "kron_shrunk"):
-            curves = _curves(results[b][m]["signed_nll_gap_by_delta"])
+            curves = curves_from_json(results[b][m]["signed_nll_gap_by_delta"])
             lines.append(f"- b = {b}, {LABELS[m]}: " + ", ".join(f"{d:.3g}: {k}" for d, k in where_largest(curves).items()))
     return "\n".join(lines) + "\n"
-
-
-def _curves(by_delta: dict[str, list[float]]) -> dict[int, dict[float, float]]:
-    """The JSON form ``{repr(δ): [gap per draw]}`` back in :func:`gap_curves`' form ``{draw: {δ: gap}}``."""
-    draws = len(next(iter(by_delta.values())))
-    return {r: {float(d): gaps[r] for d, gaps in by_delta.items()} for r in range(draws)}
 
 
 def plot(results: dict[int, dict], path: Path) -> None:
@@ -136,18 +130,13 @@ def plot(results: dict[int, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = {f"b = {b} samples": {LABELS[m]: _curves(results[b][m]["signed_nll_gap_by_delta"]) for m in METHODS}
+    panels = {f"b = {b} samples": {LABELS[m]: curves_from_json(results[b][m]["signed_nll_gap_by_delta"]) for m in METHODS}
               for b in sorted(results)}
     fig = signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "
                                     "mean ± 1 s.e. over draws")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _paired(diff: np.ndarray, digits: int) -> str:
-    """``mean ± standard error`` of values over draws (paired differences, signed gaps)."""
-    return f"{diff.mean():+.{digits}f} ± {diff.std(ddof=1) / np.sqrt(len(diff)):.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:

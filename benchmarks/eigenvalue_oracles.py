@@ -52,9 +52,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from laplace_debiased.curvature.linalg import frobenius_tolerance, remeasure_eigenvalues, symmetric_eigh64
 from laplace_debiased.evaluation.options import DEFAULTS
-from laplace_debiased.evaluation.report import signed_gap_figure
+from laplace_debiased.evaluation.report import mean_stderr_text, signed_gap_figure
 from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
-from laplace_debiased.evaluation.tracking import gap_curves, largest_gaps, where_largest
+from laplace_debiased.evaluation.tracking import curves_from_json, curves_to_json, gap_curves, largest_gaps, where_largest
 from laplace_debiased.evaluation.training import default_digits_model
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 
@@ -243,18 +243,8 @@ def summarise(rows: list[dict], sizes: list[int]) -> dict[int, dict[str, dict]]:
         for name in POSTERIORS:
             curves = gap_curves(rows, f"{name}@b{b}", "full", "test", LINK, "nll")
             out[b][name] = {"nll_gap_per_draw": largest_gaps(curves),
-                            "signed_nll_gap_by_delta": {repr(d): [curves[r][d] for r in sorted(curves)]
-                                                        for d in curves[min(curves)]}}
+                            "signed_nll_gap_by_delta": curves_to_json(curves)}
     return out
-
-
-def _mean_se(values: np.ndarray, digits: int = 2) -> str:
-    return f"{values.mean():+.{digits}f} ± {values.std(ddof=1) / np.sqrt(len(values)):.{digits}f}"
-
-
-def _curves(by_delta: dict[str, list[float]]) -> dict[int, dict[float, float]]:
-    draws = len(next(iter(by_delta.values())))
-    return {r: {float(d): gaps[r] for d, gaps in by_delta.items()} for r in range(draws)}
 
 
 def markdown(results: dict[int, dict[str, dict]], command: str, meta: dict) -> str:
@@ -277,7 +267,7 @@ def markdown(results: dict[int, dict[str, dict]], command: str, meta: dict) -> s
         single = 100 * np.array(res["single"]["nll_gap_per_draw"])
         for name in POSTERIORS:
             gap = 100 * np.array(res[name]["nll_gap_per_draw"])
-            paired, worse = ("–", "–") if name == "single" else (_mean_se(gap - single), f"{int((gap > single).sum())} of {len(gap)}")
+            paired, worse = ("–", "–") if name == "single" else (mean_stderr_text(gap - single), f"{int((gap > single).sum())} of {len(gap)}")
             lines.append(f"| {b} | {LABELS[name]} | {gap.mean():.2f} [{gap.min():.2f}, {gap.max():.2f}] | {paired} | {worse} |")
     sizes = sorted(results)
     lines += ["", "## Signed gap at each δ", "",
@@ -286,12 +276,12 @@ def markdown(results: dict[int, dict[str, dict]], command: str, meta: dict) -> s
               "| δ | " + " | ".join(f"b = {b}: {name.replace('_', ' ')}" for b in sizes for name in POSTERIORS) + " |",
               "|---|" + "---|" * (len(sizes) * len(POSTERIORS))]
     for key in results[sizes[0]]["single"]["signed_nll_gap_by_delta"]:
-        cells = [_mean_se(100 * np.array(results[b][name]["signed_nll_gap_by_delta"][key])) for b in sizes for name in POSTERIORS]
+        cells = [mean_stderr_text(100 * np.array(results[b][name]["signed_nll_gap_by_delta"][key])) for b in sizes for name in POSTERIORS]
         lines.append(f"| {float(key):.3g} | " + " | ".join(cells) + " |")
     lines += ["", "The δ at which each draw's gap is largest (δ: draws):", ""]
     for b in sizes:
         for name in POSTERIORS:
-            counts = where_largest(_curves(results[b][name]["signed_nll_gap_by_delta"]))
+            counts = where_largest(curves_from_json(results[b][name]["signed_nll_gap_by_delta"]))
             lines.append(f"- b = {b}, {LABELS[name]}: " + ", ".join(f"{d:.3g}: {k}" for d, k in counts.items()))
     return "\n".join(lines) + "\n"
 
@@ -305,7 +295,7 @@ def plot(results: dict[int, dict[str, dict]], path: Path) -> None:
     short = {"single": "single batch b", "shrunk": "shrunk 2 × b/2 (default)", "cross_validated": "cross-validated",
              "bias_oracle": "bias oracle",
              "eigenvalue_oracle": "eigenvalue oracle"}
-    panels = {f"b = {b} samples": {short[n]: _curves(results[b][n]["signed_nll_gap_by_delta"]) for n in POSTERIORS}
+    panels = {f"b = {b} samples": {short[n]: curves_from_json(results[b][n]["signed_nll_gap_by_delta"]) for n in POSTERIORS}
               for b in sorted(results)}
     fig = signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "
                                     "mean ± 1 s.e. over draws", colors={short[n]: COLORS[n] for n in POSTERIORS})

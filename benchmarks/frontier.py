@@ -60,6 +60,7 @@ from laplace_debiased.evaluation.metrics import nll
 from laplace_debiased.posterior.from_laplace import posterior_structure
 from laplace_debiased.posterior.jacobians import logit_jacobians
 from laplace_debiased.posterior.links import probit_from_variances
+from laplace_debiased.evaluation.tracking import mean_stderr
 from laplace_debiased.evaluation.training import default_digits_model
 from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace
 from laplace_debiased.structures.kron import DebiasedKronLaplace
@@ -250,10 +251,8 @@ def _paired(res: dict) -> list[tuple[int, tuple[float, float], tuple[float, floa
                 return 100 * np.array([d["gap"][r["family"]] for d in r["draws"]])
         raise KeyError((kind, k))
 
-    def stat(d: np.ndarray) -> tuple[float, float]:
-        return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
-
-    return [(k, stat(gaps("ekfac", k) - gaps("kfac", k)), stat(gaps("cross", k) - gaps("ekfac", k))) for k in KS]
+    return [(k, mean_stderr(gaps("ekfac", k) - gaps("kfac", k)), mean_stderr(gaps("cross", k) - gaps("ekfac", k)))
+            for k in KS]
 
 
 def _command(s: dict) -> str:

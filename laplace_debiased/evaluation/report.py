@@ -37,7 +37,8 @@ import numpy as np
 from laplace_debiased.prior_grid import PriorGrid, check_criterion, choose_prior_precision
 from laplace_debiased.evaluation.options import method_key, split_method_key
 from laplace_debiased.evaluation.sweep import load_rows
-from laplace_debiased.evaluation.tracking import gap_curves, largest_gaps, max_gap_per_draw, reference_of, where_largest
+from laplace_debiased.evaluation.tracking import (gap_curves, largest_gaps, max_gap_per_draw, mean_stderr, reference_of,
+                                                  where_largest)
 
 #: file next to ``results.jsonl`` with the run's setting in words (written by the main job)
 SETTING_NAME = "setting.json"
@@ -395,6 +396,13 @@ def _tracking(ctx: _Context, doc: _Doc) -> None:
     if verdict:
         doc.p(verdict)
     _tracking_figure(ctx, doc, rows)
+
+
+def mean_stderr_text(values, digits: int = 2) -> str:
+    """``+mean ± standard error`` of per-draw values (:func:`~laplace_debiased.evaluation.tracking.mean_stderr`),
+    ``digits`` decimals, the mean signed."""
+    mean, se = mean_stderr(values)
+    return f"{mean:+.{digits}f} ± {se:.{digits}f}"
 
 
 def signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]], title: str,

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["gap_curves", "largest_gap", "largest_gaps", "max_abs_interval", "max_gap_per_draw", "reference_of",
-           "signed_gap", "where_largest"]
+__all__ = ["curves_from_json", "curves_to_json", "gap_curves", "largest_gap", "largest_gaps", "max_abs_interval",
+           "max_gap_per_draw", "mean_stderr", "reference_of", "signed_gap", "where_largest"]
 
 
 def reference_of(method: str, full_batch: Sequence[str]) -> str | None:
@@ -102,6 +102,25 @@ def where_largest(curves: dict[int, dict[float, float]]) -> dict[float, int]:
         at = max(curve, key=lambda d: abs(curve[d]))
         counts[at] = counts.get(at, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def curves_to_json(curves: dict[int, dict[float, float]]) -> dict[str, list[float]]:
+    """:func:`gap_curves`' output ``{draw: {δ: gap}}`` as ``{repr(δ): [gap per draw]}`` (ascending
+    draw, the prior precisions of the first draw): JSON keys are strings."""
+    return {repr(d): [curves[r][d] for r in sorted(curves)] for d in curves[min(curves)]}
+
+
+def curves_from_json(by_delta: dict[str, list[float]]) -> dict[int, dict[float, float]]:
+    """The inverse of :func:`curves_to_json` (draws numbered from 0)."""
+    draws = len(next(iter(by_delta.values())))
+    return {r: {float(d): gaps[r] for d, gaps in by_delta.items()} for r in range(draws)}
+
+
+def mean_stderr(values: Sequence[float]) -> tuple[float, float]:
+    """``(mean, s / √n)`` of ``n`` per-draw values (``s`` the standard deviation with ``n − 1``
+    degrees of freedom); the standard error is NaN for one draw."""
+    v = np.asarray(values, dtype=float)
+    return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
 
 
 def max_abs_interval(point: np.ndarray, boot: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:

@@ -13,12 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from laplace_debiased.evaluation.report import write_report
+from laplace_debiased.evaluation.report import mean_stderr_text, write_report
 from laplace_debiased.evaluation.tracking import (
+    curves_from_json,
+    curves_to_json,
     gap_curves,
     largest_gap,
     max_abs_interval,
     max_gap_per_draw,
+    mean_stderr,
     reference_of,
     where_largest,
 )
@@ -85,6 +88,28 @@ def test_largest_gap_of_two_curves_is_the_rows_tracking_error(full, mini):
             max_gap_per_draw(rows, "kron_single", "kron_full", "test", "probit_projected", relative=relative)[0])
     with pytest.raises(ValueError, match="equal, non-zero length"):
         largest_gap(mini, full[:-1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(gaps=hnp.arrays(np.float64, st.tuples(st.integers(1, 5), st.just(len(GRID))), elements=FLOATS))
+def test_curves_survive_their_json_form(gaps):
+    curves = {r: dict(zip(GRID, map(float, row))) for r, row in enumerate(gaps)}
+    by_delta = curves_to_json(curves)
+    assert list(by_delta) == [repr(d) for d in GRID]
+    assert curves_from_json(by_delta) == curves
+
+
+@settings(max_examples=30, deadline=None)
+@given(values=st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=2, max_size=20))
+def test_mean_and_standard_error_of_draws(values):
+    """``s / √n`` with the ``n − 1`` standard deviation of :mod:`statistics`; NaN for one draw."""
+    import statistics
+
+    mean, se = mean_stderr(values)
+    assert mean == pytest.approx(statistics.fmean(values), abs=1e-9)
+    assert se == pytest.approx(statistics.stdev(values) / len(values) ** 0.5, rel=1e-9, abs=1e-9)
+    assert np.isnan(mean_stderr(values[:1])[1])
+    assert mean_stderr_text([1.0, 2.0, 3.0], 2) == f"+2.00 ± {1 / 3 ** 0.5:.2f}"
 
 
 def test_only_rows_of_the_asked_set_link_and_shared_prior_precisions_count():
