@@ -41,8 +41,8 @@ import torch
 import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from benchmarks.cifar10.data import load_data
 from benchmarks.eigenvalue_oracles import BIAS_SEED_OFFSET, mean_bias, oracle_eigenpairs, with_eigenpairs
-from benchmarks.normalisation import (GRID, LINKS, MAP, eval_sets, full_batch_fit, index_loader, kron_fit, load_map,
-                                      shared_jacobian_grid)
+from benchmarks.normalisation import (GRID, LINKS, MAP, draw, eval_sets, full_batch_fit, index_loader, kron_fit, load_map,
+                                      shared_jacobian_grid, single_fit)
 from laplace_debiased.evaluation.metrics import nll
 from laplace_debiased.evaluation.tracking import largest_gap
 from laplace_debiased.posterior.from_laplace import posterior_structure
@@ -83,22 +83,11 @@ def test_curves(model, predictives: dict, X: torch.Tensor, y: torch.Tensor, chun
     return {k: [nll(p[LINK][g], y) for g in range(len(GRID))] for k, p in probs.items()}
 
 
-def draw(n: int, b: int, seed: int) -> np.ndarray:
-    """The ``b`` image indices of batch draw ``seed`` (as in :mod:`benchmarks.normalisation`)."""
-    return np.random.default_rng(seed).choice(n, size=b, replace=False)
-
-
-def single_fit(model, train, idx: np.ndarray):
-    """The single batch of the images ``idx`` (B̃ = B)."""
-    loader = index_loader(train, idx, len(idx))
-    return kron_fit(model, loader, magnitude_loader=loader)
-
-
 def one_seed(model, data, full_la, bias, b: int, n_test: int, seed: int, log) -> dict:
     """Fits, hybrids, oracles, tracking errors and factor traces of one batch draw (``seed``);
     ``full_la`` the full batch's fit, ``bias`` the mean bias of the single batch's factors
     (:func:`~benchmarks.eigenvalue_oracles.mean_bias`)."""
-    idx = draw(len(data.train), b, seed)
+    idx = draw(len(data.train), b, seed)  # the normalisation benchmark's draw of this seed
     halves = index_loader(data.train, idx, b // 2)
     swapped_halves = index_loader(data.train, np.concatenate([idx[b // 2:], idx[: b // 2]]), b // 2)
     fits = {"single batch": single_fit(model, data.train, idx),

@@ -97,6 +97,17 @@ def kron_fit(model, loader: DataLoader, **kw):
     return la
 
 
+def draw(n: int, b: int, seed: int) -> np.ndarray:
+    """The ``b`` image indices of batch draw ``seed``, without replacement from ``n``."""
+    return np.random.default_rng(seed).choice(n, size=b, replace=False)
+
+
+def single_fit(model, train: TensorDataset, idx: np.ndarray):
+    """The single batch of the images ``idx`` (B̃ = B)."""
+    loader = index_loader(train, idx, len(idx))
+    return kron_fit(model, loader, magnitude_loader=loader)
+
+
 def full_loader(train: TensorDataset, n_full: int) -> DataLoader:
     """The first ``n_full`` training images in batches of 250 (the full-batch reference's data)."""
     return index_loader(train, np.arange(n_full), 250)
@@ -111,7 +122,7 @@ def full_batch_fit(model, train: TensorDataset, n_full: int):
 
 def fit_all(model, train: TensorDataset, b: int, n_full: int, seed: int, log) -> dict:
     """The four fits, timed: ``name -> (la, seconds)``."""
-    idx = np.random.default_rng(seed).choice(len(train), size=b, replace=False)
+    idx = draw(len(train), b, seed)
     out = {}
 
     def timed(name, make):
@@ -123,8 +134,7 @@ def fit_all(model, train: TensorDataset, b: int, n_full: int, seed: int, log) ->
     timed("debiased", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="paper"))
     timed("corrected", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="corrected"))
     timed("shrunk", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="shrunk"))
-    single = index_loader(train, idx, b)
-    timed("single batch", lambda: kron_fit(model, single, magnitude_loader=single))
+    timed("single batch", lambda: single_fit(model, train, idx))
     timed("full batch", lambda: full_batch_fit(model, train, n_full))
 
     def last_layer():
