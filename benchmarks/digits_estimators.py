@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from laplace_debiased.evaluation.report import mean_stderr_text, signed_gap_figure
+from laplace_debiased.evaluation.report import mean_stderr_text, save_signed_gap_figure
 from laplace_debiased.evaluation.sweep import load_rows
 from laplace_debiased.evaluation.tracking import (curves_from_json, curves_to_json, gap_curves, max_gap_per_draw,
                                                   where_largest)
@@ -125,18 +125,10 @@ def by_delta_markdown(results: dict[int, dict]) -> str:
 def plot(results: dict[int, dict], path: Path) -> None:
     """Per b one panel: each method's mean signed relative test-NLL gap over δ, ± one standard error
     (:func:`~laplace_debiased.evaluation.report.signed_gap_figure`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = {f"b = {b} samples": {LABELS[m]: curves_from_json(results[b][m]["signed_nll_gap_by_delta"]) for m in METHODS}
               for b in sorted(results)}
-    fig = signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "
-                                    "mean ± 1 s.e. over draws")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "
+                                   "mean ± 1 s.e. over draws", path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from laplace_debiased.curvature.linalg import frobenius_tolerance, remeasure_eigenvalues, symmetric_eigh64
 from laplace_debiased.evaluation.options import DEFAULTS
-from laplace_debiased.evaluation.report import mean_stderr_text, signed_gap_figure
+from laplace_debiased.evaluation.report import mean_stderr_text, save_signed_gap_figure
 from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
 from laplace_debiased.evaluation.tracking import curves_from_json, curves_to_json, gap_curves, largest_gaps, where_largest
 from laplace_debiased.evaluation.training import default_digits_model
@@ -287,21 +287,12 @@ def markdown(results: dict[int, dict[str, dict]], command: str, meta: dict) -> s
 
 
 def plot(results: dict[int, dict[str, dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     short = {"single": "single batch b", "shrunk": "shrunk 2 × b/2 (default)", "cross_validated": "cross-validated",
-             "bias_oracle": "bias oracle",
-             "eigenvalue_oracle": "eigenvalue oracle"}
+             "bias_oracle": "bias oracle", "eigenvalue_oracle": "eigenvalue oracle"}
     panels = {f"b = {b} samples": {short[n]: curves_from_json(results[b][n]["signed_nll_gap_by_delta"]) for n in POSTERIORS}
               for b in sorted(results)}
-    fig = signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "
-                                    "mean ± 1 s.e. over draws", colors={short[n]: COLORS[n] for n in POSTERIORS})
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "
+                                   "mean ± 1 s.e. over draws", path, colors={short[n]: COLORS[n] for n in POSTERIORS})
 
 
 def main(argv: list[str] | None = None) -> int:

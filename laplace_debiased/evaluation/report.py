@@ -435,6 +435,20 @@ def signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]
     return fig
 
 
+def save_signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]], title: str, path: Path,
+                           colors: dict[str, str] | None = None, dpi: int = 120) -> None:
+    """:func:`signed_gap_figure` written to ``path`` (PNG, ``dpi``) without a display (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = signed_gap_figure(panels, title, colors)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def _tracking_figure(ctx: _Context, doc: _Doc, rows: list[_Tracked]) -> None:
     """:func:`signed_gap_figure` of the tracking rows, one panel per batch size (ascending, unknown last)."""
     sizes = sorted({_batch_of(ctx, t.method) for t in rows}, key=lambda b: (b is None, b or 0))
