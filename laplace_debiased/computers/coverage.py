@@ -24,7 +24,8 @@ The ranks of a factor whose rows are known (the Gram route of
 come from the Gram matrices (:func:`~laplace_debiased.curvature.linalg.row_rank` of B's rows, B̃'s
 rows and both stacked, ``O(d (n + m)²)``), and its zero count from the extended spectrum of its
 implicit null space (:func:`~laplace_debiased.curvature.completion.extended_spectrum`): the
-record adds no ``d × d`` eigendecomposition to such a fit. Other factors use ``eigvalsh``.
+record adds no ``d × d`` eigendecomposition to such a fit. Other factors are counted by inertia
+(:func:`~laplace_debiased.curvature.linalg.eigenvalues_above`), a quarter of an ``eigvalsh``'s flops.
 
 "Zero" is up to round-off: at most :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`
 of B̃'s factor (the tolerance that sets B's degenerate groups).
@@ -69,7 +70,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from laplace_debiased.curvature.linalg import FactorRows, roundoff_tolerance, row_rank
+from laplace_debiased.curvature.linalg import FactorRows, eigenvalues_above, roundoff_tolerance, row_rank
 from laplace_debiased.curvature.completion import extended_spectrum
 
 __all__ = ["FactorCoverage", "BlockCoverage", "Coverage", "coverage_record", "factor_ranks", "numerical_rank",
@@ -84,10 +85,9 @@ _FACTOR_NAMES = {2: ("output", "input"), 1: ("bias",)}
 
 def numerical_rank(F: torch.Tensor, tolerance: float | None = None) -> int:
     """Eigenvalues of the symmetric PSD ``F`` ``(d, d)`` (float64) above ``tolerance`` (default
-    :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance` ``(F)``)."""
-    F64 = F.double()
-    L = torch.linalg.eigvalsh(0.5 * (F64 + F64.T))
-    return int((L > (roundoff_tolerance(F) if tolerance is None else tolerance)).sum())
+    :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance` ``(F)``), counted by inertia
+    (:func:`~laplace_debiased.curvature.linalg.eigenvalues_above`), not by an eigendecomposition."""
+    return eigenvalues_above(F, roundoff_tolerance(F) if tolerance is None else tolerance)
 
 
 def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = None) -> tuple[int, int, int]:

@@ -78,3 +78,37 @@ def test_a_factor_that_underflows_float32_keeps_the_rank_of_its_rows():
     F = X.T @ X
     assert factor_ranks(F, F.clone()) == (1, 1, 1)
     assert factor_ranks(F, F.clone(), (X, X)) == (1, 1, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 24), st.integers(0, 2**31 - 1), st.floats(-6.0, -2.0), st.floats(-4.0, 0.0), st.booleans(),
+       st.integers(0, 23))
+def test_the_rank_counts_the_eigenvalues_above_the_tolerance(d, seed, log_tol, log_margin, above, below):
+    """``F = Q diag(λ) Qᵀ`` (float64, ``‖F‖₂ = 1``) with its smallest eigenvalue a relative margin of
+    ``10^log_margin`` above or below the tolerance, and ``below`` further eigenvalues well under it:
+    the rank, counted by inertia, is the number of eigenvalues above the tolerance. The margin,
+    ``≥ 1e-10`` in absolute terms, lies far above the float64 backward error (``d² eps₆₄ ≈ 1e-13``)."""
+    g = torch.Generator().manual_seed(seed)
+    tol = 10.0**log_tol
+    lam = torch.rand(d, generator=g, dtype=torch.float64) * (1 - 2 * tol) + 2 * tol
+    lam[0] = 1.0
+    lam[-1] = tol * (1 + 10.0**log_margin if above else 1 - 10.0**log_margin)
+    k = min(below, d - 1)
+    lam[d - 1 - k:d - 1] = 0.5 * tol * torch.rand(k, generator=g, dtype=torch.float64)
+    Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q
+    F = Q @ torch.diag(lam) @ Q.T
+    assert numerical_rank(F, tol) == int((lam > tol).sum())
+
+
+def test_a_rank_is_counted_without_an_eigendecomposition(monkeypatch):
+    """The ranks come from the inertia of ``F - tol I``, not from ``F``'s eigenvalues: a factor of
+    full rank and one of rank 5 (5 rows) are counted with ``eigvalsh`` and ``eigh`` refused."""
+    X = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eigendecomposition was called to count a rank")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", refuse)
+    monkeypatch.setattr(torch.linalg, "eigh", refuse)
+    assert numerical_rank(X.T @ X) == 16
+    assert numerical_rank(X[:5].T @ X[:5]) == 5

@@ -10,6 +10,7 @@ from laplace_debiased.curvature.linalg import (
     debiased_factor,
     debiased_kron,
     degenerate_groups,
+    eigenvalues_above,
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
@@ -190,3 +191,17 @@ def test_tied_groups_have_bounded_spread_and_cover_everything():
     groups = tied_groups(values, 0.15)
     assert [(g.start, g.stop) for g in groups] == [(0, 2), (2, 5), (5, 7), (7, 8)]
     assert all(float(values[g.stop - 1] - values[g.start]) <= 0.15 for g in groups)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 30), st.integers(0, 2**31 - 1), st.floats(-3.0, 3.0))
+def test_eigenvalues_above_counts_by_inertia(d, seed, threshold):
+    """Spectrum slicing: for a symmetric ``S = Q diag(λ) Qᵀ`` with eigenvalues of both signs (so
+    that Bunch–Kaufman takes 2 × 2 pivots), kept at least ``1e-6`` from the threshold (far above
+    the float64 backward error), the count by inertia equals the count of ``λ > threshold``."""
+    g = torch.Generator().manual_seed(seed)
+    lam = 8 * torch.rand(d, generator=g, dtype=torch.float64) - 4
+    lam = torch.where((lam - threshold).abs() < 1e-6, lam + 2e-6, lam)
+    Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q
+    S = Q @ torch.diag(lam) @ Q.T
+    assert eigenvalues_above(S, threshold) == int((lam > threshold).sum())
