@@ -399,15 +399,16 @@ def eigenvalues_above(S: torch.Tensor, threshold: float) -> int:
     error of ``S`` (``‖E‖ ≤ p(d) ρ eps₆₄ ‖S‖``, ``ρ`` the growth factor; Higham, *Accuracy and
     Stability of Numerical Algorithms*, Thm. 11.3), i.e. up to eigenvalues that far from the
     threshold, which the round-off tolerances here (float32-relative) exceed by orders of magnitude.
-    Computed in float64.
+    Computed in float64 by LAPACK on the host (torch marks its cuSOLVER path experimental; a
+    count needs no more than the signs of ``D``).
     """
-    S64 = S.double()
-    S64 = 0.5 * (S64 + S64.T) - threshold * torch.eye(S64.shape[0], dtype=torch.float64, device=S64.device)
+    S64 = S.detach().double().cpu()
+    S64 = 0.5 * (S64 + S64.T) - threshold * torch.eye(S64.shape[0], dtype=torch.float64)
     if S64.shape[0] == 0:
         return 0
     LD, pivots, _ = torch.linalg.ldl_factor_ex(S64)
     diag, two = LD.diagonal(), pivots < 0  # a 2 × 2 block takes two rows with negative pivots
-    rows = torch.arange(len(two), device=two.device)
+    rows = torch.arange(len(two))
     run_start = torch.where(two & ~torch.cat([two.new_zeros(1), two[:-1]]), rows, -1).cummax(0).values
     first = torch.nonzero(two & ((rows - run_start) % 2 == 0)).squeeze(1)  # the first row of each block
     a, b, c = diag[first], LD.diagonal(-1)[first], diag[first + 1]
