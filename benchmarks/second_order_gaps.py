@@ -1,6 +1,6 @@
 """Can second-order perturbation theory in the pooled basis replace the shrunk fit's two extra eigendecompositions?
 
-    OMP_NUM_THREADS=1 python benchmarks/second_order_gaps.py [--batch-sizes 32 64 128 256] [--draws 8]
+    OMP_NUM_THREADS=1 python -m benchmarks.second_order_gaps [--batch-sizes 32 64 128 256] [--draws 8]
 
 The corrected and shrunk estimates (:mod:`laplace_debiased.curvature.corrected`) decompose every
 factor three times in float64: the pooled factor ``P`` of B ∪ B̃ for its eigenvectors, and B's
@@ -36,13 +36,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from benchmarks.normalisation import single_fit
 from laplace_debiased.curvature.corrected import same_minus_cross, shrinkage_weight
 from laplace_debiased.curvature.linalg import frobenius_tolerance, symmetric_eigh64
 from laplace_debiased.evaluation.options import DEFAULTS
 from laplace_debiased.evaluation.training import default_digits_model
-from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 HERE = Path(__file__).resolve().parent
 MIN_DIMENSION = 8
@@ -88,14 +88,6 @@ def compare(direction: torch.Tensor, magnitude: torch.Tensor, m: int) -> dict[st
             "w_exact": shrinkage_weight(exact_b, exact_t), "w_second_order": shrinkage_weight(approx_b, approx_t)}
 
 
-def half_factors(model: torch.nn.Module, train: Dataset, indices: torch.Tensor) -> list[list[torch.Tensor]]:
-    """The K-FAC factors (laplace-torch ``Kron.kfacs`` layout) of ``model`` on the images ``indices``."""
-    loader = DataLoader(train, batch_size=len(indices), sampler=indices.tolist())
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(loader, magnitude_loader=loader)
-    return la.H_facs.kfacs
-
-
 def measure(model: torch.nn.Module, train: Dataset, sizes: list[int], draws: int, seed: int) -> list[dict]:
     """One row per b, draw, block and factor of dimension at least :data:`MIN_DIMENSION`."""
     rows = []
@@ -104,7 +96,7 @@ def measure(model: torch.nn.Module, train: Dataset, sizes: list[int], draws: int
             raise ValueError(f"b = {b} exceeds the {len(train)} training images; choose batch sizes up to {len(train)}.")
         for r in range(draws):
             perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 7919 + r))
-            pair = half_factors(model, train, perm[:b // 2]), half_factors(model, train, perm[b // 2:b])
+            pair = [single_fit(model, train, half.numpy()).H_facs.kfacs for half in (perm[:b // 2], perm[b // 2:b])]
             for block, (fd, fm) in enumerate(zip(*pair)):
                 for factor, (D, M) in enumerate(zip(fd, fm)):
                     if D.shape[0] >= MIN_DIMENSION:
@@ -153,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(rows, args.batch_sizes)
     meta = {"wall_s": time.perf_counter() - start, "n_train": len(splits["train"]), "draws": args.draws,
             "threads": args.threads}
-    command = (f"OMP_NUM_THREADS={args.threads} python benchmarks/second_order_gaps.py --batch-sizes "
+    command = (f"OMP_NUM_THREADS={args.threads} python -m benchmarks.second_order_gaps --batch-sizes "
                f"{' '.join(map(str, args.batch_sizes))} --draws {args.draws} --threads {args.threads}")
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "second_order_gaps.json").write_text(
