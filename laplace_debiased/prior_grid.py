@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Context, Decimal
 
 #: Significant digits a prior precision keeps (in rows, grids and extensions).
 SIGNIFICANT_DIGITS = 6
@@ -28,6 +29,19 @@ def round_precision(delta: float) -> float:
         The nearest float to ``delta``'s decimal rounding, e.g. ``0.00215443``.
     """
     return float(f"{float(delta):.{SIGNIFICANT_DIGITS}g}")
+
+
+def _rounded_beyond(edge: float, value: float) -> float:
+    """``value``, a step beyond ``edge`` on either side, rounded by :func:`round_precision`; where
+    the rounding does not leave ``edge`` (a step finer than the rounding), the next value with
+    :data:`SIGNIFICANT_DIGITS` significant digits beyond ``edge`` on ``value``'s side."""
+    up = value > edge
+    rounded = round_precision(value)
+    if (rounded > edge) if up else (rounded < edge):
+        return rounded
+    digits = Context(prec=SIGNIFICANT_DIGITS)
+    anchor = Decimal(f"{float(edge):.{SIGNIFICANT_DIGITS}g}")  # within half a unit of edge
+    return float(digits.next_plus(anchor) if up else digits.next_minus(anchor))
 
 
 #: The paper's 13 log-spaced prior precisions 1e-4 ... 1, plus 10 (14 points), rounded.
@@ -124,8 +138,10 @@ class PriorGrid:
         """One new value beyond each edge that holds a chosen δ, at that edge's own log spacing.
 
         Below the smallest value ``d_0`` the step is ``d_0**2 / d_1``; above the largest ``d_{G-1}``
-        it is ``d_{G-1}**2 / d_{G-2}`` (``d`` sorted ascending).  A one-point grid has no spacing
-        and is not extended.
+        it is ``d_{G-1}**2 / d_{G-2}`` (``d`` sorted ascending), rounded by :func:`round_precision`.
+        Where that rounding puts it back on the edge (a step finer than six significant digits, as
+        from 0.999999 to 1), the new value is the next six-digit one beyond the edge (1.00001).
+        A one-point grid has no spacing and is not extended.
 
         Args:
             chosen: The chosen prior precisions (e.g. one per method).
@@ -140,14 +156,15 @@ class PriorGrid:
         if len(d) < 2:
             return ()
         chosen = set(chosen)
+        steps = ([(d[0], d[1])] if d[0] in chosen else []) + ([(d[-1], d[-2])] if d[-1] in chosen else [])
         try:
-            new = ([d[0] ** 2 / d[1]] if d[0] in chosen else []) + ([d[-1] ** 2 / d[-2]] if d[-1] in chosen else [])
+            new = [_rounded_beyond(edge, edge ** 2 / inner) for edge, inner in steps]
         except OverflowError:
             new = [math.inf]
         if not all(math.isfinite(v) and v > 0 for v in new):
             raise ValueError(f"one log step beyond the edges of {d} leaves the positive finite floats; "
                              "give a grid that spans fewer orders of magnitude")
-        return PriorGrid.parse(new).values if new else ()
+        return tuple(new)
 
 
 def check_criterion(criterion: str) -> None:

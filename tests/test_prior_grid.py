@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from laplace_debiased.prior_grid import (
@@ -75,6 +75,8 @@ def _distinct_grid(values: list[float]) -> PriorGrid | None:
 
 @untimed
 @given(st.lists(deltas, min_size=2, max_size=12), st.sampled_from(["low", "high", "both"]))
+# found in a fresh clone: the log step above 1e20 (ratio 1.000004) rounds back onto the edge
+@example(values=[9.999955e19, 9.999995e19], where="high")
 def test_extension_keeps_the_grid_and_adds_one_point_beyond_each_chosen_edge(values, where):
     grid = _distinct_grid(values)
     if grid is None:
@@ -89,7 +91,9 @@ def test_extension_keeps_the_grid_and_adds_one_point_beyond_each_chosen_edge(val
     assert list(new) == sorted(new)
     below, above = [v for v in new if v < d[0]], [v for v in new if v > d[-1]]
     assert len(below) == (where in ("low", "both")) and len(above) == (where in ("high", "both"))
-    # each step is the edge's own log spacing, to the rounding
+    # each step is the edge's own log spacing, to the rounding: half a unit in the 6th significant
+    # digit, or less than one unit where it fell back to the next 6-digit value (a unit is at most
+    # 1e-5 of the value, so log moves by at most 1e-5)
     for v, (edge, inner) in [(b, (d[0], d[1])) for b in below] + [(a, (d[-1], d[-2])) for a in above]:
         assert math.log(v) == pytest.approx(2 * math.log(edge) - math.log(inner), abs=1e-5)
 
@@ -114,6 +118,29 @@ def test_extension_examples_and_a_step_beyond_the_floats():
         PriorGrid.parse([1e-300, 1e300]).extension([1e300])
     with pytest.raises(ValueError, match="fewer orders of magnitude"):
         PriorGrid.parse([1e-300, 1e300]).extension([1e-300])
+
+
+@untimed
+@given(st.lists(deltas, min_size=2, max_size=12, unique=True), st.sampled_from(["low", "high", "both"]))
+def test_extension_of_unrounded_values_lies_beyond_the_edges_and_is_rounded(values, where):
+    """Grids built from values as they are (read back from rows): each new value is strictly
+    beyond its edge, however fine the step, and already rounded (rows compare by ``==``)."""
+    grid = PriorGrid(tuple(values))
+    d = sorted(values)
+    chosen = {"low": [d[0]], "high": [d[-1]], "both": [d[-1], d[0]]}[where]
+    new = grid.extension(chosen)
+    assert len(new) == (2 if where == "both" else 1)
+    assert all(round_precision(v) == v for v in new)
+    assert (where == "high" or new[0] < d[0]) and (where == "low" or new[-1] > d[-1])
+
+
+def test_a_step_finer_than_the_rounding_still_leaves_the_grid():
+    """A log step that rounds back onto the edge (here 1.000001 above 1, where the 6th significant
+    digit is 1e-5) extends by the next 6-digit value beyond it instead of adding nothing."""
+    grid = PriorGrid.parse([0.999999, 1.0])
+    assert grid.extension([1.0]) == (1.00001,)
+    assert grid.extension([0.999999]) == (0.999998,)
+    assert len(grid.union(grid.extension([1.0, 0.999999]))) == 4
 
 
 scores = st.one_of(st.sampled_from([0.0, 1.0, 2.0]), st.just(float("nan")), st.just(float("inf")),
