@@ -17,6 +17,11 @@
   change on to the tests after it on that worker.
 * **Shared model cache.** :func:`digits_cache` trains the default digits MAP model once per run,
   for every worker.
+* **Hypothesis examples.** The ``derandomized`` profile, loaded here, draws the same examples on
+  every run (seeded by each test), so that a run passes or fails whatever the machine and the
+  moment, and CI judges the code, not the draw. ``pytest --hypothesis-profile=explore`` draws
+  fresh random examples on each run, to look for new failures; a failure it finds becomes an
+  ``@example`` of its test.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
+from hypothesis import settings
+
+settings.register_profile("derandomized", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("derandomized")
 
 
 def worker_threads(cores: int, workers: int) -> int:
