@@ -40,7 +40,7 @@ def _rounded_beyond(edge: float, value: float) -> float:
     if (rounded > edge) if up else (rounded < edge):
         return rounded
     digits = Context(prec=SIGNIFICANT_DIGITS)
-    anchor = Decimal(f"{float(edge):.{SIGNIFICANT_DIGITS}g}")  # within half a unit of edge
+    anchor = Decimal(repr(round_precision(edge)))  # within half a unit of edge
     return float(digits.next_plus(anchor) if up else digits.next_minus(anchor))
 
 
