@@ -116,7 +116,44 @@ def _process_group() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``laplace-debiased`` console script."""
+    """Entry point of the ``laplace-debiased`` console script.
+
+    A reader that closes standard output early (``laplace-debiased --help | head -5``) ends the
+    command quietly with status 1, as a tool cut off by its reader does: no traceback, and no
+    "Exception ignored" from the interpreter's last flush. A broken pipe that is not standard
+    output's propagates."""
+    try:
+        try:
+            return _dispatch(argv)
+        finally:  # a failed flush here, not at interpreter exit, where it cannot be caught
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_has_no_reader():
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush
+        return 1
+
+
+def _stdout_has_no_reader() -> bool:
+    """Whether standard output is a pipe whose reading end is closed (``poll`` reports an
+    error on it). Where ``poll`` does not exist, any broken pipe is taken to be stdout's; a
+    standard output without a file descriptor (replaced in-process) has none."""
+    import io
+    import select
+
+    if not hasattr(select, "poll"):
+        return True
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, io.UnsupportedOperation):
+        return False
+    poller = select.poll()
+    poller.register(descriptor, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
+    """Run the command that ``argv`` names (``sys.argv[1:]`` when None); the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print("usage: laplace-debiased [command] [options]\n\n" + _overview())

@@ -200,3 +200,35 @@ def test_missing_cifar_data_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "cifar-10-batches-bin" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "status"), [(["--help"], 1), (["--version"], 1),
+                                             (["main", "--help"], 0)])
+def test_output_into_a_closed_pipe_is_no_traceback(argv, status):
+    """`laplace-debiased --help | head -5`: a reader that stops early closes the pipe. The
+    command then stops quietly with status 1, as a tool cut off by its reader does, with no
+    traceback and no "Exception ignored" from the interpreter's final flush. A command's own
+    --help is argparse's, which ignores a failed write and exits 0. Here the pipe has no reader
+    from the start, so every write to it fails, on any machine and at any load."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run([sys.executable, "-m", "laplace_debiased", *argv], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert res.stderr == "", res.stderr
+    assert res.returncode == status
+
+
+def test_a_broken_pipe_that_is_not_stdout_propagates(monkeypatch, tmp_path):
+    """Only standard output's lost reader is quiet: a command's own broken pipe (a worker's,
+    a socket's) is an error with its traceback, here with stdout a file that is still open."""
+    def broken(argv):
+        raise BrokenPipeError("a worker's pipe")
+
+    monkeypatch.setattr(cli, "_dispatch", broken)
+    with open(tmp_path / "out.txt", "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        with pytest.raises(BrokenPipeError, match="worker"):
+            cli.main(["--help"])
