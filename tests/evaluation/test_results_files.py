@@ -96,17 +96,18 @@ def test_results_without_options_file_are_refused(tmp_path):
 
 
 _HOLDER = textwrap.dedent("""
-    import sys, time
+    import sys
     from laplace_debiased.evaluation.sweep import output_lock
     with output_lock(sys.argv[1]):
         print("locked", flush=True)
-        time.sleep(float(sys.argv[2]))
+        sys.stdin.readline()  # holds the lock until told to let go: no timing involved
         print("releasing", flush=True)
 """)
 
 
-def _hold(folder: Path, seconds: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), str(seconds)], cwd=ROOT,
+def _hold(folder: Path) -> subprocess.Popen:
+    """A process that holds ``folder``'s lock until a line arrives on its stdin."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": pythonpath(ROOT), "PATH": ""})
     assert proc.stdout.readline().strip() == "locked"
     return proc
@@ -114,11 +115,13 @@ def _hold(folder: Path, seconds: float) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_a_second_process_is_refused_or_waits(tmp_path):
-    holder = _hold(tmp_path, 5.0)
+    holder = _hold(tmp_path)
     try:
         with pytest.raises(OutputLockedError, match=f"another run \\(pid {holder.pid}\\) holds the lock"):
             with output_lock(tmp_path):
                 pass
+        holder.stdin.write("let go\n")
+        holder.stdin.flush()
         # waits until the holder lets go (the timeout only guards against a hang): by the time
         # this process holds the lock, the holder has printed that it is releasing it
         with output_lock(tmp_path, timeout=600):
