@@ -115,13 +115,18 @@ def plot_directional(studies: list[DirectionStudy], path: Path, what: str) -> No
 def plot_overlap(d: BiasDiagnosis, path: Path) -> None:
     """Fig. 3: Ω between two batches' top-k eigenvectors and with the full data's."""
     plt = _plt()
-    mats = [(m, t) for m, t in ((d.overlap_between_batches, "batch B vs batch B̃"),
-                                (d.overlap_with_full, "batch B vs full data D")) if m is not None]
-    fig, axes = plt.subplots(1, max(len(mats), 1), figsize=(4.6 * max(len(mats), 1), 4), squeeze=False)
-    for ax, (m, title) in zip(axes[0], mats):
-        im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis")
-        ax.set(title=f"Ω = (uᵢᵀũⱼ)²: {title}", xlabel="j", ylabel="i")
-        fig.colorbar(im, ax=ax, fraction=0.046)
+    from matplotlib.ticker import MaxNLocator
+
+    mats = [(m, t, o) for m, t, o in ((d.overlap_between_batches, "batch B vs batch B̃", "B̃"),
+                                      (d.overlap_with_full, "batch B vs full data D", "D")) if m is not None]
+    fig, axes = plt.subplots(1, max(len(mats), 1), figsize=(4.8 * max(len(mats), 1), 4.2), squeeze=False)
+    for ax, (m, title, other) in zip(axes[0], mats):
+        k, l = m.shape  # eigenvectors numbered from 1 by descending curvature, as in eigen.png
+        im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis", extent=(0.5, l + 0.5, k + 0.5, 0.5))
+        ax.set(title=f"Ω = (uᵢᵀũⱼ)²: {title}", xlabel=f"eigenvector j of {other}", ylabel="eigenvector i of B")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        fig.colorbar(im, ax=ax, fraction=0.046, label="overlap Ω_ij (1: the same direction)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
