@@ -10,7 +10,7 @@ PY = $(VENV)/bin/python
 INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
 STAMP = $(VENV)/.installed-$(INTERPRETER)
 
-.PHONY: install run test docs bench examples main-job-doc clean-venv
+.PHONY: install run test docs bench examples main-job-doc diagnose-doc clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
 	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
@@ -87,6 +87,16 @@ main-job-doc: $(STAMP)
 	  awk '/^## /{keep=($$0=="## MAP vs LA at the chosen δ" || $$0=="## Batch size: where debiasing helps" || $$0=="## Tracking the full batch over the whole grid")} keep && !/^!\[/' \
 	  $(MAIN_JOB_OUT)/report/report.md | sed 's/^## /### /'; } > docs/getting-started/output/main-job.md
 	cp $(MAIN_JOB_OUT)/report/tracking_by_delta.png docs/getting-started/output/
+
+# Runs the bias diagnosis with its defaults (the main job's digits CNN) and one thread, and writes
+# its report (Markdown and figures) to docs/guide/output/diagnose/, which the diagnostics guide
+# quotes. The JSON of the measurements stays in the scratch folder.
+DIAGNOSE_OUT ?= /tmp/laplace-debiased-diagnose
+diagnose-doc: $(STAMP)
+	rm -rf $(DIAGNOSE_OUT)
+	OMP_NUM_THREADS=1 $(PY) -m laplace_debiased diagnose --out $(DIAGNOSE_OUT) --threads 1 --quiet
+	@rm -rf docs/guide/output/diagnose && mkdir -p docs/guide/output/diagnose
+	cp $(DIAGNOSE_OUT)/README.md $(DIAGNOSE_OUT)/*.png docs/guide/output/diagnose/
 
 # Benchmarks (not tests) need real CIFAR-10. Give its folder with CIFAR10_DIR=DIR (holding
 # cifar-10-batches-bin/ or cifar-10-batches-py/), or CIFAR10_SOURCE=DIR holding the project's
