@@ -49,6 +49,8 @@ LINK_LABELS = {
     "probit": "laplace-torch diagonal probit",
 }
 METRICS = ("accuracy", "nll", "ece", "brier")
+#: panels per row of the link comparison (``links.png``); more methods wrap onto further rows
+LINK_PANELS_PER_ROW = 4
 
 
 def _mean_by(rows: list[dict], key_fields: Sequence[str], metric: str) -> dict[tuple, list[float]]:
@@ -659,9 +661,13 @@ def _link_comparison(ctx: _Context, doc: _Doc) -> None:
           "probit removes that direction first; MC sampling is unaffected by it. One panel per "
           "method, so that no method's curves hide another's.")
     styles = {"probit_projected": "-", "mc": ":", "probit": "--"}
-    fig, axes = plt.subplots(1, len(ctx.methods), figsize=(4.2 * len(ctx.methods), 4), sharey=True,
+    cols = min(len(ctx.methods), LINK_PANELS_PER_ROW)
+    rows = math.ceil(len(ctx.methods) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows + 0.8), sharey=True,
                              squeeze=False, layout="constrained")
-    for ax, m in zip(axes[0], ctx.methods):
+    for ax in axes.flat[len(ctx.methods):]:
+        ax.set_visible(False)
+    for ax, m in zip(axes.flat, ctx.methods):
         for link in ctx.links:
             vals = _mean_by([r for r in ctx.lap if r["method"] == m and r["link"] == link
                              and r["eval_set"] == ctx.test_set], ("prior_precision",), "nll")
@@ -673,7 +679,8 @@ def _link_comparison(ctx: _Context, doc: _Doc) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("prior precision δ")
         ax.set_title(ctx.label(m), fontsize=10)
-    axes[0][0].set_ylabel("test NLL (nats), mean over draws")
+    for row in axes:
+        row[0].set_ylabel("test NLL (nats), mean over draws")
     proxies = [Line2D([], [], color="0.3", ls=styles[link], lw=1.8, label=LINK_LABELS[link]) for link in ctx.links]
     proxies.append(Line2D([], [], color="k", lw=0.8, label="MAP"))
     fig.legend(handles=proxies, loc="outside lower center", ncol=len(proxies), fontsize=9)
