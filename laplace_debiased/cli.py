@@ -118,20 +118,33 @@ def _process_group() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``laplace-debiased`` console script.
 
-    A reader that closes standard output early (``laplace-debiased --help | head -5``) ends the
-    command quietly with status 1, as a tool cut off by its reader does: no traceback, and no
-    "Exception ignored" from the interpreter's last flush. A broken pipe that is not standard
-    output's propagates."""
+    A command whose standard output has lost its reader by the time it ends (``laplace-debiased
+    --help | head -5``, the reader gone before the rest was read) ends quietly with status 1, as a
+    tool cut off by its reader does: no traceback, and no "Exception ignored" from the
+    interpreter's last flush. This holds also where argparse's help, which ignores its own failed
+    writes, exits. A command's own failure keeps its status, and a broken pipe that is not
+    standard output's propagates."""
     try:
         try:
-            return _dispatch(argv)
+            status = _dispatch(argv)
         finally:  # a failed flush here, not at interpreter exit, where it cannot be caught
             sys.stdout.flush()
     except BrokenPipeError:
         if not _stdout_has_no_reader():
             raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush
-        return 1
+        return _cut_off()
+    except SystemExit as stop:  # argparse: --help (0) or a usage error (2)
+        if stop.code in (None, 0) and _stdout_has_no_reader():
+            return _cut_off()
+        raise
+    return _cut_off() if status == 0 and _stdout_has_no_reader() else status
+
+
+def _cut_off() -> int:
+    """Point standard output at the null device, so that nothing is left to flush into the
+    closed pipe at exit; the status of a command cut off by its reader (1)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
 
 
 def _stdout_has_no_reader() -> bool:
