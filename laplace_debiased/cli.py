@@ -130,14 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:  # a failed flush here, not at interpreter exit, where it cannot be caught
             sys.stdout.flush()
     except BrokenPipeError:
-        if not _stdout_has_no_reader():
+        if _stdout_reader_gone() is False:  # unknown (no poll): a raised broken pipe is stdout's
             raise
         return _cut_off()
     except SystemExit as stop:  # argparse: --help (0) or a usage error (2)
-        if stop.code in (None, 0) and _stdout_has_no_reader():
+        if stop.code in (None, 0) and _stdout_reader_gone():
             return _cut_off()
         raise
-    return _cut_off() if status == 0 and _stdout_has_no_reader() else status
+    return _cut_off() if status == 0 and _stdout_reader_gone() else status
 
 
 def _cut_off() -> int:
@@ -147,15 +147,15 @@ def _cut_off() -> int:
     return 1
 
 
-def _stdout_has_no_reader() -> bool:
-    """Whether standard output is a pipe whose reading end is closed (``poll`` reports an
-    error on it). Where ``poll`` does not exist, any broken pipe is taken to be stdout's; a
-    standard output without a file descriptor (replaced in-process) has none."""
+def _stdout_reader_gone() -> bool | None:
+    """Whether standard output is a pipe whose reading end is closed (``poll`` reports an error
+    on it); ``None`` where ``poll`` does not exist (Windows) and nothing tells. A standard output
+    without a file descriptor (replaced in-process) has no reader to lose: ``False``."""
     import io
     import select
 
     if not hasattr(select, "poll"):
-        return True
+        return None
     try:
         descriptor = sys.stdout.fileno()
     except (AttributeError, io.UnsupportedOperation):

@@ -233,3 +233,14 @@ def test_a_broken_pipe_that_is_not_stdout_propagates(monkeypatch, tmp_path):
         monkeypatch.setattr(sys, "stdout", out)
         with pytest.raises(BrokenPipeError, match="worker"):
             cli.main(["--help"])
+
+
+def test_without_poll_a_finished_command_keeps_its_status(monkeypatch, capsys):
+    """Where ``select.poll`` does not exist (Windows) nothing tells whether stdout lost its
+    reader: a command that ran to its end keeps its own status, and only a broken pipe that
+    was actually raised counts as stdout's."""
+    import select
+
+    monkeypatch.delattr(select, "poll")
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip()
