@@ -100,6 +100,7 @@ from laplace_debiased.curvature.linalg import (
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
+    through_rows,
     tied_groups,
 )
 
@@ -359,9 +360,9 @@ def _corrected_route(
     direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
     m_direction: int, m_magnitude: int, terms: int, n_data: int | None, shrink: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
-    """:func:`corrected_factor_rows` where the rows are known and fewer than the dimension (and
-    it applies), else :func:`corrected_factor` on the dense factors."""
-    if rows is not None and len(rows[0]) + len(rows[1]) < direction.shape[0]:
+    """:func:`corrected_factor_rows` where :func:`~laplace_debiased.curvature.linalg.through_rows`
+    (and it applies), else :func:`corrected_factor` on the dense factors."""
+    if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")
         result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, shrink)

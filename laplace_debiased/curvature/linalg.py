@@ -43,6 +43,7 @@ __all__ = [
     "debiased_kron",
     "gram_eigenpairs",
     "lowrank_debiased_factor",
+    "through_rows",
     "row_rank",
     "eigenvalues_above",
 ]
@@ -348,11 +349,18 @@ def _debiased_factor_route(
     factor: FactorRule,
     null_space: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`lowrank_debiased_factor` (with ``null_space``) if the rows are known and fewer
-    than the dimension, else ``factor`` on the dense matrices."""
-    if rows is not None and len(rows[0]) + len(rows[1]) < direction.shape[0]:
+    """:func:`lowrank_debiased_factor` (with ``null_space``) where :func:`through_rows`, else
+    ``factor`` on the dense matrices."""
+    if through_rows(rows, direction.shape[0]):
         return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space)
     return factor(direction, magnitude)
+
+
+def through_rows(rows: FactorRows | None, dimension: int) -> bool:
+    """Whether a factor pair of ``dimension`` is decomposed through its rows' Gram matrices
+    (``O(d (n + m)²)``, no ``d × d`` decomposition): its rows are known and B ∪ B̃ has fewer of
+    them, ``n + m < d``, than the dimension."""
+    return rows is not None and len(rows[0]) + len(rows[1]) < dimension
 
 
 # --------------------------------------------------------------------------------------------
