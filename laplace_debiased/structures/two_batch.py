@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -512,13 +513,16 @@ class TwoBatchLaplace:
         log_prior_prec_min: float = -4,
         log_prior_prec_max: float = 4,
         grid_size: int = 100,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        link_approx: LinkApprox | str | None = None,
         n_samples: int = 100,
         verbose: bool = False,
         progress_bar: bool = False,
         log_prior_prec_base: float = 10.0,
     ) -> None:
-        """laplace-torch's ``optimize_prior_precision`` (same arguments), with two changes.
+        """laplace-torch's ``optimize_prior_precision`` (same arguments), with three changes.
+
+        ``link_approx`` left out means ``"probit"``, and laplace-torch's reminder of that default
+        is warned; a call that passes ``link_approx`` is not reminded.
 
         ``method="marglik"`` with ``prior_structure="layerwise"`` on a curvature whose blocks span
         several parameter tensors optimises one value per block
@@ -541,11 +545,14 @@ class TwoBatchLaplace:
             return
         if method == "gridsearch" and self.likelihood == "regression":
             loss = regression_grid_loss(loss, pred_type, self.sigma_noise, self._device)
-        super().optimize_prior_precision(
-            pred_type, method, n_steps, lr, init_prior_prec, prior_structure, val_loader, loss,
-            log_prior_prec_min, log_prior_prec_max, grid_size, link_approx, n_samples, verbose, progress_bar,
-            log_prior_prec_base,
-        )
+        with warnings.catch_warnings():
+            if link_approx is not None:
+                warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`", category=UserWarning)
+            super().optimize_prior_precision(
+                pred_type, method, n_steps, lr, init_prior_prec, prior_structure, val_loader, loss,
+                log_prior_prec_min, log_prior_prec_max, grid_size, link_approx or LinkApprox.PROBIT, n_samples,
+                verbose, progress_bar, log_prior_prec_base,
+            )
 
     def _gridsearch(
         self,

@@ -5,6 +5,7 @@ laplace-torch's per-point ``validate``."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -56,3 +57,27 @@ def test_lowest_score_point_returns_the_element_of_the_interval():
     interval = torch.logspace(-4, 4, 9, dtype=torch.float64)
     point = lowest_score_point(interval, [float(abs(k - 5)) for k in range(9)])
     assert point.dtype == torch.float64 and point.ndim == 0 and float(point) == float(interval[5])
+
+
+REMINDER = "By default `link_approx` is `probit`"
+
+
+@pytest.mark.parametrize("structure", ["debiased_kron", "debiased_full"])
+@pytest.mark.parametrize("method", ["gridsearch", "marglik"])
+def test_link_approx_reminder_only_when_link_approx_is_left_out(structure, method):
+    """laplace-torch reminds on every classification call that ``link_approx`` defaults to probit;
+    a call that passes ``link_approx`` has acted on it and is not reminded, one that leaves it out is."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3), torch.randint(0, 2, (32,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(loader)
+    search = {"val_loader": loader, "grid_size": 3} if method == "gridsearch" else {"n_steps": 2}
+    reminders = []
+    for given in ({"link_approx": "probit"}, {}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            la.optimize_prior_precision(method=method, pred_type="glm", **search, **given)
+        reminders.append(sum(REMINDER in str(w.message) for w in caught))
+    assert reminders == [0, 1]
