@@ -1,5 +1,5 @@
-"""Peak memory of ``la(x)`` over many inputs: the README quick start on the 1,000 digits test
-images, and 10,000 CIFAR-10 test images through ``cifar_cnn`` with ``debiased_kron`` over all
+"""Peak memory of ``la(x)`` over many inputs: the quick start's fit and predictive on the
+main job's digits CNN and the 1,000 digits test images, and 10,000 CIFAR-10 test images through ``cifar_cnn`` with ``debiased_kron`` over all
 weights.
 
 Each case runs in a fresh Python process (:func:`benchmarks._children.run_children`) with
@@ -8,7 +8,7 @@ data, model, fit and predictive), the peak during the predictive alone (``VmHWM`
 ``/proc/self/clear_refs`` just before ``la(x)``) and the resident set before it, and the
 predictive's wall time.
 
-* ``digits``: the README quick start as written: the main job's MAP ``digits_cnn`` (trained once,
+* ``digits``: the quick start's fit and predictive on the main job's MAP ``digits_cnn`` (trained once,
   then cached), ``Laplace(..., "debiased_kron")``, ``fit`` on a shuffling loader of 32, δ by
   ``gridsearch`` on the validation NLL, then ``probs = la(x, pred_type="glm",
   link_approx="probit")`` on all 1,000 test images in one call.
@@ -62,7 +62,7 @@ def _measured(predict) -> tuple[object, dict]:
 
 
 def digits_case() -> dict:
-    """The README quick start on the 1,000 digits test images (module docstring)."""
+    """The quick start's fit and predictive on the 1,000 digits test images (module docstring)."""
     import torch
     from laplace import Laplace
     from torch.utils.data import DataLoader
