@@ -10,8 +10,9 @@ corrupted by each of the 15 generated corruptions at severities 1-5
 non-increasing in severity up to sampling noise (a rise of more than two binomial standard errors
 counts as a violation) and that the mean over corruptions falls strictly with severity.  Writes
 ``corruption_sanity.json`` and ``corruption_sanity.md`` to ``--out`` (default
-``<cache dir>/benchmarks``).  Needs the real CIFAR-10 binary layout: ``python
-../shared/data/build_cifar10.py DIR`` and ``--data DIR`` (or ``$LAPLACE_DEBIASED_DATA``).
+``<cache dir>/benchmarks``).  Needs the real CIFAR-10 binary version (``cifar-10-binary.tar.gz`` from
+https://www.cs.toronto.edu/~kriz/cifar.html, unpacked into DIR) and ``--data DIR`` (or
+``$LAPLACE_DEBIASED_DATA``).
 Exit status 1 if a check fails.
 """
 

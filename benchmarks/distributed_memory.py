@@ -1,5 +1,5 @@
 """Per-rank memory of the main job under ``torchrun`` against the world size, before and after
-per-rank data sharding (issue 24, item 2).
+per-rank data sharding.
 
 Runs a reduced CIFAR-10 main job (all 50,000 training images; ``kron_single`` and
 ``kron_debiased``, 2 repeats each, so 4 (method, repeat) jobs; last layer; 500 test images; the
@@ -13,7 +13,7 @@ recorded), run with the same options and the same model cache. The MAP model is 
 warm-up run (``--epochs``) and loaded from the cache by every measured run, so no measured rank
 trains. Writes ``benchmarks/results/distributed_memory.{json,md}``.
 
-    nice -n 10 python benchmarks/distributed_memory.py --before /work/main --worlds 1 2 4
+    nice -n 10 python benchmarks/distributed_memory.py --before BEFORE_CHECKOUT --worlds 1 2 4
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main() -> None:
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg()}
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     args.out.with_suffix(".md").write_text(
-        f"# Per-rank memory under torchrun (issue 24)\n\nCommand: `{command}`\n\n"
+        f"# Per-rank memory under torchrun\n\nCommand: `{command}`\n\n"
         f"Job: `laplace-debiased {' '.join(JOB + extra)}` (MAP model from the cache), one thread per rank, "
         f"gloo on 127.0.0.1. {args.note}\n\n{table(rows)}\n")
 

@@ -16,8 +16,7 @@ random basis; B and B̃ of m Gaussian samples each. Candidates, all from the sam
   ``max(0, 1 - Σ (e_i/λ_i)² / Σ (x_i/λ_i)²)`` on the pooled range (``λ`` the pooled eigenvalues): the
   second-order KL of the Gaussians as δ → 0 weights each eigenvalue's error by ``1/λ_i²``, where the
   default's Frobenius weight lets the largest eigenvalues' noise decide (a candidate, not adopted:
-  patched into the default, it was not closer to the full batch on the digits main job; the
-  figures and the patch are in issue 31's note of 2026-11-27);
+  patched into the default, it was not closer to the full batch on the digits main job);
 * ``midpoint``: half the corrected shift (targets the true eigenvalues, not the curvature along
   the pooled eigenvectors);
 * ``downward``: only the downward part of the shift (never raises a curvature).

@@ -34,19 +34,19 @@ laplace-torch's first GLM predictive (``la(x, pred_type="glm", link_approx="prob
 ``--n-test`` inputs), the target being the same ratio ``<= 1.05``.
 
 Models (``--model``): ``cifar_cnn()`` (56,714 weights, all weights; its largest factor is
-1,025), or ``wide_cnn`` (issue 23): two convolutions, then ``Linear(2048, 64)`` and
+1,025), or ``wide_cnn``: two convolutions, then ``Linear(2048, 64)`` and
 ``Linear(64, 10)`` (138,618 weights), whose 2,048-dimensional input factor has rank ``≤ b/2`` on
 each of B and B̃ and is decomposed through their Gram matrices, or ``allcnnc``, the paper's
 ALL-CNN-C (1,369,738 weights; its largest factor is 1,728, wider than a batch of up to 1,024). Random
 CIFAR-shaped inputs and labels at the random initialisation (fit time does not depend on the
 data), float32, Curvlinops GGN (the default backend), ``torch.set_num_threads(--threads)``. With
 ``--device cuda`` the model and the data lie on the GPU and every timed interval ends with
-``torch.cuda.synchronize()`` (a fit ends when its kernels do); a GPU run of ALL-CNN-C (issue 31:
+``torch.cuda.synchronize()`` (a fit ends when its kernels do); a GPU run of ALL-CNN-C (target:
 the default costs at most 1.1× the paper's fit) is
 ``python -m benchmarks.fit_cost --model allcnnc --device cuda --threads 8 --batch-sizes 64 256 1024
 --methods debiased shrunk single --out DIR``.
 
-Issue 23's run (machine shared, so under ``nice``):
+The wide-layer run (machine shared, so under ``nice``):
 ``OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fit_cost.py --model wide_cnn --batch-sizes 64 256
 --predictive --out benchmarks/results/fit_cost_wide``
 """
@@ -79,7 +79,7 @@ PREDICTIVE = ["debiased+predictive", "single+predictive"]
 
 
 def wide_cnn(n_classes: int = 10) -> nn.Sequential:
-    """Two convolutions and a dense head ``Linear(2048, 64)`` on 32x32 RGB inputs (issue 23)."""
+    """Two convolutions and a dense head ``Linear(2048, 64)`` on 32x32 RGB inputs."""
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1),
         nn.ReLU(),

@@ -1,4 +1,4 @@
-"""Frontier between fit cost and tracking error: debiased K-FAC vs debiased EKFAC (issue 16).
+"""Frontier between fit cost and tracking error: debiased K-FAC vs debiased EKFAC.
 
 Two settings (``--setting``), both over all weights with the exact GGN (Curvlinops backend):
 

@@ -1,5 +1,5 @@
 """Cost of ``optimize_prior_precision(method="gridsearch")`` for the debiased classes vs one
-predictive, and vs laplace-torch's stock ``full`` / ``kron`` gridsearch (issue 18 item 7).
+predictive, and vs laplace-torch's stock ``full`` / ``kron`` gridsearch.
 
 One run (``nice python benchmarks/gridsearch_speed.py``) writes
 ``benchmarks/results/gridsearch_speed.{json,md}``.  Setting: an MLP ``64-48-10`` with 3,610

@@ -1,5 +1,5 @@
 """1,000 classes: last-layer ``debiased_kron`` on 2,048 features vs laplace-torch's
-``KronLLLaplace`` on the same problem (issue 14 item 3): time and peak memory.
+``KronLLLaplace`` on the same problem: time and peak memory.
 
 One run (``nice python benchmarks/many_classes.py``) writes
 ``benchmarks/results/many_classes.{json,md}``.  Problem: ``Linear(64, 2048) - ReLU -

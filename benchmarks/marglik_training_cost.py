@@ -1,5 +1,5 @@
 """Cost of laplace-torch's ``marglik_training`` with ``debiased_full`` against stock ``full`` and
-``kron`` (issue 24, item 5), on laplace-torch's regression snippet.
+``kron``, on laplace-torch's regression snippet.
 
 Setting (laplace-torch's ``examples/regression_example.md``): 150 points of ``sin(x) + 0.3·ε`` on
 ``x ∈ [0, 8]``, one loader batch of 150, ``Linear(1, 50) - Tanh - Linear(50, 1)`` (151 weights, all

@@ -6,8 +6,8 @@ The corrected and shrunk estimates (:mod:`laplace_debiased.curvature.corrected`)
 factor three times in float64: the pooled factor ``P`` of B ∪ B̃ for its eigenvectors, and B's
 ``D`` and B̃'s ``M`` for the two orders' gaps ``g_{B,i} = λ_i(D) - u_iᵀ M u_i`` and
 ``g_{B̃,i} = λ_i(M) - v_iᵀ D v_i``. The paper's fit decomposes once, so on a model whose
-decompositions dominate the fit (ALL-CNN-C at small b) the shrunk fit costs more than issue 31's
-1.1× of the paper's. The module docstring of ``corrected`` writes the gaps to second order in the
+decompositions dominate the fit (ALL-CNN-C at small b) the shrunk fit costs more than the target of
+1.1× the paper's. The module docstring of ``corrected`` writes the gaps to second order in the
 pooled basis; with ``K = D - M``, ``K' = U_Pᵀ K U_P``, the pooled eigenvalues ``L`` and
 ``a = m_B̃ / n``, ``b = m_B / n`` (``D = P + a K``, ``M = P - b K``; exactly ``g_{B,i} = u_iᵀ K u_i``
 and ``g_{B̃,i} = -v_iᵀ K v_i``):

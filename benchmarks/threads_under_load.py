@@ -8,8 +8,8 @@ loaded from the cache after, so the timed part is the fits and the sweep) for ea
 session of their own (as a program started from another terminal is).  The two loads differ where
 the kernel groups CPU time by session (``/proc/sys/kernel/sched_autogroup_enabled``): loops in
 the job's own session share that session's CPU time with the job.  It writes
-``benchmarks/results/threads_under_load.{json,md}``.  The ratio loaded/idle is the figure of
-issue 15 (target: at most 2).  On a shared machine "idle" means no load added by this script; the
+``benchmarks/results/threads_under_load.{json,md}``.  The ratio loaded/idle is the figure
+of merit (target: at most 2).  On a shared machine "idle" means no load added by this script; the
 load average at each start is recorded.
 
     python benchmarks/threads_under_load.py [--threads default 2 1] [--busy 2]

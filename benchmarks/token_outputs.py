@@ -1,5 +1,5 @@
 """Token outputs (batch, tokens, classes): last-layer ``debiased_kron`` vs laplace-torch's
-``KronLLLaplace`` on the same problem (issue 14 item 3): time and peak memory of fit + predict.
+``KronLLLaplace`` on the same problem: time and peak memory of fit + predict.
 
 One run (``nice python benchmarks/token_outputs.py``, under 3 minutes on one thread) writes
 ``benchmarks/results/token_outputs.{json,md}``.  Problem: a small next-token model

@@ -1,4 +1,4 @@
-"""Wide layers (issue 23): null-space treatments of debiased K-FAC at equal samples, cifar_cnn.
+"""Wide layers: null-space treatments of debiased K-FAC at equal samples, cifar_cnn.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/wide_layers.py --ckpt map --draws 3 --n-test 10000
 

@@ -1,9 +1,10 @@
 """CIFAR-10 data of the benchmark: the root, the seeded train/val split, the evaluation sets.
 
 Data location, first match wins: the ``--data`` argument, ``$LAPLACE_DEBIASED_DATA``,
-``~/.cache/laplace-debiased/data``.  If the official binary layout
-(``<root>/cifar-10-batches-bin/``) is missing there, it is built from ``../shared/data``
-(beside the repository) with ``build_cifar10.py``.
+``~/.cache/laplace-debiased/data``.  The folder must hold the official CIFAR-10 binary version
+(``<root>/cifar-10-batches-bin/``, from ``cifar-10-binary.tar.gz`` of
+https://www.cs.toronto.edu/~kriz/cifar.html).  Where it is missing and a ``build_cifar10.py``
+sits at :data:`SHARED_BUILDER`, that script builds it there.
 
 Every split is read once into tensors (``laplace_debiased.data.cifar.cifar_splits``: uint8 records ->
 float32 ``(N, 3, 32, 32)``, ``(pixel/255 - mean)/std`` with the standard CIFAR-10 channel
@@ -41,9 +42,9 @@ def data_root(arg: str | Path | None = None) -> Path:
         return root
     if not SHARED_BUILDER.is_file():
         raise FileNotFoundError(
-            f"no CIFAR-10 binary layout under {root}/cifar-10-batches-bin and no builder at "
-            f"{SHARED_BUILDER}; pass --data DIR (or set LAPLACE_DEBIASED_DATA) to a folder holding "
-            "cifar-10-batches-bin/, or put the project's shared/ folder beside the repository."
+            f"no CIFAR-10 under {root} (expected {root}/cifar-10-batches-bin/). Download the CIFAR-10 "
+            "binary version (cifar-10-binary.tar.gz) from https://www.cs.toronto.edu/~kriz/cifar.html, "
+            "unpack it into a folder DIR and pass --data DIR (or set LAPLACE_DEBIASED_DATA=DIR)."
         )
     root.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, str(SHARED_BUILDER), str(root)], check=True)

@@ -157,7 +157,7 @@ def tracking(probs: dict, sets: dict, groups: dict[str, list[Fit]], full_key: st
 # Targets
 # ---------------------------------------------------------------------------------------------
 def targets(summary: dict, res: dict, groups: dict[str, list[Fit]], full_key: str, target_b: int) -> list[dict]:
-    """The issue's targets, each with ``met`` True or False."""
+    """The benchmark's targets, each with ``met`` True or False."""
     out: list[dict] = []
     tr = summary["tracking_paper_grid"]
     floor = tr["noise_floor"]
@@ -213,7 +213,7 @@ def targets(summary: dict, res: dict, groups: dict[str, list[Fit]], full_key: st
 
 
 def equal_sample_targets(tracking: dict, methods: dict, full_seconds: float) -> list[dict]:
-    """Issue 23's targets for every debiased K-FAC row, on ``tracking`` (one grid's
+    """The equal-sample targets for every debiased K-FAC row, on ``tracking`` (one grid's
     :func:`tracking`): within 1 % relative NLL and 1 pt ECE of full batch beyond the MC noise
     floor; a smaller mean gap than the single batch of the same samples (NLL and ECE); a fit
     costing at most 1/10 of the full-batch fit (``full_seconds``)."""

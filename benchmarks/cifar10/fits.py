@@ -167,7 +167,7 @@ def log_marglik(la) -> list[float] | None:
 #: over b of the N samples, whose Curvlinops K-FAC scales each weight block's input factor by
 #: b/N for a loader that covers all N: weight blocks (b/N)² and bias blocks b/N of the N-scaled K-FAC).
 #: 3: debiased K-FAC rows at b/(1+k) + k x b/(1+k) next to single-batch K-FAC of the same samples
-#: (nested draws), ``null_space`` explicit (the package default became "isotropic" in issue 23).
+#: (nested draws), ``null_space`` explicit (before the package default became "isotropic").
 #: 4: the isotropic completion averages only over tied runs of B's eigenvalues
 #: (``curvature.linalg.tied_groups``), which changes every debiased K-FAC fit with a wide factor.
 #: 5: single-batch K-FAC (B̃ = B) is stock K-FAC again (main c7d8aa6; under version 4 the

@@ -105,7 +105,7 @@ def markdown(meta: dict, methods: dict, summary: dict, res: dict, tgt: list[dict
     if meta["fits_loaded_from_cache"]:
         L += ["", f"Fits loaded from the cache (times from the run that fitted them): {len(meta['fits_loaded_from_cache'])}."]
     L += _coverage(methods, order)
-    L += ["", "## Targets (issues 13 and 23; issue 23's on the whole evaluated grid)", "", "| target | measured | met |", "|---|---|---|"]
+    L += ["", "## Targets (the equal-sample targets on the whole evaluated grid)", "", "| target | measured | met |", "|---|---|---|"]
     for t in tgt:
         verdict = "met" if t["met"] else "**missed**"
         L.append(f"| {t['target']} | {t['measured']} | {verdict} |")

@@ -18,9 +18,9 @@ failure raises :class:`DataIntegrityError` naming the file, what was expected an
 partial data is never returned.
 
 Images come back as :class:`~laplace_debiased.data.images.ImageDataset` (uint8 ``(N, 32, 32, 3)``
-storage, normalised float tensors served), labels int64.  The real CIFAR-10 copy that benchmarks
-use is the binary layout written by ``shared/data/build_cifar10.py``; point ``root`` (or the
-environment variable ``LAPLACE_DEBIASED_DATA``) at its output directory.
+storage, normalised float tensors served), labels int64.  Get the data from
+https://www.cs.toronto.edu/~kriz/cifar.html (the python or the binary version), unpack the archive
+into a folder and point ``root`` (or the environment variable ``LAPLACE_DEBIASED_DATA``) at it.
 """
 
 from __future__ import annotations
@@ -308,13 +308,10 @@ def _find_format(root: Path, dataset: str) -> str:
         if (root / _LAYOUTS[(dataset, fmt)][0]).is_dir():
             return fmt
     dirs = " or ".join(_LAYOUTS[(dataset, f)][0] for f in ("binary", "python"))
-    hint = (
-        " (for the real CIFAR-10 kept with this project run "
-        "`python shared/data/build_cifar10.py <root>`)" if dataset == "cifar10" else ""
-    )
     raise FileNotFoundError(
-        f"No {dataset} under {root}: expected a directory {dirs}. Pass the directory holding it "
-        f"as root or set LAPLACE_DEBIASED_DATA{hint}."
+        f"No {dataset} under {root}: expected a directory {dirs}. Download the python or binary version "
+        "from https://www.cs.toronto.edu/~kriz/cifar.html, unpack it into a folder, and pass that folder "
+        "as root or set LAPLACE_DEBIASED_DATA to it."
     )
 
 

@@ -139,7 +139,11 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
     from laplace_debiased.evaluation.models import cifar_cnn
 
     if not opts["data_root"]:
-        raise ValueError(f"--data {opts['data']} needs --data-root DIR (see /work/shared/data/SOURCES.md)")
+        raise ValueError(
+            f"--data {opts['data']} needs --data-root DIR: a folder holding the official CIFAR archive unpacked "
+            "(cifar-10-batches-py/ or cifar-10-batches-bin/; cifar-100-python/ or cifar-100-binary/), from "
+            "https://www.cs.toronto.edu/~kriz/cifar.html"
+        )
     load = load_cifar100 if opts["data"] == "cifar100" else load_cifar10
     train = _held_train(official_size(opts["data"], "train"),
                         lambda rows: load(opts["data_root"], "train", rows=rows), opts)
