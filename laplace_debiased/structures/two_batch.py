@@ -65,6 +65,7 @@ from laplace_debiased.structures.fit_checks import (
 )
 from laplace_debiased.structures.gridsearch import grid_search, regression_grid_loss
 from laplace_debiased.structures.kron_layers import single_pass_fisher
+from laplace_debiased.structures.shared_parameters import check_shared_parameters
 from laplace_debiased.structures.token_outputs import (
     per_example_jacobians,
     token_jacobians,
@@ -302,8 +303,8 @@ class TwoBatchLaplace:
         self.fit_batches = (*getattr(self, "fit_batches", ()), batches.choice)
 
     def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
-        """The checks before a fit (:mod:`.fit_checks`), eval mode, the last layer (last-layer
-        classes, first fit), earlier fits forgotten when ``override``, and the output shape."""
+        """The checks before a fit (:mod:`.fit_checks`, :mod:`.shared_parameters`), eval mode, the
+        last layer (last-layer classes, first fit), earlier fits forgotten when ``override``, and the output shape."""
         keys = (self.dict_key_x, self.dict_key_y)
         last_layer = isinstance(self, LLLaplace)
         check_batch_dtypes(used, self._dtype, self.likelihood, *keys)
@@ -313,6 +314,9 @@ class TwoBatchLaplace:
         if last_layer and self.model.last_layer is None:
             self._setup_last_layer(first)
         check_trainable(self.model.last_layer.parameters() if last_layer else self.model.parameters(), last_layer)
+        check_shared_parameters(
+            self.model.model if last_layer else self.model, self._key[1], self.model.last_layer if last_layer else None
+        )
         if override:
             self._reset_fit_state()
         self.fit_output_shape = sample_output_shape(self.model, first, *keys)
