@@ -193,6 +193,7 @@ class TwoBatchLaplace:
 
     predictive_chunk_size: int | None = None
     _kfac_blocks: bool = False
+    _call_generator: torch.Generator | None = None
 
     def fit(
         self,
@@ -357,7 +358,10 @@ class TwoBatchLaplace:
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> torch.Tensor:
         """Posterior samples ``(n_samples, n_params)``; a cross-fitted ``H``
-        (:class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`): exact mixture samples."""
+        (:class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`): exact mixture samples.
+        Without ``generator``, inside ``la(x, generator=g)``: drawn from ``g``."""
+        if generator is None:
+            generator = self._call_generator
         if not isinstance(self.H, CrossFitDecomposed):
             return super().sample(n_samples, generator)
         return mixture_samples(
@@ -378,14 +382,21 @@ class TwoBatchLaplace:
         **model_kwargs: Any,
     ) -> Output:
         """laplace-torch's ``la(x, ...)`` (same arguments), over chunks of ``x``
-        (:mod:`.chunked`); the joint predictive (``joint=True``) in one piece."""
+        (:mod:`.chunked`); the joint predictive (``joint=True``) in one piece. ``generator`` is
+        the source of every draw of the call (``link_approx="mc"``, ``pred_type="nn"``), which
+        laplace-torch 0.3 does not pass on: it is held as ``_call_generator`` for the call
+        (:meth:`sample`, :meth:`_glm_functional_samples`)."""
 
         def predict(chunk: Any) -> Output:
             return super(TwoBatchLaplace, self).__call__(
                 chunk, pred_type, joint, link_approx, n_samples, diagonal_output, generator, fitting, **model_kwargs
             )
 
-        return predict(x) if joint else self._chunked(predict, x, generator, dim=0)
+        previous, self._call_generator = self._call_generator, generator
+        try:
+            return predict(x) if joint else self._chunked(predict, x, generator, dim=0)
+        finally:
+            self._call_generator = previous
 
     def predictive_samples(
         self,
@@ -477,7 +488,10 @@ class TwoBatchLaplace:
     ) -> torch.Tensor:
         """laplace-torch's GLM functional samples (``link_approx="mc"``) from a float64 square root
         of ``f_var`` (:func:`~laplace_debiased.posterior.links.normal_samples`; laplace-torch's
-        float32 Cholesky fails at small prior precision). Token outputs: ``(S, n, tokens, C)``."""
+        float32 Cholesky fails at small prior precision). Token outputs: ``(S, n, tokens, C)``.
+        Without ``generator``, inside ``la(x, generator=g)``: drawn from ``g``."""
+        if generator is None:
+            generator = self._call_generator
         if diagonal_output:
             f_var = torch.diagonal(f_var, dim1=1, dim2=2)
         samples = normal_samples(f_mu, f_var, n_samples, generator)
