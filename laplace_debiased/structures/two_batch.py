@@ -65,6 +65,7 @@ from laplace_debiased.structures.fit_checks import (
 )
 from laplace_debiased.structures.gridsearch import grid_search, regression_grid_loss
 from laplace_debiased.structures.kron_layers import single_pass_fisher
+from laplace_debiased.structures.saved_state import Layout, check_saved_fit, fit_state
 from laplace_debiased.structures.shared_parameters import check_shared_parameters
 from laplace_debiased.structures.token_outputs import (
     per_example_jacobians,
@@ -367,6 +368,64 @@ class TwoBatchLaplace:
         return mixture_samples(
             self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
         )
+
+    # ------------------------------------------------------------------ saved state
+    def parameter_layout(self, last_layer_name: str | None = None) -> Layout:
+        """The approximated parameters as ``(qualified name, shape)`` in order: those with
+        ``requires_grad`` (all weights), or the last layer's, named in the network.
+
+        Args:
+            last_layer_name: While the last layer is not found: the module taken as the last
+                layer (none of that name: an empty layout).
+        """
+        if not isinstance(self, LLLaplace):
+            return [(name, tuple(p.shape)) for name, p in self.model.named_parameters() if p.requires_grad]
+        if self.model.last_layer is not None:
+            last_layer_name, module = self.model._last_layer_name, self.model.last_layer
+        else:
+            module = dict(self.model.model.named_modules()).get(last_layer_name)
+        if module is None:
+            return []
+        return [(f"{last_layer_name}.{name}", tuple(p.shape)) for name, p in module.named_parameters()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """laplace-torch's state with the structure, the subset, every approximated parameter's
+        name and shape, and the output shape (:func:`~laplace_debiased.structures.saved_state.fit_state`).
+
+        Raises:
+            AttributeError: Not fitted (nor loaded) yet.
+        """
+        if getattr(self, "fit_output_shape", None) is None:
+            raise AttributeError(
+                f"Laplace not fitted: {type(self).__name__}.state_dict() needs fit() (or load_state_dict()) first."
+            )
+        return {**super().state_dict(), **fit_state(self._key[1], self._key[0], self.parameter_layout(), self.fit_output_shape)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`, checked first (:meth:`_check_loadable`).
+
+        Raises:
+            ValueError: The state does not fit this object; the message names the first difference.
+        """
+        self._check_loadable(state_dict)
+        super().load_state_dict(state_dict)
+        self.fit_output_shape = tuple(state_dict["output_shape"])
+        self.fit_batches = ()
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """:func:`~laplace_debiased.structures.saved_state.check_saved_fit`; a last-layer object
+        whose last layer is not found yet compares the module the state names (no forward pass).
+        Structures with more settings extend this."""
+        names = state_dict.get("parameter_names") or ["."]
+        check_saved_fit(
+            state_dict, self._key[1], self._key[0], lambda: self.parameter_layout(names[0].rpartition(".")[0])
+        )
+
+    def _find_last_layer(self, data: Any) -> None:
+        """laplace-torch's, unless the last layer is known already (loading a state into a
+        fitted last-layer object; laplace-torch's loading would raise "Last layer is already known")."""
+        if self.model.last_layer is None:
+            super()._find_last_layer(data)
 
     # ------------------------------------------------------------------ predictive
     def __call__(
