@@ -46,7 +46,7 @@ def fit_state(structure: str, subset: str, layout: Layout, output_shape: tuple[i
 
 
 def check_saved_fit(
-    state_dict: dict[str, Any], structure: str, subset: str, layout: Callable[[], Layout | None]
+    state_dict: dict[str, Any], structure: str, subset: str, layout: Callable[[], Layout]
 ) -> None:
     """Refuse a state that does not fit the object it is loaded into.
 
@@ -55,8 +55,7 @@ def check_saved_fit(
         structure: The loading object's ``hessian_structure``.
         subset: The loading object's ``subset_of_weights``.
         layout: The loading object's approximated parameters (:data:`Layout`), called once the
-            structure and subset agree (a last-layer object may find its last layer then);
-            ``None``: not known, not compared.
+            structure and subset agree (and so the state's ``parameter_names`` are known).
 
     Raises:
         ValueError: The state was not saved by a debiased class (names the class that saved it),
@@ -77,8 +76,6 @@ def check_saved_fit(
                 f"construct it with {key}={state_dict[key]!r} to load it."
             )
     mine = layout()
-    if mine is None:
-        return
     saved = list(zip(state_dict["parameter_names"], map(tuple, state_dict["parameter_shapes"]), strict=True))
     for i, ((name, shape), (my_name, my_shape)) in enumerate(zip(saved, mine)):
         if name != my_name:

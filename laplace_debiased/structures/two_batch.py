@@ -22,7 +22,8 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
 The overrides are thin: each calls the plain functions of a sibling module, the input checks
-of :mod:`.fit_checks`, ``n_magnitude_batches="auto"`` of :mod:`.auto_magnitude`, the predictive
+of :mod:`.fit_checks` and :mod:`.shared_parameters`, the saved state of :mod:`.saved_state`,
+``n_magnitude_batches="auto"`` of :mod:`.auto_magnitude`, the predictive
 over chunks of the inputs of :mod:`.chunked`, the GLM predictive of token outputs and per-example
 Jacobians of :mod:`.token_outputs`, the mixture samples of a cross-fitted ``H`` of
 :mod:`.cross_fit`, the grid search of :mod:`.gridsearch` and the per-block layerwise marglik of
@@ -416,10 +417,12 @@ class TwoBatchLaplace:
         """:func:`~laplace_debiased.structures.saved_state.check_saved_fit`; a last-layer object
         whose last layer is not found yet compares the module the state names (no forward pass).
         Structures with more settings extend this."""
-        names = state_dict.get("parameter_names") or ["."]
-        check_saved_fit(
-            state_dict, self._key[1], self._key[0], lambda: self.parameter_layout(names[0].rpartition(".")[0])
-        )
+
+        def layout() -> Layout:
+            first = state_dict["parameter_names"][0] if state_dict["parameter_names"] else ""
+            return self.parameter_layout(first.rpartition(".")[0])
+
+        check_saved_fit(state_dict, self._key[1], self._key[0], layout)
 
     def _find_last_layer(self, data: Any) -> None:
         """laplace-torch's, unless the last layer is known already (loading a state into a
