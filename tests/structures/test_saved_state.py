@@ -193,3 +193,15 @@ def test_check_saved_fit_names_the_first_difference():
         check_saved_fit(state, "debiased_full", "all", lambda: layout[:1])
     with pytest.raises(ValueError, match="KronLaplace"):
         check_saved_fit({"cls_name": "KronLaplace"}, "debiased_kron", "all", lambda: layout)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_a_state_loads_into_a_fitted_last_layer_object(structure):
+    """laplace-torch's loading looks for the last layer again and raises "Last layer is already
+    known" on an object that has found it; a loaded state replaces the earlier fit instead."""
+    la = _fitted(structure, "last_layer")
+    fitted = _fitted(structure, "last_layer")
+    fitted.fit(DataLoader(TensorDataset(*_data(False, seed=9)), batch_size=8))
+    fitted.load_state_dict(_saved(la))
+    X, _ = _data(False, n=5, seed=3)
+    assert torch.equal(fitted(X), la(X))
