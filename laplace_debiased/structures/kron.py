@@ -461,15 +461,23 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """KronLaplace's state, B̃'s factors and the decomposition (:func:`kron_state`)."""
-        return {**super().state_dict(), "H_magnitude": self.H_facs_magnitude.kfacs, **kron_state(self.H)}
+        """KronLaplace's state, B̃'s factors, the decomposition (:func:`kron_state`), and the
+        samples in B and B̃ and the estimator's settings, which an online fit continues from."""
+        return {
+            **super().state_dict(), "H_magnitude": self.H_facs_magnitude.kfacs, **kron_state(self.H),
+            "kron_fit_sizes": list(self._fit_sizes), "kron_estimator": self._estimator,
+            "kron_null_space": self._null_space, "kron_cross_fit": self._cross_fit,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a saved fit (``self.coverage`` is not saved: it is ``None`` after loading)."""
         super().load_state_dict(state_dict)
-        self.coverage = self.correction = None
+        self.coverage = self.correction = self._factor_rows = None
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
         self.H = kron_from_state(state_dict, self.damping, curvature_modules(self.backend._model))
+        self._fit_sizes = tuple(state_dict["kron_fit_sizes"])
+        self._estimator, self._null_space = state_dict["kron_estimator"], state_dict["kron_null_space"]
+        self._cross_fit = state_dict["kron_cross_fit"]
 
 
 class DebiasedKronLLLaplace(DebiasedKronLaplace, KronLLLaplace):

@@ -397,9 +397,13 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
             "eigen_method": self.eigen_method, **self.eigen_config.state(),
         }
 
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """The checks of every structure, then the :class:`EigenConfig` settings."""
+        super()._check_loadable(state_dict)
+        self.eigen_config.check_state(state_dict)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a saved fit (refused if saved with other :class:`EigenConfig` settings)."""
-        self.eigen_config.check_state(state_dict)
         super().load_state_dict(state_dict)
         self._known_eigenpairs = eigenpairs_from_state(state_dict, self.H)
         self.direction_eigenvalues = state_dict["direction_eigenvalues"]

@@ -22,7 +22,8 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
 The overrides are thin: each calls the plain functions of a sibling module, the input checks
-of :mod:`.fit_checks`, ``n_magnitude_batches="auto"`` of :mod:`.auto_magnitude`, the predictive
+of :mod:`.fit_checks` and :mod:`.shared_parameters`, the saved state of :mod:`.saved_state`,
+``n_magnitude_batches="auto"`` of :mod:`.auto_magnitude`, the predictive
 over chunks of the inputs of :mod:`.chunked`, the GLM predictive of token outputs and per-example
 Jacobians of :mod:`.token_outputs`, the mixture samples of a cross-fitted ``H`` of
 :mod:`.cross_fit`, the grid search of :mod:`.gridsearch` and the per-block layerwise marglik of
@@ -66,6 +67,8 @@ from laplace_debiased.structures.fit_checks import (
 )
 from laplace_debiased.structures.gridsearch import grid_search, regression_grid_loss
 from laplace_debiased.structures.kron_layers import single_pass_fisher
+from laplace_debiased.structures.saved_state import Layout, check_saved_fit, fit_state
+from laplace_debiased.structures.shared_parameters import check_shared_parameters
 from laplace_debiased.structures.token_outputs import (
     per_example_jacobians,
     token_jacobians,
@@ -193,6 +196,7 @@ class TwoBatchLaplace:
 
     predictive_chunk_size: int | None = None
     _kfac_blocks: bool = False
+    _call_generator: torch.Generator | None = None
 
     def fit(
         self,
@@ -303,8 +307,8 @@ class TwoBatchLaplace:
         self.fit_batches = (*getattr(self, "fit_batches", ()), batches.choice)
 
     def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
-        """The checks before a fit (:mod:`.fit_checks`), eval mode, the last layer (last-layer
-        classes, first fit), earlier fits forgotten when ``override``, and the output shape."""
+        """The checks before a fit (:mod:`.fit_checks`, :mod:`.shared_parameters`), eval mode, the
+        last layer (last-layer classes, first fit), earlier fits forgotten when ``override``, and the output shape."""
         keys = (self.dict_key_x, self.dict_key_y)
         last_layer = isinstance(self, LLLaplace)
         check_batch_dtypes(used, self._dtype, self.likelihood, *keys)
@@ -314,6 +318,9 @@ class TwoBatchLaplace:
         if last_layer and self.model.last_layer is None:
             self._setup_last_layer(first)
         check_trainable(self.model.last_layer.parameters() if last_layer else self.model.parameters(), last_layer)
+        check_shared_parameters(
+            self.model.model if last_layer else self.model, self._key[1], self.model.last_layer if last_layer else None
+        )
         if override:
             self._reset_fit_state()
         self.fit_output_shape = sample_output_shape(self.model, first, *keys)
@@ -354,12 +361,75 @@ class TwoBatchLaplace:
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> torch.Tensor:
         """Posterior samples ``(n_samples, n_params)``; a cross-fitted ``H``
-        (:class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`): exact mixture samples."""
+        (:class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`): exact mixture samples.
+        Without ``generator``, inside ``la(x, generator=g)``: drawn from ``g``."""
+        if generator is None:
+            generator = self._call_generator
         if not isinstance(self.H, CrossFitDecomposed):
             return super().sample(n_samples, generator)
         return mixture_samples(
             self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
         )
+
+    # ------------------------------------------------------------------ saved state
+    def parameter_layout(self, last_layer_name: str | None = None) -> Layout:
+        """The approximated parameters as ``(qualified name, shape)`` in order: those with
+        ``requires_grad`` (all weights), or the last layer's, named in the network.
+
+        Args:
+            last_layer_name: While the last layer is not found: the module taken as the last
+                layer (none of that name: an empty layout).
+        """
+        if not isinstance(self, LLLaplace):
+            return [(name, tuple(p.shape)) for name, p in self.model.named_parameters() if p.requires_grad]
+        if self.model.last_layer is not None:
+            last_layer_name, module = self.model._last_layer_name, self.model.last_layer
+        else:
+            module = dict(self.model.model.named_modules()).get(last_layer_name)
+        if module is None:
+            return []
+        return [(f"{last_layer_name}.{name}", tuple(p.shape)) for name, p in module.named_parameters()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """laplace-torch's state with the structure, the subset, every approximated parameter's
+        name and shape, and the output shape (:func:`~laplace_debiased.structures.saved_state.fit_state`).
+
+        Raises:
+            AttributeError: Not fitted (nor loaded) yet.
+        """
+        if getattr(self, "fit_output_shape", None) is None:
+            raise AttributeError(
+                f"Laplace not fitted: {type(self).__name__}.state_dict() needs fit() (or load_state_dict()) first."
+            )
+        return {**super().state_dict(), **fit_state(self._key[1], self._key[0], self.parameter_layout(), self.fit_output_shape)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`, checked first (:meth:`_check_loadable`).
+
+        Raises:
+            ValueError: The state does not fit this object; the message names the first difference.
+        """
+        self._check_loadable(state_dict)
+        super().load_state_dict(state_dict)
+        self.fit_output_shape = tuple(state_dict["output_shape"])
+        self.fit_batches = ()
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """:func:`~laplace_debiased.structures.saved_state.check_saved_fit`; a last-layer object
+        whose last layer is not found yet compares the module the state names (no forward pass).
+        Structures with more settings extend this."""
+
+        def layout() -> Layout:
+            first = state_dict["parameter_names"][0] if state_dict["parameter_names"] else ""
+            return self.parameter_layout(first.rpartition(".")[0])
+
+        check_saved_fit(state_dict, self._key[1], self._key[0], layout)
+
+    def _find_last_layer(self, data: Any) -> None:
+        """laplace-torch's, unless the last layer is known already (loading a state into a
+        fitted last-layer object; laplace-torch's loading would raise "Last layer is already known")."""
+        if self.model.last_layer is None:
+            super()._find_last_layer(data)
 
     # ------------------------------------------------------------------ predictive
     def __call__(
@@ -375,14 +445,21 @@ class TwoBatchLaplace:
         **model_kwargs: Any,
     ) -> Output:
         """laplace-torch's ``la(x, ...)`` (same arguments), over chunks of ``x``
-        (:mod:`.chunked`); the joint predictive (``joint=True``) in one piece."""
+        (:mod:`.chunked`); the joint predictive (``joint=True``) in one piece. ``generator`` is
+        the source of every draw of the call (``link_approx="mc"``, ``pred_type="nn"``), which
+        laplace-torch 0.3 does not pass on: it is held as ``_call_generator`` for the call
+        (:meth:`sample`, :meth:`_glm_functional_samples`)."""
 
         def predict(chunk: Any) -> Output:
             return super(TwoBatchLaplace, self).__call__(
                 chunk, pred_type, joint, link_approx, n_samples, diagonal_output, generator, fitting, **model_kwargs
             )
 
-        return predict(x) if joint else self._chunked(predict, x, generator, dim=0)
+        previous, self._call_generator = self._call_generator, generator
+        try:
+            return predict(x) if joint else self._chunked(predict, x, generator, dim=0)
+        finally:
+            self._call_generator = previous
 
     def predictive_samples(
         self,
@@ -474,7 +551,10 @@ class TwoBatchLaplace:
     ) -> torch.Tensor:
         """laplace-torch's GLM functional samples (``link_approx="mc"``) from a float64 square root
         of ``f_var`` (:func:`~laplace_debiased.posterior.links.normal_samples`; laplace-torch's
-        float32 Cholesky fails at small prior precision). Token outputs: ``(S, n, tokens, C)``."""
+        float32 Cholesky fails at small prior precision). Token outputs: ``(S, n, tokens, C)``.
+        Without ``generator``, inside ``la(x, generator=g)``: drawn from ``g``."""
+        if generator is None:
+            generator = self._call_generator
         if diagonal_output:
             f_var = torch.diagonal(f_var, dim1=1, dim2=2)
         samples = normal_samples(f_mu, f_var, n_samples, generator)

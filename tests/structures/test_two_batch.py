@@ -204,3 +204,22 @@ def test_scalar_regression_output_against_column_targets_refused():
     la = _la("debiased_kron", "all", _Squeezed(), "regression")
     with pytest.raises(ValueError, match=r"\(\).*\(1,\)"):
         la.fit(loader(TensorDataset(X, torch.randn(16, 1, dtype=torch.float64)), 8))
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("structure", [*STRUCTURES, "debiased_ekfac"])
+@pytest.mark.parametrize("pred_type", ["glm", "nn"])
+def test_mc_predictive_draws_from_the_generator_passed(structure, subset, pred_type):
+    """``la(x, link_approx="mc", generator=g)`` draws from ``g`` only (laplace-torch 0.3 ignores it
+    and draws from the global generator): the same seed gives the same result whatever the global
+    generator holds, another seed another result."""
+    la = Laplace(tiny_mlp(), "classification", subset_of_weights=subset, hessian_structure=structure)
+    la.fit(loader(toy_data(16, (4,), 3, "classification"), 8))
+    X = toy_data(5, (4,), 3, "classification", seed=3).tensors[0]
+
+    def draw(seed: int, global_seed: int) -> torch.Tensor:
+        torch.manual_seed(global_seed)
+        return la(X, pred_type=pred_type, link_approx="mc", n_samples=6, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(draw(0, global_seed=1), draw(0, global_seed=2))
+    assert not torch.allclose(draw(0, global_seed=1), draw(1, global_seed=1))
