@@ -10,8 +10,9 @@
    Such targets are added to the site under ``repo/`` (Markdown as pages, the rest as files,
    following the links of added Markdown files within the same folders), and the links are
    rewritten to them. A target that does not exist is left alone, so ``--strict`` reports it.
-3. **Sphinx roles in docstrings.** The docstrings use ``:mod:`x```-style roles; they render as
-   the code span alone.
+
+The docstrings cross-reference each other in mkdocstrings' Markdown syntax
+(``[`name`][laplace_debiased.module.name]``); ``--strict`` fails on a target that has no entry.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ PACKAGE = "laplace_debiased"
 REFERENCE = "reference"
 REPO_PREFIX = "repo"
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
-ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):(?=<code>)")
-TOC_ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):(?=\S)")
 
 
 def _root(config) -> Path:
@@ -139,17 +138,6 @@ def on_page_markdown(markdown: str, page, config, files):
         return f"{match.group(1)}{new}{'#' + anchor if anchor else ''}{match.group(3)}"
 
     return LINK.sub(rewrite, markdown)
-
-
-def _strip_roles(items) -> None:
-    for item in items:
-        item.title = TOC_ROLE.sub("", item.title)
-        _strip_roles(item.children)
-
-
-def on_page_content(html: str, page, config, files):
-    _strip_roles(page.toc)
-    return ROLE.sub("", html)
 
 
 def _public_names(path: Path) -> list[str]:

@@ -6,9 +6,9 @@ likelihood's choice marked and its measured cost stated), NLL and ECE under shif
 (matplotlib, Agg backend, headless):
 
 * Figure-6 style: accuracy / NLL / ECE on the test set vs δ, and a table of each mini-batch
-  LA's largest gap to its full-batch reference over the grid (:mod:`.tracking`), one line per method (mean over
-  repeats, min-max band), MAP as a horizontal line, full-batch methods as markers; one figure per
-  link approximation;
+  LA's largest gap to its full-batch reference over the grid
+  ([`tracking`][laplace_debiased.evaluation.tracking]), one line per method (mean over repeats, min-max band),
+  MAP as a horizontal line, full-batch methods as markers; one figure per link approximation;
 * where on the grid each mini-batch LA errs: its signed test-NLL gap to the full batch vs δ (mean
   over draws, ±1 standard-error band), one panel per batch size, and per method the δ at which
   each draw's gap is largest;
@@ -130,7 +130,7 @@ def chosen_prior_precisions(rows: list[dict], eval_set: str, link: str, criterio
 
     ``criterion="nll"``: lowest NLL (mean over repeats); ``"log_marglik"``: highest log marginal
     likelihood (mean over repeats; methods without one are left out).  The rule, ties included,
-    is :func:`~laplace_debiased.prior_grid.choose_prior_precision`.
+    is [`choose_prior_precision`][laplace_debiased.prior_grid.choose_prior_precision].
     """
     check_criterion(criterion)
     vals = _mean_by([r for r in rows if r["eval_set"] == eval_set and r["link"] == link and r["method"] != "map"],
@@ -401,8 +401,9 @@ def _tracking(ctx: _Context, doc: _Doc) -> None:
 
 
 def mean_stderr_text(values, digits: int = 2) -> str:
-    """``+mean ± standard error`` of per-draw values (:func:`~laplace_debiased.evaluation.tracking.mean_stderr`),
-    ``digits`` decimals, the mean signed."""
+    """``+mean ± standard error`` of per-draw values
+    ([`mean_stderr`][laplace_debiased.evaluation.tracking.mean_stderr]), ``digits`` decimals, the mean
+    signed."""
     mean, se = mean_stderr(values)
     return f"{mean:+.{digits}f} ± {se:.{digits}f}"
 
@@ -410,7 +411,7 @@ def mean_stderr_text(values, digits: int = 2) -> str:
 def signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]], title: str,
                       colors: dict[str, str] | None = None):
     """A matplotlib figure of signed gap curves, one panel per key of ``panels`` (side by side, shared
-    y axis): per label its :func:`~laplace_debiased.evaluation.tracking.gap_curves` output
+    y axis): per label its [`gap_curves`][laplace_debiased.evaluation.tracking.gap_curves] output
     (fractions) as the mean over draws in percent against δ (log axis), with a ±1 standard-error band
     from two draws on, and a zero line. ``colors``: label -> matplotlib colour (default: the cycle)."""
     import matplotlib.pyplot as plt
@@ -439,7 +440,8 @@ def signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]
 
 def save_signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]], title: str, path: Path,
                            colors: dict[str, str] | None = None, dpi: int = 120) -> None:
-    """:func:`signed_gap_figure` written to ``path`` (PNG, ``dpi``) without a display (Agg backend)."""
+    """[`signed_gap_figure`][laplace_debiased.evaluation.report.signed_gap_figure] written to ``path`` (PNG,
+    ``dpi``) without a display (Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -452,7 +454,8 @@ def save_signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, flo
 
 
 def _tracking_figure(ctx: _Context, doc: _Doc, rows: list[_Tracked]) -> None:
-    """:func:`signed_gap_figure` of the tracking rows, one panel per batch size (ascending, unknown last)."""
+    """[`signed_gap_figure`][laplace_debiased.evaluation.report.signed_gap_figure] of the tracking rows, one
+    panel per batch size (ascending, unknown last)."""
     sizes = sorted({_batch_of(ctx, t.method) for t in rows}, key=lambda b: (b is None, b or 0))
     panels = {f"b = {b}" if b is not None else "mini-batch fits":
               {ctx.label(t.method): t.curves for t in rows if _batch_of(ctx, t.method) == b} for b in sizes}
@@ -1004,8 +1007,8 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
         out_dir: The folder the report is written into.
         title: The report's title.
         setting: The run's setting in words
-            (:func:`laplace_debiased.evaluation.pipeline.describe_setting`); by default the
-            ``setting.json`` next to a results file, if there is one.
+            ([`laplace_debiased.evaluation.pipeline.describe_setting`][laplace_debiased.evaluation.pipeline.describe_setting]);
+            by default the ``setting.json`` next to a results file, if there is one.
 
     Returns:
         The path of ``report.md``.
