@@ -25,9 +25,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from scipy.stats import t as student_t
 
-__all__ = ["curves_from_json", "curves_to_json", "gap_curves", "largest_gap", "largest_gaps", "max_abs_interval",
-           "max_gap_per_draw", "mean_stderr", "reference_of", "signed_gap", "where_largest"]
+__all__ = ["clearly_below", "curves_from_json", "curves_to_json", "gap_curves", "largest_gap", "largest_gaps",
+           "max_abs_interval", "max_gap_per_draw", "mean_stderr", "paired_margin", "reference_of", "signed_gap",
+           "where_largest"]
 
 
 def reference_of(method: str, full_batch: Sequence[str]) -> str | None:
@@ -129,6 +131,42 @@ def mean_stderr(values: Sequence[float]) -> tuple[float, float]:
     degrees of freedom); the standard error is NaN for one draw."""
     v = np.asarray(values, dtype=float)
     return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def paired_margin(draws: int, level: float = 0.95) -> float:
+    """``t``, the ``(1 + level) / 2`` quantile of Student's t with ``draws − 1`` degrees of freedom:
+    a mean of ``draws`` paired differences further than ``t`` standard errors from 0 lies outside the
+    two-sided ``level`` interval of no difference (4.30 for 3 draws, 2.13 for 16, → 1.96)."""
+    if draws < 2:
+        raise ValueError(f"the spread over draws needs at least 2 draws, got {draws}")
+    return float(student_t.ppf((1 + level) / 2, draws - 1))
+
+
+def clearly_below(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> bool:
+    """Whether per-draw values ``a`` lie below ``b`` beyond the spread over draws.
+
+    Draw ``r`` of both comes from the same samples (the main job seeds each draw's batches by the
+    draw alone), so the differences ``d_r = a_r − b_r`` are paired: ``a`` is clearly below when
+    ``mean(d) + t · s_d / √R < 0``, with ``s_d`` their standard deviation (``R − 1`` degrees of
+    freedom) over the ``R`` draws and ``t`` from
+    [`paired_margin`][laplace_debiased.evaluation.tracking.paired_margin]: the two-sided ``level``
+    interval of the mean difference lies below 0. Fewer than 2 draws never give a clear order.
+
+    Args:
+        a: Per draw (ascending draw), the values of one fit, ``(R,)``.
+        b: The other fit's, ``(R,)``, in the same draw order.
+        level: Confidence level of the interval.
+
+    Raises:
+        ValueError: If ``a`` and ``b`` hold different numbers of draws (the draws are not paired).
+    """
+    if len(a) != len(b):
+        raise ValueError(f"paired draws needed: {len(a)} values against {len(b)}; compare fits of the same draws")
+    if len(a) < 2:
+        return False
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    mean, se = mean_stderr(d)
+    return mean + paired_margin(len(d), level) * se < 0
 
 
 def max_abs_interval(point: np.ndarray, boot: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
