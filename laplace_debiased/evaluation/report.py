@@ -376,8 +376,8 @@ def _tracking_verdict(ctx: _Context, nll_gaps: dict[str, list[float]]) -> str:
             sentences.append(f"{ctx.label(deb)} tracks the full batch {'more' if closer else 'less'} closely than "
                              f"{ctx.label(single)} with the same samples ({means}), beyond the spread over draws.")
         else:
-            sentences.append(f"{ctx.label(deb)} and {ctx.label(single)} with the same samples ({means}) track the full "
-                             "batch equally closely within the spread over draws.")
+            sentences.append(f"{ctx.label(deb)} against {ctx.label(single)} with the same samples ({means}): which "
+                             "tracks the full batch more closely is within the spread over draws.")
         b_size, n = _samples(ctx, single), ctx.setting.get("n_train")
         if farther and b_size and n and b_size not in explained:
             explained.add(b_size)
