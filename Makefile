@@ -10,7 +10,7 @@ PY = $(VENV)/bin/python
 INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
 STAMP = $(VENV)/.installed-$(INTERPRETER)
 
-.PHONY: install run test docs bench examples main-job-doc diagnose-doc clean-venv
+.PHONY: install run test docs bench outputs examples main-job-doc diagnose-doc clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
 	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
@@ -58,6 +58,12 @@ $(DOCS_STAMP): requirements-docs.lock
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
+# Every committed output that the docs include or quote, regenerated with the current code: the
+# examples' (examples), the main job's report excerpt (main-job-doc) and the bias diagnosis
+# (diagnose-doc). tests/test_example_outputs.py checks that the pages and the examples' docstrings
+# quote only numbers these files hold. The last digits depend on the CPU; commit what this prints.
+outputs: examples main-job-doc diagnose-doc
 
 # Runs every example with one thread and writes the command and its printed table to
 # docs/tutorials/output/NAME.txt, which the example pages include and the quick-start page quotes

@@ -12,12 +12,14 @@ computes the whole grid from one pass of Jacobians) for
 
 Mean over ``--draws`` random batch draws.  The last columns are the distances to the full-batch
 curve.  What it shows in the default setting (``docs/tutorials/output/prior_sweep.txt``): the
-debiased curve does **not** track the full-batch one better than the single batch here.  The
-batches are a fifth of N, so the single batch's same-batch bias is small, and ``digits_cnn``'s
-dense layer (input dimension 256) is wider than a batch of 32, so B's factor leaves directions
-that B̃ alone measures. The isotropic completion of those directions (the default of
-``fit``) does not change that: both mini-batch curves are equally far from the full-batch one at
-δ = 0.01, the single batch is closer from δ = 0.1 to 100, and both meet it from δ = 1e3 on. ``single`` and ``full batch`` are laplace-torch's K-FAC exactly (B̃ = B).
+debiased curve does **not** track the full-batch one better than the single batch here, except
+at the smallest δ.  The batches are a fifth of N, so the single batch's same-batch bias is small,
+and ``digits_cnn``'s dense layer (input dimension 256) is wider than a batch of 32, so B's factor
+leaves directions that B̃ alone measures. The isotropic completion of those directions (the
+default of ``fit``) does not change that: the debiased curve is closer to the full-batch one at
+δ = 0.01, the two are about as close at δ = 0.1, the single batch is closer from δ = 1 to 100,
+and both meet it from δ = 1e3 on. ``single`` and ``full batch`` are laplace-torch's K-FAC
+exactly (B̃ = B).
 
 Run: ``python examples/prior_sweep.py``.
 """

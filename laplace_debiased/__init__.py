@@ -3,11 +3,14 @@
 Importing this package registers the debiased Hessian structures with laplace-torch's
 ``Laplace(...)`` factory (it finds subclasses of ``BaseLaplace`` by their ``_key``).
 
-Layers, top to bottom (docs/architecture.md): the CLI (:mod:`.cli`, :mod:`.commands`),
-:mod:`.evaluation` and :mod:`.diagnostics`, :mod:`.structures` (the Laplace classes, adapters
-over the computations), :mod:`.posterior` and :mod:`.optim`, :mod:`.computers` (the two-batch
-computations), :mod:`.curvature` (the maths), :mod:`.parallel` (collectives), :mod:`.data`, and
-:mod:`.prior_grid` with the path, progress and thread helpers.
+Layers, top to bottom (docs/architecture.md): the CLI ([`cli`][laplace_debiased.cli],
+[`commands`][laplace_debiased.commands]), [`evaluation`][laplace_debiased.evaluation] and
+[`diagnostics`][laplace_debiased.diagnostics], [`structures`][laplace_debiased.structures] (the Laplace
+classes, adapters over the computations), [`posterior`][laplace_debiased.posterior] and
+[`optim`][laplace_debiased.optim], [`computers`][laplace_debiased.computers] (the two-batch computations),
+[`curvature`][laplace_debiased.curvature] (the maths), [`parallel`][laplace_debiased.parallel] (collectives),
+[`data`][laplace_debiased.data], and [`prior_grid`][laplace_debiased.prior_grid] with the path, progress and
+thread helpers.
 """
 
 __version__ = "0.1.0"

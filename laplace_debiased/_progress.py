@@ -5,7 +5,7 @@ file or a CI run gets no carriage-return noise.  ``quiet=True`` (the CLI's ``--q
 them off everywhere.
 
 Every command that computes spells the switch the same way, ``--quiet``
-(:func:`add_quiet_argument`); ``diagnose`` also accepts ``--no-progress``, with a deprecation
+(``add_quiet_argument``); ``diagnose`` also accepts ``--no-progress``, with a deprecation
 warning.
 """
 
@@ -36,7 +36,7 @@ class _DeprecatedSwitch(argparse.Action):
 
 def add_quiet_argument(parser: argparse.ArgumentParser, default: Any = False,
                        deprecated: Sequence[str] = ()) -> None:
-    """``--quiet`` (:data:`QUIET_HELP`), plus hidden ``deprecated`` spellings that warn when used.
+    """``--quiet`` (``QUIET_HELP``), plus hidden ``deprecated`` spellings that warn when used.
 
     ``default=argparse.SUPPRESS`` leaves the default to the caller (a config file may set it).
     """
@@ -53,7 +53,7 @@ def progress_enabled(quiet: bool = False) -> bool:
 
 def progress_bar(iterable: Iterable[T] | None = None, *, desc: str, total: int | None = None,
                  quiet: bool = False, unit: str = "it", **kwargs: Any):
-    """A ``tqdm`` bar on stderr with elapsed time and ETA, disabled by :func:`progress_enabled`.
+    """A ``tqdm`` bar on stderr with elapsed time and ETA, disabled by ``progress_enabled``.
 
     Use it as ``for x in progress_bar(xs, desc="fit"):`` or as a manual bar (``total=``, then
     ``update``/``close``).  Extra keyword arguments go to ``tqdm``.

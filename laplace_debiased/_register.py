@@ -9,7 +9,7 @@ imports torch (about 2 s) or laplace-torch.
 
 Two more things happen at registration:
 
-* laplace-torch's ``Laplace(...)`` factory is wrapped (:func:`explain_unknown_keys`) so that an
+* laplace-torch's ``Laplace(...)`` factory is wrapped (``explain_unknown_keys``) so that an
   unknown ``(subset_of_weights, hessian_structure)`` names the valid keys and the closest
   structure name; valid keys build the same classes as the unwrapped factory.
 * laplace-torch's import logs through the root logger (``logging.info`` at module level), which
@@ -62,7 +62,7 @@ def unknown_key_message(subset_of_weights: object, hessian_structure: object, ke
 
 def explain_unknown_keys(factory: Callable[..., Any], keys: Callable[[], Iterable[tuple]]) -> Callable[..., Any]:
     """``factory`` (laplace-torch's ``Laplace``), whose "Unsupported Laplace combination" error
-    is replaced by :func:`unknown_key_message` over the registered ``keys()``."""
+    is replaced by ``unknown_key_message`` over the registered ``keys()``."""
 
     @functools.wraps(factory)
     def laplace_factory(model, likelihood, subset_of_weights="last_layer", hessian_structure="kron", *args, **kwargs):
@@ -79,7 +79,7 @@ def explain_unknown_keys(factory: Callable[..., Any], keys: Callable[[], Iterabl
 
 def wrap_factory() -> None:
     """Replace ``laplace.Laplace`` (and ``laplace.laplace.Laplace``) by
-    :func:`explain_unknown_keys` of it, once."""
+    ``explain_unknown_keys`` of it, once."""
     import laplace
     import laplace.laplace as factory_module
     from laplace.baselaplace import BaseLaplace
@@ -100,10 +100,11 @@ def wrap_factory() -> None:
 
 
 def _structures_initialising() -> bool:
-    """Whether ``laplace`` is being imported by a submodule of :mod:`laplace_debiased` that is
+    """Whether ``laplace`` is being imported by a submodule of [`laplace_debiased`][laplace_debiased] that is
     still executing (defining the classes now would meet that partly executed module, e.g.
     ``posterior.implicit_kron``, the base of the K-FAC posterior). The classes are then defined
-    when :mod:`laplace_debiased.structures` is imported: its ``__init__`` imports them all."""
+    when [`laplace_debiased.structures`][laplace_debiased.structures] is imported: its ``__init__`` imports
+    them all."""
     for name, module in list(sys.modules.items()):
         if name.startswith("laplace_debiased."):
             if getattr(getattr(module, "__spec__", None), "_initializing", False):

@@ -4,10 +4,10 @@ torch's CPU wheel runs its intra-op pool on GNU OpenMP (libgomp, ``torch.__confi
 By default libgomp's idle workers spin (busy-poll) for a while before they sleep.  On a machine
 that other processes keep busy, a spinning worker burns the core another worker (or another job)
 needs, and every parallel kernel waits for its slowest thread, so a job can run several times
-slower than its idle time.  :func:`set_openmp_defaults` therefore sets
+slower than its idle time.  ``set_openmp_defaults`` therefore sets
 ``OMP_WAIT_POLICY=PASSIVE`` (idle workers sleep at once) unless the variable is already set;
 libgomp reads it when torch is first imported, so the CLI calls it before that (the CLI imports
-torch lazily).  The thread count (:func:`default_threads`) is ``$OMP_NUM_THREADS`` if set, else
+torch lazily).  The thread count (``default_threads``) is ``$OMP_NUM_THREADS`` if set, else
 the cores this process may run on; ``--threads N`` overrides it.
 """
 
@@ -17,7 +17,7 @@ import argparse
 import os
 from collections.abc import MutableMapping
 
-#: OpenMP settings that :func:`set_openmp_defaults` puts in the environment when absent
+#: OpenMP settings that ``set_openmp_defaults`` puts in the environment when absent
 OPENMP_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
@@ -36,12 +36,12 @@ def _omp_num_threads() -> int | None:
 
 
 def default_threads() -> int:
-    """``$OMP_NUM_THREADS`` if it is a positive integer, else :func:`available_cores`."""
+    """``$OMP_NUM_THREADS`` if it is a positive integer, else ``available_cores``."""
     return _omp_num_threads() or available_cores()
 
 
 def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Put :data:`OPENMP_DEFAULTS` into ``environ`` where absent; return those it set.
+    """Put ``OPENMP_DEFAULTS`` into ``environ`` where absent; return those it set.
 
     Takes effect only if called before torch is first imported in this process.
     """

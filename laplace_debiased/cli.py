@@ -9,14 +9,15 @@ Every command lives in its own module ``laplace_debiased.commands.<name>`` that 
 Only the chosen command's module is imported, and command modules import torch only inside
 ``run``, so ``--help`` stays well under a second.  With no command at all the main job runs
 (``laplace-debiased`` == ``laplace-debiased main``).  The CLI adds ``--threads`` to the commands
-that compute (:mod:`laplace_debiased._threads`) and applies it, with OpenMP's passive wait policy
+that compute (``laplace_debiased._threads``) and applies it, with OpenMP's passive wait policy
 unless ``OMP_WAIT_POLICY`` is set, before the command imports torch.
 
 Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the commands in
-:data:`DISTRIBUTED` run under a gloo process group that the CLI initialises from torchrun's
-variables and destroys at the end (:mod:`laplace_debiased.evaluation.pipeline` says who does
-what); the others refuse. A rank whose command fails prints its error (an unexpected one as a
-traceback, exit status 1) and waits, at most :data:`PEER_REPORT_TIMEOUT`, for the other ranks to
+[`DISTRIBUTED`][laplace_debiased.cli.DISTRIBUTED] run under a gloo process group that the CLI initialises from
+torchrun's variables and destroys at the end
+([`laplace_debiased.evaluation.pipeline`][laplace_debiased.evaluation.pipeline] says who does what); the
+others refuse. A rank whose command fails prints its error (an unexpected one as a traceback, exit status 1)
+and waits, at most [`PEER_REPORT_TIMEOUT`][laplace_debiased.cli.PEER_REPORT_TIMEOUT], for the other ranks to
 report theirs before it exits.
 """
 
@@ -60,15 +61,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
-#: a Sphinx cross-reference role, ``:mod:`~a.b```: group 1 is the ``~`` (show the last name only)
-_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+#: a mkdocstrings cross-reference, ``[`title`][a.b.title]``: group 1 is the title
+_CROSS_REFERENCE = re.compile(r"\[`([^`\]]+)`\]\[[\w.]+\]")
 
 
 def plain_text(doc: str) -> str:
-    """A reStructuredText docstring as a terminal shows it: ``:mod:`a.b``` -> ``a.b``,
-    ``:func:`~a.b``` -> ``b``, ````code```` -> ``code``."""
-    doc = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], doc)
-    return doc.replace("``", "")
+    """A docstring as a terminal shows it: a cross-reference ``[`b`][a.b]`` -> ``b``,
+    ````code```` -> ``code``."""
+    return _CROSS_REFERENCE.sub(r"\1", doc).replace("``", "")
 
 
 def build_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
@@ -217,8 +217,8 @@ def _wait_for_every_rank() -> None:
 def _run_rank(module: object, args: argparse.Namespace) -> int:
     """Run a command on one rank; if it fails here, print why (an unexpected error as its
     traceback, exit status 1) and wait for the other ranks to report their own errors (or to be
-    gone; at most :data:`PEER_REPORT_TIMEOUT`) before exiting, so that a launcher stopping the
-    rest when one rank exits cannot cut their messages."""
+    gone; at most [`PEER_REPORT_TIMEOUT`][laplace_debiased.cli.PEER_REPORT_TIMEOUT]) before exiting, so that a
+    launcher stopping the rest when one rank exits cannot cut their messages."""
     try:
         status = int(module.run(args) or 0)
     except Exception:  # noqa: BLE001 - reported here, as the interpreter would, then waited on

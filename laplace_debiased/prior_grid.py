@@ -1,9 +1,9 @@
 """The prior-precision grid: parsing, checking, rounding, the default, extension and the choice.
 
 Every prior precision δ that a sweep evaluates, a results row stores, a report chooses or the
-main job adds at an edge passes through :class:`PriorGrid` and :func:`round_precision`, so that
-one rounding rule holds everywhere and rows compare by ``==``.  Torch-free (the command-line
-flags import it for ``--help``).
+main job adds at an edge passes through [`PriorGrid`][laplace_debiased.prior_grid.PriorGrid] and
+[`round_precision`][laplace_debiased.prior_grid.round_precision], so that one rounding rule holds everywhere
+and rows compare by ``==``.  Torch-free (the command-line flags import it for ``--help``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ CRITERIA = ("nll", "log_marglik")
 
 
 def round_precision(delta: float) -> float:
-    """``delta`` rounded to :data:`SIGNIFICANT_DIGITS` significant digits (idempotent).
+    """``delta`` rounded to [`SIGNIFICANT_DIGITS`][laplace_debiased.prior_grid.SIGNIFICANT_DIGITS] significant
+    digits (idempotent).
 
     Args:
-        delta: A prior precision (any real number; checking is :meth:`PriorGrid.parse`'s job).
+        delta: A prior precision (any real number; checking is
+            [`PriorGrid.parse`][laplace_debiased.prior_grid.PriorGrid.parse]'s job).
 
     Returns:
         The nearest float to ``delta``'s decimal rounding, e.g. ``0.00215443``.
@@ -32,9 +34,11 @@ def round_precision(delta: float) -> float:
 
 
 def _rounded_beyond(edge: float, value: float) -> float:
-    """``value``, a step beyond ``edge`` on either side, rounded by :func:`round_precision`; where
-    the rounding does not leave ``edge`` (a step finer than the rounding), the next value with
-    :data:`SIGNIFICANT_DIGITS` significant digits beyond ``edge`` on ``value``'s side."""
+    """``value``, a step beyond ``edge`` on either side, rounded by
+    [`round_precision`][laplace_debiased.prior_grid.round_precision]; where the rounding does not leave
+    ``edge`` (a step finer than the rounding), the next value with
+    [`SIGNIFICANT_DIGITS`][laplace_debiased.prior_grid.SIGNIFICANT_DIGITS] significant digits beyond ``edge``
+    on ``value``'s side."""
     up = value > edge
     rounded = round_precision(value)
     if (rounded > edge) if up else (rounded < edge):
@@ -54,10 +58,10 @@ DEFAULT_PRIOR_PRECISIONS: tuple[float, ...] = tuple(
 class PriorGrid:
     """An immutable grid of prior precisions δ, each positive, finite and given once.
 
-    :meth:`parse` rounds user input by :func:`round_precision` (the values rows store); the
-    constructor takes values as they are (e.g. read back from rows).  The values keep the order
-    they were given in (a sweep writes its rows in that order); the edges are the smallest and
-    the largest value.
+    [`parse`][laplace_debiased.prior_grid.PriorGrid.parse] rounds user input by
+    [`round_precision`][laplace_debiased.prior_grid.round_precision] (the values rows store); the constructor
+    takes values as they are (e.g. read back from rows).  The values keep the order they were given in (a
+    sweep writes its rows in that order); the edges are the smallest and the largest value.
 
     Attributes:
         values: The prior precisions, shape ``(G,)`` as a tuple, ``G >= 1``.
@@ -78,7 +82,8 @@ class PriorGrid:
 
     @classmethod
     def parse(cls, prior_precisions: Iterable[float]) -> PriorGrid:
-        """The checked grid of user input, each value rounded by :func:`round_precision`.
+        """The checked grid of user input, each value rounded by
+        [`round_precision`][laplace_debiased.prior_grid.round_precision].
 
         Args:
             prior_precisions: Numbers (floats, ints or numeric strings), in the order to sweep.
@@ -94,7 +99,8 @@ class PriorGrid:
 
     @classmethod
     def default(cls) -> PriorGrid:
-        """The paper's grid, :data:`DEFAULT_PRIOR_PRECISIONS`."""
+        """The paper's grid,
+        [`DEFAULT_PRIOR_PRECISIONS`][laplace_debiased.prior_grid.DEFAULT_PRIOR_PRECISIONS]."""
         return cls(DEFAULT_PRIOR_PRECISIONS)
 
     def __iter__(self) -> Iterator[float]:
@@ -117,10 +123,12 @@ class PriorGrid:
         return sum(d < lo or d > hi for d in self.values)
 
     def choose(self, scores: Sequence[float], criterion: str = "nll") -> float | None:
-        """The value that :func:`choose_prior_precision` chooses from one score per value.
+        """The value that [`choose_prior_precision`][laplace_debiased.prior_grid.choose_prior_precision]
+        chooses from one score per value.
 
         Args:
-            scores: The score at each value, ``G`` numbers in the order of :attr:`values`.
+            scores: The score at each value, ``G`` numbers in the order of
+                [`values`][laplace_debiased.prior_grid.PriorGrid.values].
             criterion: ``"nll"`` (lower is better) or ``"log_marglik"`` (higher is better).
 
         Returns:
@@ -138,10 +146,10 @@ class PriorGrid:
         """One new value beyond each edge that holds a chosen δ, at that edge's own log spacing.
 
         Below the smallest value ``d_0`` the step is ``d_0**2 / d_1``; above the largest ``d_{G-1}``
-        it is ``d_{G-1}**2 / d_{G-2}`` (``d`` sorted ascending), rounded by :func:`round_precision`.
-        Where that rounding puts it back on the edge (a step finer than six significant digits, as
-        from 0.999999 to 1), the new value is the next six-digit one beyond the edge (1.00001).
-        A one-point grid has no spacing and is not extended.
+        it is ``d_{G-1}**2 / d_{G-2}`` (``d`` sorted ascending), rounded by
+        [`round_precision`][laplace_debiased.prior_grid.round_precision]. Where that rounding puts it back on
+        the edge (a step finer than six significant digits, as from 0.999999 to 1), the new value is the next
+        six-digit one beyond the edge (1.00001). A one-point grid has no spacing and is not extended.
 
         Args:
             chosen: The chosen prior precisions (e.g. one per method).
@@ -168,7 +176,7 @@ class PriorGrid:
 
 
 def check_criterion(criterion: str) -> None:
-    """Refuses a choice criterion other than :data:`CRITERIA`."""
+    """Refuses a choice criterion other than [`CRITERIA`][laplace_debiased.prior_grid.CRITERIA]."""
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be 'nll' or 'log_marglik', got {criterion!r}")
 

@@ -56,11 +56,11 @@ def test_help_has_no_markup_and_each_default_once(capsys, monkeypatch, omp):
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     for cmd in cli.COMMANDS:
         text = _help(cmd, capsys)
-        for markup in ("``", ":mod:", ":func:", ":class:", ":data:", ":meth:"):
+        for markup in ("``", "`][", ":mod:", ":func:", ":class:", ":data:", ":meth:"):
             assert markup not in text, (cmd, markup)
         for flag, block in _option_blocks(text).items():
             assert block.count("(default") <= 1, (cmd, flag, block)
-    assert cli.plain_text("see :func:`~a.b.run` and :mod:`a.b`, or ``x = 1``") == "see run and a.b, or x = 1"
+    assert cli.plain_text("see [`run`][a.b.run] and [`a.b`][a.b], or ``x = 1``") == "see run and a.b, or x = 1"
 
 
 def test_quiet_is_one_flag_with_one_meaning_across_commands(capsys, tmp_path):

@@ -1,17 +1,20 @@
 """mkdocs hooks of the documentation site (``hooks:`` in mkdocs.yml).
 
-1. **API reference.** One page per subpackage of ``laplace_debiased`` (and one for the top-level
-   modules), each holding a mkdocstrings ``::: module`` block for every public module in it (no
-   leading underscore), found by walking the source tree at build time. A module that is added,
-   moved or renamed therefore appears without editing any page, and ``--strict`` fails if one
-   cannot be collected.
+1. **API reference.** A "start here" page that lists the public API (``START_HERE``, each entry
+   with the first sentence of its docstring), then one page per subpackage of ``laplace_debiased``
+   (and one for the top-level modules), each holding a mkdocstrings ``::: module`` block for every
+   public module in it (no leading underscore), found by walking the source tree at build time:
+   the user-facing subpackages first, the ``INTERNALS`` below. A module that is added, moved or
+   renamed therefore appears without editing any page, and ``--strict`` fails if one cannot be
+   collected or a ``START_HERE`` entry has no target.
 2. **Files outside docs/.** Pages link to committed results by their path in the checkout
    (``../benchmarks/results/fit_cost.md``), so the links work on a code host and in an editor.
    Such targets are added to the site under ``repo/`` (Markdown as pages, the rest as files,
    following the links of added Markdown files within the same folders), and the links are
    rewritten to them. A target that does not exist is left alone, so ``--strict`` reports it.
-3. **Sphinx roles in docstrings.** The docstrings use ``:mod:`x```-style roles; they render as
-   the code span alone.
+
+The docstrings cross-reference each other in mkdocstrings' Markdown syntax
+(``[`name`][laplace_debiased.module.name]``); ``--strict`` fails on a target that has no entry.
 """
 
 from __future__ import annotations
@@ -28,9 +31,36 @@ from mkdocs.structure.files import File, Files
 PACKAGE = "laplace_debiased"
 REFERENCE = "reference"
 REPO_PREFIX = "repo"
+#: the subpackages that implement the others and that a user rarely calls: listed last
+INTERNALS = ("computers", "curvature", "parallel")
+#: the public API, in the order a user meets it: (section, intro, objects)
+START_HERE = [
+    ("The Laplace classes",
+     "Import `laplace_debiased` and ask laplace-torch's `Laplace(...)` for `hessian_structure="
+     "\"debiased_kron\"` (or `\"debiased_ekfac\"`, `\"debiased_lowrank\"`, `\"debiased_full\"`); "
+     "`subset_of_weights=\"last_layer\"` gives the `…LLLaplace` twin of each.",
+     ["laplace_debiased.structures.kron.DebiasedKronLaplace",
+      "laplace_debiased.structures.ekfac.DebiasedEKFACLaplace",
+      "laplace_debiased.structures.lowrank.DebiasedLowRankLaplace",
+      "laplace_debiased.structures.lowrank.DebiasedFullLaplace"]),
+    ("Predicting over a prior-precision grid", "",
+     ["laplace_debiased.posterior.grid.GridPredictive"]),
+    ("Sweeps, reports and diagnostics", "What the command line runs, from Python.",
+     ["laplace_debiased.evaluation.pipeline.run_pipeline",
+      "laplace_debiased.evaluation.sweep.run_sweep",
+      "laplace_debiased.evaluation.sweep.EvalSet",
+      "laplace_debiased.evaluation.sweep.Method",
+      "laplace_debiased.evaluation.report.write_report",
+      "laplace_debiased.diagnostics.bias.diagnose_bias"]),
+    ("The command line", "`laplace-debiased COMMAND --help` (or `python -m laplace_debiased`) lists "
+     "the options; each command's module says what it does.",
+     ["laplace_debiased.cli",
+      "laplace_debiased.commands.main",
+      "laplace_debiased.commands.sweep",
+      "laplace_debiased.commands.report",
+      "laplace_debiased.commands.diagnose"]),
+]
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
-ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):(?=<code>)")
-TOC_ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):(?=\S)")
 
 
 def _root(config) -> Path:
@@ -56,30 +86,65 @@ def _page_name(group: str) -> str:
     return f"{REFERENCE}/{group or 'package'}.md"
 
 
+def _ordered(groups) -> list[str]:
+    """The top level first, then the user-facing subpackages, then ``INTERNALS``."""
+    return sorted(groups, key=lambda g: (g in INTERNALS, g != "", g))
+
+
 def on_config(config):
     groups = _public_modules(_root(config))
-    pages = [{"Overview": f"{REFERENCE}/index.md"}]
-    pages += [{(group or PACKAGE): _page_name(group)} for group in sorted(groups, key=lambda g: (g != "", g))]
+    title = {g: g or PACKAGE for g in groups}
+    pages = [{"Start here": f"{REFERENCE}/index.md"}]
+    pages += [{title[g]: _page_name(g)} for g in _ordered(groups) if g not in INTERNALS]
+    pages += [{"Internals": [{title[g]: _page_name(g)} for g in _ordered(groups) if g in INTERNALS]}]
     config["nav"] = [*(config["nav"] or []), {"API reference": pages}]
     return config
 
 
+def _summary(root: Path, path: str) -> str:
+    """The first sentence of the docstring of ``path`` (a module, or a class or function in one)."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        base = root / Path(*parts[:cut])
+        file = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if file.is_file():
+            break
+    else:
+        raise PluginError(f"START_HERE names {path}, which is no module of the checkout")
+    node = ast.parse(file.read_text())
+    for name in parts[cut:]:
+        node = next((n for n in node.body if getattr(n, "name", None) == name), None)
+        if node is None:
+            raise PluginError(f"START_HERE names {path}, which {file.relative_to(root)} does not define")
+    first = (ast.get_docstring(node) or "").split("\n\n")[0].replace("\n", " ")
+    return re.split(r"(?<=\.)\s", first, maxsplit=1)[0]
+
+
 def _reference_pages(config) -> dict[str, str]:
-    groups = _public_modules(_root(config))
-    index = ["# API reference", "",
-             "Generated from the docstrings of every public module of `laplace_debiased` (modules "
-             "and names without a leading underscore). The docstrings state shapes, conventions "
-             "and the maths.", ""]
+    root = _root(config)
+    groups = _public_modules(root)
+    index = ["# API reference: start here", "",
+             "The public API first; every public module of `laplace_debiased` follows, generated from "
+             "its docstrings (shapes, conventions and the maths). The user guide says how the pieces "
+             "fit together.", ""]
+    for section, intro, paths in START_HERE:
+        index += [f"## {section}", ""] + ([intro, ""] if intro else [])
+        index += [f"- [`{p.rsplit('.', 1)[-1] if p.count('.') > 2 else p}`][{p}]: {_summary(root, p)}" for p in paths]
+        index.append("")
     pages = {}
-    for group in sorted(groups, key=lambda g: (g != "", g)):
+    listed = {False: ["## All modules", ""], True: ["## Internals", "",
+                                                       "The computations the classes above adapt, for "
+                                                       "readers of the code and the maths.", ""]}
+    for group in _ordered(groups):
         title = f"`{PACKAGE}.{group}`" if group else f"`{PACKAGE}` (top level)"
         body = [f"# {title}", ""]
         for module in groups[group]:
             body += [f"::: {module}", ""]
         pages[_page_name(group)] = "\n".join(body)
         page = f"{group or 'package'}.md"
-        index.append(f"- [{title}]({page}): " + ", ".join(f"[`{m}`]({page}#{m})" for m in groups[group]))
-    pages[f"{REFERENCE}/index.md"] = "\n".join(index) + "\n"
+        listed[group in INTERNALS].append(
+            f"- [{title}]({page}): " + ", ".join(f"[`{m}`]({page}#{m})" for m in groups[group]))
+    pages[f"{REFERENCE}/index.md"] = "\n".join(index + listed[False] + [""] + listed[True]) + "\n"
     return pages
 
 
@@ -139,17 +204,6 @@ def on_page_markdown(markdown: str, page, config, files):
         return f"{match.group(1)}{new}{'#' + anchor if anchor else ''}{match.group(3)}"
 
     return LINK.sub(rewrite, markdown)
-
-
-def _strip_roles(items) -> None:
-    for item in items:
-        item.title = TOC_ROLE.sub("", item.title)
-        _strip_roles(item.children)
-
-
-def on_page_content(html: str, page, config, files):
-    _strip_roles(page.toc)
-    return ROLE.sub("", html)
 
 
 def _public_names(path: Path) -> list[str]:

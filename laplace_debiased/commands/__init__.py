@@ -1,1 +1,1 @@
-"""One module per CLI command; see :mod:`laplace_debiased.cli` for the protocol."""
+"""One module per CLI command; see [`laplace_debiased.cli`][laplace_debiased.cli] for the protocol."""

@@ -171,8 +171,9 @@ def correction_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likel
 
 def coverage_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likelihood: str, batch_size: int,
                      seed: int) -> str:
-    """Markdown: the coverage record (:mod:`laplace_debiased.computers.coverage`) of a debiased
-    K-FAC fit at 2 × b/2 with each null-space treatment, or why there is none."""
+    """Markdown: the coverage record
+    ([`laplace_debiased.computers.coverage`][laplace_debiased.computers.coverage]) of a debiased K-FAC fit at
+    2 × b/2 with each null-space treatment, or why there is none."""
     lines = ["", "## Curvature coverage of a debiased K-FAC fit", "",
              f"B and B̃: two disjoint random batches of {max(batch_size // 2, 2)} samples. Per layer and "
              "factor: ranks reached, zero eigenvalues, eigenvalues set by the isotropic completion, and the "

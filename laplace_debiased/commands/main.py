@@ -3,7 +3,7 @@
 With no options it runs on the embedded scikit-learn 8x8 digits in a few minutes on 2 CPU cores
 and prints where the report is.  Rerunning resumes an interrupted sweep.  Under
 ``torchrun --nproc-per-node W -m laplace_debiased ...`` the ranks share the work and rank 0 writes
-(:mod:`laplace_debiased.evaluation.pipeline`).
+([`laplace_debiased.evaluation.pipeline`][laplace_debiased.evaluation.pipeline]).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ HELP = "run the whole pipeline (train or load a model, fit, sweep, report)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Pipeline flags (see :mod:`laplace_debiased.evaluation.pipeline`)."""
+    """Pipeline flags (see [`laplace_debiased.evaluation.pipeline`][laplace_debiased.evaluation.pipeline])."""
     add_pipeline_arguments(parser)
 
 

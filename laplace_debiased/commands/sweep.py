@@ -12,7 +12,7 @@ HELP = "prior-precision sweep of fitted Laplace approximations, resumable"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Pipeline flags (see :mod:`laplace_debiased.evaluation.pipeline`)."""
+    """Pipeline flags (see [`laplace_debiased.evaluation.pipeline`][laplace_debiased.evaluation.pipeline])."""
     add_pipeline_arguments(parser)
 
 

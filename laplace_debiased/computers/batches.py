@@ -4,7 +4,8 @@ A *batch* is whatever the loader yields: a ``(X, y)`` pair of tensors or a
 ``MutableMapping`` holding the input under ``dict_key_x`` and the targets under
 ``dict_key_y`` (laplace-torch's convention for Huggingface-style data).
 
-Selection rules of :func:`split_batches` (the fit semantics of every two-batch Laplace class):
+Selection rules of [`split_batches`][laplace_debiased.computers.batches.split_batches] (the fit semantics of
+every two-batch Laplace class):
 
 ``split="batches"`` (default)
     B = the first ``n_direction_batches`` loader batches, B̃ = the next
@@ -13,10 +14,10 @@ Selection rules of :func:`split_batches` (the fit semantics of every two-batch L
     draw from the training set; in loader order they are whatever the dataset puts first.
     With ``generator`` the batches are instead drawn at random
     (without replacement) from one pass over the loader, reproducibly for a fixed seed: the
-    loader passes run with torch's global RNG seeded from ``generator`` (:func:`loader_rng_from`),
-    so a shuffling loader without a generator of its own shuffles the same way each time too (and
-    the caller's global RNG is left as it was). A loader with its own ``DataLoader(generator=...)``
-    shuffles with that one, which the caller seeds.
+    loader passes run with torch's global RNG seeded from ``generator``
+    ([`loader_rng_from`][laplace_debiased.computers.batches.loader_rng_from]), so a shuffling loader without a
+    generator of its own shuffles the same way each time too (and the caller's global RNG is left as it was).
+    A loader with its own ``DataLoader(generator=...)`` shuffles with that one, which the caller seeds.
 one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``)
     a loader that yields a single batch (full-batch training, a small fine-tuning set) has
     its samples split into two disjoint halves by a random permutation seeded with
@@ -25,17 +26,17 @@ one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``
     ``2 * MIN_HALF_SIZE`` samples.
 ``n_magnitude_batches="auto"`` (with ``split="batches"``, B̃ ≠ B)
     B as above; then the structure's rule (``magnitude_rule``,
-    :mod:`laplace_debiased.computers.auto_magnitude`) maps B to a number ``k`` and B̃ is the
-    next ``k`` batches of the same pass (or of the drawn order, or of ``magnitude_loader``),
-    exactly the batches of ``n_magnitude_batches=k``; fewer if the loader has fewer left, an
-    error if it has none.
+    [`laplace_debiased.computers.auto_magnitude`][laplace_debiased.computers.auto_magnitude]) maps B to a
+    number ``k`` and B̃ is the next ``k`` batches of the same pass (or of the drawn order, or of
+    ``magnitude_loader``), exactly the batches of ``n_magnitude_batches=k``; fewer if the loader has fewer
+    left, an error if it has none.
 ``split="halves"``
     all batches of one pass over the loader: the first ``ceil(K/2)`` go to B, the remaining
     ``floor(K/2)`` to B̃ (the paper's "debiased full-batch"); with ``generator`` the batches
     are randomly assigned to the halves. ``n_*_batches`` must not be given.
 
-Every split records its :class:`BatchChoice` (positions and sizes of B and B̃, and how they
-were chosen); the fit logs it and keeps it as ``la.fit_batches``.
+Every split records its [`BatchChoice`][laplace_debiased.computers.batches.BatchChoice] (positions and sizes
+of B and B̃, and how they were chosen); the fit logs it and keeps it as ``la.fit_batches``.
 ``magnitude_loader=other_loader``
     B from ``train_loader`` as above, B̃ = the first (or, with ``generator``, randomly drawn)
     ``n_magnitude_batches`` batches of ``other_loader``.
@@ -52,9 +53,10 @@ replacement when B̃ comes from it.
 Independence: B and B̃ drawn from one pass of ``train_loader`` (every split above) are
 disjoint by the sampler's indices, since a sampler without replacement yields each index once
 per pass. Rows of B̃ whose input and target bytes equal a row of B (hashed, since batches carry
-no sample ids) are then repeated data at other indices, and :func:`repeated_rows` names them in
-a ``UserWarning``. B̃ from a separate ``magnitude_loader`` has no index in common with B to go
-by, so there equal rows are refused as shared samples.
+no sample ids) are then repeated data at other indices, and
+[`repeated_rows`][laplace_debiased.computers.batches.repeated_rows] names them in a ``UserWarning``. B̃ from a
+separate ``magnitude_loader`` has no index in common with B to go by, so there equal rows are refused as
+shared samples.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class BatchChoice:
         sample_split: For a one-batch split, the sample indices (within the batch) forming B
             and B̃; ``None`` otherwise.
         auto: With ``n_magnitude_batches="auto"``, the chosen number of magnitude batches and
-            why (:class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitude`); ``None``
+            why ([`AutoMagnitude`][laplace_debiased.computers.auto_magnitude.AutoMagnitude]); ``None``
             otherwise.
     """
 
@@ -199,7 +201,7 @@ def check_targets(
     silently). Classification / reward modelling with integer labels: every label must be in
     ``[0, C)``, ``C = output_shape[-1]``, or be ``-100`` (``CrossEntropyLoss``'s
     ``ignore_index``): a padded position, which the fit leaves out of the curvature and the loss
-    (:func:`~laplace_debiased.curvature.kfac.padded_rows`).
+    ([`padded_rows`][laplace_debiased.curvature.kfac.padded_rows]).
     """
     if likelihood == "regression":
         if tuple(y.shape[1:]) != tuple(output_shape):
@@ -319,7 +321,7 @@ def _positions(
 
 def _order(batches: list[Batch], n: int, generator: torch.Generator | None, name: str) -> list[int]:
     """All batch positions, in order or (``generator``) a random permutation, after checking that
-    there are at least ``n``; :func:`_positions` takes the first ``n`` of them."""
+    there are at least ``n``; ``_positions`` takes the first ``n`` of them."""
     if len(batches) < n:
         raise ValueError(
             f"{name} yields {len(batches)} batch(es) but {n} are needed; use a smaller "
@@ -397,20 +399,20 @@ def split_batches(
             with ``split="halves"``).
         n_magnitude_batches: The number of loader batches forming B̃ (default 1; not allowed
             with ``split="halves"``); ``"auto"``: ``magnitude_rule(B).wanted``
-            (:func:`_choose_auto`).
+            (``_choose_auto``).
         magnitude_loader: A separate source of B̃; ``train_loader`` itself for the reduction
             B̃ = B.
         split: ``"batches"``, or ``"halves"``: every batch of one pass, half for B and half
             for B̃.
         generator: Draws the batches at random instead of taking them in loader order; the
             same seed gives the same B and B̃, with a shuffling loader too
-            (:func:`loader_rng_from`).
+            ([`loader_rng_from`][laplace_debiased.computers.batches.loader_rng_from]).
         dict_key_x: The key of the inputs in dict batches.
         dict_key_y: The key of the targets in dict batches.
-        device: The model's device: every batch is moved there (:func:`on_device`), as
-            laplace-torch's ``fit`` does.
+        device: The model's device: every batch is moved there
+            ([`on_device`][laplace_debiased.data.batch.on_device]), as laplace-torch's ``fit`` does.
         magnitude_rule: For ``"auto"``: B's batches (checked, on ``device``) ->
-            :class:`~laplace_debiased.computers.auto_magnitude.AutoMagnitude`.
+            [`AutoMagnitude`][laplace_debiased.computers.auto_magnitude.AutoMagnitude].
 
     Returns:
         The batches, with ``choice`` recording which batches (or, for a one-batch loader,
@@ -463,7 +465,8 @@ def _split(
     magnitude_rule: Callable[[list[Batch]], AutoMagnitude] | None,
     n_data: int,
 ) -> BatchSplit:
-    """:func:`split_batches` after its loader checks, dispatched by ``split`` and ``"auto"``."""
+    """[`split_batches`][laplace_debiased.computers.batches.split_batches] after its loader checks, dispatched
+    by ``split`` and ``"auto"``."""
     auto = _check_auto(n_magnitude_batches, magnitude_rule, split, magnitude_loader is train_loader)
     if split == "halves":
         _check_halves(n_direction_batches, n_magnitude_batches, magnitude_loader)
@@ -561,11 +564,11 @@ def _choose_auto(
     keys: tuple[str, str],
     device: torch.device | str | None,
 ) -> BatchSplit:
-    """``n_magnitude_batches="auto"``: B as :func:`_choose_batches` chooses it, ``k = rule(B).wanted``,
+    """``n_magnitude_batches="auto"``: B as ``_choose_batches`` chooses it, ``k = rule(B).wanted``,
     then B̃ = the next ``k`` batches of the same pass over ``train_loader`` (or of the order drawn
     with ``generator``), or the first (drawn) ``k`` of ``magnitude_loader``: the batches an
     explicit ``n_magnitude_batches=k`` takes. Where B̃'s batches give a factor fewer rows than the
-    rule expected (a short batch), more follow (:func:`_made_up`). A loader with fewer batches left
+    rule expected (a short batch), more follow (``_made_up``). A loader with fewer batches left
     gives what it has (recorded in ``choice.auto.used``, a factor still short in
     ``choice.auto.short``); none left raises."""
     source = iter(train_loader)
@@ -667,7 +670,8 @@ def _finish_one_batch(
     keys: tuple[str, str],
     device: torch.device | str | None,
 ) -> BatchSplit:
-    """The one-batch split (:func:`_split_samples`) as a checked :class:`BatchSplit`."""
+    """The one-batch split (``_split_samples``) as a checked
+    [`BatchSplit`][laplace_debiased.computers.batches.BatchSplit]."""
     B, Bt, sample_split = _split_samples(batch, generator, *keys)
     return _checked(
         [B], [Bt], n_data, keys, device,

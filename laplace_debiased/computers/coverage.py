@@ -7,28 +7,30 @@ it, and a debiased eigenvalue can be exactly zero: then the posterior precision 
 along that Kronecker direction is the prior ``δ`` alone and their variance ``1/δ`` (``1e4`` at
 ``δ = 1e-4``), which turns sampled predictions into noise at small ``δ``.
 
-:func:`coverage_record` counts, for every block of a fit:
+[`coverage_record`][laplace_debiased.computers.coverage.coverage_record] counts, for every block of a fit:
 
 * per factor: its dimension ``d``; the numerical ranks of B's factor, B̃'s factor and of their
   sum (the span of B ∪ B̃), each the number of eigenvalues above one tolerance, the
-  :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance` of the sum (:func:`factor_ranks`:
-  so the union's rank is at least each part's); the debiased eigenvalues that
-  are exactly ``0``; the eigenvalues set by the isotropic completion of B's null space
-  (:mod:`laplace_debiased.curvature.completion`);
+  [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] of the sum
+  ([`factor_ranks`][laplace_debiased.computers.coverage.factor_ranks]: so the union's rank is at least each
+  part's); the debiased eigenvalues that are exactly ``0``; the eigenvalues set by the isotropic completion of
+  B's null space ([`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion]);
 * per block: the share of its weights whose only curvature is the prior, i.e. of the Kronecker
   eigen-directions ``u_G ⊗ u_A`` whose eigenvalue ``λ_G · λ_A`` is zero:
   ``1 - (nonzero λ_G)(nonzero λ_A) / (d_G d_A)``.
 
 The ranks of a factor whose rows are known (the Gram route of
-:func:`~laplace_debiased.curvature.linalg.debiased_kron`, fewer rows than its dimension ``d``)
-come from the Gram matrices (:func:`~laplace_debiased.curvature.linalg.row_rank` of B's rows, B̃'s
+[`debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron], fewer rows than its dimension ``d``)
+come from the Gram matrices ([`row_rank`][laplace_debiased.curvature.linalg.row_rank] of B's rows, B̃'s
 rows and both stacked, ``O(d (n + m)²)``), and its zero count from the extended spectrum of its
-implicit null space (:func:`~laplace_debiased.curvature.completion.extended_spectrum`): the
+implicit null space ([`extended_spectrum`][laplace_debiased.curvature.completion.extended_spectrum]): the
 record adds no ``d × d`` eigendecomposition to such a fit. Other factors are counted by inertia
-(:func:`~laplace_debiased.curvature.linalg.eigenvalues_above`), a quarter of an ``eigvalsh``'s flops.
+([`eigenvalues_above`][laplace_debiased.curvature.linalg.eigenvalues_above]), a quarter of an ``eigvalsh``'s
+flops.
 
-"Zero" is up to round-off: at most :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`
-of B̃'s factor (the tolerance that sets B's degenerate groups).
+"Zero" is up to round-off: at most
+[`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] of B̃'s factor (the tolerance
+that sets B's degenerate groups).
 
 Which zeros more data would cover. For samples in general position from a curvature whose
 support (at that tolerance) has dimension ``s``, ``rank B = min(|B|, s)``, ``rank B̃ = min(|B̃|, s)``
@@ -42,18 +44,23 @@ and ``rank(B ∪ B̃) = min(|B| + |B̃|, s)``. So:
   samples, and more samples (magnitude batches, a larger B) would reach further. Every zero of
   such a factor is *sample-limited*.
 
-The record keeps the raw zero count (:attr:`FactorCoverage.zero_eigenvalues`) and splits it
-(:attr:`FactorCoverage.structural_zeros`, :attr:`FactorCoverage.sample_limited_zeros`); a block's
-:attr:`BlockCoverage.sample_limited_share` is the part of its prior-only share that the
-structural zeros alone do not explain. The fit warns (once, naming the layers) about blocks whose
-sample-limited share is at least :data:`PRIOR_ONLY_WARN_SHARE`, and advises what would help
-(more samples, and the isotropic completion only when the fit does not use it already).
+The record keeps the raw zero count
+([`FactorCoverage.zero_eigenvalues`][laplace_debiased.computers.coverage.FactorCoverage.zero_eigenvalues]) and
+splits it
+([`FactorCoverage.structural_zeros`][laplace_debiased.computers.coverage.FactorCoverage.structural_zeros],
+[`FactorCoverage.sample_limited_zeros`][laplace_debiased.computers.coverage.FactorCoverage.sample_limited_zeros]);
+a block's
+[`BlockCoverage.sample_limited_share`][laplace_debiased.computers.coverage.BlockCoverage.sample_limited_share]
+is the part of its prior-only share that the structural zeros alone do not explain. The fit warns (once,
+naming the layers) about blocks whose sample-limited share is at least
+[`PRIOR_ONLY_WARN_SHARE`][laplace_debiased.computers.coverage.PRIOR_ONLY_WARN_SHARE], and advises what would
+help (more samples, and the isotropic completion only when the fit does not use it already).
 
 With ``null_space="aligned"`` the zero count of a factor is ``d - rank(B ∪ B̃)`` (B̃'s factor,
 compressed on B's null space, has rank ``rank(B ∪ B̃) - rank(B)`` there); with the isotropic
 completion it is ``0`` unless B̃'s mean curvature on B's null group is below the tolerance. That
 group holds B's eigenvalues within the tolerance of zero
-(:func:`~laplace_debiased.curvature.linalg.tied_groups`). When a factor's norm is ruled by one
+([`tied_groups`][laplace_debiased.curvature.linalg.tied_groups]). When a factor's norm is ruled by one
 large eigenvalue (the mean of non-negative features), the tolerance is large, the group takes in
 B's small nonzero eigenvalues, and the completion's value can fall below the tolerance: zeros of
 a saturated factor, which the full-batch fit has as well (digits_cnn's ``Linear(256, 32)``,
@@ -85,8 +92,9 @@ _FACTOR_NAMES = {2: ("output", "input"), 1: ("bias",)}
 
 def numerical_rank(F: torch.Tensor, tolerance: float | None = None) -> int:
     """Eigenvalues of the symmetric PSD ``F`` ``(d, d)`` (float64) above ``tolerance`` (default
-    :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance` ``(F)``), counted by inertia
-    (:func:`~laplace_debiased.curvature.linalg.eigenvalues_above`), not by an eigendecomposition."""
+    [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] ``(F)``), counted by inertia
+    ([`eigenvalues_above`][laplace_debiased.curvature.linalg.eigenvalues_above]), not by an
+    eigendecomposition."""
     return eigenvalues_above(F, roundoff_tolerance(F) if tolerance is None else tolerance)
 
 
@@ -95,7 +103,7 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
     ``Fd`` alone when ``Fm is Fd``, B̃ = B), each ``(d, d)`` PSD, from the rows where known.
 
     All three are counted at one tolerance, the union's
-    :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`: by Weyl's inequality
+    [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]: by Weyl's inequality
     ``λ_i(Fd + Fm) ≥ λ_i(Fd)``, so ``rank(B ∪ B̃) ≥ max(rank B, rank B̃)``. (Each matrix at its own
     norm-relative tolerance breaks this: the sum's norm is larger, and a part's eigenvalues between
     its tolerance and the sum's count for the part but not for the union.)
@@ -105,7 +113,7 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
         Fm: B̃'s factor ``(d, d)`` (the same object for B̃ = B).
         rows: ``(B's rows, B̃'s rows)`` with ``XᵀX`` the factor, or None: a part with fewer rows
             than ``d`` is counted from its Gram matrix
-            (:func:`~laplace_debiased.curvature.linalg.row_rank`).
+            ([`row_rank`][laplace_debiased.curvature.linalg.row_rank]).
 
     Returns:
         ``(rank B, rank B̃, rank B ∪ B̃)``.
@@ -140,7 +148,7 @@ class FactorCoverage:
     @property
     def sample_limited_zeros(self) -> int:
         """The zero eigenvalues more samples would give curvature to: all of them if the factor is
-        :attr:`sample_limited`, else none."""
+        [`sample_limited`][laplace_debiased.computers.coverage.FactorCoverage.sample_limited], else none."""
         return self.zero_eigenvalues if self.sample_limited else 0
 
     @property
@@ -170,8 +178,10 @@ class BlockCoverage:
 
     @property
     def sample_limited_share(self) -> float:
-        """The part of :attr:`prior_only_share` that the structural zeros alone do not explain:
-        ``prior_only_share - (1 - Π (d - structural zeros) / Π d)`` over the factors."""
+        """The part of
+        [`prior_only_share`][laplace_debiased.computers.coverage.BlockCoverage.prior_only_share] that the
+        structural zeros alone do not explain: ``prior_only_share - (1 - Π (d - structural zeros) / Π d)``
+        over the factors."""
         structural = 1.0 - math.prod(f.dimension - f.structural_zeros for f in self.factors) / self.n_weights
         return max(self.prior_only_share - structural, 0.0)
 
@@ -191,7 +201,9 @@ class Coverage:
         return round(sum(b.prior_only_share * b.n_weights for b in self.blocks))
 
     def flagged(self, share: float = PRIOR_ONLY_WARN_SHARE) -> list[BlockCoverage]:
-        """Blocks whose :attr:`BlockCoverage.sample_limited_share` is at least ``share``."""
+        """Blocks whose
+        [`BlockCoverage.sample_limited_share`][laplace_debiased.computers.coverage.BlockCoverage.sample_limited_share]
+        is at least ``share``."""
         return [b for b in self.blocks if b.sample_limited_share >= share]
 
     def rows(self) -> list[dict]:
@@ -206,7 +218,7 @@ class Coverage:
         ]
 
     def markdown(self) -> str:
-        """A markdown table of :meth:`rows`."""
+        """A markdown table of [`rows`][laplace_debiased.computers.coverage.Coverage.rows]."""
         head = ("| layer | parameter | factor | dim. | rank B | rank B̃ | rank B ∪ B̃ | zero eigenvalues "
                 "| isotropically completed | prior-only weights [%] | of which sample-limited [%] |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|")
@@ -220,8 +232,9 @@ class Coverage:
 
     def advice(self) -> str:
         """The warning text for the flagged blocks ('' if none): per block its sample-limited
-        share and factors (:meth:`FactorCoverage.describe`), and what would help. The isotropic
-        completion is advised only when the fit does not use it."""
+        share and factors
+        ([`FactorCoverage.describe`][laplace_debiased.computers.coverage.FactorCoverage.describe]), and what
+        would help. The isotropic completion is advised only when the fit does not use it."""
         bad = self.flagged()
         if not bad:
             return ""
@@ -244,8 +257,9 @@ class Coverage:
 
 
 def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float) -> int:
-    """:func:`numerical_rank` ``(F, tolerance)``; from the rows ``X`` (``XᵀX = F``) when they are
-    fewer than ``F``'s dimension (:func:`~laplace_debiased.curvature.linalg.row_rank`)."""
+    """[`numerical_rank`][laplace_debiased.computers.coverage.numerical_rank] ``(F, tolerance)``; from the
+    rows ``X`` (``XᵀX = F``) when they are fewer than ``F``'s dimension
+    ([`row_rank`][laplace_debiased.curvature.linalg.row_rank])."""
     if X is not None and len(X) < F.shape[0]:
         return row_rank(X, F.dtype, tolerance)
     return numerical_rank(F, tolerance)
@@ -276,7 +290,7 @@ def coverage_record(
     direction_size: int,
     magnitude_size: int,
 ) -> Coverage:
-    """The :class:`Coverage` of a debiased K-FAC decomposition.
+    """The [`Coverage`][laplace_debiased.computers.coverage.Coverage] of a debiased K-FAC decomposition.
 
     Every argument but the keywords holds one entry per block (laplace-torch ``Kron.kfacs``
     layout: a weight block has 2 factors, a bias block 1).
@@ -291,7 +305,7 @@ def coverage_record(
             ``d`` of them, or ``r + 1`` for an implicit factor.
         names: ``(layer, parameter)`` per block.
         rows: Per block and factor ``(B's rows, B̃'s rows)`` or ``None`` (as for
-            :func:`~laplace_debiased.curvature.linalg.debiased_kron`): a factor with rows takes
+            [`debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron]): a factor with rows takes
             its ranks from the Gram matrices, one without from the factors. ``None``: no factor
             has rows.
         null_space: The treatment of B's null space, ``"isotropic"`` or ``"aligned"``.
@@ -320,7 +334,9 @@ def coverage_record(
 
 def report_coverage(coverage: Coverage) -> None:
     """Log the coverage (INFO, one line per block) and warn once per fit, naming the layers whose
-    sample-limited prior-only share reaches :data:`PRIOR_ONLY_WARN_SHARE` (:meth:`Coverage.advice`)."""
+    sample-limited prior-only share reaches
+    [`PRIOR_ONLY_WARN_SHARE`][laplace_debiased.computers.coverage.PRIOR_ONLY_WARN_SHARE]
+    ([`Coverage.advice`][laplace_debiased.computers.coverage.Coverage.advice])."""
     for b in coverage.blocks:
         dims = " x ".join(f"{f.factor} {f.dimension} (rank B {f.rank_direction}, B̃ {f.rank_magnitude}, "
                           f"B∪B̃ {f.rank_union}, zero {f.zero_eigenvalues}, completed {f.completed})" for f in b.factors)

@@ -3,10 +3,11 @@ the measured batch set, and a reducer.
 
 Per Linear/Conv2d block the eigenbasis ``Q = Q_G ⊗ Q_A`` is that of B's K-FAC factors and the
 eigenvalues ``Λ = diag(Qᵀ C_B̃ Q)`` are B̃'s exact GGN / empirical-Fisher curvature along it
-(:func:`~laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues`), scaled to ``N`` data
+([`measure_ekfac_eigenvalues`][laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues]), scaled to ``N``
+data
 points: ``N/|B̃|`` times the sum over B̃ (times the loss factor). The other blocks (embeddings,
 normalisation layers' dense blocks) get the debiased K-FAC blocks of B's and B̃'s factors
-(:func:`~laplace_debiased.curvature.linalg.debiased_kron`; a dense block's ``diag(Uᵀ G_B̃ U)`` is
+([`debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron]; a dense block's ``diag(Uᵀ G_B̃ U)`` is
 its exact EKFAC eigenvalue).
 
 Over several ranks rank 0 decomposes B's factors (already summed over the ranks) and every rank
@@ -74,8 +75,9 @@ class EKFACDecomposition:
 
 
 def kron_basis_on_rank0(kfacs: Kfacs, reducer: Reducer) -> Kfacs:
-    """The eigenvectors of every factor (:func:`~laplace_debiased.curvature.ekfac.kron_eigenbasis`),
-    computed on rank 0 and sent to every rank.
+    """The eigenvectors of every factor
+    ([`kron_eigenbasis`][laplace_debiased.curvature.ekfac.kron_eigenbasis]), computed on rank 0 and sent to
+    every rank.
 
     Args:
         kfacs: per block 1 or 2 square factors ``(d, d)``, of one dtype.
@@ -131,7 +133,8 @@ def decompose_ekfac(
         reducer: the ranks' collectives.
 
     Returns:
-        The :class:`EKFACDecomposition`, blocks in ``direction``'s order.
+        The [`EKFACDecomposition`][laplace_debiased.computers.ekfac.EKFACDecomposition], blocks in
+        ``direction``'s order.
     """
     pick = lambda blocks, want: [b for b, e in zip(blocks, extra) if e == want]  # noqa: E731
     basis, lams = iter([]), iter([])

@@ -4,10 +4,10 @@ plain functions of the factors.
 Per parameter block, the K-FAC factors ``[G, A]`` of the direction batch B give the
 eigenvectors and the factors ``[D, C]`` of the independent magnitude batch B̃ give the
 eigenvalues ``diag(U_Gᵀ D U_G)``, ``diag(U_Aᵀ C U_A)``
-(:func:`laplace_debiased.curvature.linalg.debiased_kron`); by the mixed-product rule these are
-exactly ``uᵀ(D ⊗ C)u`` for the eigenvectors ``u = u_G ⊗ u_A`` of ``G ⊗ A``. Directions that B
-does not distinguish (its null space, where a factor is wider than B) get their magnitude by
-the ``null_space`` rule (:mod:`laplace_debiased.curvature.completion`).
+([`laplace_debiased.curvature.linalg.debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron]); by the
+mixed-product rule these are exactly ``uᵀ(D ⊗ C)u`` for the eigenvectors ``u = u_G ⊗ u_A`` of ``G ⊗ A``.
+Directions that B does not distinguish (its null space, where a factor is wider than B) get their magnitude by
+the ``null_space`` rule ([`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion]).
 
 Scale convention (that of a laplace-torch ``KronLaplace`` fit over all ``N`` data): the factors
 of a batch set of ``m`` samples are ``G = N/m · Σ g gᵀ`` (output side, summed loss; bias blocks
@@ -50,7 +50,8 @@ class KronDecomposition:
             the corrected ones).
         swapped: the role-swapped decomposition (B̃'s eigenvectors, B's Rayleigh quotients) of a
             cross-fitted estimate, else ``None``.
-        coverage: what the first decomposition covers (:class:`~laplace_debiased.computers.coverage.Coverage`).
+        coverage: what the first decomposition covers
+            ([`Coverage`][laplace_debiased.computers.coverage.Coverage]).
         correction: what the corrected estimate changed, on rank 0 of a corrected fit, else ``None``.
     """
 
@@ -73,8 +74,8 @@ def combine_kfacs(old: Kfacs, new: Kfacs, n_old: int, n_new: int) -> Kfacs:
 def paired_rows(direction_rows: Rows | None, magnitude_rows: Rows | None
                 ) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None:
     """Per block and factor ``(B's rows, B̃'s rows)`` where both are known (the ``rows`` of
-    :func:`~laplace_debiased.curvature.linalg.debiased_kron` and
-    :func:`~laplace_debiased.computers.coverage.coverage_record`), ``None`` without rows."""
+    [`debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron] and
+    [`coverage_record`][laplace_debiased.computers.coverage.coverage_record]), ``None`` without rows."""
     if direction_rows is None or magnitude_rows is None:
         return None
     return [[None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
@@ -118,8 +119,8 @@ def decompose_two_batch(
             wider than its rows is decomposed through them, with an implicit null space.
         null_space: ``"isotropic"`` or ``"aligned"``, the treatment of B's null space.
         estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients), ``"corrected"`` or
-            ``"shrunk"`` (:mod:`laplace_debiased.curvature.corrected`; B̃ = B falls back to the
-            paper's, which is then stock K-FAC).
+            ``"shrunk"`` ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]; B̃ =
+            B falls back to the paper's, which is then stock K-FAC).
         cross_fit: also the role-swapped decomposition (``"paper"`` only).
         sizes: samples summed into B's and B̃'s factors.
         n_data: the training data B and B̃ were drawn from (finite-population scaling).
@@ -127,7 +128,7 @@ def decompose_two_batch(
         reducer: the ranks' collectives: rank 0 decomposes, every rank receives the result.
 
     Returns:
-        The :class:`KronDecomposition`.
+        The [`KronDecomposition`][laplace_debiased.computers.kron.KronDecomposition].
     """
     same = magnitude is direction
     correction = None

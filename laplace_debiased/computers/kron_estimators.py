@@ -1,12 +1,12 @@
 """Choosing and computing the two-batch K-FAC estimate of ``fit(estimator=...)`` for the
-debiased K-FAC Laplace classes (:mod:`laplace_debiased.structures.kron`).
+debiased K-FAC Laplace classes ([`laplace_debiased.structures.kron`][laplace_debiased.structures.kron]).
 
 ``"paper"``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al., ICLR 2025), with the
-null-space completion of :mod:`laplace_debiased.curvature.completion`. ``"corrected"``: the
-eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches measure
-against each other (:mod:`laplace_debiased.curvature.corrected`). ``"shrunk"``: the same, with each
-factor's correction kept in the measure that its bias, not its noise, dominates the single batch's
-error (the two orders' disagreement measures that noise; the default).
+null-space completion of [`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion].
+``"corrected"``: the eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches
+measure against each other ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]).
+``"shrunk"``: the same, with each factor's correction kept in the measure that its bias, not its noise,
+dominates the single batch's error (the two orders' disagreement measures that noise; the default).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ logger = logging.getLogger("laplace_debiased")
 #: the estimates ``fit(estimator=...)`` offers (module docstring)
 ESTIMATORS = ("paper", "corrected", "shrunk")
 
-#: the estimates on the eigenvectors of B ∪ B̃ (:mod:`laplace_debiased.curvature.corrected`)
+#: the estimates on the eigenvectors of B ∪ B̃
+#: ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected])
 CORRECTED = ("corrected", "shrunk")
 
 
@@ -40,13 +41,14 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
             ``offered`` has it (measured against the single batch, the paper's and the corrected
             estimate in docs/benchmarks.md), except that ``cross_fit=True`` or ``null_space="aligned"``
             (options of the paper's estimate) select ``"paper"``; ``"paper"`` elsewhere.
-        offered: the estimates the structure offers (:data:`ESTIMATORS` for ``debiased_kron``).
+        offered: the estimates the structure offers
+            ([`ESTIMATORS`][laplace_debiased.computers.kron_estimators.ESTIMATORS] for ``debiased_kron``).
         structure: the structure's name, for the error message.
         cross_fit: whether the fit also swaps the roles of B and B̃.
         null_space: the fit's null-space treatment (``"isotropic"`` or ``"aligned"``).
 
     Returns:
-        One of :data:`ESTIMATORS`.
+        One of [`ESTIMATORS`][laplace_debiased.computers.kron_estimators.ESTIMATORS].
 
     Raises:
         ValueError: ``estimator`` is not one of ``offered``, or ``"corrected"`` or ``"shrunk"`` is combined with
@@ -86,7 +88,7 @@ class Correction:
 
     Attributes:
         names: ``(layer, parameter)`` per block, in ``Kron`` block order.
-        factors: per block, one :class:`~laplace_debiased.curvature.corrected.FactorCorrection`
+        factors: per block, one [`FactorCorrection`][laplace_debiased.curvature.corrected.FactorCorrection]
             per factor (output factor first, then input; one for a single-factor block).
     """
 
@@ -102,7 +104,8 @@ class Correction:
                 for (layer, parameter), fs in zip(self.names, self.factors) for i, f in enumerate(fs)]
 
     def markdown(self) -> str:
-        """A Markdown table of :meth:`rows` in percent."""
+        """A Markdown table of [`rows`][laplace_debiased.computers.kron_estimators.Correction.rows] in
+        percent."""
         lines = ["| layer | parameter | factor | change of the single-batch spectrum [%] | ± s.e. [%] "
                  "| correction kept on the range [%] |",
                  "|---|---|---|---|---|---|"]
@@ -133,11 +136,13 @@ def corrected_decomposition(
     rows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
     shrink: bool = False,
 ) -> tuple[list, list, Correction | None]:
-    """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
-    ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known;
-    ``shrink``: the ``"shrunk"`` estimate), on rank 0
-    and broadcast (:func:`on_rank0`); returns ``(eigenvectors, eigenvalues, correction)`` with
-    rank 0's :class:`Correction` (``None`` on the other ranks), logged per block (``names``)."""
+    """[`corrected_kron`][laplace_debiased.curvature.corrected.corrected_kron] of B's and B̃'s K-FAC factors
+    (``sizes`` their samples, drawn from ``n_data`` training data; ``rows`` per block and factor B's and B̃'s
+    factor rows where known; ``shrink``: the ``"shrunk"`` estimate), on rank 0
+    and broadcast ([`on_rank0`][laplace_debiased.computers.kron_estimators.on_rank0]); returns
+    ``(eigenvectors, eigenvalues, correction)`` with rank 0's
+    [`Correction`][laplace_debiased.computers.kron_estimators.Correction] (``None`` on the other ranks),
+    logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:

@@ -1,10 +1,10 @@
 """K-FAC factors of several batch sets from shared forward/backward passes.
 
 The rows of B and B̃ (and of more batch sets) go through the model together and the factor
-sums are split by sample (:func:`laplace_debiased.curvature.kfac.group_kfac_sums`), so a
-two-batch fit at 2 × b/2 costs one pass over ``b`` rows like a single-batch fit at ``b``. Under
-an initialised ``torch.distributed`` group each rank passes its shard of every batch and the sums
-are added over the ranks.
+sums are split by sample
+([`laplace_debiased.curvature.kfac.group_kfac_sums`][laplace_debiased.curvature.kfac.group_kfac_sums]), so a
+two-batch fit at 2 × b/2 costs one pass over ``b`` rows like a single-batch fit at ``b``. Under an initialised
+``torch.distributed`` group each rank passes its shard of every batch and the sums are added over the ranks.
 
 Scale convention (that of a laplace-torch ``KronLaplace`` fit over all ``N`` data): a batch set
 of ``m`` samples gives ``G = N/m · Σ g gᵀ`` (output side, summed loss) and ``A = mean a aᵀ``
@@ -36,7 +36,8 @@ def _passes(
 ) -> Iterator[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]]:
     """Stack consecutive ``(batch, group)`` pieces into passes ``(X, y, segments)`` of at
     most ``max_rows`` rows (a piece never splits; dict batches pass one at a time), with
-    ``segments`` the ``(start, stop, group)`` row ranges of :func:`group_kfac_sums`."""
+    ``segments`` the ``(start, stop, group)`` row ranges of
+    [`group_kfac_sums`][laplace_debiased.curvature.kfac.group_kfac_sums]."""
     todo: list[tuple[Any, torch.Tensor, int]] = []
     for b, g in pieces:
         X, y = batch_inputs_targets(b, dict_key_x, dict_key_y)

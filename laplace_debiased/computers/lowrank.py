@@ -5,11 +5,12 @@ Both keep the eigenvectors ``U`` of the direction batch's curvature ``G_B`` and 
 eigenvalues on the independent magnitude batch B̃ as the Rayleigh quotients
 ``λ̃_i = u_iᵀ G_B̃ u_i``:
 
-- low rank (:func:`debiased_lowrank`): the top-``k`` eigenpairs of ``G_B``, the directions whose
-  ``λ̃`` is at most ``remeasured_rtol · max λ̃`` left out;
-- full (:func:`debiased_full`): every eigenvector of ``G_B`` with non-zero eigenvalue and, on
-  ``G_B``'s null space (projector ``Π = I − U Uᵀ``), the compression ``Π G_B̃ Π``:
-  ``H = U diag(λ̃) Uᵀ + Π G_B̃ Π`` (:func:`decompose_debiased_full`).
+- low rank ([`debiased_lowrank`][laplace_debiased.computers.lowrank.debiased_lowrank]): the top-``k``
+  eigenpairs of ``G_B``, the directions whose ``λ̃`` is at most ``remeasured_rtol · max λ̃`` left out;
+- full ([`debiased_full`][laplace_debiased.computers.lowrank.debiased_full]): every eigenvector of ``G_B``
+  with non-zero eigenvalue and, on ``G_B``'s null space (projector ``Π = I − U Uᵀ``), the compression
+  ``Π G_B̃ Π``: ``H = U diag(λ̃) Uᵀ + Π G_B̃ Π``
+  ([`decompose_debiased_full`][laplace_debiased.computers.lowrank.decompose_debiased_full]).
 
 Scale convention (that of a laplace-torch fit over ``N`` data): a batch set of ``m`` samples
 contributes ``N/m`` times the curvature of its summed loss. B̃ = B (``magnitude_batches=None``)
@@ -18,9 +19,10 @@ reduces both to their single-batch versions.
 Every batch list here holds this rank's rows only (all rows in one process); the curvatures
 and products of the ranks are added through the reducer, and what is decomposed is decomposed
 on rank 0 and sent to every rank, so every rank holds the same result. The dense curvature
-``G_B`` summed over the ranks is at most :data:`MAX_DISTRIBUTED_DENSE_BYTES`; beyond that, or
-with ``method="lanczos"``, the low-rank route runs Lanczos on rank 0 with every product
-``G_B v`` summed over the ranks.
+``G_B`` summed over the ranks is at most
+[`MAX_DISTRIBUTED_DENSE_BYTES`][laplace_debiased.computers.lowrank.MAX_DISTRIBUTED_DENSE_BYTES]; beyond that,
+or with ``method="lanczos"``, the low-rank route runs Lanczos on rank 0 with every product ``G_B v`` summed
+over the ranks.
 """
 
 from __future__ import annotations
@@ -160,11 +162,11 @@ def direction_eigenpairs(
 ) -> EigenPairs:
     """Top-``rank`` eigenpairs of ``G_B`` over every rank's rows of B (not rescaled), on every rank.
 
-    In one process: :func:`~laplace_debiased.curvature.eigen.top_eigenpairs` by ``method``. Over
+    In one process: [`top_eigenpairs`][laplace_debiased.curvature.eigen.top_eigenpairs] by ``method``. Over
     several ranks: the dense route on ``G_B`` summed over the ranks, decomposed on rank 0, or
     (``method="lanczos"``, or ``"auto"`` when the dense ``G_B`` exceeds
-    :data:`MAX_DISTRIBUTED_DENSE_BYTES`) Lanczos on rank 0 with every product ``G_B v`` summed
-    over the ranks.
+    [`MAX_DISTRIBUTED_DENSE_BYTES`][laplace_debiased.computers.lowrank.MAX_DISTRIBUTED_DENSE_BYTES]) Lanczos
+    on rank 0 with every product ``G_B v`` summed over the ranks.
 
     Args:
         source: the module and its curvature.
@@ -175,7 +177,7 @@ def direction_eigenpairs(
         reducer: the ranks' collectives.
 
     Returns:
-        float64 :class:`~laplace_debiased.curvature.thresholds.EigenPairs`, ``(r,)`` descending and
+        float64 [`EigenPairs`][laplace_debiased.curvature.thresholds.EigenPairs], ``(r,)`` descending and
         ``(P, r)`` with ``r ≤ rank``.
 
     Raises:
@@ -248,14 +250,16 @@ def debiased_lowrank(
         sizes: the samples of B and B̃ over all ranks.
         n_data: ``N``, the training data the curvature is scaled to.
         rank: the number ``k`` of eigenpairs of ``G_B`` asked for.
-        method: the route to them (:func:`direction_eigenpairs`).
+        method: the route to them
+            ([`direction_eigenpairs`][laplace_debiased.computers.lowrank.direction_eigenpairs]).
         eigval_rtol: B's eigenpairs with eigenvalue ``≤ eigval_rtol · λ_max`` are not selected.
         remeasured_rtol: directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are
             left out.
         reducer: the ranks' collectives.
 
     Returns:
-        The :class:`LowRankDecomposition`, scaled to ``n_data`` (``N/|B|`` and ``N/|B̃|``).
+        The [`LowRankDecomposition`][laplace_debiased.computers.lowrank.LowRankDecomposition], scaled to
+        ``n_data`` (``N/|B|`` and ``N/|B̃|``).
     """
     pairs = direction_eigenpairs(
         source, direction_batches, rank=rank, method=method, eigval_rtol=eigval_rtol, reducer=reducer
@@ -275,19 +279,20 @@ def decompose_debiased_full(
     """The debiased dense curvature from B's range eigenpairs and B̃'s curvature.
 
     ``H = U diag(λ̃) Uᵀ + Π G_B̃ Π`` with ``λ̃ = diag(Uᵀ G_B̃ U)`` and ``Π = I − U Uᵀ``
-    (:func:`~laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`), all float64.
+    ([`eigenbasis_debiased_curvature`][laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature]), all
+    float64.
 
     Args:
         pairs: the range of ``G_B``: ``(r,)`` non-zero eigenvalues, ``(P, r)`` orthonormal
             eigenvectors ``U`` (not rescaled).
         G_magnitude: ``G_B̃`` already scaled: ``None`` for B̃ = B (then ``H = G_B``), a factor
             ``V`` ``(P, M)`` with ``M < P`` and ``G_B̃ = V Vᵀ`` (then ``H`` comes as eigenpairs,
-            :func:`~laplace_debiased.curvature.eigen.factored_null_space_compression`), or the
-            dense ``(P, P)`` matrix (then ``H`` comes dense).
+            [`factored_null_space_compression`][laplace_debiased.curvature.eigen.factored_null_space_compression]),
+            or the dense ``(P, P)`` matrix (then ``H`` comes dense).
         scale_B: ``N/|B|``, the scale of B's eigenvalues.
 
     Returns:
-        The :class:`FullDecomposition`.
+        The [`FullDecomposition`][laplace_debiased.computers.lowrank.FullDecomposition].
     """
     U = pairs.vectors.double()
     values = pairs.values.double() * scale_B
@@ -317,7 +322,9 @@ def symmetric_outer(Q: Tensor, h: Tensor) -> Tensor:
 
 
 def _dense_debiased_full(pairs: EigenPairs, G_magnitude: Tensor | None, scale_B: float) -> list[Tensor]:
-    """``[B's eigenvalues, λ̃, H]`` of :func:`decompose_debiased_full` with ``H`` always dense."""
+    """``[B's eigenvalues, λ̃, H]`` of
+    [`decompose_debiased_full`][laplace_debiased.computers.lowrank.decompose_debiased_full] with ``H`` always
+    dense."""
     result = decompose_debiased_full(pairs, G_magnitude, scale_B)
     H = result.dense if result.dense is not None else symmetric_outer(*result.eigenpairs)
     return [result.direction_eigenvalues, result.eigenvalues, H]
@@ -344,10 +351,11 @@ def debiased_full(
     n_data: int,
     reducer: Reducer,
 ) -> FullDecomposition:
-    """The debiased dense curvature (:func:`decompose_debiased_full`) of B and B̃.
+    """The debiased dense curvature
+    ([`decompose_debiased_full`][laplace_debiased.computers.lowrank.decompose_debiased_full]) of B and B̃.
 
     In one process B's range eigenpairs come from ``VᵀV`` when ``|B|·C < P``
-    (:func:`~laplace_debiased.curvature.eigen.range_eigenpairs`) and B̃ enters through its factor
+    ([`range_eigenpairs`][laplace_debiased.curvature.eigen.range_eigenpairs]) and B̃ enters through its factor
     when ``|B̃|·C < P``. Over several ranks the dense ``G_B̃`` and ``G_B`` are summed over the
     ranks (in that order), rank 0 decomposes and every rank receives the dense ``H``.
 
@@ -360,7 +368,7 @@ def debiased_full(
         reducer: the ranks' collectives.
 
     Returns:
-        The :class:`FullDecomposition`, scaled to ``n_data``.
+        The [`FullDecomposition`][laplace_debiased.computers.lowrank.FullDecomposition], scaled to ``n_data``.
     """
     scale_B, scale_mag = n_data / sizes[0], n_data / sizes[1]
     G_mag = None if magnitude_batches is None else _magnitude_curvature(source, magnitude_batches, scale_mag, reducer)

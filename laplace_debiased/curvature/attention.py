@@ -10,7 +10,8 @@ projections and ``transformers``' GPT-2 ``Conv1D``.
 
 so both projections are linear layers applied at every token position with one shared weight.
 K-FAC treats them like ``nn.Linear`` on ``(n, T, in)`` inputs, with the convention the package's
-single-pass K-FAC (:mod:`laplace_debiased.curvature.kfac`) uses for every layer: **"expand"**
+single-pass K-FAC ([`laplace_debiased.curvature.kfac`][laplace_debiased.curvature.kfac]) uses for every layer:
+**"expand"**
 (Eschenhagen et al., NeurIPS 2023; curvlinops' ``kfac_approx="expand"``, laplace-torch's
 default). The token positions count as extra samples of the layer:
 
@@ -30,16 +31,16 @@ deep linear networks; the package does not implement "reduce".
 
 ``nn.MultiheadAttention`` calls ``F.multi_head_attention_forward`` with its weights, so no
 module hook sees the projections' inputs and outputs. During the K-FAC pass a forward hook
-re-evaluates the attention with :func:`attention_parts` (the formula above, the same masks and
-dropout) and returns its output instead, which exposes ``x``, ``z``, ``o`` and ``y`` to the
-hooks. Supported: self-attention (``query``, ``key`` and ``value`` the same tensor) with one
+re-evaluates the attention with [`attention_parts`][laplace_debiased.curvature.attention.attention_parts] (the
+formula above, the same masks and dropout) and returns its output instead, which exposes ``x``, ``z``, ``o``
+and ``y`` to the hooks. Supported: self-attention (``query``, ``key`` and ``value`` the same tensor) with one
 packed input projection, no ``add_bias_kv``, no ``add_zero_attn``
-(:func:`check_attention`).
+([`check_attention`][laplace_debiased.curvature.attention.check_attention]).
 
 **GPT-2 ``Conv1D``** is a transposed linear layer: ``weight`` ``(nx, nf)``, ``bias`` ``(nf,)``,
 ``y = x @ weight + bias``. It is recognised by its class name ``"Conv1D"`` with a 2-D
-``weight`` (:func:`is_conv1d`; ``transformers`` is never imported). Its K-FAC block is the
-``nn.Linear`` block with the two factors swapped, ``A ⊗ G`` in the order of
+``weight`` ([`is_conv1d`][laplace_debiased.curvature.attention.is_conv1d]; ``transformers`` is never
+imported). Its K-FAC block is the ``nn.Linear`` block with the two factors swapped, ``A ⊗ G`` in the order of
 ``weight.flatten()`` (input index slow), like an embedding.
 """
 
@@ -74,7 +75,8 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def check_attention(name: str, module: nn.MultiheadAttention) -> None:
-    """Raise a ``ValueError`` if the K-FAC of :func:`attention_parts` does not cover ``module``."""
+    """Raise a ``ValueError`` if the K-FAC of
+    [`attention_parts`][laplace_debiased.curvature.attention.attention_parts] does not cover ``module``."""
     unsupported = [
         what
         for what, present in (

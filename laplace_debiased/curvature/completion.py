@@ -5,18 +5,20 @@ rank at most ``|B|`` (times the spatial positions of a convolution). Its eigenva
 degenerate on its null space ``P`` (dimension ``d - rank``): ``eigh`` returns an arbitrary basis
 of it. Which directions inside ``P`` get which magnitude then has to be decided without B.
 
-``null_space="aligned"`` (:func:`laplace_debiased.curvature.linalg.debiased_factor`) rotates the
-basis of ``P`` to the eigenvectors of B̃'s factor compressed onto ``P`` and measures them on B̃:
+``null_space="aligned"``
+([`laplace_debiased.curvature.linalg.debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor])
+rotates the basis of ``P`` to the eigenvectors of B̃'s factor compressed onto ``P`` and measures them on B̃:
 there the directions are chosen *and* measured by the same batch, which brings back the
 same-batch bias the two-batch estimator removes (largest curvatures overestimated, smallest
 underestimated; exactly zero wherever B̃ does not reach either, so those weights keep the prior
 variance ``1/δ``).
 
-``null_space="isotropic"`` (:func:`isotropic_factor`, this module) gives every direction of a
-degenerate eigenspace ``P`` of B (dimension ``k``; a run of eigenvalues within the round-off
-tolerance of its smallest, :func:`~laplace_debiased.curvature.linalg.tied_groups`, so a dense
-stretch of small but distinct eigenvalues is not chained into the null space) the same eigenvalue, the mean Rayleigh quotient
-of B̃ over any orthonormal basis ``V_P`` of ``P``::
+``null_space="isotropic"`` ([`isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor], this
+module) gives every direction of a degenerate eigenspace ``P`` of B (dimension ``k``; a run of eigenvalues
+within the round-off tolerance of its smallest,
+[`tied_groups`][laplace_debiased.curvature.linalg.tied_groups], so a dense stretch of small but distinct
+eigenvalues is not chained into the null space) the same eigenvalue, the mean Rayleigh quotient of B̃ over any
+orthonormal basis ``V_P`` of ``P``::
 
     c_P = tr(V_Pᵀ C V_P) / k,
 
@@ -68,7 +70,7 @@ def isotropic_factor(
         direction: ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
         magnitude: ``(n, n)`` PSD factor of B̃, same layer and position.
         terms: samples summed into ``magnitude`` (its round-off tolerance,
-            :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`).
+            [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
     Returns:
         ``(U, lam)``: ``U (n, n)`` orthonormal eigenvectors of ``direction`` (ascending eigenvalues;
@@ -102,8 +104,9 @@ def nested_factor(
 
     B's eigenvectors ``u_i`` outside its null space keep the Rayleigh quotients of all of B̃,
     ``M = choose_share · choose + (1 − choose_share) · measure``; its other degenerate eigenspaces
-    get their mean (:func:`isotropic_factor`). Inside B's null space ``P`` (basis ``V_P``, ``k``
-    directions) the first part B̃₁ chooses and the second B̃₂ measures: the eigenvectors of
+    get their mean ([`isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor]). Inside B's
+    null space ``P`` (basis ``V_P``, ``k`` directions) the first part B̃₁ chooses and the second B̃₂ measures:
+    the eigenvectors of
     ``V_Pᵀ choose V_P`` with the Rayleigh quotients of ``V_Pᵀ measure V_P``, averaged over its
     degenerate groups, so B̃₂'s mean curvature on what B̃₁ does not see either.
     Every direction is chosen by data independent of the data measuring it, so each eigenvalue is
@@ -161,8 +164,9 @@ def debiased_factor_mode(
     Args:
         direction: B's ``(n, n)`` PSD factor.
         magnitude: B̃'s ``(n, n)`` PSD factor, same layer and position.
-        null_space: ``"isotropic"`` (:func:`isotropic_factor`) or ``"aligned"``
-            (:func:`~laplace_debiased.curvature.linalg.debiased_factor`).
+        null_space: ``"isotropic"``
+            ([`isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor]) or ``"aligned"``
+            ([`debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor]).
         terms: The samples summed into ``magnitude`` (its round-off tolerance).
 
     Returns:

@@ -139,7 +139,7 @@ def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: in
         magnitude: ``(d, d)`` PSD factor ``M`` of the independent batch that measures them, on
             the same scale as ``D``.
         terms: samples summed into ``M`` (its round-off tolerance,
-            :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`).
+            [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
     Returns:
         ``(d,)`` float64 gaps, averaged over each tied run of ``D``'s eigenvalues.
@@ -192,7 +192,7 @@ def corrected_factor(
     Returns:
         ``(U, lam, record)``: ``U (d, d)`` orthonormal eigenvectors of the pooled factor
         (ascending), ``lam (d,)`` the corrected eigenvalues, both in ``direction.dtype``, and
-        the :class:`FactorCorrection`.
+        the [`FactorCorrection`][laplace_debiased.curvature.corrected.FactorCorrection].
     """
     if direction.shape != magnitude.shape:
         raise ValueError(
@@ -215,13 +215,15 @@ def corrected_factor(
 
 def _gaps_from_rows(direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, int]:
-    """:func:`same_minus_cross` of ``D = XdᵀXd`` and ``M = XmᵀXm`` from their rows, without a
-    ``d × d`` matrix: ``(gaps (d,) float64 ascending, size of D's null group)``.
+    """[`same_minus_cross`][laplace_debiased.curvature.corrected.same_minus_cross] of ``D = XdᵀXd`` and
+    ``M = XmᵀXm`` from their rows, without a ``d × d`` matrix:
+    ``(gaps (d,) float64 ascending, size of D's null group)``.
 
-    ``D``'s spectrum is its Gram eigenvalues (:func:`~laplace_debiased.curvature.linalg.gram_eigenpairs`)
-    below ``d - k`` zeros; on the tied run holding the zeros (dimension ``s``, the complement ``P``
-    of the eigenvectors ``Q`` outside it) the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s`` with
-    ``‖Xm P‖_F² = ‖Xm‖_F² - ‖Xm Q‖_F²``, so its basis is never formed."""
+    ``D``'s spectrum is its Gram eigenvalues
+    ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]) below ``d - k`` zeros; on the
+    tied run holding the zeros (dimension ``s``, the complement ``P`` of the eigenvectors ``Q`` outside it)
+    the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s`` with ``‖Xm P‖_F² = ‖Xm‖_F² - ‖Xm Q‖_F²``, so its basis is
+    never formed."""
     d = direction_rows.shape[1]
     Xd, Xm = direction_rows.double(), magnitude_rows.double()
     L, E = gram_eigenpairs(Xd)
@@ -243,7 +245,8 @@ def corrected_factor_rows(
     direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, m_direction: int, m_magnitude: int,
     dtype: torch.dtype, n_data: int | None = None, shrink: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection] | None:
-    """:func:`corrected_factor` of a factor wider than its rows, through the rows (``O(d n²)``).
+    """[`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor] of a factor wider than its
+    rows, through the rows (``O(d n²)``).
 
     Args:
         direction_rows: ``(n_B, d)`` rows of B's factor ``D = XdᵀXd`` (its scaling).
@@ -251,16 +254,19 @@ def corrected_factor_rows(
         m_direction: samples in B.
         m_magnitude: samples in B̃.
         dtype: the dtype of the dense factors (round-off tolerances, the results).
-        n_data: the training-set size (finite-population scaling, :func:`corrected_factor`).
-        shrink: shrink the correction on the pooled range (:func:`corrected_factor`).
+        n_data: the training-set size (finite-population scaling,
+            [`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
+        shrink: shrink the correction on the pooled range
+            ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
 
     Returns:
         ``(Q, lam, record)``: ``Q (d, r)`` orthonormal eigenvectors of the pooled factor
         outside its null space (ascending), ``lam (r + 1,)`` their corrected eigenvalues and
-        last the one of the implicit complement ``I - QQᵀ``, and the :class:`FactorCorrection`;
-        equal to :func:`corrected_factor` on the dense factors to round-off. ``None`` if the
-        pooled null space reaches beyond a half's null run (then the complement would not be
-        isotropic; use the dense route).
+        last the one of the implicit complement ``I - QQᵀ``, and the
+        [`FactorCorrection`][laplace_debiased.curvature.corrected.FactorCorrection]; equal to
+        [`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor] on the dense factors to
+        round-off. ``None`` if the pooled null space reaches beyond a half's null run (then the complement
+        would not be isotropic; use the dense route).
     """
     n = m_direction + m_magnitude
     pooled_rows = torch.cat([direction_rows.double() * (m_direction / n) ** 0.5,
@@ -317,12 +323,14 @@ def corrected_kron(
     rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
     shrink: bool = False,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[FactorCorrection]]]:
-    """:func:`corrected_factor` for every factor of a layer-wise K-FAC approximation.
+    """[`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor] for every factor of a
+    layer-wise K-FAC approximation.
 
     A block's Kronecker eigenvalues are the products of its factors' corrected eigenvalues
     (each factor is corrected on its own). A factor whose rows are known and fewer than its
-    dimension goes through them (:func:`corrected_factor_rows`): its eigenvectors are then
-    ``(d, r)`` with one more eigenvalue, that of the implicit complement.
+    dimension goes through them
+    ([`corrected_factor_rows`][laplace_debiased.curvature.corrected.corrected_factor_rows]): its eigenvectors
+    are then ``(d, r)`` with one more eigenvalue, that of the implicit complement.
 
     Args:
         direction_kfacs: B's factors, one entry per parameter block in laplace-torch
@@ -331,13 +339,16 @@ def corrected_kron(
         m_direction: samples in B.
         m_magnitude: samples in B̃.
         terms: samples summed into the factors (round-off tolerance).
-        n_data: the training-set size the batches were drawn from (:func:`corrected_factor`).
+        n_data: the training-set size the batches were drawn from
+            ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
         rows: ``None``, or per block and factor ``(B's rows, B̃'s rows)`` (``F = XᵀX``) where known.
-        shrink: shrink each factor's correction on its pooled range (:func:`corrected_factor`).
+        shrink: shrink each factor's correction on its pooled range
+            ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
 
     Returns:
         ``(eigenvectors, eigenvalues, records)``, lists of lists per block and factor, the
-        first two ready for :class:`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`
+        first two ready for
+        [`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed]
         (for ``laplace.utils.matrix.KronDecomposed`` when every eigenvector matrix is square).
     """
     if len(direction_kfacs) != len(magnitude_kfacs):
@@ -360,8 +371,9 @@ def _corrected_route(
     direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
     m_direction: int, m_magnitude: int, terms: int, n_data: int | None, shrink: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
-    """:func:`corrected_factor_rows` where :func:`~laplace_debiased.curvature.linalg.through_rows`
-    (and it applies), else :func:`corrected_factor` on the dense factors."""
+    """[`corrected_factor_rows`][laplace_debiased.curvature.corrected.corrected_factor_rows] where
+    [`through_rows`][laplace_debiased.curvature.linalg.through_rows] (and it applies), else
+    [`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor] on the dense factors."""
     if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")

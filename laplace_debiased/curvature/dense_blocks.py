@@ -1,7 +1,8 @@
 """Curvature blocks for the layers K-FAC does not cover: normalisation affines and embeddings.
 
 Both are summed in the same forward/backward passes as the K-FAC factors
-(:func:`laplace_debiased.curvature.kfac.group_kfac_sums`); this module holds their maths.
+([`laplace_debiased.curvature.kfac.group_kfac_sums`][laplace_debiased.curvature.kfac.group_kfac_sums]); this
+module holds their maths.
 
 **Normalisation layers** (``BatchNorm1d/2d/3d``, ``LayerNorm``, ``GroupNorm``) in eval mode
 compute ``y = γ ∘ x̂ + β`` with ``x̂`` a function of the input alone (running statistics for
@@ -11,23 +12,26 @@ per-sample gradient of a scalar ``s_n`` of sample ``n`` w.r.t. the affine parame
 
     ∂s_n/∂γ = Σ_{positions} g_n ∘ x̂_n,        ∂s_n/∂β = Σ_{positions} g_n
 
-(:func:`norm_sample_grads`). With ``s_nc = f_n · S_n[:, c]`` for a square root
-``S_n S_nᵀ = Λ_n`` of the loss Hessian, ``v_nc = J_nᵀ S_n[:, c]`` and the **exact dense GGN
-block** of the layer's ``d`` trainable affine parameters (``d = 2C`` for ``C`` channels) is
+([`norm_sample_grads`][laplace_debiased.curvature.dense_blocks.norm_sample_grads]). With
+``s_nc = f_n · S_n[:, c]`` for a square root ``S_n S_nᵀ = Λ_n`` of the loss Hessian, ``v_nc = J_nᵀ S_n[:, c]``
+and the **exact dense GGN block** of the layer's ``d`` trainable affine parameters (``d = 2C`` for ``C``
+channels) is
 
     G = Σ_n J_nᵀ Λ_n J_n = Σ_n Σ_c v_nc v_ncᵀ        (d, d),
 
 parameter order ``[weight, bias]`` (``torch.nn.Module.parameters`` order). It is debiased like
-a one-factor K-FAC block (:func:`laplace_debiased.curvature.linalg.debiased_kron`): eigenvectors
-``U`` of ``G_B``, eigenvalues ``diag(Uᵀ G_B̃ U)``.
+a one-factor K-FAC block
+([`laplace_debiased.curvature.linalg.debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron]):
+eigenvectors ``U`` of ``G_B``, eigenvalues ``diag(Uᵀ G_B̃ U)``.
 
 **Embeddings** (``nn.Embedding``, weight ``(V, D)``) are a linear layer on one-hot inputs:
 ``out_t = Wᵀ e_{x_t}``. Their K-FAC block (convention "expand", tokens as positions ``t`` as
 for ``Linear`` on ``(n, T, in)``) is ``A ⊗ G`` in the order of ``weight.flatten()`` (vocabulary
 index slow): ``G = Σ_n Σ_t Σ_c g_ntc g_ntcᵀ`` ``(D, D)`` over the output gradients, and the
 input side ``A = Σ_n (1/T) Σ_t e_{x_nt} e_{x_nt}ᵀ`` is **diagonal** with the (per-sample
-averaged) token frequencies (:func:`embedding_input_sums`; tokens at ``padding_idx``, whose row
-gets no gradient, are not counted).
+averaged) token frequencies
+([`embedding_input_sums`][laplace_debiased.curvature.dense_blocks.embedding_input_sums]; tokens at
+``padding_idx``, whose row gets no gradient, are not counted).
 """
 
 from __future__ import annotations
@@ -94,9 +98,9 @@ def normalised_input(module: nn.Module, x: Tensor) -> Tensor:
 def norm_sample_grads(module: nn.Module, x_hat: Tensor, g: Tensor) -> Tensor:
     """Per-sample gradients ``(n, d)`` of the module's trainable affine parameters.
 
-    ``x_hat`` (:func:`normalised_input`) and ``g`` (gradient of a per-sample scalar w.r.t. the
-    layer output) share the output's shape ``(n, ...)``; the result concatenates
-    ``Σ g ∘ x̂`` (weight) and ``Σ g`` (bias), summed over every dimension the parameter is
+    ``x_hat`` ([`normalised_input`][laplace_debiased.curvature.dense_blocks.normalised_input]) and ``g``
+    (gradient of a per-sample scalar w.r.t. the layer output) share the output's shape ``(n, ...)``; the
+    result concatenates ``Σ g ∘ x̂`` (weight) and ``Σ g`` (bias), summed over every dimension the parameter is
     shared across (BatchNorm/GroupNorm: all but the channel dim 1; LayerNorm: all but the
     trailing ``normalized_shape``), for the trainable ones among ``[weight, bias]``."""
     if isinstance(module, nn.LayerNorm):
@@ -118,8 +122,9 @@ def embedding_input_sums(
     """``out[group] += Σ_{n ∈ segment} Σ_t w_nt e_{x_nt} e_{x_nt}ᵀ`` (a diagonal) per
     ``(start, stop, group)``; ``idx`` ``(n, ...)`` token indices, ``T`` the tokens per sample,
     ``out`` ``(n_groups, V, V)``, ``w_nt = position_weights`` ``(n, T)`` (default ``1/T``: padded
-    target positions get other weights, :func:`~laplace_debiased.curvature.kfac.position_weights`).
-    Tokens at ``padding_idx`` are not counted."""
+    target positions get other weights,
+    [`position_weights`][laplace_debiased.curvature.kfac.position_weights]). Tokens at ``padding_idx`` are not
+    counted."""
     if module.max_norm is not None:
         raise ValueError(
             "nn.Embedding with max_norm rescales its weight inside forward; its curvature is "

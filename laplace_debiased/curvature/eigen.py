@@ -22,10 +22,11 @@ approximation pass the last layer and batches of its input *features*.
 
 The routes to the top-k eigenpairs (``top_eigenpairs``):
 
-- ``"lanczos"``: :func:`lanczos_top_k` (``scipy.sparse.linalg.eigsh`` in float64, the one
-  Lanczos routine of the package, also used by the diagnostics) on the matrix-free curvlinops
-  GGN/EF operator of :func:`laplace_debiased.curvature.operators.curvature_linop` (mean loss, rescaled to
-  the summed loss; each product is one pass over the batches).
+- ``"lanczos"``: [`lanczos_top_k`][laplace_debiased.curvature.lanczos.lanczos_top_k]
+  (``scipy.sparse.linalg.eigsh`` in float64, the one Lanczos routine of the package, also used by the
+  diagnostics) on the matrix-free curvlinops GGN/EF operator of
+  [`laplace_debiased.curvature.operators.curvature_linop`][laplace_debiased.curvature.operators.curvature_linop]
+  (mean loss, rescaled to the summed loss; each product is one pass over the batches).
 - ``"gram"``: exact, through the low-rank structure (ViViT, Dangel et al. 2022): build ``V`` from
   per-sample Jacobians and diagonalise the small matrix — ``VᵀV`` (``n·R × n·R``) when that is
   smaller than ``P × P``, else ``V Vᵀ`` (for an ``nn.Linear``, ``V Vᵀ`` is formed from
@@ -39,9 +40,10 @@ vectorised with ``torch.func.vmap``): ``λ̃_i = Σ_n ‖A_nᵀ J_n u_i‖²``.
 Token outputs. A model may output ``(n, tokens, C)`` (any number of token dimensions) with every token an output
 of its own loss term (laplace-torch's LLM convention), targets ``(n, tokens)`` (class labels) or
 ``(n, tokens, C)``: ``J_n`` and ``Λ_n`` above are then per token, the sum runs over all
-``n·tokens`` *rows* of the outputs (:func:`laplace_debiased.curvature.kfac.output_rows`, the one
-flattening helper), and ``V`` has ``n·tokens·R`` columns. A sample is still a sequence:
-``N / n`` and ``count_samples`` count sequences.
+``n·tokens`` *rows* of the outputs
+([`laplace_debiased.curvature.kfac.output_rows`][laplace_debiased.curvature.kfac.output_rows], the one
+flattening helper), and ``V`` has ``n·tokens·R`` columns. A sample is still a sequence: ``N / n`` and
+``count_samples`` count sequences.
 
 Inputs and models. A batch's input ``X`` is a tensor or a mapping (a dict or a Hugging Face ``BatchEncoding``) that
 the model consumes whole, ``model(X)`` (laplace-torch's ``dict_key_x``/``dict_key_y``
@@ -54,10 +56,12 @@ the same columns ``J_nᵀ A_n`` (``per_sample_factor_columns``). Module backward
 computed and restored afterwards (``backward_hooks_detached``); outside a ``backpack(...)``
 context they do nothing, so nothing changes.
 
-Modules: :mod:`.inputs` (input plumbing), :mod:`.factors` (the Jacobian routes: ``V``, dense
-``G_B``, directional curvatures), :mod:`.lanczos` (the Lanczos route), :mod:`.thresholds`
-(:class:`EigenPairs` and which to keep); this module picks the route. Import each name from the
-module that defines it.
+Modules: [`inputs`][laplace_debiased.curvature.inputs] (input plumbing),
+[`factors`][laplace_debiased.curvature.factors] (the Jacobian routes: ``V``, dense ``G_B``, directional
+curvatures), [`lanczos`][laplace_debiased.curvature.lanczos] (the Lanczos route),
+[`thresholds`][laplace_debiased.curvature.thresholds]
+([`EigenPairs`][laplace_debiased.curvature.thresholds.EigenPairs] and which to keep); this module picks the
+route. Import each name from the module that defines it.
 """
 
 from __future__ import annotations
@@ -163,8 +167,9 @@ def _lanczos_unless_unsupported(
     n_out: int,
     fallback: bool,
 ) -> EigenPairs | None:
-    """:func:`summed_curvature_top_k`, or ``None`` (``fallback``: use the Gram route) when the model has an
-    operation without forward-mode AD, which curvlinops' products need; else a ``ValueError``."""
+    """[`summed_curvature_top_k`][laplace_debiased.curvature.lanczos.summed_curvature_top_k], or ``None``
+    (``fallback``: use the Gram route) when the model has an operation without forward-mode AD, which
+    curvlinops' products need; else a ``ValueError``."""
     try:
         return summed_curvature_top_k(model, batches, likelihood, curvature, rank, tol, n_out)
     except (NotImplementedError, RuntimeError) as err:
@@ -203,8 +208,8 @@ def top_eigenpairs(
         lanczos_tol: ``eigsh``'s relative accuracy (0 = machine precision).
 
     Returns:
-        float64 :class:`EigenPairs`: ``(r,)`` eigenvalues descending and ``(P, r)`` orthonormal
-        eigenvectors, ``r <= rank``.
+        float64 [`EigenPairs`][laplace_debiased.curvature.thresholds.EigenPairs]: ``(r,)`` eigenvalues
+        descending and ``(P, r)`` orthonormal eigenvectors, ``r <= rank``.
     """
     check_likelihood(likelihood)
     check_curvature(curvature)
@@ -237,18 +242,18 @@ def top_eigenpairs(
 def dense_top_eigenpairs(G: Tensor, rank: int, rtol: float = 0.0, method: str = "dense") -> EigenPairs:
     """Top-``rank`` eigenpairs of a dense symmetric ``G``, float64, descending.
 
-    The dense route of :func:`top_eigenpairs`, and the one a distributed fit takes on the
-    all-reduced ``G_B``.
+    The dense route of [`top_eigenpairs`][laplace_debiased.curvature.eigen.top_eigenpairs], and the one a
+    distributed fit takes on the all-reduced ``G_B``.
 
     Args:
         G: ``(P, P)`` symmetric matrix.
         rank: number of eigenpairs asked for.
         rtol: keep only eigenpairs with eigenvalue ``> rtol · λ_max`` and ``> 0``
-            (:func:`threshold_eigenpairs`).
+            ([`threshold_eigenpairs`][laplace_debiased.curvature.thresholds.threshold_eigenpairs]).
         method: the label of the route in the result.
 
     Returns:
-        float64 :class:`EigenPairs`, at most ``rank`` of them.
+        float64 [`EigenPairs`][laplace_debiased.curvature.thresholds.EigenPairs], at most ``rank`` of them.
     """
     dense = eigh_descending(G)
     return threshold_eigenpairs(EigenPairs(dense.values[:rank], dense.vectors[:, :rank], method), rtol)
@@ -274,15 +279,17 @@ def range_eigenpairs(
 
 def factor_columns(model: nn.Module, batches: Sequence[Batch], curvature: Curvature = "ggn") -> int:
     """Number of columns ``M = rows · R`` of the factor ``V`` of ``G_B = V Vᵀ``
-    (:func:`curvature_factor`): ``R`` = outputs for the GGN, 1 for the empirical Fisher."""
+    ([`curvature_factor`][laplace_debiased.curvature.factors.curvature_factor]): ``R`` = outputs for the GGN,
+    1 for the empirical Fisher."""
     n_out = output_width(model, batches)
     return count_rows(model, batches) * (n_out if curvature == "ggn" else 1)
 
 
 def dense_range_eigenpairs(G: Tensor) -> EigenPairs:
     """Eigenpairs of a dense symmetric ``G`` (``P × P``) with eigenvalue above round-off
-    (``> P · eps · λ_max``), float64, descending: the dense route of :func:`range_eigenpairs`,
-    and the one a distributed fit takes on the all-reduced ``G_B``."""
+    (``> P · eps · λ_max``), float64, descending: the dense route of
+    [`range_eigenpairs`][laplace_debiased.curvature.eigen.range_eigenpairs], and the one a distributed fit
+    takes on the all-reduced ``G_B``."""
     return dense_top_eigenpairs(G, G.shape[0], G.shape[0] * torch.finfo(torch.float64).eps)
 
 

@@ -6,7 +6,7 @@ basis direction, ``diag(Qᵀ C Q)``.  Debiased, the basis comes from the directi
 diagonal from the independent magnitude batch B̃ (Tatzel et al., ICLR 2025, Sec. 4.2 applied to
 EKFAC's eigenvectors).
 
-The conventions are those of :mod:`laplace_debiased.curvature.linalg`:
+The conventions are those of [`laplace_debiased.curvature.linalg`][laplace_debiased.curvature.linalg]:
 
 * Blocks follow laplace-torch's ``Kron`` layout, one per trainable parameter tensor: a weight
   block has eigenvectors ``[Q_G, Q_A]`` (output side ``(d_out, d_out)`` first, input side
@@ -29,7 +29,8 @@ The conventions are those of :mod:`laplace_debiased.curvature.linalg`:
   (``tokens`` passes over B̃).
 
 The per-sample rotation and squaring is curvlinops' EKFAC eigenvalue correction
-(:class:`curvlinops.EKFACLinearOperator`); :func:`measure_ekfac_eigenvalues` runs it on B̃ with
+(``curvlinops.EKFACLinearOperator``);
+[`measure_ekfac_eigenvalues`][laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues] runs it on B̃ with
 B's eigenvectors installed instead of the ones curvlinops would compute from B̃.
 """
 
@@ -136,7 +137,7 @@ def measure_ekfac_eigenvalues(
             model consumes); outputs ``(n, C)``, or ``(n, tokens, C)`` with every token a loss term
             (module docstring).
         eigenvectors: per parameter a list of blocks ``[[Q_G, Q_A], [Q_G], ...]`` (see
-            :func:`kron_eigenbasis`), e.g. from B.
+            [`kron_eigenbasis`][laplace_debiased.curvature.ekfac.kron_eigenbasis]), e.g. from B.
         fisher_type: a ``curvlinops.FisherType``: ``TYPE2`` (exact GGN), ``MC`` (sampled Fisher) or
             ``EMPIRICAL`` (empirical Fisher).
         mc_samples: samples per input for ``fisher_type=MC``.
@@ -188,7 +189,7 @@ def _per_token(
     """``[(model, batches)]`` for ``(n, C)`` outputs; for token outputs one
     ``(_TokenOutput(model, t), batches with their targets at t)`` per token position ``t``
     (batches with fewer tokens are left out of the later positions). The targets' shape is
-    checked against the model's outputs (:func:`~laplace_debiased.curvature.inputs.target_rows`)."""
+    checked against the model's outputs ([`target_rows`][laplace_debiased.curvature.inputs.target_rows])."""
     per_batch = [(X, *target_rows(model, X, y)) for X, y in batches]
     if all(len(shape) == 1 for _, _, shape in per_batch):
         kept = unpadded_samples([(X, y) for X, y, _ in per_batch])

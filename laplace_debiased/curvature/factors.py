@@ -1,7 +1,8 @@
-"""Jacobian routes of the eigen-structured curvature (:mod:`laplace_debiased.curvature.eigen`):
-the factor ``V`` with ``G_B = V Vᵀ`` from per-sample Jacobians (``torch.func`` or reverse mode
-per sample), the dense ``G_B``, and the curvature along given directions
-(``λ̃_i = Σ_n ‖A_nᵀ J_n u_i‖²``, forward-mode ``J u`` for a chunk of directions at once).
+"""Jacobian routes of the eigen-structured curvature
+([`laplace_debiased.curvature.eigen`][laplace_debiased.curvature.eigen]): the factor ``V`` with ``G_B = V Vᵀ``
+from per-sample Jacobians (``torch.func`` or reverse mode per sample), the dense ``G_B``, and the curvature
+along given directions (``λ̃_i = Σ_n ‖A_nᵀ J_n u_i‖²``, forward-mode ``J u`` for a chunk of directions at
+once).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def per_sample_factor_columns(
     model: nn.Module, X: Inputs, y: Tensor, likelihood: str, curvature: Curvature = "ggn"
 ) -> Iterator[Tensor]:
     """Reverse-mode route: for each sample ``n`` of the batch, the ``(P, T·R)`` block ``J_nᵀ A_n``
-    of the factor ``V`` (columns of :func:`curvature_factor`, model dtype; ``T`` tokens, 1
-    without).
+    of the factor ``V`` (columns of [`curvature_factor`][laplace_debiased.curvature.factors.curvature_factor],
+    model dtype; ``T`` tokens, 1 without).
 
     One forward of the sample alone (``take_rows``) and ``T·R`` backward passes of
     ``A_ntᵀ f_nt``; only plain autograd, so it works for mapping inputs and for operations
@@ -69,7 +70,7 @@ def output_curvature_factor(f: Tensor, y: Tensor, likelihood: str, curvature: Cu
 
     GGN: ``R = C`` (softmax cross-entropy: ``diag(√p) − p √pᵀ``, exact since ``Σ p = 1``;
     regression: identity); EF: ``R = 1``, ``√factor · ∇_f lossfunc``. A row whose class label is
-    ``-100`` (a padded position, :func:`~laplace_debiased.curvature.kfac.padded_rows`) has no
+    ``-100`` (a padded position, [`padded_rows`][laplace_debiased.curvature.kfac.padded_rows]) has no
     loss term: its factor is zero.
 
     Args:
@@ -109,7 +110,8 @@ def curvature_factor(
 
     Columns are ordered sample-major (``n`` outer, ``R`` inner). Per-sample Jacobians are built with
     ``vmap(jacrev)`` in chunks of at most ``max_chunk_elements`` Jacobian entries; mapping inputs
-    and models ``torch.func`` cannot transform take :func:`per_sample_factor_columns`.
+    and models ``torch.func`` cannot transform take
+    [`per_sample_factor_columns`][laplace_debiased.curvature.factors.per_sample_factor_columns].
     """
     columns = []
     with backward_hooks_detached(model):
@@ -123,7 +125,8 @@ def curvature_factor(
 def _batch_factor(
     model: nn.Module, X: Inputs, y: Tensor, likelihood: str, curvature: Curvature, max_chunk_elements: int
 ) -> list[Tensor]:
-    """Column blocks of ``V`` for one batch (see :func:`curvature_factor`)."""
+    """Column blocks of ``V`` for one batch (see
+    [`curvature_factor`][laplace_debiased.curvature.factors.curvature_factor])."""
     if not is_mapping(X):
         if X.is_floating_point():
             check_finite(X, "the inputs")
@@ -231,7 +234,8 @@ def directional_curvatures(
     directions at once (``vmap`` over ``jvp``), then ``λ̃_i += Σ_n ‖A_nᵀ J_n u_i‖²``.
     Same scaling as ``dense_curvature`` (summed loss over the batches, no ``N / n``). Mapping
     inputs, and models without forward-mode support, take the reverse-mode route instead:
-    ``λ̃_i += ‖(J_nᵀ A_n)ᵀ u_i‖²`` sample by sample (:func:`per_sample_factor_columns`).
+    ``λ̃_i += ‖(J_nᵀ A_n)ᵀ u_i‖²`` sample by sample
+    ([`per_sample_factor_columns`][laplace_debiased.curvature.factors.per_sample_factor_columns]).
     """
     check_likelihood(likelihood)
     check_curvature(curvature)
@@ -266,7 +270,8 @@ def _directional_functorch(
     curvature: Curvature,
     chunk_size: int,
 ) -> Tensor:
-    """One batch of :func:`directional_curvatures` by ``vmap`` over forward-mode ``jvp``."""
+    """One batch of [`directional_curvatures`][laplace_debiased.curvature.factors.directional_curvatures] by
+    ``vmap`` over forward-mode ``jvp``."""
     fn, _ = functional_model(model)
     k = U.shape[1]
     names = list(params)

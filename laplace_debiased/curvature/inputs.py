@@ -1,6 +1,7 @@
-"""Input plumbing of the eigen-structured curvature (:mod:`laplace_debiased.curvature.eigen`):
-batches of tensor or mapping inputs, their rows and output rows (token outputs), the trainable
-parameters, argument checks, and the hooks ``torch.func`` cannot trace.
+"""Input plumbing of the eigen-structured curvature
+([`laplace_debiased.curvature.eigen`][laplace_debiased.curvature.eigen]): batches of tensor or mapping inputs,
+their rows and output rows (token outputs), the trainable parameters, argument checks, and the hooks
+``torch.func`` cannot trace.
 
 A batch's input ``X`` is a tensor or a mapping (a dict or a Hugging Face ``BatchEncoding``) that
 the model consumes whole, ``model(X)`` (laplace-torch's ``dict_key_x``/``dict_key_y``
@@ -36,7 +37,7 @@ def loss_factor(likelihood: str) -> float:
 
 
 def check_likelihood(likelihood: str) -> None:
-    """Check that ``likelihood`` is one of :data:`LIKELIHOODS`.
+    """Check that ``likelihood`` is one of [`LIKELIHOODS`][laplace_debiased.curvature.inputs.LIKELIHOODS].
 
     Args:
         likelihood: laplace-torch's likelihood name.
@@ -49,7 +50,7 @@ def check_likelihood(likelihood: str) -> None:
 
 
 def check_curvature(curvature: str) -> None:
-    """Check that ``curvature`` is one of :data:`CURVATURES`.
+    """Check that ``curvature`` is one of [`CURVATURES`][laplace_debiased.curvature.inputs.CURVATURES].
 
     Args:
         curvature: ``"ggn"`` (generalised Gauss-Newton) or ``"ef"`` (empirical Fisher).
@@ -78,9 +79,10 @@ def functional_model(
     model: nn.Module, params: Sequence[Tensor] | None = None
 ) -> tuple[Callable[[dict[str, Tensor], Inputs], Tensor], dict[str, Tensor]]:
     """``(fn, θ)``: ``fn(θ, X) = model(X)`` as a pure function (``torch.func.functional_call``)
-    of the parameters ``params`` by name (default: the trainable ones, :func:`trainable_parameters`),
-    the other parameters and the buffers held at their current values; ``θ`` the detached
-    current values of ``params``, in their order."""
+    of the parameters ``params`` by name (default: the trainable ones,
+    [`trainable_parameters`][laplace_debiased.curvature.inputs.trainable_parameters]), the other parameters
+    and the buffers held at their current values; ``θ`` the detached current values of ``params``, in their
+    order."""
     if params is None:
         theta = trainable_parameters(model)
     else:
@@ -109,9 +111,10 @@ def _sample_output_shape(model: nn.Module, X: Inputs) -> tuple[int, ...]:
 
 
 def target_rows(model: nn.Module, X: Inputs, y: Tensor) -> tuple[Tensor, tuple[int, ...]]:
-    """The targets of a batch with one row per output row (:func:`output_rows`, which checks
-    their shape against the model's output), and the per-sample output shape
-    ``([tokens, ...,] C)``. One forward pass of a single sample."""
+    """The targets of a batch with one row per output row
+    ([`output_rows`][laplace_debiased.curvature.kfac.output_rows], which checks their shape against the
+    model's output), and the per-sample output shape ``([tokens, ...,] C)``. One forward pass of a single
+    sample."""
     shape = _sample_output_shape(model, X)
     proxy = torch.empty((), dtype=torch.float32, device=y.device).expand(len(y), *shape)
     return output_rows(proxy, y)[1], shape
@@ -124,7 +127,7 @@ def count_rows(model: nn.Module, batches: Sequence[Batch]) -> int:
 
 def unpadded_samples(batches: Sequence[tuple[Any, Tensor]]) -> list[tuple[Any, Tensor]]:
     """The batches without their samples whose target is a padded position (class label -100,
-    :func:`~laplace_debiased.curvature.kfac.padded_rows`; targets with one row per sample): those
+    [`padded_rows`][laplace_debiased.curvature.kfac.padded_rows]; targets with one row per sample): those
     have no loss term, so they add no curvature (curvlinops' loss-Hessian square root does not
     look at the label). A batch left without samples is dropped."""
     out = []
@@ -141,8 +144,9 @@ def unpadded_samples(batches: Sequence[tuple[Any, Tensor]]) -> list[tuple[Any, T
 class TokenRows(nn.Module):
     """``model`` on ``{"x": X, "rows": r}`` with its outputs ``(n, tokens, C)`` as the ``r``
     rows ``(r, C)``, so that curvlinops' losses see one row per loss term and weight a batch's
-    mean loss by its ``r`` rows (``batch_size_fn``, :func:`token_rows_batch_size`); with
-    ``"keep"`` (indices of the rows that are not padded positions) only those rows.
+    mean loss by its ``r`` rows (``batch_size_fn``,
+    [`token_rows_batch_size`][laplace_debiased.curvature.inputs.token_rows_batch_size]); with ``"keep"``
+    (indices of the rows that are not padded positions) only those rows.
 
     Args:
         model: a network with token outputs ``(n, tokens, C)``.
@@ -239,7 +243,8 @@ def functorch_unsupported(err: Exception) -> bool:
 
 
 def token_rows_batch_size(inputs: Mapping[str, Any]) -> int:
-    """curvlinops' ``batch_size_fn`` for the inputs of :class:`TokenRows`.
+    """curvlinops' ``batch_size_fn`` for the inputs of
+    [`TokenRows`][laplace_debiased.curvature.inputs.TokenRows].
 
     Args:
         inputs: ``{"x": X, "rows": r[, "keep": keep]}``.

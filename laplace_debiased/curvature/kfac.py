@@ -15,16 +15,17 @@ the convention of laplace-torch's default backend):
 * input side, per trainable weight: ``Σ_{n ∈ group} (1/T) Σ_t a_nt a_ntᵀ`` with ``T`` the
   number of positions (unfolded patches for ``Conv2d``; ``T = 1`` for ``Linear`` on
   ``(n, d_in)``, the tokens for ``Linear``, ``Conv1D`` and attention projections on
-  ``(n, T, d_in)``: :mod:`laplace_debiased.curvature.attention`).
+  ``(n, T, d_in)``: [`laplace_debiased.curvature.attention`][laplace_debiased.curvature.attention]).
 
 Both are *sums over the samples of a group*: dividing the input side by the group size gives
 the factor a backend call over that group returns, and sums from disjoint shards of a group
 (other passes, other processes) simply add up.
 
 With ``keep_rows=True`` the input side's rows ``a_nt / √T`` of each group are kept as well,
-while a layer has fewer rows than inputs ``d_in`` (:func:`input_factor_rows`): a factor of
-rank ``< d_in`` is then decomposed through its Gram matrix instead of its ``d_in × d_in`` sum
-(:func:`laplace_debiased.curvature.linalg.lowrank_debiased_factor`).
+while a layer has fewer rows than inputs ``d_in``
+([`input_factor_rows`][laplace_debiased.curvature.kfac.input_factor_rows]): a factor of rank ``< d_in`` is
+then decomposed through its Gram matrix instead of its ``d_in × d_in`` sum
+([`laplace_debiased.curvature.linalg.lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor]).
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def loss_hessian_sqrt_columns(f: torch.Tensor, likelihood: str) -> Iterator[torc
 
 
 def loss_hessian_sqrt(f: torch.Tensor, likelihood: str) -> torch.Tensor:
-    """The square root ``S_n`` of :func:`loss_hessian_sqrt_columns` as ``(n, C, C)``."""
+    """The square root ``S_n`` of
+    [`loss_hessian_sqrt_columns`][laplace_debiased.curvature.kfac.loss_hessian_sqrt_columns] as
+    ``(n, C, C)``."""
     return torch.stack(list(loss_hessian_sqrt_columns(f, likelihood)), dim=-1)
 
 
@@ -147,9 +150,9 @@ def _segment_sums(
 @torch.no_grad()
 def layer_positions(model: nn.Module, modules: Sequence[nn.Module], X: object) -> list[int]:
     """Per module (``nn.Linear``, ``nn.Conv2d``, GPT-2 ``Conv1D`` or an attention's
-    :class:`~laplace_debiased.curvature.attention.AttentionProjection`), the rows ``n · T`` that
-    one pass over ``X`` adds to its K-FAC sums: the samples ``n`` times the positions ``T`` of
-    the layer's output (:func:`_rows`; a convolution's output pixels, which are its unfolded
+    [`AttentionProjection`][laplace_debiased.curvature.attention.AttentionProjection]), the rows ``n · T``
+    that one pass over ``X`` adds to its K-FAC sums: the samples ``n`` times the positions ``T`` of
+    the layer's output (``_rows``; a convolution's output pixels, which are its unfolded
     input patches; the tokens, or any other dimensions between the batch and the feature
     dimension, of a ``Linear`` or ``Conv1D``; the tokens of the attention, for both of its
     projections, in either layout). The input-side sum of the pass is a sum of ``n · T`` outer
@@ -190,11 +193,11 @@ def _install_sum_hooks(
     kept: torch.Tensor | None = None,
 ) -> list:
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
-    (and keep its rows in ``into.input_rows`` where wanted, :func:`_keep_rows`) and hook the
+    (and keep its rows in ``into.input_rows`` where wanted, ``_keep_rows``) and hook the
     outputs so that every backward pass adds its output-gradient sums to ``into.output``;
     the projections of an ``nn.MultiheadAttention`` through one hook on the attention
-    (:func:`_install_attention_hooks`). A layer whose input holds the ``n_rows`` samples of the
-    pass along its second dimension is refused (:func:`_check_batch_first`). Returns the
+    (``_install_attention_hooks``). A layer whose input holds the ``n_rows`` samples of the
+    pass along its second dimension is refused (``_check_batch_first``). Returns the
     handles (remove them after the passes)."""
     x_hats: dict[int, torch.Tensor] = {}  # normalisation layers: x̂ of this pass
 
@@ -269,7 +272,7 @@ def _input_sums(
 ) -> None:
     """Add the input-side sums of module ``i``'s input ``a`` (``(n, ..., d_in)``, conv: the
     unfolded patches) per segment to ``into.input[i]``, keeping rows where wanted; padded
-    positions (``kept``, :func:`_position_weighted`) are left out."""
+    positions (``kept``, ``_position_weighted``) are left out."""
     a = _position_weighted(_patches(a, module), kept)
     _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
     if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
@@ -281,8 +284,8 @@ def _install_attention_hooks(
     on_output_grad: Callable[..., None], n_rows: int, kept: torch.Tensor | None = None,
 ) -> list:
     """One forward hook per ``nn.MultiheadAttention`` whose projections are among ``modules``
-    (:class:`~laplace_debiased.curvature.attention.AttentionProjection`): it re-evaluates the
-    attention with :func:`~laplace_debiased.curvature.attention.attention_parts`, adds the
+    ([`AttentionProjection`][laplace_debiased.curvature.attention.AttentionProjection]): it re-evaluates the
+    attention with [`attention_parts`][laplace_debiased.curvature.attention.attention_parts], adds the
     input-side sums of both projections, hooks their outputs with ``on_output_grad`` and
     returns the re-evaluated output in place of the module's."""
     slots: dict[int, dict[str, int]] = {}
@@ -348,11 +351,12 @@ def group_kfac_sums(
         model: maps ``X`` to outputs ``(n, C)``, or ``(n, tokens, C)`` with every token an output (its
             own loss term; targets ``(n, tokens)`` or ``(n, tokens, C)``); evaluated once, in its current
             mode.
-        modules: the curvature layers (:func:`laplace_debiased.curvature.layer_blocks.curvature_modules`) in
-            ``Kron`` block order; an ``Embedding``'s input side is its diagonal token-frequency sum, a
+        modules: the curvature layers
+            ([`laplace_debiased.curvature.layer_blocks.curvature_modules`][laplace_debiased.curvature.layer_blocks.curvature_modules])
+            in ``Kron`` block order; an ``Embedding``'s input side is its diagonal token-frequency sum, a
             normalisation layer's output side is its exact dense GGN block, without input side
-            (:mod:`~laplace_debiased.curvature.dense_blocks`); attention projections and ``Conv1D``:
-            :mod:`~laplace_debiased.curvature.attention`.
+            ([`dense_blocks`][laplace_debiased.curvature.dense_blocks]); attention projections and ``Conv1D``:
+            [`attention`][laplace_debiased.curvature.attention].
         X: stacked inputs of all rows of this pass.
         y: stacked targets of all rows of this pass.
         segments: ``(start, stop, group)`` row ranges of ``X`` and the group (``0 <= group <
@@ -409,8 +413,9 @@ IGNORE_INDEX = -100
 
 def padded_rows(targets: torch.Tensor) -> torch.Tensor:
     """Boolean mask of the rows whose target is a padded position: integer class labels equal to
-    :data:`IGNORE_INDEX`, which laplace-torch's ``CrossEntropyLoss`` leaves out of the loss
-    (all ``False`` for floating targets, which have no such label). Shape: ``targets.shape``
+    [`IGNORE_INDEX`][laplace_debiased.curvature.kfac.IGNORE_INDEX], which laplace-torch's ``CrossEntropyLoss``
+    leaves out of the loss (all ``False`` for floating targets, which have no such label). Shape:
+    ``targets.shape``
     for labels, ``targets.shape[:1]`` for floating targets."""
     if targets.is_floating_point():
         return torch.zeros(targets.shape[:1], dtype=torch.bool, device=targets.device)
@@ -418,8 +423,9 @@ def padded_rows(targets: torch.Tensor) -> torch.Tensor:
 
 
 def labelled_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`output_rows` without the rows of padded positions (class label -100,
-    :func:`padded_rows`): the rows a predictive metric scores, as ``CrossEntropyLoss`` does."""
+    """[`output_rows`][laplace_debiased.curvature.kfac.output_rows] without the rows of padded positions
+    (class label -100, [`padded_rows`][laplace_debiased.curvature.kfac.padded_rows]): the rows a predictive
+    metric scores, as ``CrossEntropyLoss`` does."""
     rows, targets = output_rows(f, y)
     padded = padded_rows(targets)
     if not padded.any():
@@ -429,7 +435,8 @@ def labelled_rows(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def kept_rows(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``values`` (leading dimension: one entry per row) with the rows of padded positions
-    (:func:`padded_rows` of ``targets``) set to zero, so that they add no curvature."""
+    ([`padded_rows`][laplace_debiased.curvature.kfac.padded_rows] of ``targets``) set to zero, so that they
+    add no curvature."""
     padded = padded_rows(targets)
     if not padded.any():
         return values
@@ -439,7 +446,7 @@ def kept_rows(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def kept_positions(targets: torch.Tensor, n: int) -> torch.Tensor | None:
     """Per sample, which of its output rows carry a loss term: ``(n, K)`` booleans for targets of
     ``n`` samples with ``K`` rows each (``K = 1`` without tokens), ``None`` when no row is padded
-    (:func:`padded_rows`)."""
+    ([`padded_rows`][laplace_debiased.curvature.kfac.padded_rows])."""
     padded = padded_rows(targets)
     if not padded.any():
         return None
@@ -462,9 +469,9 @@ def position_weights(kept: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Te
 
 
 def _position_weighted(a: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    """Layer inputs ``a`` ``(n, T, d)`` scaled by ``√(T w_nt)`` (:func:`position_weights`), so that
-    the ``1/T``-scaled sums and rows of the hooks carry the weights ``w_nt``; unchanged when
-    ``kept`` is ``None`` (no padding)."""
+    """Layer inputs ``a`` ``(n, T, d)`` scaled by ``√(T w_nt)``
+    ([`position_weights`][laplace_debiased.curvature.kfac.position_weights]), so that the ``1/T``-scaled sums
+    and rows of the hooks carry the weights ``w_nt``; unchanged when ``kept`` is ``None`` (no padding)."""
     if kept is None:
         return a
     T = a.shape[1]

@@ -1,7 +1,8 @@
-"""Lanczos route of the eigen-structured curvature (:mod:`laplace_debiased.curvature.eigen`):
-ARPACK's implicitly restarted Lanczos on any symmetric operator (:func:`lanczos_top_k`, the one
-Lanczos routine of the package, also used by the diagnostics) and the matrix-free summed-loss
-curvature product it runs on.
+"""Lanczos route of the eigen-structured curvature
+([`laplace_debiased.curvature.eigen`][laplace_debiased.curvature.eigen]): ARPACK's implicitly restarted
+Lanczos on any symmetric operator ([`lanczos_top_k`][laplace_debiased.curvature.lanczos.lanczos_top_k], the
+one Lanczos routine of the package, also used by the diagnostics) and the matrix-free summed-loss curvature
+product it runs on.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def lanczos_top_k(
 
     Args:
         operator: maps a flat ``(dim,)`` tensor of ``dtype`` on ``device`` to ``(dim,)`` (e.g. a
-            :class:`laplace_debiased.curvature.operators.CountingOperator`, or
-            ``linop.__matmul__`` of a curvlinops operator).
+            [`laplace_debiased.curvature.operators.CountingOperator`][laplace_debiased.curvature.operators.CountingOperator],
+            or ``linop.__matmul__`` of a curvlinops operator).
         dim: the dimension of the operator.
         k: number of eigenpairs, ``0 < k < dim`` (ARPACK's limit; form small operators densely).
         tol: ``eigsh``'s relative accuracy (0 = machine precision).
@@ -60,8 +61,9 @@ def lanczos_top_k(
         max_iterations: ``eigsh``'s ``maxiter``; default ARPACK's.
 
     Returns:
-        float64 :class:`EigenPairs` (``(k,)`` eigenvalues descending, ``(dim, k)`` orthonormal
-        eigenvectors, method ``"lanczos"``) on ``device``; no sign convention.
+        float64 [`EigenPairs`][laplace_debiased.curvature.thresholds.EigenPairs] (``(k,)`` eigenvalues
+        descending, ``(dim, k)`` orthonormal eigenvectors, method ``"lanczos"``) on ``device``; no sign
+        convention.
 
     Raises:
         ValueError: unless ``0 < k < dim``.
@@ -98,7 +100,8 @@ def summed_curvature_top_k(
     model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, k: int, tol: float, n_outputs: int
 ) -> EigenPairs:
     """Top-k eigenpairs of the summed-loss curvature ``G_B`` of ``batches``, matrix-free:
-    :func:`lanczos_top_k` on :func:`summed_curvature_product`.
+    [`lanczos_top_k`][laplace_debiased.curvature.lanczos.lanczos_top_k] on
+    [`summed_curvature_product`][laplace_debiased.curvature.lanczos.summed_curvature_product].
 
     Args:
         model: the network; its trainable parameters span the ``P`` dimensions.
@@ -110,8 +113,8 @@ def summed_curvature_top_k(
         n_outputs: the output width ``C``.
 
     Returns:
-        float64 :class:`EigenPairs`: ``(k,)`` eigenvalues descending, ``(P, k)`` orthonormal
-        eigenvectors, on the device of the model's parameters.
+        float64 [`EigenPairs`][laplace_debiased.curvature.thresholds.EigenPairs]: ``(k,)`` eigenvalues
+        descending, ``(P, k)`` orthonormal eigenvectors, on the device of the model's parameters.
     """
     product = summed_curvature_product(model, batches, likelihood, curvature, n_outputs)
     first = next(iter(trainable_parameters(model).values()))
@@ -122,15 +125,16 @@ def summed_curvature_product(
     model: nn.Module, batches: Sequence[Batch], likelihood: str, curvature: Curvature, n_outputs: int
 ) -> Callable[[Tensor], Tensor]:
     """``v ↦ G_B v`` (``(P,)`` in the model's dtype; the summed loss over ``batches``, the
-    scaling of :func:`dense_curvature`), matrix-free: each product is one pass over the batches.
-    No batches: the zero map.
+    scaling of [`dense_curvature`][laplace_debiased.curvature.factors.dense_curvature]), matrix-free: each
+    product is one pass over the batches. No batches: the zero map.
 
-    Built on :func:`laplace_debiased.curvature.operators.curvature_linop`, the curvature of the
-    **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` output rows (samples,
-    or every token of every sample for token outputs, :class:`TokenRows`); the summed
-    loss of this module (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with
-    ``scale = n`` (cross-entropy) or ``factor · n · C`` (``MSELoss`` averages over all ``n · C``
-    entries), ``C = n_outputs``.
+    Built on
+    [`laplace_debiased.curvature.operators.curvature_linop`][laplace_debiased.curvature.operators.curvature_linop],
+    the curvature of the **mean** loss (``CrossEntropyLoss()`` or ``MSELoss()``) over the ``n`` output rows
+    (samples, or every token of every sample for token outputs,
+    [`TokenRows`][laplace_debiased.curvature.inputs.TokenRows]); the summed loss of this module
+    (``factor · lossfunc(sum)``) has ``scale`` times that curvature, with ``scale = n`` (cross-entropy) or
+    ``factor · n · C`` (``MSELoss`` averages over all ``n · C`` entries), ``C = n_outputs``.
 
     Args:
         model: the network.

@@ -11,14 +11,15 @@
   ``(3E, E)``, ``in_proj_bias``) and its output projection (``out_proj``) as two linear layers
   over token positions, blocks as for ``nn.Linear``; GPT-2 ``Conv1D`` ``(nx, nf)``: a K-FAC
   block ``[A, G]`` (input factor first, the order of ``weight.flatten()``) and a bias block
-  ``[G]`` (:mod:`laplace_debiased.curvature.attention`);
+  ``[G]`` ([`laplace_debiased.curvature.attention`][laplace_debiased.curvature.attention]);
 * normalisation layers (BatchNorm, LayerNorm, GroupNorm): **one** dense block ``[G]`` over all
   their trainable affine parameters (weight and bias together, ``2C``), the exact GGN block
-  (:mod:`laplace_debiased.curvature.dense_blocks`).
+  ([`laplace_debiased.curvature.dense_blocks`][laplace_debiased.curvature.dense_blocks]).
 
 A dense normalisation block spans two parameter tensors, so blocks and parameter tensors no
-longer correspond one to one: :func:`block_spans` counts the parameter tensors per block and
-:func:`block_deltas` maps per-tensor prior precisions to their blocks.
+longer correspond one to one: [`block_spans`][laplace_debiased.curvature.layer_blocks.block_spans] counts the
+parameter tensors per block and [`block_deltas`][laplace_debiased.curvature.layer_blocks.block_deltas] maps
+per-tensor prior precisions to their blocks.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ __all__ = [
 ]
 
 #: Layers with curvature blocks (K-FAC, embedding K-FAC, dense normalisation blocks); besides
-#: these, ``nn.MultiheadAttention`` (as two :class:`AttentionProjection` layers) and GPT-2
-#: ``Conv1D`` (:func:`~laplace_debiased.curvature.attention.is_conv1d`).
+#: these, ``nn.MultiheadAttention`` (as two
+#: [`AttentionProjection`][laplace_debiased.curvature.attention.AttentionProjection] layers) and GPT-2
+#: ``Conv1D`` ([`is_conv1d`][laplace_debiased.curvature.attention.is_conv1d]).
 CURVATURE_LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, *NORM_LAYERS)
 
 
@@ -62,7 +64,8 @@ def is_extra(module: nn.Module) -> bool:
 
 def curvature_modules(root: nn.Module) -> list[nn.Module]:
     """The modules of ``root`` owning trainable parameters, in ``parameters()`` order; an
-    ``nn.MultiheadAttention`` stands as its :class:`AttentionProjection` layers (``in_proj``,
+    ``nn.MultiheadAttention`` stands as its
+    [`AttentionProjection`][laplace_debiased.curvature.attention.AttentionProjection] layers (``in_proj``,
     then ``out_proj``, those with trainable parameters).
 
     Raises a ``ValueError`` naming the first layer that has trainable parameters but no
@@ -71,8 +74,8 @@ def curvature_modules(root: nn.Module) -> list[nn.Module]:
 
 
 def named_curvature_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """:func:`curvature_modules` with their names (``"<attention>.in_proj"`` for an attention's
-    input projection)."""
+    """[`curvature_modules`][laplace_debiased.curvature.layer_blocks.curvature_modules] with their names
+    (``"<attention>.in_proj"`` for an attention's input projection)."""
     out, inside = [], set()
     for name, module in root.named_modules():
         if id(module) in inside:

@@ -16,11 +16,12 @@ Conventions:
   is linear in the magnitude matrix and invariant to the scale of the direction matrix.
 
 * Degenerate eigenspaces: eigenvalues of a factor ``F`` closer than
-  :func:`roundoff_tolerance` ``(F)`` (``10 · n · eps(F.dtype) · ‖F‖_F``) are indistinguishable
-  at the precision ``F`` was computed in, so ``eigh`` may return any basis of their span (the
-  null space of a rank-deficient factor, exactly repeated eigenvalues). Inside each such space
-  the basis is fixed by the magnitude factor (:func:`aligned_eigenbasis`), which makes every
-  debiased factor a function of the two matrices, not of ``eigh``'s choice.
+  [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] ``(F)``
+  (``10 · n · eps(F.dtype) · ‖F‖_F``) are indistinguishable at the precision ``F`` was computed in, so
+  ``eigh`` may return any basis of their span (the null space of a rank-deficient factor, exactly repeated
+  eigenvalues). Inside each such space the basis is fixed by the magnitude factor
+  ([`aligned_eigenbasis`][laplace_debiased.curvature.linalg.aligned_eigenbasis]), which makes every debiased
+  factor a function of the two matrices, not of ``eigh``'s choice.
 
 All computations run in float64; results are cast back to the dtype of the inputs.
 """
@@ -99,7 +100,8 @@ def roundoff_tolerance(C: torch.Tensor, terms: int = 0) -> float:
 
 
 def frobenius_tolerance(n: int, dtype: torch.dtype, frobenius: float) -> float:
-    """``ROUNDOFF_FACTOR * n * eps(dtype) * (frobenius + tiny(dtype))`` (:func:`roundoff_tolerance`).
+    """``ROUNDOFF_FACTOR * n * eps(dtype) * (frobenius + tiny(dtype))``
+    ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
     The ``tiny`` term (the smallest normal number) covers the absolute error ``eps · tiny`` of each
     operation under gradual underflow (Higham, *Accuracy and Stability of Numerical Algorithms*,
@@ -116,7 +118,8 @@ def clamp_roundoff_negatives(
 
     Args:
         values: eigenvalues / Rayleigh quotients ``(k,)`` of a matrix that must be PSD.
-        tolerance: non-negative round-off tolerance, e.g. from :func:`roundoff_tolerance`.
+        tolerance: non-negative round-off tolerance, e.g. from
+            [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance].
         name: what the values belong to (used in the error message).
 
     Raises:
@@ -146,7 +149,7 @@ def remeasure_eigenvalues(
         C: ``(n, n)`` PSD curvature of the independent batch B̃, same scale convention as wanted for the
             output.
         terms: outer products (samples) summed into ``C``: widens the round-off tolerance of the
-            negativity check (:func:`roundoff_tolerance`).
+            negativity check ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
         dtype: the dtype of the result (computed in float64 either way); default ``C.dtype``.
 
     Returns:
@@ -196,10 +199,11 @@ def degenerate_groups(eigenvalues: torch.Tensor, tolerance: float) -> list[slice
 def tied_groups(eigenvalues: torch.Tensor, tolerance: float) -> list[slice]:
     """Runs of ascending ``eigenvalues`` ``(n,)`` within ``tolerance`` of the run's smallest.
 
-    Returns slices covering ``0..n`` in order. Unlike :func:`degenerate_groups`, runs do not
+    Returns slices covering ``0..n`` in order. Unlike
+    [`degenerate_groups`][laplace_debiased.curvature.linalg.degenerate_groups], runs do not
     chain: each run's spread is at most ``tolerance``, so a dense stretch of small but distinct
     eigenvalues is not merged with B's null space. The isotropic completion averages over these
-    runs (:mod:`laplace_debiased.curvature.completion`).
+    runs ([`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion]).
     """
     groups: list[slice] = []
     start = 0
@@ -217,11 +221,12 @@ def aligned_eigenbasis(direction: torch.Tensor, magnitude: torch.Tensor) -> torc
     """Eigenvectors ``(n, n)`` (float64) of ``direction``, unique up to signs and ties in B̃.
 
     Eigenvectors of ``direction`` (B's factor, ascending eigenvalues); inside each degenerate
-    eigenspace (:func:`degenerate_groups` with :func:`roundoff_tolerance` of ``direction``) they
-    are rotated to the eigenvectors of ``magnitude`` (B̃'s factor) compressed onto that space,
-    so ``U diag(diag(Uᵀ magnitude U)) Uᵀ`` equals ``P magnitude P`` on each such space ``P``
-    (basis-free, as ``debiased_full`` treats B's null space). With ``magnitude == direction``
-    the rotation is a no-op up to round-off.
+    eigenspace ([`degenerate_groups`][laplace_debiased.curvature.linalg.degenerate_groups] with
+    [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] of ``direction``) they are
+    rotated to the eigenvectors of ``magnitude`` (B̃'s factor) compressed onto that space, so
+    ``U diag(diag(Uᵀ magnitude U)) Uᵀ`` equals ``P magnitude P`` on each such space ``P`` (basis-free, as
+    ``debiased_full`` treats B's null space). With ``magnitude == direction`` the rotation is a no-op up to
+    round-off.
     """
     check_square(direction, "direction curvature")
     check_square(magnitude, "magnitude curvature")
@@ -245,13 +250,14 @@ def debiased_factor(
     Args:
         direction: ``(n, n)`` PSD factor of batch B (only its eigenvectors are used).
         magnitude: ``(n, n)`` PSD factor of batch B̃ (same position in the same layer).
-        terms: samples summed into ``magnitude`` (its round-off tolerance, :func:`roundoff_tolerance`).
+        terms: samples summed into ``magnitude`` (its round-off tolerance,
+            [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
     Returns:
         ``(U, lam)``: ``U (n, n)`` eigenvectors of ``direction``
-            (:func:`aligned_eigenbasis`, in ``direction.dtype``); ``lam (n,)`` = ``diag(Uᵀ magnitude
-            U)``, so that ``U diag(lam) Uᵀ`` is the debiased factor. With ``magnitude == direction`` this
-            is the ordinary eigendecomposition.
+            ([`aligned_eigenbasis`][laplace_debiased.curvature.linalg.aligned_eigenbasis], in
+            ``direction.dtype``); ``lam (n,)`` = ``diag(Uᵀ magnitude U)``, so that ``U diag(lam) Uᵀ`` is the
+            debiased factor. With ``magnitude == direction`` this is the ordinary eigendecomposition.
     """
     if direction.shape != magnitude.shape:
         raise ValueError(
@@ -284,21 +290,23 @@ def debiased_kron(
         magnitude_kfacs: B̃'s factors, in the same layout.
         rows: ``None``, or per block and factor a pair ``(direction_rows, magnitude_rows)``: the rows of
             B's and B̃'s factor (``F = XᵀX``, same scaling as the dense factors) where known: a factor
-            with rows and ``n + m < d`` is decomposed through them (:func:`lowrank_debiased_factor` with
-            ``null_space``, ``O(d (n + m)²)``), its eigenvectors ``(d, r)`` with one more eigenvalue,
-            that of their complement (the implicit null space); every other factor densely (``factor``).
+            with rows and ``n + m < d`` is decomposed through them
+            ([`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] with
+            ``null_space``, ``O(d (n + m)²)``), its eigenvectors ``(d, r)`` with one more eigenvalue, that of
+            their complement (the implicit null space); every other factor densely (``factor``).
         factor: ``(direction, magnitude) -> (U, lam)`` for one dense factor; default
-            :func:`debiased_factor` (the isotropic null-space treatment is
-            :func:`laplace_debiased.curvature.completion.isotropic_factor`). It must treat B's null space
-            as ``null_space`` does, so that both routes give the same factor.
+            [`debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor] (the isotropic null-space
+            treatment is
+            [`laplace_debiased.curvature.completion.isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor]).
+            It must treat B's null space as ``null_space`` does, so that both routes give the same factor.
         null_space: ``"aligned"`` or ``"isotropic"``, the null-space treatment of the rows route
-            (:func:`lowrank_debiased_factor`).
+            ([`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor]).
 
     Returns:
         ``(eigenvectors, eigenvalues)``, lists of lists: ready for
             ``laplace.utils.matrix.KronDecomposed(eigenvectors, eigenvalues)`` when every eigenvector
             matrix is square, else for
-            :class:`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`.
+            [`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed].
 
     Raises:
         ValueError: if the two factor lists do not describe the same blocks (no layer is dropped).
@@ -326,7 +334,7 @@ def _debiased_block(
     factor: FactorRule,
     null_space: str,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(U, lam)`` per factor of block ``i`` (:func:`_debiased_factor_route`); errors name
+    """``(U, lam)`` per factor of block ``i`` (``_debiased_factor_route``); errors name
     the block and factor."""
     if len(F_dir) != len(F_mag) or len(F_dir) not in (1, 2):
         raise ValueError(
@@ -349,8 +357,9 @@ def _debiased_factor_route(
     factor: FactorRule,
     null_space: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`lowrank_debiased_factor` (with ``null_space``) where :func:`through_rows`, else
-    ``factor`` on the dense matrices."""
+    """[`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] (with
+    ``null_space``) where [`through_rows`][laplace_debiased.curvature.linalg.through_rows], else ``factor`` on
+    the dense matrices."""
     if through_rows(rows, direction.shape[0]):
         return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space)
     return factor(direction, magnitude)
@@ -389,8 +398,8 @@ def gram_eigenpairs(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def row_rank(X: torch.Tensor, dtype: torch.dtype, tolerance: float | None = None) -> int:
     """Number of eigenvalues of ``F = XᵀX`` above ``tolerance`` (default
-    :func:`roundoff_tolerance` ``(F)``, ``F`` held in ``dtype``), from the Gram matrix ``XXᵀ``
-    (same nonzero spectrum, ``O(d n²)``)."""
+    [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] ``(F)``, ``F`` held in
+    ``dtype``), from the Gram matrix ``XXᵀ`` (same nonzero spectrum, ``O(d n²)``)."""
     K = X.double() @ X.double().T
     tol = frobenius_tolerance(X.shape[1], dtype, float(torch.linalg.matrix_norm(K))) if tolerance is None else tolerance
     return eigenvalues_above(K, tol)
@@ -435,7 +444,8 @@ def _ritz(V: torch.Tensor, Xm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def _null_group_eigenpairs(V: torch.Tensor, Xm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Nonzero eigenpairs of ``P C P`` (``P = I - VVᵀ``, ``C = XmᵀXm``) in float64: the
     compression of B̃'s factor onto the complement of ``V`` (d, k), from the Gram matrix of
-    ``Xm P`` (:func:`gram_eigenpairs`), re-orthogonalised against ``V`` and Ritz-refined."""
+    ``Xm P`` ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]), re-orthogonalised
+    against ``V`` and Ritz-refined."""
     Y = Xm - (Xm @ V) @ V.T
     _, W = gram_eigenpairs(Y)
     W = torch.linalg.qr(W - V @ (V.T @ W)).Q
@@ -455,17 +465,19 @@ def lowrank_debiased_factor(
 
     ``direction_rows`` (n, d) and ``magnitude_rows`` (m, d) are the factors' rows (with the
     caller's scaling); ``dtype`` is the dtype the dense factors would have (it sets the
-    degeneracy tolerance of :func:`roundoff_tolerance`, with ``‖G‖_F = ‖XdXdᵀ‖_F``). B's
-    spectrum is the Gram eigenvalues (:func:`gram_eigenpairs`) plus ``d - k`` zeros, grouped by
-    :func:`degenerate_groups` as in the dense route; the group holding the zeros (with every
-    eigenvalue chained to it) is B's null group, of dimension ``d - r_B``.
+    degeneracy tolerance of [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance], with
+    ``‖G‖_F = ‖XdXdᵀ‖_F``). B's spectrum is the Gram eigenvalues
+    ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]) plus ``d - k`` zeros, grouped by
+    [`degenerate_groups`][laplace_debiased.curvature.linalg.degenerate_groups] as in the dense route; the
+    group holding the zeros (with every eigenvalue chained to it) is B's null group, of dimension ``d - r_B``.
 
-    * ``null_space="aligned"`` (:func:`debiased_factor`, to round-off): tied nonzero groups are
-      rotated to B̃'s compression (:func:`_ritz`); the null group carries the nonzero eigenpairs
-      of B̃'s factor compressed onto it (:func:`_null_group_eigenpairs`), 0 on the rest.
-    * ``null_space="isotropic"``: every group of :func:`tied_groups` (spread at most the
-      tolerance, not chained) gets the mean Rayleigh quotient of B̃ over it, ``tr(PCP)/dim P``;
-      on the null group ``‖Xm (I - QQᵀ)‖_F² / (d - r_B)``.
+    * ``null_space="aligned"`` ([`debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor], to
+      round-off): tied nonzero groups are rotated to B̃'s compression (``_ritz``); the null group carries the
+      nonzero eigenpairs of B̃'s factor compressed onto it (``_null_group_eigenpairs``), 0 on the rest.
+    * ``null_space="isotropic"``: every group of
+      [`tied_groups`][laplace_debiased.curvature.linalg.tied_groups] (spread at most the tolerance, not
+      chained) gets the mean Rayleigh quotient of B̃ over it, ``tr(PCP)/dim P``; on the null group
+      ``‖Xm (I - QQᵀ)‖_F² / (d - r_B)``.
 
     Cost ``O(d (n + m)²)``; results in ``dtype``.
     """

@@ -1,7 +1,8 @@
 """Mini-batch quadratics: curvature-vector products and gradients of the regularised loss.
 
-Convention (used by :mod:`laplace_debiased.optim.cg`, :mod:`laplace_debiased.optim.newton_cg` and the
-diagnostics): for a batch (or list of batches / loader) ``B`` with ``|B|`` data points in all,
+Convention (used by [`laplace_debiased.optim.cg`][laplace_debiased.optim.cg],
+[`laplace_debiased.optim.newton_cg`][laplace_debiased.optim.newton_cg] and the diagnostics): for a batch (or
+list of batches / loader) ``B`` with ``|B|`` data points in all,
 
     q(θ; B) = (1/|B|) Σ_{n∈B} ℓ(f_θ(x_n), y_n) + β/2 ‖θ‖²          (paper, Sec. 2)
 
@@ -41,7 +42,8 @@ Batch = tuple[Tensor | Mapping, Tensor]
 Data = Iterable[Batch]
 
 CURVATURES: tuple[str, ...] = ("ggn", "hessian", "ef", "kfac")
-"""Names accepted by :func:`curvature_operator` and :func:`mini_batch_quadratic`."""
+"""Names accepted by [`curvature_operator`][laplace_debiased.curvature.operators.curvature_operator] and
+[`mini_batch_quadratic`][laplace_debiased.curvature.operators.mini_batch_quadratic]."""
 
 
 class CountingOperator:
@@ -201,7 +203,8 @@ def curvature_operator(
     params: Sequence[nn.Parameter] | None = None,
     num_data: int | None = None,
 ) -> CurvatureOperator:
-    """Counting operator ``v ↦ (H_B + βI) v`` on flat vectors; see :func:`curvature_linop`."""
+    """Counting operator ``v ↦ (H_B + βI) v`` on flat vectors; see
+    [`curvature_linop`][laplace_debiased.curvature.operators.curvature_linop]."""
     linop = curvature_linop(model, loss_func, data, curvature, params, num_data)
     return CurvatureOperator(linop, beta)
 

@@ -1,5 +1,6 @@
-"""Eigenpairs of a curvature (:class:`EigenPairs`) and which of them to keep: eigenvalues above
-a floor relative to the largest, and re-measured directions with positive curvature.
+"""Eigenpairs of a curvature ([`EigenPairs`][laplace_debiased.curvature.thresholds.EigenPairs]) and which of
+them to keep: eigenvalues above a floor relative to the largest, and re-measured directions with positive
+curvature.
 """
 
 from __future__ import annotations

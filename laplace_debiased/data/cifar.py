@@ -14,10 +14,10 @@ Layouts read (directory names as in the official archives, under ``root``):
 Integrity: every file's size / record count is checked, the official md5 checksums are checked
 where they are published (the python version; no checksums are published for the files of the
 binary version), labels are range-checked, and a caller may pass its own checksum table.  Any
-failure raises :class:`DataIntegrityError` naming the file, what was expected and what was found;
-partial data is never returned.
+failure raises [`DataIntegrityError`][laplace_debiased.data.cifar.DataIntegrityError] naming the file, what
+was expected and what was found; partial data is never returned.
 
-Images come back as :class:`~laplace_debiased.data.images.ImageDataset` (uint8 ``(N, 32, 32, 3)``
+Images come back as [`ImageDataset`][laplace_debiased.data.images.ImageDataset] (uint8 ``(N, 32, 32, 3)``
 storage, normalised float tensors served), labels int64.  Get the data from
 https://www.cs.toronto.edu/~kriz/cifar.html (the python or the binary version), unpack the archive
 into a folder and point ``root`` (or the environment variable ``LAPLACE_DEBIASED_DATA``) at it.
@@ -174,7 +174,7 @@ def _uint8_dtype(spec, align=False, copy=False):
 
 
 class _NdarrayToken:
-    """Stands for ``numpy.ndarray`` inside a pickle: only :func:`_array_reconstruct` accepts it.
+    """Stands for ``numpy.ndarray`` inside a pickle: only ``_array_reconstruct`` accepts it.
 
     Handing out the real class would let a pickle call ``numpy.ndarray(shape, "f8")`` directly,
     an array of any dtype and size that no dtype filter sees.
@@ -191,7 +191,7 @@ def _array_reconstruct(cls, shape, typecode):
     """``_reconstruct`` for unpickling, admitting only what numpy itself writes.
 
     numpy pickles an array as ``_reconstruct(ndarray, (0,), b"b")`` and then sets shape, dtype
-    and bytes with ``__setstate__`` (where the dtype passes :func:`_uint8_dtype` and numpy checks
+    and bytes with ``__setstate__`` (where the dtype passes ``_uint8_dtype`` and numpy checks
     that the bytes fill the shape).  Any other shape or type code would build an array of another
     dtype, or allocate a declared size before a single byte is checked.
     """
@@ -209,8 +209,9 @@ class RestrictedUnpickler(pickle.Unpickler):
     """Unpickler for the CIFAR python version: dicts, lists, strings, ints and uint8 arrays only.
 
     Any global other than numpy's ndarray reconstruction (``os.system``, ``builtins.eval``,
-    ``subprocess.Popen``, ...) raises :class:`RefusedPickleContent` *before* it is looked up,
-    so it can never be called.
+    ``subprocess.Popen``, ...) raises
+    [`RefusedPickleContent`][laplace_debiased.data.cifar.RefusedPickleContent] *before* it is looked up, so it
+    can never be called.
     """
 
     _ALLOWED = {
@@ -231,7 +232,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def read_python_batch(path: Path) -> dict:
-    """Unpickle one python-version file with :class:`RestrictedUnpickler` (keys become ``str``)."""
+    """Unpickle one python-version file with
+    [`RestrictedUnpickler`][laplace_debiased.data.cifar.RestrictedUnpickler] (keys become ``str``)."""
     path = Path(path)
     if not path.is_file():
         raise DataIntegrityError(f"{path}: file not found.")
@@ -330,7 +332,8 @@ def read_cifar_arrays(
     Labels: int64 ``(N,)`` for CIFAR-10; int64 ``(N, 2)`` = (coarse, fine) for CIFAR-100.
 
     Args:
-        root: directory holding ``cifar-10-batches-bin`` etc.; ``None`` = :func:`default_data_root`.
+        root: directory holding ``cifar-10-batches-bin`` etc.; ``None`` =
+            [`default_data_root`][laplace_debiased.paths.default_data_root].
         split: ``"train"`` or ``"test"``.
         dataset: ``"cifar10"`` or ``"cifar100"``.
         fmt: ``"binary"`` (the official binary version), ``"python"`` (the pickled python
@@ -437,16 +440,19 @@ def load_cifar10(
     checksums: Mapping[str, str] | None = None,
     rows: range | None = None,
 ) -> ImageDataset:
-    """CIFAR-10 ``split`` as an :class:`ImageDataset` (50,000 train or 10,000 test images).
+    """CIFAR-10 ``split`` as an [`ImageDataset`][laplace_debiased.data.images.ImageDataset] (50,000 train or
+    10,000 test images).
 
     Args:
-        root: the data directory (:func:`read_cifar_arrays`).
+        root: the data directory ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
         split: ``"train"`` or ``"test"``.
         normalize: apply the standard CIFAR-10 per-channel mean/std.
-        fmt: the file layout (:func:`read_cifar_arrays`).
-        verify: the integrity check (:func:`read_cifar_arrays`).
-        checksums: expected checksums by file (:func:`read_cifar_arrays`).
-        rows: the records to read (:func:`read_cifar_arrays`); default all.
+        fmt: the file layout ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
+        verify: the integrity check ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
+        checksums: expected checksums by file
+            ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
+        rows: the records to read ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]);
+            default all.
 
     Returns:
         The images (uint8 storage, served as float tensors ``(3, 32, 32)``) and their labels.
@@ -473,17 +479,20 @@ def load_cifar100(
     checksums: Mapping[str, str] | None = None,
     rows: range | None = None,
 ) -> ImageDataset:
-    """CIFAR-100 ``split`` as an :class:`ImageDataset` (50,000 train or 10,000 test images).
+    """CIFAR-100 ``split`` as an [`ImageDataset`][laplace_debiased.data.images.ImageDataset] (50,000 train or
+    10,000 test images).
 
     Args:
-        root: the data directory (:func:`read_cifar_arrays`).
+        root: the data directory ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
         split: ``"train"`` or ``"test"``.
         label: ``"fine"`` (100 classes) or ``"coarse"`` (20 superclasses).
         normalize: apply the standard CIFAR-100 per-channel mean/std.
-        fmt: the file layout (:func:`read_cifar_arrays`).
-        verify: the integrity check (:func:`read_cifar_arrays`).
-        checksums: expected checksums by file (:func:`read_cifar_arrays`).
-        rows: the records to read (:func:`read_cifar_arrays`); default all.
+        fmt: the file layout ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
+        verify: the integrity check ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
+        checksums: expected checksums by file
+            ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
+        rows: the records to read ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]);
+            default all.
 
     Returns:
         The images (uint8 storage, served as float tensors ``(3, 32, 32)``) and their labels.
@@ -528,12 +537,12 @@ def cifar_splits(
     augmentation.
 
     Args:
-        root: the data directory (:func:`read_cifar_arrays`).
+        root: the data directory ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
         dataset: ``"cifar10"`` or ``"cifar100"`` (fine labels).
         n_val: number of validation images taken from the official training set.
         seed: seed of the validation subset.
         normalize: apply the data set's per-channel mean/std.
-        verify: the integrity check (:func:`read_cifar_arrays`).
+        verify: the integrity check ([`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]).
 
     Returns:
         ``{"train": ..., "val": ..., "test": ...}`` image data sets.

@@ -8,8 +8,9 @@ times).  Files are memory-mapped: selecting one severity of one corruption reads
 
 Integrity: each file's ``.npy`` header must give uint8 ``(50000, 32, 32, 3)`` (labels ``(50000,)``)
 and its size must match the header (a truncated file is refused).  The release publishes only the
-md5 of the tar archives (listed in :data:`ARCHIVE_MD5`), no per-file checksums, so per-file
-checksums are optional: pass ``checksums={"gaussian_noise.npy": "<md5 or sha256>", ...}``.
+md5 of the tar archives (listed in [`ARCHIVE_MD5`][laplace_debiased.data.cifar_c.ARCHIVE_MD5]), no per-file
+checksums, so per-file checksums are optional: pass
+``checksums={"gaussian_noise.npy": "<md5 or sha256>", ...}``.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ class CifarC:
         """The paper's mixed set: each test image once, with a corruption drawn uniformly.
 
         Image i gets corruption ``CORRUPTIONS[k_i]``, ``k = default_rng(seed).integers(0, 15,
-        n_test)`` see :func:`mixed_choice`), recorded in ``dataset.corruption_index``.
+        n_test)`` see [`mixed_choice`][laplace_debiased.data.cifar_c.mixed_choice]), recorded in ``dataset.corruption_index``.
         """
         s = _check_severity(severity)
         which = mixed_choice(self.n_test, seed)

@@ -1,7 +1,7 @@
 """CIFAR-10-C-style corruptions (Hendrycks & Dietterich, ICLR 2019) with numpy, scipy and Pillow.
 
-:func:`corrupt` applies one of the 15 standard corruptions at severity 1-5 to uint8 RGB images
-``(N, 32, 32, 3)`` with the parameters of the published **CIFAR-10-C** generator
+[`corrupt`][laplace_debiased.data.corruptions.corrupt] applies one of the 15 standard corruptions at severity
+1-5 to uint8 RGB images ``(N, 32, 32, 3)`` with the parameters of the published **CIFAR-10-C** generator
 (``make_cifar_c.py`` of hendrycks/robustness; not the ImageNet-C parameters).  Differences to the
 original, which used scikit-image, OpenCV, ImageMagick (wand) and photographs of frost:
 
@@ -20,8 +20,8 @@ original, which used scikit-image, OpenCV, ImageMagick (wand) and photographs of
   ``x[h, w] = x[h + dy, w + dx]`` with ``dx, dy`` in ``{-1, 0}``; the released files were made
   that way.
 * The random numbers come from ``numpy.random.default_rng`` (one stream per chunk of
-  :data:`CHUNK` images, seeded by ``(seed, chunk index)``), so results are deterministic given
-  the seed and the input but are not bit-identical to the released CIFAR-10-C files.
+  [`CHUNK`][laplace_debiased.data.corruptions.CHUNK] images, seeded by ``(seed, chunk index)``), so results
+  are deterministic given the seed and the input but are not bit-identical to the released CIFAR-10-C files.
 
 As in the original, float results in [0, 255] are truncated to uint8 (``np.uint8(...)``).
 """
@@ -364,14 +364,14 @@ def corrupt(images: np.ndarray, name: str, severity: int, seed: int = 0) -> np.n
 
     Args:
         images: uint8 ``(N, 32, 32, 3)`` or a single ``(32, 32, 3)`` image (channels last).
-        name: one of :data:`CORRUPTIONS`.
+        name: one of [`CORRUPTIONS`][laplace_debiased.data.corruptions.CORRUPTIONS].
         severity: 1 (mildest) to 5.
         seed: seed of the random draws (noise, angles, textures, displacements).
 
     Returns:
         uint8 array of the input's shape.  The same (images, name, severity, seed) always gives
-        the same output; images are processed in chunks of :data:`CHUNK`, chunk ``k`` with
-        ``numpy.random.default_rng([seed, k])``.
+        the same output; images are processed in chunks of [`CHUNK`][laplace_debiased.data.corruptions.CHUNK],
+        chunk ``k`` with ``numpy.random.default_rng([seed, k])``.
     """
     if name not in _FUNCTIONS:
         hint = " (an extra corruption: load it from released files)" if name in EXTRA_CORRUPTIONS else ""

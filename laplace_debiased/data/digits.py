@@ -30,8 +30,8 @@ def digits_splits(
     ``"val"`` and ``"test"``.  The default training set is small on purpose: the default MAP
     overfits it to near-zero training loss and is overconfident on the 1,000 test images, the
     regime where a Laplace approximation helps (see
-    :data:`laplace_debiased.evaluation.training.DIGITS_CONFIG`).  The same seed always gives the same split, so curvature computed over the
-    training set is reproducible.
+    [`laplace_debiased.evaluation.training.DIGITS_CONFIG`][laplace_debiased.evaluation.training.DIGITS_CONFIG]).
+    The same seed always gives the same split, so curvature computed over the training set is reproducible.
     """
     X, y = load_digits_tensors()
     if n_val < 0 or n_test < 0 or n_val + n_test >= len(y):

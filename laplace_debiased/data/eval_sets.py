@@ -5,21 +5,24 @@ joined by ``+``, ``all`` for the 15 standard or ``extra`` for the 4 extra ones; 
 
 ==========================================  =====================================================
 ``<ds>-test`` / ``<ds>-train`` / ``<ds>-val`` the clean test set; the 40k / 10k seeded split of the
-                                            training set (:func:`~.cifar.cifar_splits`)
+                                            training set
+                                            ([`cifar_splits`][laplace_debiased.data.cifar.cifar_splits])
 ``<ds>-c:[<dir>:]<corr>:<s>``               released CIFAR-C ``.npy`` files in ``<dir>`` (default
                                             ``<root>/CIFAR-10-C`` or ``<root>/CIFAR-100-C``)
 ``<ds>-c-mixed:<dir>:<s>``                  the paper's mixed set from the released files
-``<ds>-c-generated:[<corr>:]<s>``           test set corrupted by :func:`~.corruptions.corrupt`
+``<ds>-c-generated:[<corr>:]<s>``           test set corrupted by
+[`corrupt`][laplace_debiased.data.corruptions.corrupt]
                                             (``<corr>`` defaults to ``all``)
 ``<ds>-c-mixed:<s>``                        the mixed set, generated: each test image corrupted by
                                             one of the 15 corruptions drawn uniformly (seeded)
 ==========================================  =====================================================
 
-``root`` is the directory holding the clean data (see :func:`~.cifar.default_data_root`).
-Generated sets are cached under ``<cache dir>/corrupted/`` (``$LAPLACE_DEBIASED_CACHE``, default
-``~/.cache/laplace-debiased``) as one ``.npy`` per (corruption, severity) -- or per mixed set --
-plus a JSON sidecar holding its sha256, the generator parameters and a fingerprint of the clean
-images; a file whose hash does not match is regenerated (with a warning), never used.
+``root`` is the directory holding the clean data (see
+[`default_data_root`][laplace_debiased.paths.default_data_root]). Generated sets are cached under
+``<cache dir>/corrupted/`` (``$LAPLACE_DEBIASED_CACHE``, default ``~/.cache/laplace-debiased``) as one
+``.npy`` per (corruption, severity) -- or per mixed set -- plus a JSON sidecar holding its sha256, the
+generator parameters and a fingerprint of the clean images; a file whose hash does not match is regenerated
+(with a warning), never used.
 """
 
 from __future__ import annotations
@@ -68,13 +71,15 @@ def resolve_eval_set(
             ``"cifar10-c-generated:3"``, ``"cifar10-c-mixed:3"``.
         root: clean-data directory; ``None`` = ``$LAPLACE_DEBIASED_DATA`` or ``<cache>/data``.
         seed: seed of generated corruptions, of the mixed choice and of the train/val split.
-        cache_dir: where generated sets are cached (default :func:`default_cache_dir`).
-        verify: integrity level of the clean CIFAR files (see :func:`~.cifar.read_cifar_arrays`;
-            ``"structure"`` admits sub-sampled copies).
+        cache_dir: where generated sets are cached (default
+            [`default_cache_dir`][laplace_debiased.paths.default_cache_dir]).
+        verify: integrity level of the clean CIFAR files (see
+            [`read_cifar_arrays`][laplace_debiased.data.cifar.read_cifar_arrays]; ``"structure"`` admits
+            sub-sampled copies).
 
     Returns:
-        an :class:`ImageDataset`; CIFAR-C sets also carry ``corruption_names`` and
-        ``corruption_index`` (int64 per item).
+        an [`ImageDataset`][laplace_debiased.data.images.ImageDataset]; CIFAR-C sets also carry
+        ``corruption_names`` and ``corruption_index`` (int64 per item).
     """
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"Empty eval-set spec. {SPEC_HELP}")

@@ -1,12 +1,13 @@
 """Row shards of a training set: which rows a process loads, and a data set that holds only some.
 
-Under ``torchrun --nproc-per-node W`` rank ``r`` loads only the rows :func:`shard_range` ``(N, r,
-W)`` of the N training rows: contiguous blocks whose sizes are ``ceil(N/W)`` for the first ``N %
-W`` ranks and ``floor(N/W)`` for the others (``torch.tensor_split``'s rule), so every row is loaded
-by exactly one rank.  :class:`HeldRows` serves such a shard under the rows' global indices (its
-length is N, as a sampler over the whole set needs) together with any rows added later (the rows
-a rank's fits draw, sent by the ranks that own them: ``parallel.distributed.fetch_rows``).
-Asking it for a row it does not hold is an error that says so, never a silent substitute.
+Under ``torchrun --nproc-per-node W`` rank ``r`` loads only the rows
+[`shard_range`][laplace_debiased.data.shards.shard_range] ``(N, r, W)`` of the N training rows: contiguous
+blocks whose sizes are ``ceil(N/W)`` for the first ``N % W`` ranks and ``floor(N/W)`` for the others
+(``torch.tensor_split``'s rule), so every row is loaded by exactly one rank.
+[`HeldRows`][laplace_debiased.data.shards.HeldRows] serves such a shard under the rows' global indices (its
+length is N, as a sampler over the whole set needs) together with any rows added later (the rows a rank's fits
+draw, sent by the ranks that own them: ``parallel.distributed.fetch_rows``). Asking it for a row it does not
+hold is an error that says so, never a silent substitute.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def chunk_shard(n: int, chunk: int, rank: int, world: int) -> range:
     """The global indices of rank ``rank``'s rows among ``n`` rows read in chunks of ``chunk``
     (``range(0, n, chunk)``, the last one shorter), split over ``world`` ranks in whole chunks.
 
-    Rank ``rank`` gets the chunks :func:`shard_range` ``(⌈n/chunk⌉, rank, world)``, so every chunk
-    it reads is a chunk of the single-process pass, row for row; the ranges of ranks
-    ``0..world-1`` partition ``range(n)`` in order (a rank may get none).
+    Rank ``rank`` gets the chunks [`shard_range`][laplace_debiased.data.shards.shard_range]
+    ``(⌈n/chunk⌉, rank, world)``, so every chunk it reads is a chunk of the single-process pass, row for row;
+    the ranges of ranks ``0..world-1`` partition ``range(n)`` in order (a rank may get none).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be a positive integer, got {chunk}")
@@ -130,8 +131,8 @@ def _nbytes(obj: Any) -> int:
 
 def held_bytes(ds: Dataset) -> int:
     """Bytes of the array data a data set holds: the tensors of a ``TensorDataset``, the images
-    and labels of an ``ImageDataset``, and for :class:`HeldRows` its own rows plus its extra
-    items (tensors and arrays counted, Python objects not)."""
+    and labels of an ``ImageDataset``, and for [`HeldRows`][laplace_debiased.data.shards.HeldRows] its own
+    rows plus its extra items (tensors and arrays counted, Python objects not)."""
     if isinstance(ds, HeldRows):
         return held_bytes(ds.rows) + sum(_nbytes(item) for item in ds.extra.values())
     if isinstance(ds, TensorDataset):

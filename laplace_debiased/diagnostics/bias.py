@@ -10,10 +10,10 @@ and for a few source batches B
 * repeats the top-k measurement for growing batch sizes (same batch vs an independent batch vs
   full data), for the chosen curvature and for K-FAC (Fig. 17).
 
-Numbers are in :class:`BiasDiagnosis`; :mod:`laplace_debiased.diagnostics.report` turns them
-into plots, JSON and Markdown.  Costs are counted in curvature-vector products (one product =
-one vector times the curvature of one data set, whatever its size) and reported per data-set
-size.
+Numbers are in [`BiasDiagnosis`][laplace_debiased.diagnostics.bias.BiasDiagnosis];
+[`laplace_debiased.diagnostics.report`][laplace_debiased.diagnostics.report] turns them into plots, JSON and
+Markdown.  Costs are counted in curvature-vector products (one product = one vector times the curvature of one
+data set, whatever its size) and reported per data-set size.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ actual count is measured and reported."""
 
 @dataclass(frozen=True)
 class DiagnosisConfig:
-    """What :func:`diagnose_bias` measures (all part of the report).
+    """What [`diagnose_bias`][laplace_debiased.diagnostics.bias.diagnose_bias] measures (all part of the
+    report).
 
     Attributes:
         batch_size: The user's mini-batch size b.
@@ -115,7 +116,8 @@ class LadderRow:
 
 @dataclass
 class BiasDiagnosis:
-    """Everything :func:`diagnose_bias` measured (see the module docstring)."""
+    """Everything [`diagnose_bias`][laplace_debiased.diagnostics.bias.diagnose_bias] measured (see the module
+    docstring)."""
 
     config: DiagnosisConfig
     n_params: int
@@ -166,7 +168,8 @@ def default_ladder(batch_size: int, n_data: int) -> tuple[int, ...]:
 
 
 def n_stages(config: DiagnosisConfig, n_data: int) -> int:
-    """Number of ``progress`` calls :func:`diagnose_bias` makes (for a progress bar's total)."""
+    """Number of ``progress`` calls [`diagnose_bias`][laplace_debiased.diagnostics.bias.diagnose_bias] makes
+    (for a progress bar's total)."""
     n_sources = min(config.n_sources, n_data // config.batch_size)
     sizes = [s for s in (config.ladder or default_ladder(config.batch_size, n_data)) if s != config.batch_size]
     return 2 * n_sources + int(config.full_eigen) + len(sizes) + (1 + len(sizes)) * int(config.kfac)
@@ -199,8 +202,8 @@ def planned_products(config: DiagnosisConfig, n_data: int, n_params: int) -> dic
 
 def _studies(kind: str, sources: list[int], directions_of: Callable, counts: dict[int, int], label: str,
              partition, factory, full, say: Callable[[str], None]) -> list:
-    """One :func:`measure_study` per source batch ``s`` along ``directions_of(q_s, s)``, counting
-    the curvature products into ``counts``."""
+    """One [`measure_study`][laplace_debiased.diagnostics.measure.measure_study] per source batch ``s`` along
+    ``directions_of(q_s, s)``, counting the curvature products into ``counts``."""
     studies = []
     for s in sources:
         q = factory([partition[s]])

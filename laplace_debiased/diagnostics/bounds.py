@@ -54,7 +54,7 @@ def bottom_chain(batch_matrices: Tensor) -> Chain:
     """The mirrored statement for the smallest eigenvalue, returned with signs flipped.
 
     ``mean_m λ_min(H_{B_m}) ≤ λ_min(H_D) ≤ mean_m v^{(m)ᵀ} H_D v^{(m)}``; negating every side
-    turns it into a :class:`Chain` so that ``holds()`` checks it.
+    turns it into a [`Chain`][laplace_debiased.diagnostics.bounds.Chain] so that ``holds()`` checks it.
     """
     neg = top_k_chain(-batch_matrices, k=1)
     return Chain(neg.same_batch, neg.full_data, neg.cross)

@@ -28,7 +28,7 @@ def softmax_ggn_traces(gram: Tensor, probs: Tensor) -> Tensor:
 
     Args:
         gram: The logit Gram matrices, ``(n, C, C)`` (summed over parameter blocks, e.g.
-            :meth:`~laplace_debiased.posterior.jacobians.LayerJacobian.gram`).
+            [`gram`][laplace_debiased.posterior.jacobians.LayerJacobian.gram]).
         probs: The softmax outputs, ``(n, C)``.
 
     Returns:

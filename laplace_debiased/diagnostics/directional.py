@@ -77,7 +77,8 @@ def cg_step_sizes(initial_slopes: Tensor, gram: Tensor) -> tuple[Tensor, Tensor,
     """CG update magnitudes that data set S assigns along another batch's CG directions (Fig. 4).
 
     CG on batch B produced unit directions ``d_1..d_K``.  Moving along them from θ• with the
-    step sizes S prefers is debiased CG with B̃ = S (:func:`laplace_debiased.optim.cg.debiased_cg`):
+    step sizes S prefers is debiased CG with B̃ = S
+    ([`laplace_debiased.optim.cg.debiased_cg`][laplace_debiased.optim.cg.debiased_cg]):
 
         τ_p(S) = -s_p / c_p,   s_p = d_pᵀ ∇q(θ_p(S); S) = d_pᵀ g_S + Σ_{i<p} τ_i(S) d_pᵀ H_S d_i,
         c_p = d_pᵀ (H_S + βI) d_p,

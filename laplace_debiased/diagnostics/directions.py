@@ -1,11 +1,11 @@
 """Direction sets chosen on a batch B: top-k eigenvectors of an operator.
 
 Takes a symmetric operator ``v ↦ (H_B + βI) v`` on flat vectors (e.g. a
-:class:`laplace_debiased.curvature.operators.CurvatureOperator`, which also counts products) and returns
-unit-norm directions as the columns of a ``(P, K)`` matrix. The eigensolvers are
-:func:`~laplace_debiased.curvature.lanczos.lanczos_top_k` and
-:func:`~laplace_debiased.curvature.eigen.eigh_descending`; this module adds the choice between them and a
-sign convention.
+[`laplace_debiased.curvature.operators.CurvatureOperator`][laplace_debiased.curvature.operators.CurvatureOperator],
+which also counts products) and returns unit-norm directions as the columns of a ``(P, K)`` matrix. The
+eigensolvers are [`lanczos_top_k`][laplace_debiased.curvature.lanczos.lanczos_top_k] and
+[`eigh_descending`][laplace_debiased.curvature.eigen.eigh_descending]; this module adds the choice between
+them and a sign convention.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ def top_eigenpairs(
     """Top-k eigenpairs of a symmetric operator, largest first, in ``dtype``.
 
     ``operator`` maps ``(P,)`` to ``(P,)`` and ``(P, K)`` to ``(P, K)`` in ``dtype`` (the model's
-    dtype). Large problems use :func:`laplace_debiased.curvature.lanczos.lanczos_top_k` (float64 Lanczos, start
-    vector drawn from ``seed``, so results are reproducible); small ones (``dim ≤ DENSE_LIMIT`` or
-    ``k ≥ dim − 1``) are solved densely with ``dim`` products (one ``(P, P)`` block).
-    Eigenvector signs are fixed so that each vector's largest-magnitude entry is positive.
-    Returns :class:`~laplace_debiased.curvature.thresholds.EigenPairs` (``values (K,)``, ``vectors (P, K)``
+    dtype). Large problems use
+    [`laplace_debiased.curvature.lanczos.lanczos_top_k`][laplace_debiased.curvature.lanczos.lanczos_top_k]
+    (float64 Lanczos, start vector drawn from ``seed``, so results are reproducible); small ones
+    (``dim ≤ DENSE_LIMIT`` or ``k ≥ dim − 1``) are solved densely with ``dim`` products (one ``(P, P)``
+    block). Eigenvector signs are fixed so that each vector's largest-magnitude entry is positive. Returns
+    [`EigenPairs`][laplace_debiased.curvature.thresholds.EigenPairs] (``values (K,)``, ``vectors (P, K)``
     orthonormal, ``method`` ``"dense"`` or ``"lanczos"``) cast to ``dtype``.
     """
     if not 1 <= k <= dim:

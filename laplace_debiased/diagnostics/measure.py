@@ -1,10 +1,11 @@
 """Measure mini-batch quadratics along direction sets chosen on one batch of a partition.
 
 A *study* picks K unit directions on a source batch B (top-k eigenvectors or CG directions) and
-restricts the quadratic q(·; S) (mean loss + β/2‖θ‖², see :mod:`laplace_debiased.curvature.operators`) to
-their span on every batch S of an equal-size partition of the data and on the full data set:
-value q(θ•; S), slopes Dᵀg_S and the Gram matrix Dᵀ(H_S + βI)D.  Everything the report shows
-(curvatures, relative biases, CG step sizes, 2D slices, Eq. 5) is computed from these numbers.
+restricts the quadratic q(·; S) (mean loss + β/2‖θ‖², see
+[`laplace_debiased.curvature.operators`][laplace_debiased.curvature.operators]) to their span on every batch S
+of an equal-size partition of the data and on the full data set: value q(θ•; S), slopes Dᵀg_S and the Gram
+matrix Dᵀ(H_S + βI)D.  Everything the report shows (curvatures, relative biases, CG step sizes, 2D slices, Eq.
+5) is computed from these numbers.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ class DirectionStudy:
         kind: ``"eigen"`` (top-k eigenvectors of H_B + βI, largest first) or ``"cg"``.
         source: index of the direction batch B in the partition.
         directions: ``(P, K)`` unit columns.
-        batches: one :class:`Restriction` per batch of the partition (``batches[source]`` is B).
+        batches: one [`Restriction`][laplace_debiased.diagnostics.measure.Restriction] per batch of the
+            partition (``batches[source]`` is B).
         full: the restriction on the union of the partition — measured directly when
             ``eq5_residual`` is set, else the partition average (exact by Eq. 5).
         eq5_residual: largest relative deviation of the partition average from the directly
@@ -243,8 +245,9 @@ def eigen_directions(quadratic: MiniBatchQuadratic, k: int, seed: int = 0) -> Te
 def cg_directions(quadratic: MiniBatchQuadratic, steps: int) -> Tensor:
     """The first ``steps`` normalised CG directions ``(P, K)`` of the Newton system on B.
 
-    CG solves ``(H_B + βI) x = -g_B`` from x = 0 (:func:`laplace_debiased.optim.cg.cg`); it may stop
-    earlier (converged, or non-positive curvature), giving fewer columns.
+    CG solves ``(H_B + βI) x = -g_B`` from x = 0
+    ([`laplace_debiased.optim.cg.cg`][laplace_debiased.optim.cg.cg]); it may stop earlier (converged, or
+    non-positive curvature), giving fewer columns.
     """
     result = cg(quadratic.curvature, -quadratic.gradient, max_iter=steps, store_iterates=False)
     if result.n_iter == 0:

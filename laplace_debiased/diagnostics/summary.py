@@ -1,4 +1,4 @@
-"""Headline numbers of a :class:`~laplace_debiased.diagnostics.bias.BiasDiagnosis` (JSON-ready).
+"""Headline numbers of a [`BiasDiagnosis`][laplace_debiased.diagnostics.bias.BiasDiagnosis] (JSON-ready).
 
 Relative biases are ``(estimate - full) / |full|`` per direction; summaries are median and
 quartiles over directions and source batches (and, for independent batches, over all of them).

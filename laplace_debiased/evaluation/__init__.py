@@ -1,9 +1,11 @@
 """The predictive and its evaluation, and the main-job pipeline.
 
-* :mod:`.predictive` -- ``GridPredictive``: the linearized predictive over a prior-precision grid;
-* :mod:`.metrics` -- accuracy, NLL, ECE, Brier, OOD scores;
-* :mod:`.sweep` -- the resumable prior-precision sweep;
-* :mod:`.report` -- Markdown and HTML calibration reports;
-* :mod:`.models`, :mod:`.training` -- the small model zoo and cached MAP training;
-* :mod:`.pipeline` -- the main job (train, fit, sweep, report).
+* [`predictive`][laplace_debiased.evaluation.predictive] -- ``GridPredictive``: the linearized predictive over
+  a prior-precision grid;
+* [`metrics`][laplace_debiased.evaluation.metrics] -- accuracy, NLL, ECE, Brier, OOD scores;
+* [`sweep`][laplace_debiased.evaluation.sweep] -- the resumable prior-precision sweep;
+* [`report`][laplace_debiased.evaluation.report] -- Markdown and HTML calibration reports;
+* [`models`][laplace_debiased.evaluation.models], [`training`][laplace_debiased.evaluation.training] -- the
+  small model zoo and cached MAP training;
+* [`pipeline`][laplace_debiased.evaluation.pipeline] -- the main job (train, fit, sweep, report).
 """

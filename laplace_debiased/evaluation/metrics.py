@@ -4,12 +4,14 @@ All functions take ``probs`` of shape ``(N, C)`` (rows are probability vectors, 
 of a Laplace predictive or ``softmax`` of MAP logits) and integer labels ``y`` of shape ``(N,)``.
 Averages are over the N examples (the NLL is the *mean* negative log-likelihood, not the sum).
 
-Every in-distribution metric is a function of sums over the rows (:func:`classification_sums`,
-:func:`metrics_from_sums`), so a set evaluated in parts (one per process) gives its metrics from
-the added sums; the ECE bins are torchmetrics' (``multiclass_calibration_error``), summed in
-float64. The OOD-detection scores are torchmetrics' ranking metrics; the OOD score is the predictive
-entropy normalised by ``log C`` into ``[0, 1]``, because torchmetrics' binary metrics pass scores
-outside ``[0, 1]`` through a sigmoid, which would compress large entropies (``log 100 ≈ 4.6``).
+Every in-distribution metric is a function of sums over the rows
+([`classification_sums`][laplace_debiased.evaluation.metrics.classification_sums],
+[`metrics_from_sums`][laplace_debiased.evaluation.metrics.metrics_from_sums]), so a set evaluated in parts
+(one per process) gives its metrics from the added sums; the ECE bins are torchmetrics'
+(``multiclass_calibration_error``), summed in float64. The OOD-detection scores are torchmetrics' ranking
+metrics; the OOD score is the predictive entropy normalised by ``log C`` into ``[0, 1]``, because
+torchmetrics' binary metrics pass scores outside ``[0, 1]`` through a sigmoid, which would compress large
+entropies (``log 100 ≈ 4.6``).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ def _check(probs: torch.Tensor, y: torch.Tensor | None = None) -> None:
 def classification_sums(probs: torch.Tensor, y: torch.Tensor, n_bins: int = ECE_BINS) -> dict[str, torch.Tensor]:
     """The sufficient statistics of every in-distribution metric: sums over the rows, float64.
 
-    Sums of disjoint row sets add (:func:`add_sums`), so the metrics of a set split over several
-    processes are :func:`metrics_from_sums` of the sum of their parts, equal to those of the
-    whole set up to the round-off of the order of summation. No rows give zero sums.
+    Sums of disjoint row sets add ([`add_sums`][laplace_debiased.evaluation.metrics.add_sums]), so the metrics
+    of a set split over several processes are
+    [`metrics_from_sums`][laplace_debiased.evaluation.metrics.metrics_from_sums] of the sum of their parts,
+    equal to those of the whole set up to the round-off of the order of summation. No rows give zero sums.
 
     Args:
         probs: ``(N, C)`` probability rows.
@@ -77,8 +80,8 @@ def classification_sums(probs: torch.Tensor, y: torch.Tensor, n_bins: int = ECE_
 
 
 def add_sums(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The :func:`classification_sums` of the union of disjoint row sets, from theirs (added in
-    the order given)."""
+    """The [`classification_sums`][laplace_debiased.evaluation.metrics.classification_sums] of the union of
+    disjoint row sets, from theirs (added in the order given)."""
     if not parts:
         raise ValueError("give the sums of at least one row set")
     return {key: sum((part[key] for part in parts[1:]), parts[0][key]) for key in parts[0]}
@@ -92,8 +95,10 @@ def _nonempty(sums: dict[str, torch.Tensor]) -> float:
 
 
 def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Accuracy, mean NLL, ECE (l1, the bins of :func:`classification_sums`: ``Σ_k |correct_k -
-    confidence_k| / N``), mean Brier score and mean confidence from :func:`classification_sums`."""
+    """Accuracy, mean NLL, ECE (l1, the bins of
+    [`classification_sums`][laplace_debiased.evaluation.metrics.classification_sums]:
+    ``Σ_k |correct_k - confidence_k| / N``), mean Brier score and mean confidence from
+    [`classification_sums`][laplace_debiased.evaluation.metrics.classification_sums]."""
     n = _nonempty(sums)
     return {
         "accuracy": float(sums["correct"]) / n,
@@ -106,7 +111,8 @@ def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def reliability_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     """Per-bin mean confidence, accuracy and count for a reliability diagram, from
-    :func:`classification_sums`: its bins, confidence 1 in the last one; empty bins get NaN."""
+    [`classification_sums`][laplace_debiased.evaluation.metrics.classification_sums]: its bins, confidence 1
+    in the last one; empty bins get NaN."""
     _nonempty(sums)
 
     def merged(t: torch.Tensor) -> torch.Tensor:  # the bin of confidence 1 into the last
@@ -137,7 +143,8 @@ def nll(probs: torch.Tensor, y: torch.Tensor) -> float:
 
 def ece(probs: torch.Tensor, y: torch.Tensor, n_bins: int = ECE_BINS) -> float:
     """Expected calibration error (equal-width confidence bins, l1 norm): torchmetrics'
-    ``multiclass_calibration_error``, summed in float64 (:func:`classification_sums`)."""
+    ``multiclass_calibration_error``, summed in float64
+    ([`classification_sums`][laplace_debiased.evaluation.metrics.classification_sums])."""
     _check(probs, y)
     return metrics_from_sums(classification_sums(probs, y, n_bins))["ece"]
 
@@ -161,21 +168,24 @@ def reliability_bins(
 ) -> dict[str, list[float]]:
     """Per-bin mean confidence, accuracy and count for a reliability diagram.
 
-    The bins of :func:`ece` (confidence 1 in the last one); empty bins get NaN.
+    The bins of [`ece`][laplace_debiased.evaluation.metrics.ece] (confidence 1 in the last one); empty bins
+    get NaN.
     """
     _check(probs, y)
     return reliability_from_sums(classification_sums(probs, y, n_bins))
 
 
 def ood_scores(probs: torch.Tensor) -> torch.Tensor:
-    """The OOD score of every row, ``(N,)`` float32: :func:`normalized_entropy` (no rows: empty)."""
+    """The OOD score of every row, ``(N,)`` float32:
+    [`normalized_entropy`][laplace_debiased.evaluation.metrics.normalized_entropy] (no rows: empty)."""
     if probs.ndim == 2 and len(probs) == 0:
         return torch.empty(0)
     return normalized_entropy(probs).float()
 
 
 def ood_metrics_from_scores(scores_in: torch.Tensor, scores_out: torch.Tensor) -> dict[str, float]:
-    """:func:`ood_metrics` from the :func:`ood_scores` of the in-distribution rows and the OOD
+    """[`ood_metrics`][laplace_debiased.evaluation.metrics.ood_metrics] from the
+    [`ood_scores`][laplace_debiased.evaluation.metrics.ood_scores] of the in-distribution rows and the OOD
     rows (the scores of a set split over processes are the concatenation of theirs, in order)."""
     scores = torch.cat([scores_in, scores_out])
     target = torch.cat(

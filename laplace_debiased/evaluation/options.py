@@ -1,8 +1,9 @@
 """The main job's options: flags, defaults and ``--config`` files (torch-free, so ``--help`` is fast).
 
-Shared by ``laplace-debiased main`` and ``sweep`` (:mod:`laplace_debiased.evaluation.pipeline`
-runs them).  Defaults are applied in :func:`resolve_options`, not by argparse, so that a config
-file can supply any option and explicit flags still win.
+Shared by ``laplace-debiased main`` and ``sweep``
+([`laplace_debiased.evaluation.pipeline`][laplace_debiased.evaluation.pipeline] runs them).  Defaults are
+applied in [`resolve_options`][laplace_debiased.evaluation.options.resolve_options], not by argparse, so that
+a config file can supply any option and explicit flags still win.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ DEFAULTS: dict = {
     "lock_timeout": 0.0,
 }
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``main`` and ``sweep``.  Defaults are applied in :func:`resolve_options` (so that
-    a ``--config`` file can supply them and explicit flags still win)."""
+    """Flags of ``main`` and ``sweep``.  Defaults are applied in
+    [`resolve_options`][laplace_debiased.evaluation.options.resolve_options] (so that a ``--config`` file can
+    supply them and explicit flags still win)."""
     S = argparse.SUPPRESS
     d = DEFAULTS
     parser.add_argument("--config", default=S, help="JSON or TOML file whose keys mirror these flags")
@@ -167,7 +169,7 @@ def sweep_methods(opts: dict) -> list[tuple[str, str, int | None]]:
 
     With one batch size the key is the method's name (``kron_single``); with several, each
     mini-batch method is swept once per b under the key ``method@b<b>`` (``kron_single@b32``,
-    :func:`method_key`), the name its rows carry.
+    [`method_key`][laplace_debiased.evaluation.options.method_key]), the name its rows carry.
     """
     sizes = batch_sizes(opts)
     out: list[tuple[str, str, int | None]] = []
@@ -186,8 +188,8 @@ def method_key(method: str, b: int | None) -> str:
 
 
 def split_method_key(key: str) -> tuple[str, int | None]:
-    """The inverse of :func:`method_key`: ``"kron_single@b32"`` -> ``("kron_single", 32)``,
-    ``"kron_single"`` -> ``("kron_single", None)``."""
+    """The inverse of [`method_key`][laplace_debiased.evaluation.options.method_key]: ``"kron_single@b32"`` ->
+    ``("kron_single", 32)``, ``"kron_single"`` -> ``("kron_single", None)``."""
     method, sep, b = key.partition("@b")
     return (method, int(b)) if sep and b.isdigit() else (key, None)
 

@@ -6,7 +6,7 @@ command-line flags; ``--config FILE`` (JSON or TOML) supplies any of them under 
 
 ``--batch-size`` takes one batch size b or several.  Each mini-batch method below is fitted and
 evaluated at each b (the full-batch methods once); with several, its rows carry the name
-``method@b<b>`` (``kron_single@b32``, :func:`~laplace_debiased.evaluation.options.sweep_methods`),
+``method@b<b>`` (``kron_single@b32``, [`sweep_methods`][laplace_debiased.evaluation.options.sweep_methods]),
 with one the method's own name.  Every mini-batch row records its ``batch_size``.
 
 Methods (``--methods``), all over the weights chosen by ``--subset``:
@@ -16,15 +16,17 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
   (B chooses the eigenvectors, B̃ measures the eigenvalues);
 * ``kron_corrected``: the same two batches, ``fit(estimator="corrected")``: the eigenvectors of
   B ∪ B̃ with eigenvalues less the regression-to-the-mean gap the batches measure against each
-  other (:mod:`laplace_debiased.curvature.corrected`);
+  other ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]);
 * ``kron_shrunk``: the same two batches, ``fit(estimator="shrunk")`` (the default of ``fit``): the
   corrected estimate with each factor's correction shrunk by its noise;
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
 * ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
-  from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.structures.lowrank`);
+  from B (B̃ = B) or re-measured on B̃
+  ([`laplace_debiased.structures.lowrank`][laplace_debiased.structures.lowrank]);
 * ``ekfac_single`` / ``ekfac_debiased`` / ``ekfac_full``: as the ``kron_*`` methods with
   ``hessian_structure='debiased_ekfac'`` (K-FAC eigenbasis of B, the exact curvature along it
-  measured on B̃; :mod:`laplace_debiased.structures.ekfac`).  Opt-in, like low rank.
+  measured on B̃; [`laplace_debiased.structures.ekfac`][laplace_debiased.structures.ekfac]).  Opt-in, like low
+  rank.
 
 Each repeat draws fresh batches (seeded).  Digits evaluation sets: the validation split (for
 choosing the prior precision), the test split, the test split with Gaussian pixel noise of
@@ -33,27 +35,29 @@ severity 1-3 (σ = 0.1, 0.2, 0.4, clipped to [0, 1]) and, as OOD, the inverted t
 The prior precision is chosen per method on the validation split (lowest NLL with the first
 link), never on test.  When a choice lies on an edge of the grid, the grid grows by one step
 beyond that edge (the edge's own log spacing) and the sweep resumes, up to
-:data:`MAX_EXTENSIONS` times, so that the chosen value is interior.
+[`MAX_EXTENSIONS`][laplace_debiased.evaluation.pipeline.MAX_EXTENSIONS] times, so that the chosen value is
+interior.
 
 The output folder is locked while a run writes into it (a second run refuses, or waits up to
 ``--lock-timeout`` seconds).  ``options.json`` records every setting that changes the numbers
-(:data:`SETTINGS_KEYS`, the MAP training configuration and the :func:`software_versions`);
-resuming with other values, or into a folder that has results but no ``options.json``, is refused.
+([`SETTINGS_KEYS`][laplace_debiased.evaluation.pipeline.SETTINGS_KEYS], the MAP training configuration and the
+[`software_versions`][laplace_debiased.evaluation.pipeline.software_versions]); resuming with other values, or
+into a folder that has results but no ``options.json``, is refused.
 
 Under an initialised ``torch.distributed`` group (``torchrun --nproc-per-node W -m
-laplace_debiased ...``; every rank runs :func:`run_pipeline` with the same options) rank 0 alone
-locks the folder, checks ``options.json``, trains (or loads) the MAP model and sends its weights
+laplace_debiased
+...``; every rank runs [`run_pipeline`][laplace_debiased.evaluation.pipeline.run_pipeline] with the same options) rank 0 alone locks the folder, checks ``options.json``, trains (or loads) the MAP model and sends its weights
 to the other ranks; the sweep shards its (method, repeat) jobs over the ranks
-(:func:`~laplace_debiased.evaluation.sweep.run_sweep`), rank 0 writes every row and the report.
+([`run_sweep`][laplace_debiased.evaluation.sweep.run_sweep]), rank 0 writes every row and the report.
 Each rank loads only its rows ``shard_range(N, rank, W)`` of the training set
-(:mod:`laplace_debiased.data.shards`) and fetches from their owners the rows its own fits draw
-(:func:`fit_rows`, :func:`~laplace_debiased.parallel.distributed.fetch_rows`); rank 0 fetches
-every row only to train the MAP model on a cache miss.  Of every evaluation set each rank reads
-and predicts only its rows ``chunk_shard(n, --chunk-size, rank, W)``, for every fitted posterior;
-the metrics combine the ranks' sums (:func:`~laplace_debiased.evaluation.sweep.run_sweep`).
-The rows equal a single-process run's up to the round-off of adding the ranks' sums (the
-predictions of every row bitwise).  A failure on any rank raises on every rank
-(:func:`~laplace_debiased.parallel.distributed.gather_results`).
+([`laplace_debiased.data.shards`][laplace_debiased.data.shards]) and fetches from their owners the rows its
+own fits draw ([`fit_rows`][laplace_debiased.evaluation.pipeline.fit_rows],
+[`fetch_rows`][laplace_debiased.parallel.distributed.fetch_rows]); rank 0 fetches every row only to train the
+MAP model on a cache miss.  Of every evaluation set each rank reads and predicts only its rows
+``chunk_shard(n, --chunk-size, rank, W)``, for every fitted posterior; the metrics combine the ranks' sums
+([`run_sweep`][laplace_debiased.evaluation.sweep.run_sweep]). The rows equal a single-process run's up to the
+round-off of adding the ranks' sums (the predictions of every row bitwise).  A failure on any rank raises on
+every rank ([`gather_results`][laplace_debiased.parallel.distributed.gather_results]).
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def _held_train(n_full: int, load: Callable[[range | None], Dataset], opts: dict
     """The training set of this process: ``load(None)`` (cut to ``--train-size`` rows) in one
     process; under a process group of ``W`` ranks, rank ``r`` loads only its rows
     ``shard_range(N, r, W)`` (``load(rows)``), served under their global indices as
-    :class:`~laplace_debiased.data.shards.HeldRows` of length N."""
+    [`HeldRows`][laplace_debiased.data.shards.HeldRows] of length N."""
     from laplace_debiased.data.shards import HeldRows, shard_range
 
     rank, world = rank_world()
@@ -182,9 +186,9 @@ def _fit_loader(name: str, train: Dataset, opts: dict, repeat: int, b: int | Non
 def fit_rows(opts: dict, n: int, rank: int, world: int) -> list[int]:
     """The training rows that rank ``rank`` of ``world`` reads in its fits: those of the
     (method, repeat) jobs ``k`` with ``k % world == rank``, the sweep's job order
-    (:func:`~laplace_debiased.evaluation.sweep.run_sweep`; a method at each batch size,
-    :func:`~laplace_debiased.evaluation.options.sweep_methods`). Replays each job's seeded sampler
-    (:func:`_fit_loader`) over the row indices themselves: the loader's iterator draws its base
+    ([`run_sweep`][laplace_debiased.evaluation.sweep.run_sweep]; a method at each batch size,
+    [`sweep_methods`][laplace_debiased.evaluation.options.sweep_methods]). Replays each job's seeded sampler
+    (``_fit_loader``) over the row indices themselves: the loader's iterator draws its base
     seed from the generator before the sampler does, so the indices come from iterating the loader."""
     from itertools import islice
 
@@ -261,9 +265,9 @@ def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
     """Record the settings in ``out/options.json``, or refuse to resume under other ones.
 
     ``extra`` adds settings that are not options (the MAP training configuration).  The settings
-    include :func:`software_versions`: another release may give other numbers for the same row
-    keys, so its rows are not resumed either.  The caller holds the folder's lock; the file is
-    written to a temporary name and renamed.
+    include [`software_versions`][laplace_debiased.evaluation.pipeline.software_versions]: another release may
+    give other numbers for the same row keys, so its rows are not resumed either.  The caller holds the
+    folder's lock; the file is written to a temporary name and renamed.
     """
     path = Path(out) / "options.json"
     settings = json.loads(json.dumps({**{k: opts[k] for k in SETTINGS_KEYS}, **(extra or {}),
@@ -365,7 +369,8 @@ def _describe_eval_set(es: EvalSet, data: str) -> str:
 
 
 def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: str, n_params: int) -> dict:
-    """The run's setting in words, for the report (written to :data:`SETTING_NAME`)."""
+    """The run's setting in words, for the report (written to
+    [`SETTING_NAME`][laplace_debiased.evaluation.report.SETTING_NAME])."""
     data = {"digits": "scikit-learn 8x8 digits (embedded)", "cifar10": "CIFAR-10",
             "cifar100": "CIFAR-100"}[opts["data"]]
     return {
@@ -379,7 +384,7 @@ def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: st
 
 def _grid_extension(rows: list[dict], link: str) -> list[float]:
     """One new prior precision beyond each grid edge where a method's validation choice lies
-    (:meth:`~laplace_debiased.prior_grid.PriorGrid.extension`)."""
+    ([`extension`][laplace_debiased.prior_grid.PriorGrid.extension])."""
     from laplace_debiased.evaluation.report import chosen_prior_precisions
 
     val = next((r["eval_set"] for r in rows if r.get("kind") == "validation"), None)
@@ -410,7 +415,7 @@ def _map_model(model: torch.nn.Module, train: Dataset, config, tag: str, out: Pa
     receive its weights; returns the training set as rank 0 read it.
 
     Under a process group rank 0 first fetches the rows that the cache key reads
-    (:func:`~laplace_debiased.evaluation.training.fingerprint_rows`) and, on a cache miss
+    ([`fingerprint_rows`][laplace_debiased.evaluation.training.fingerprint_rows]) and, on a cache miss
     only, every row for the training (collective; the caller drops them again)."""
     from laplace_debiased.evaluation.training import fingerprint_rows, model_cache_path, train_map
 

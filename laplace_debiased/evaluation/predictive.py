@@ -3,7 +3,7 @@ laplace-torch posterior and forward-mode Jacobian-vector products, for posterior
 eigenbasis.
 
 The posterior maths (links, Jacobians, posterior structures, grid predictive, grid search) live
-in :mod:`laplace_debiased.posterior`.
+in [`laplace_debiased.posterior`][laplace_debiased.posterior].
 """
 
 from __future__ import annotations
@@ -51,5 +51,5 @@ def sampled_linearized_predictive(
     chunk_size: int = 256,
 ) -> Tensor:
     """Eq. 18 of Tatzel et al.: ``1/S Σ_s softmax(f(x) + J(x)(θ_s - θ*))``, shape ``(N, C)``
-    (see :func:`linearized_logit_samples`)."""
+    (see [`linearized_logit_samples`][laplace_debiased.evaluation.predictive.linearized_logit_samples])."""
     return torch.softmax(linearized_logit_samples(la, x, n_samples, generator, chunk_size), -1).mean(0)

@@ -6,9 +6,9 @@ likelihood's choice marked and its measured cost stated), NLL and ECE under shif
 (matplotlib, Agg backend, headless):
 
 * Figure-6 style: accuracy / NLL / ECE on the test set vs δ, and a table of each mini-batch
-  LA's largest gap to its full-batch reference over the grid (:mod:`.tracking`), one line per method (mean over
-  repeats, min-max band), MAP as a horizontal line, full-batch methods as markers; one figure per
-  link approximation;
+  LA's largest gap to its full-batch reference over the grid
+  ([`tracking`][laplace_debiased.evaluation.tracking]), one line per method (mean over repeats, min-max band),
+  MAP as a horizontal line, full-batch methods as markers; one figure per link approximation;
 * where on the grid each mini-batch LA errs: its signed test-NLL gap to the full batch vs δ (mean
   over draws, ±1 standard-error band), one panel per batch size, and per method the δ at which
   each draw's gap is largest;
@@ -37,8 +37,8 @@ import numpy as np
 from laplace_debiased.prior_grid import PriorGrid, check_criterion, choose_prior_precision
 from laplace_debiased.evaluation.options import method_key, split_method_key
 from laplace_debiased.evaluation.sweep import load_rows
-from laplace_debiased.evaluation.tracking import (gap_curves, largest_gaps, max_gap_per_draw, mean_stderr, reference_of,
-                                                  where_largest)
+from laplace_debiased.evaluation.tracking import (clearly_below, gap_curves, largest_gaps, max_gap_per_draw, mean_stderr,
+                                                  paired_margin, reference_of, where_largest)
 
 #: file next to ``results.jsonl`` with the run's setting in words (written by the main job)
 SETTING_NAME = "setting.json"
@@ -130,7 +130,7 @@ def chosen_prior_precisions(rows: list[dict], eval_set: str, link: str, criterio
 
     ``criterion="nll"``: lowest NLL (mean over repeats); ``"log_marglik"``: highest log marginal
     likelihood (mean over repeats; methods without one are left out).  The rule, ties included,
-    is :func:`~laplace_debiased.prior_grid.choose_prior_precision`.
+    is [`choose_prior_precision`][laplace_debiased.prior_grid.choose_prior_precision].
     """
     check_criterion(criterion)
     vals = _mean_by([r for r in rows if r["eval_set"] == eval_set and r["link"] == link and r["method"] != "map"],
@@ -354,25 +354,35 @@ def _samples(ctx: _Context, method: str) -> int | None:
     return ctx.setting.get("methods", {}).get(method, {}).get("samples")
 
 
-def _tracking_verdict(ctx: _Context, nll_gap: dict[str, float]) -> str:
+def _tracking_verdict(ctx: _Context, nll_gaps: dict[str, list[float]]) -> str:
     """Whether each debiased method tracks its reference more closely than the single batch of
-    its structure with the same number of samples, and what that depends on."""
+    its structure with the same number of samples, beyond the spread over draws
+    ([`clearly_below`][laplace_debiased.evaluation.tracking.clearly_below]), and what that depends on."""
     sentences, explained = [], set()
     two_batch = tuple(f"_{role}" for role in _FIT_ROLES if role != "single")
-    for deb in (m for m in nll_gap if split_method_key(m)[0].endswith(two_batch)):
+    for deb in (m for m in nll_gaps if split_method_key(m)[0].endswith(two_batch)):
         base, size = split_method_key(deb)
         single = method_key(base.rsplit("_", 1)[0] + "_single", size)
-        if single not in nll_gap or _samples(ctx, deb) != _samples(ctx, single):
+        if single not in nll_gaps or _samples(ctx, deb) != _samples(ctx, single):
             continue
-        closer = nll_gap[deb] < nll_gap[single]
-        sentences.append(f"{ctx.label(deb)} tracks the full batch {'more' if closer else 'less'} closely "
-                         f"than {ctx.label(single)} with the same samples ({100 * nll_gap[deb]:.1f} % against "
-                         f"{100 * nll_gap[single]:.1f} %).")
-        b, n = _samples(ctx, single), ctx.setting.get("n_train")
-        if not closer and b and n and b not in explained:
-            explained.add(b)
-            sentences.append(f"Here one batch is {b} of N = {n:,} training points ({100 * b / n:.0f} %): a single "
-                             "batch that large carries little bias, while B chooses the directions from half "
+        a, b = nll_gaps[deb], nll_gaps[single]
+        means = f"{100 * np.mean(a):.1f} % against {100 * np.mean(b):.1f} %"
+        closer, farther = clearly_below(a, b), clearly_below(b, a)
+        if min(len(a), len(b)) < 2:
+            sentences.append(f"{ctx.label(deb)} tracks the full batch {'more' if np.mean(a) < np.mean(b) else 'less'} "
+                             f"closely than {ctx.label(single)} with the same samples ({means}); with a single draw "
+                             "the spread over draws is unknown.")
+        elif closer or farther:
+            sentences.append(f"{ctx.label(deb)} tracks the full batch {'more' if closer else 'less'} closely than "
+                             f"{ctx.label(single)} with the same samples ({means}), beyond the spread over draws.")
+        else:
+            sentences.append(f"{ctx.label(deb)} against {ctx.label(single)} with the same samples ({means}): which "
+                             "tracks the full batch more closely is within the spread over draws.")
+        b_size, n = _samples(ctx, single), ctx.setting.get("n_train")
+        if farther and b_size and n and b_size not in explained:
+            explained.add(b_size)
+            sentences.append(f"Here one batch is {b_size} of N = {n:,} training points ({100 * b_size / n:.0f} %): a "
+                             "single batch that large carries little bias, while B chooses the directions from half "
                              "its samples. Debiasing is for b ≪ N (the paper: 1,024 of 40,000 images); see the "
                              "CIFAR-10 results in the documentation's benchmarks page.")
     return " ".join(sentences)
@@ -394,15 +404,16 @@ def _tracking(ctx: _Context, doc: _Doc) -> None:
               [[ctx.label(t.method), f"{_samples(ctx, t.method) or '–'}", str(len(t.curves)),
                 _fmt([100 * g for g in t.nll]), _fmt([100 * g for g in t.ece]),
                 ", ".join(f"{d:.3g}: {k}" for d, k in where_largest(t.curves).items())] for t in rows])
-    verdict = _tracking_verdict(ctx, {t.method: float(np.mean(t.nll)) for t in rows})
+    verdict = _tracking_verdict(ctx, {t.method: t.nll for t in rows})
     if verdict:
         doc.p(verdict)
     _tracking_figure(ctx, doc, rows)
 
 
 def mean_stderr_text(values, digits: int = 2) -> str:
-    """``+mean ± standard error`` of per-draw values (:func:`~laplace_debiased.evaluation.tracking.mean_stderr`),
-    ``digits`` decimals, the mean signed."""
+    """``+mean ± standard error`` of per-draw values
+    ([`mean_stderr`][laplace_debiased.evaluation.tracking.mean_stderr]), ``digits`` decimals, the mean
+    signed."""
     mean, se = mean_stderr(values)
     return f"{mean:+.{digits}f} ± {se:.{digits}f}"
 
@@ -410,7 +421,7 @@ def mean_stderr_text(values, digits: int = 2) -> str:
 def signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]], title: str,
                       colors: dict[str, str] | None = None):
     """A matplotlib figure of signed gap curves, one panel per key of ``panels`` (side by side, shared
-    y axis): per label its :func:`~laplace_debiased.evaluation.tracking.gap_curves` output
+    y axis): per label its [`gap_curves`][laplace_debiased.evaluation.tracking.gap_curves] output
     (fractions) as the mean over draws in percent against δ (log axis), with a ±1 standard-error band
     from two draws on, and a zero line. ``colors``: label -> matplotlib colour (default: the cycle)."""
     import matplotlib.pyplot as plt
@@ -439,7 +450,8 @@ def signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]
 
 def save_signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, float]]]], title: str, path: Path,
                            colors: dict[str, str] | None = None, dpi: int = 120) -> None:
-    """:func:`signed_gap_figure` written to ``path`` (PNG, ``dpi``) without a display (Agg backend)."""
+    """[`signed_gap_figure`][laplace_debiased.evaluation.report.signed_gap_figure] written to ``path`` (PNG,
+    ``dpi``) without a display (Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -452,7 +464,8 @@ def save_signed_gap_figure(panels: dict[str, dict[str, dict[int, dict[float, flo
 
 
 def _tracking_figure(ctx: _Context, doc: _Doc, rows: list[_Tracked]) -> None:
-    """:func:`signed_gap_figure` of the tracking rows, one panel per batch size (ascending, unknown last)."""
+    """[`signed_gap_figure`][laplace_debiased.evaluation.report.signed_gap_figure] of the tracking rows, one
+    panel per batch size (ascending, unknown last)."""
     sizes = sorted({_batch_of(ctx, t.method) for t in rows}, key=lambda b: (b is None, b or 0))
     panels = {f"b = {b}" if b is not None else "mini-batch fits":
               {ctx.label(t.method): t.curves for t in rows if _batch_of(ctx, t.method) == b} for b in sizes}
@@ -518,51 +531,56 @@ def _fit_name(fit: _BatchFit, several_kinds: bool) -> str:
     return f"{_STRUCTURE_NAMES.get(fit.kind, fit.kind)} {name}" if several_kinds else name
 
 
-def _range(values: list[float]) -> str:
-    """``[min, max]`` of fractions, in percent."""
-    return f"[{100 * min(values):.2f}, {100 * max(values):.2f}] %"
+def _names(fits: list[_BatchFit], several_kinds: bool) -> str:
+    """"the A", "the A and the B", "the A, the B and the C"."""
+    names = [f"the {_fit_name(f, several_kinds)}" for f in fits]
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
 def _batch_verdict(fits: list[_BatchFit], several_kinds: bool, n_train: int | None) -> str:
-    """Per structure and b: which fit tracked the full batch best (lowest mean largest gap),
-    whether its range over draws lies below the others' (the difference exceeds the spread over
-    draws) or overlaps them; then at which b a two-batch fit, and at which the single batch, was best."""
+    """Per structure and b: which fit tracked the full batch best (lowest mean largest gap) where
+    that order exceeds the spread over draws ([`clearly_below`][laplace_debiased.evaluation.tracking.clearly_below]
+    against each other fit), else which fits it cannot tell apart; then at which b a two-batch fit,
+    and at which the single batch, was clearly best."""
     sentences, outcome = [], defaultdict(list)
     for key in dict.fromkeys((f.kind, f.b) for f in fits):
         group = sorted((f for f in fits if (f.kind, f.b) == key), key=lambda f: float(np.mean(f.gaps)))
         best, others = group[0], group[1:]
         single = next((o for o in others if o.role == "single"), None)
-        if best.role == "single":
-            outcome["single"].append(best.b)
-        elif single is not None and len(single.gaps) > 1 and max(best.gaps) < min(single.gaps):
-            outcome["helped"].append(best.b)
-        else:
-            outcome["unclear"].append(best.b)
-        text = (f"At b = {best.b}, the {_fit_name(best, several_kinds)} tracked the full batch best: its largest test-NLL gap is "
-                f"{100 * np.mean(best.gaps):.2f} % on average over {len(best.gaps)} "
-                f"draw{'s' if len(best.gaps) > 1 else ''}")
+        draws = len(best.gaps)
+        over = f"on average over {draws} draw{'s' if draws > 1 else ''}"
         if not others:
-            sentences.append(text + ".")
+            sentences.append(f"At b = {best.b}, the {_fit_name(best, several_kinds)}'s largest test-NLL gap is "
+                             f"{100 * np.mean(best.gaps):.2f} % {over}.")
             continue
-        text += ", against " + ", ".join(f"{100 * np.mean(o.gaps):.2f} % for the {_fit_name(o, several_kinds)}"
-                                         for o in others) + "."
-        if len(best.gaps) < 2 or any(len(o.gaps) < 2 for o in others):
-            text += " With a single draw the spread over draws is unknown, so this order may be chance."
-        else:
-            below = [o for o in others if max(best.gaps) < min(o.gaps)]
-            overlap = [o for o in others if o not in below]
-            parts = []
-            if below:
-                parts.append(f"its range over draws {_range(best.gaps)} lies below that of "
-                             + " and ".join(f"the {_fit_name(o, several_kinds)} {_range(o.gaps)}" for o in below)
-                             + ", a difference that exceeds the spread over draws")
-            if overlap:
-                parts.append(("it" if below else f"its range over draws {_range(best.gaps)}") + " overlaps that of "
-                             + " and ".join(f"the {_fit_name(o, several_kinds)} {_range(o.gaps)}" for o in overlap)
-                             + ", a difference within the spread over draws")
-            joined = "; ".join(parts)
-            text += f" {joined[0].upper()}{joined[1:]}."
-        sentences.append(text)
+        against = ", against " + ", ".join(f"{100 * np.mean(o.gaps):.2f} % for the {_fit_name(o, several_kinds)}"
+                                           for o in others)
+        if any(len(f.gaps) < 2 for f in group):
+            if single is not None or best.role == "single":
+                outcome["single" if best.role == "single" else "unclear"].append(best.b)
+            sentences.append(f"At b = {best.b}, the {_fit_name(best, several_kinds)} tracked the full batch best: its "
+                             f"largest test-NLL gap is {100 * np.mean(best.gaps):.2f} % {over}{against}. With a single "
+                             "draw the spread over draws is unknown, so this order may be chance.")
+            continue
+        tied = [best, *(o for o in others if not clearly_below(best.gaps, o.gaps))]
+        behind = [o for o in others if o not in tied]
+        if len(tied) == 1:
+            if single is not None or best.role == "single":
+                outcome["single" if best.role == "single" else "helped"].append(best.b)
+            sentences.append(f"At b = {best.b}, the {_fit_name(best, several_kinds)} tracked the full batch best: its "
+                             f"largest test-NLL gap is {100 * np.mean(best.gaps):.2f} % {over}{against}, a lead over "
+                             "each beyond the spread over draws.")
+            continue
+        if single is not None or best.role == "single":
+            outcome["helped" if single in behind else "unclear"].append(best.b)
+        text = (f"At b = {best.b}, the largest test-NLL gaps are "
+                + ", ".join(f"{100 * np.mean(f.gaps):.2f} % for the {_fit_name(f, several_kinds)}" for f in group)
+                + f" {over}. The order of {_names(tied, several_kinds)} is within the spread over draws, so the "
+                "report does not rank them")
+        if behind:
+            text += (f"; {_names(behind, several_kinds)} tracked the full batch less closely than the "
+                     f"{_fit_name(best, several_kinds)}, beyond that spread")
+        sentences.append(text + ".")
 
     def share(sizes: list[int]) -> str:
         return " and ".join(f"{b} ({100 * b / n_train:.0f} % of N = {n_train:,})" if n_train else str(b)
@@ -572,12 +590,13 @@ def _batch_verdict(fits: list[_BatchFit], several_kinds: bool, n_train: int | No
     if outcome["helped"]:
         parts.append(f"debiasing helped at b = {share(outcome['helped'])}")
     if outcome["unclear"]:
-        parts.append(f"a two-batch fit was closest at b = {share(outcome['unclear'])}, but not beyond the single "
-                     "batch's spread over draws")
+        parts.append(f"at b = {share(outcome['unclear'])} the order of the closest fits, the single batch among "
+                     "them, is within the spread over draws")
     if outcome["single"]:
         parts.append(f"the single batch was closest at b = {share(outcome['single'])}, where a single batch "
                      "is already close and a split into halves costs more than the bias it removes")
-    sentences.append("So " + "; ".join(parts) + ".")
+    if parts:
+        sentences.append("So " + "; ".join(parts) + ".")
     return " ".join(sentences)
 
 
@@ -596,7 +615,8 @@ def _batch_sizes(ctx: _Context, doc: _Doc) -> None:
           f"against the full-batch LA of its structure{f' (all N = {n:,} training points)' if n else ''}, on the "
           f"test set ({LINK_LABELS[ctx.main_link]}). Gap: per draw, the largest test-NLL difference to the full "
           "batch over all prior precisions δ, relative to the full batch's NLL (%); mean over draws [min, max]. "
-          f"Test NLL in nats at the chosen δ ({ctx.choice_note}); mean over draws [min, max].")
+          f"Test NLL in nats at the chosen δ ({ctx.choice_note}); mean over draws [min, max]. "
+          + _order_rule(fits))
 
     def nll_at(m: str) -> list[str]:
         d = chosen.get(m)
@@ -614,6 +634,17 @@ def _batch_sizes(ctx: _Context, doc: _Doc) -> None:
                "chosen δ", "test NLL at chosen δ (nats)"], table)
     _batch_figure(ctx, doc, fits, several_kinds)
     doc.p(_batch_verdict(fits, several_kinds, n))
+
+
+def _order_rule(fits: list[_BatchFit]) -> str:
+    """The rule by which the sentences below the table order two fits, in words."""
+    draws = min(len(f.gaps) for f in fits)
+    if draws < 2:
+        return "With a single draw the spread over draws is unknown, so no order below is beyond chance."
+    return ("One fit is said to track the full batch more closely than another only when the mean of their "
+            "paired per-draw differences (draw r of every fit uses the same samples) lies more than t standard "
+            f"errors below 0, t = {paired_margin(draws):.2f} (Student's t, {draws - 1} degrees of freedom, a "
+            "two-sided 95 % interval); otherwise their order is within the spread over draws.")
 
 
 def _batch_figure(ctx: _Context, doc: _Doc, fits: list[_BatchFit], several_kinds: bool) -> None:
@@ -1004,8 +1035,8 @@ def write_report(results: str | Path | list[dict], out_dir: str | Path, title: s
         out_dir: The folder the report is written into.
         title: The report's title.
         setting: The run's setting in words
-            (:func:`laplace_debiased.evaluation.pipeline.describe_setting`); by default the
-            ``setting.json`` next to a results file, if there is one.
+            ([`laplace_debiased.evaluation.pipeline.describe_setting`][laplace_debiased.evaluation.pipeline.describe_setting]);
+            by default the ``setting.json`` next to a results file, if there is one.
 
     Returns:
         The path of ``report.md``.

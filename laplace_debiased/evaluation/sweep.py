@@ -9,22 +9,23 @@ evaluated again.
 
 Reproducibility: every cell draws its Monte-Carlo samples for each chunk of ``chunk_size`` inputs
 from its own generator, seeded by a hash of ``(seed, method, repeat, eval_set, prior_precision,
-link)`` (:func:`cell_seed`) and the chunk's index (:func:`chunk_seed`), so any subset of cells (a
+link)`` ([`cell_seed`][laplace_debiased.evaluation.sweep.cell_seed]) and the chunk's index ([`chunk_seed`][laplace_debiased.evaluation.sweep.chunk_seed]), so any subset of cells (a
 resumed run, another eval-set order) or of chunks (another rank) recomputes bitwise-identically
 for the same grid, ``n_samples`` and ``chunk_size``.
 
-Files: the writer holds an exclusive lock on the output folder (:func:`output_lock`, an ``fcntl``
-lock file), so two sweeps into one folder never interleave; the second refuses (or waits up to
-``lock_timeout`` seconds).  Each row is one line written with a single ``write`` + ``fsync``, as
-strict JSON (non-finite numbers become ``null``).  A last line without its newline is an
-interrupted write: readers skip it with a warning and the next sweep cuts it before appending.
-Any other line that is not a row object (``{}``, ``[]``, ``42``, NUL bytes, ...) is an error
+Files: the writer holds an exclusive lock on the output folder
+([`output_lock`][laplace_debiased.evaluation.sweep.output_lock], an ``fcntl`` lock file), so two sweeps into
+one folder never interleave; the second refuses (or waits up to ``lock_timeout`` seconds).  Each row is one
+line written with a single ``write`` + ``fsync``, as strict JSON (non-finite numbers become ``null``).  A last
+line without its newline is an interrupted write: readers skip it with a warning and the next sweep cuts it
+before appending. Any other line that is not a row object (``{}``, ``[]``, ``42``, NUL bytes, ...) is an error
 naming the file and line.
 
 Under an initialised ``torch.distributed`` group the (method, repeat) jobs are sharded over the
 ranks, each fitted locally and sent to every rank, and the rows of every evaluation set are
 sharded too: each rank predicts its own chunks, the metrics come from the ranks' summed
-statistics; rank 0 alone locks the folder and writes (:func:`run_sweep`).
+statistics; rank 0 alone locks the folder and writes
+([`run_sweep`][laplace_debiased.evaluation.sweep.run_sweep]).
 
 Row fields: ``method, repeat, prior_precision`` (``null`` for MAP), ``eval_set, kind``
 (``test``, ``validation``, ``corrupted``, ``ood``), ``severity, link, full_batch`` and the
@@ -107,7 +108,7 @@ class EvalSet:
 
     def shard(self, chunk_size: int, rank: int, world: int) -> EvalSet:
         """The rows rank ``rank`` of ``world`` evaluates,
-        :func:`~laplace_debiased.data.shards.chunk_shard` ``(size, chunk_size, rank, world)``: cut
+        [`chunk_shard`][laplace_debiased.data.shards.chunk_shard] ``(size, chunk_size, rank, world)``: cut
         from the whole set, or this set itself when it holds exactly those rows."""
         rows = chunk_shard(self.size, chunk_size, rank, world)
         if (self.offset, len(self.x)) == (rows.start, len(rows)):
@@ -236,10 +237,11 @@ def output_lock(folder: str | Path, timeout: float = 0.0) -> Iterator[Path]:
     """Hold an exclusive ``fcntl`` lock on ``folder`` (created if missing) while writing into it.
 
     Re-entrant within a process.  If another process holds it, wait up to ``timeout`` seconds,
-    then raise :class:`OutputLockedError`.  The lock file (:data:`LOCK_NAME`) records the holder's
-    pid; the operating system releases the lock when the holder exits, even if it crashes.  A
-    holder that finishes removes the file before it unlocks; a waiter that then gets the lock on
-    the removed file (:func:`_is_current`) starts again on a fresh one.
+    then raise [`OutputLockedError`][laplace_debiased.evaluation.sweep.OutputLockedError].  The lock file
+    ([`LOCK_NAME`][laplace_debiased.evaluation.sweep.LOCK_NAME]) records the holder's pid; the operating
+    system releases the lock when the holder exits, even if it crashes.  A holder that finishes removes the
+    file before it unlocks; a waiter that then gets the lock on the removed file (``_is_current``) starts
+    again on a fresh one.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -265,7 +267,8 @@ def output_lock(folder: str | Path, timeout: float = 0.0) -> Iterator[Path]:
 
 
 def _acquire(key: Path, folder: Path, timeout: float) -> int:
-    """The descriptor of ``key``'s lock file, exclusively locked (see :func:`output_lock`)."""
+    """The descriptor of ``key``'s lock file, exclusively locked (see
+    [`output_lock`][laplace_debiased.evaluation.sweep.output_lock])."""
     deadline = time.monotonic() + timeout
     while True:
         fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -304,8 +307,8 @@ def cell_seed(*, seed: int, method: str, repeat: int, eval_set: str, prior_preci
 
 def chunk_seed(cell: int, chunk: int) -> int:
     """Seed of chunk ``chunk`` (its index among the set's chunks) of the cell seeded ``cell``
-    (:func:`cell_seed`): a stable hash (SHA-256, 63 bits) of both, so a chunk's draws do not
-    depend on which process evaluates it or on the chunks before it."""
+    ([`cell_seed`][laplace_debiased.evaluation.sweep.cell_seed]): a stable hash (SHA-256, 63 bits) of both, so
+    a chunk's draws do not depend on which process evaluates it or on the chunks before it."""
     key = json.dumps([int(cell), int(chunk)])
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
@@ -339,10 +342,11 @@ def cell_probabilities(
 
 def _set_statistics(probs: Tensor | None, es: EvalSet, reference: bool) -> dict:
     """What the metrics of ``es`` need from the probabilities ``(n, [tokens,] C)`` of its rows
-    held here (``None``: no rows): ``sums`` (:func:`~.metrics.classification_sums` of the
-    labelled rows; tokens labelled -100 left out) for a labelled set, ``scores``
-    (:func:`~.metrics.ood_scores`) for a corrupted or OOD set, ``reference_scores`` (of every
-    row) for the reference set."""
+    held here (``None``: no rows): ``sums``
+    ([`classification_sums`][laplace_debiased.evaluation.metrics.classification_sums] of the labelled rows;
+    tokens labelled -100 left out) for a labelled set, ``scores``
+    ([`ood_scores`][laplace_debiased.evaluation.metrics.ood_scores]) for a corrupted or OOD set,
+    ``reference_scores`` (of every row) for the reference set."""
     if probs is None:
         return {}
     out: dict = {}
@@ -373,7 +377,7 @@ def _combined(parts: Sequence[dict]) -> dict:
 
 
 def _set_metrics(stats: dict, es: EvalSet, reference: dict | None) -> dict:
-    """The metrics of one set from its combined statistics (:func:`_combined`) and the
+    """The metrics of one set from its combined statistics (``_combined``) and the
     reference set's (``None``: no reference evaluated)."""
     m: dict = {}
     if es.y is not None:
@@ -481,27 +485,29 @@ def run_sweep(
     """Run (or resume) a sweep; returns all rows of ``out_path`` afterwards.
 
     ``map_model`` evaluates the MAP baseline rows (method ``"map"``, link ``"map"``) when given.
-    The output folder is locked for the whole run (:func:`output_lock`, waiting up to
-    ``lock_timeout`` seconds for another writer).
+    The output folder is locked for the whole run
+    ([`output_lock`][laplace_debiased.evaluation.sweep.output_lock], waiting up to ``lock_timeout`` seconds
+    for another writer).
 
     Under an initialised ``torch.distributed`` group (call it on every rank with the same
     arguments) the evaluation sets are sharded: rank ``r`` of ``W`` predicts only the rows
-    :func:`~laplace_debiased.data.shards.chunk_shard` ``(size, chunk_size, r, W)`` of each set
-    (whole chunks of the single-process pass). An :class:`EvalSet` may hold the whole set or
-    exactly those rows (:meth:`EvalSet.shard`), so a rank need not read the rest. Each set's
-    metrics come from the sums of every rank's rows (:func:`~.metrics.classification_sums`,
-    ECE from summed bin counts) and the concatenated OOD scores; rank 0 alone holds the lock and
-    writes the rows, in the single-process order. The probabilities of every row are the
-    single-process ones bitwise (per-chunk seeds, :func:`cell_probabilities`), so the metrics
-    equal a single-process sweep's up to the round-off of adding the ranks' sums in another
-    order (the ranking metrics auroc, aupr, fpr95 and the counts exactly). Every rank returns
-    the same rows.
+    [`chunk_shard`][laplace_debiased.data.shards.chunk_shard] ``(size, chunk_size, r, W)`` of each set
+    (whole chunks of the single-process pass). An [`EvalSet`][laplace_debiased.evaluation.sweep.EvalSet] may
+    hold the whole set or exactly those rows
+    ([`EvalSet.shard`][laplace_debiased.evaluation.sweep.EvalSet.shard]), so a rank need not read the rest.
+    Each set's metrics come from the sums of every rank's rows
+    ([`classification_sums`][laplace_debiased.evaluation.metrics.classification_sums], ECE from summed bin
+    counts) and the concatenated OOD scores; rank 0 alone holds the lock and writes the rows, in the
+    single-process order. The probabilities of every row are the single-process ones bitwise (per-chunk seeds,
+    [`cell_probabilities`][laplace_debiased.evaluation.sweep.cell_probabilities]), so the metrics equal a
+    single-process sweep's up to the round-off of adding the ranks' sums in another order (the ranking metrics
+    auroc, aupr, fpr95 and the counts exactly). Every rank returns the same rows.
 
     The (method, repeat) jobs: with ``shard_jobs`` job ``k`` is fitted on rank ``k % world``, in
     rounds of ``world`` jobs, inside
-    :func:`~laplace_debiased.parallel.distributed.local_fits` (a local fit of that rank alone,
+    [`local_fits`][laplace_debiased.parallel.distributed.local_fits] (a local fit of that rank alone,
     so ``Method.fit`` must not call collectives itself); each fitted posterior (network,
-    parameters and curvature: :func:`~laplace_debiased.posterior.from_laplace.predictive_parts`)
+    parameters and curvature: [`predictive_parts`][laplace_debiased.posterior.from_laplace.predictive_parts])
     is then sent to every rank. ``shard_jobs=False`` is for collective fits (``debiased_kron``
     sharding its batches, which every rank must call): every rank runs every job's
     ``Method.fit`` under the group; the rows then equal a single-process sweep's to the
@@ -596,7 +602,7 @@ def _fit_job(method: Method, repeat: int, *, eval_sets: Sequence[EvalSet], grid:
 def _job_statistics(method: Method, repeat: int, post: _Posterior, shards: Sequence[EvalSet],
                     reference: EvalSet | None, grid: list[float], *, n_samples: int, seed: int, chunk_size: int,
                     links: Sequence[str]) -> tuple[dict, float]:
-    """This rank's statistics (:func:`_set_statistics`) of one job, ``{(eval set, δ, link): ...}``
+    """This rank's statistics (``_set_statistics``) of one job, ``{(eval set, δ, link): ...}``
     for the sets with missing rows (and the reference they are scored against), and the
     seconds they took."""
     start = time.perf_counter()

@@ -9,13 +9,15 @@ and link approximation:
 
 the maximum over the prior precisions ``δ`` both were evaluated at. Functions here take sweep
 rows (``results.jsonl`` dicts with ``method``, ``repeat``, ``prior_precision``, ``eval_set``,
-``link`` and the metric) and return floats, one per draw, or with :func:`gap_curves` the signed
-gaps at each ``δ`` (where on the grid a method errs, and in which direction).
+``link`` and the metric) and return floats, one per draw, or with
+[`gap_curves`][laplace_debiased.evaluation.tracking.gap_curves] the signed gaps at each ``δ`` (where on the
+grid a method errs, and in which direction).
 
 A percentile bootstrap interval of such a maximum is not valid: resampling adds noise to every
 grid point, and the maximum of noisier values is larger, so the resampled maxima sit above the
-point estimate and their percentiles can exclude it. :func:`max_abs_interval` instead carries a
-simultaneous bootstrap band of the signed gaps through the maximum.
+point estimate and their percentiles can exclude it.
+[`max_abs_interval`][laplace_debiased.evaluation.tracking.max_abs_interval] instead carries a simultaneous
+bootstrap band of the signed gaps through the maximum.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from scipy.stats import t as student_t
 
-__all__ = ["curves_from_json", "curves_to_json", "gap_curves", "largest_gap", "largest_gaps", "max_abs_interval",
-           "max_gap_per_draw", "mean_stderr", "reference_of", "signed_gap", "where_largest"]
+__all__ = ["clearly_below", "curves_from_json", "curves_to_json", "gap_curves", "largest_gap", "largest_gaps",
+           "max_abs_interval", "max_gap_per_draw", "mean_stderr", "paired_margin", "reference_of", "signed_gap",
+           "where_largest"]
 
 
 def reference_of(method: str, full_batch: Sequence[str]) -> str | None:
@@ -53,8 +57,9 @@ def signed_gap(value: float, reference: float, relative: bool = True) -> float:
 
 
 def largest_gap(values: Sequence[float], reference: Sequence[float], relative: bool = True) -> float:
-    """``max_δ |`` :func:`signed_gap` ``|`` over two curves given at the same prior precisions
-    (``values[g]`` and ``reference[g]`` at the ``g``-th δ): one draw's tracking error."""
+    """``max_δ |`` [`signed_gap`][laplace_debiased.evaluation.tracking.signed_gap] ``|`` over two curves given
+    at the same prior precisions (``values[g]`` and ``reference[g]`` at the ``g``-th δ): one draw's tracking
+    error."""
     if len(values) != len(reference) or not len(values):
         raise ValueError(f"two curves of equal, non-zero length are needed, got {len(values)} and {len(reference)}")
     return max(abs(signed_gap(v, r, relative)) for v, r in zip(values, reference))
@@ -85,18 +90,21 @@ def gap_curves(rows: Sequence[dict], method: str, reference: str, eval_set: str,
 def max_gap_per_draw(rows: Sequence[dict], method: str, reference: str, eval_set: str, link: str,
                      metric: str = "nll", relative: bool = True) -> list[float]:
     """Per draw of ``method`` (ascending repeat), the largest absolute gap to ``reference`` over the
-    prior precisions both were evaluated at: the maximum over ``δ`` of ``|`` :func:`gap_curves` ``|``."""
+    prior precisions both were evaluated at: the maximum over ``δ`` of ``|``
+    [`gap_curves`][laplace_debiased.evaluation.tracking.gap_curves] ``|``."""
     return largest_gaps(gap_curves(rows, method, reference, eval_set, link, metric, relative))
 
 
 def largest_gaps(curves: dict[int, dict[float, float]]) -> list[float]:
-    """For :func:`gap_curves`' output: per draw (ascending repeat), the largest absolute gap over δ."""
+    """For [`gap_curves`][laplace_debiased.evaluation.tracking.gap_curves]' output: per draw (ascending
+    repeat), the largest absolute gap over δ."""
     return [max(abs(g) for g in curve.values()) for _, curve in sorted(curves.items())]
 
 
 def where_largest(curves: dict[int, dict[float, float]]) -> dict[float, int]:
-    """For :func:`gap_curves`' output: ``{δ: draws}``, how many draws have their largest absolute gap
-    at each prior precision (ascending δ, only those that hold one; the first δ on ties)."""
+    """For [`gap_curves`][laplace_debiased.evaluation.tracking.gap_curves]' output: ``{δ: draws}``, how many
+    draws have their largest absolute gap at each prior precision (ascending δ, only those that hold one; the
+    first δ on ties)."""
     counts: dict[float, int] = {}
     for curve in curves.values():
         at = max(curve, key=lambda d: abs(curve[d]))
@@ -105,13 +113,15 @@ def where_largest(curves: dict[int, dict[float, float]]) -> dict[float, int]:
 
 
 def curves_to_json(curves: dict[int, dict[float, float]]) -> dict[str, list[float]]:
-    """:func:`gap_curves`' output ``{draw: {δ: gap}}`` as ``{repr(δ): [gap per draw]}`` (ascending
-    draw, the prior precisions of the first draw): JSON keys are strings."""
+    """[`gap_curves`][laplace_debiased.evaluation.tracking.gap_curves]' output ``{draw: {δ: gap}}`` as
+    ``{repr(δ): [gap per draw]}`` (ascending draw, the prior precisions of the first draw): JSON keys are
+    strings."""
     return {repr(d): [curves[r][d] for r in sorted(curves)] for d in curves[min(curves)]}
 
 
 def curves_from_json(by_delta: dict[str, list[float]]) -> dict[int, dict[float, float]]:
-    """The inverse of :func:`curves_to_json` (draws numbered from 0)."""
+    """The inverse of [`curves_to_json`][laplace_debiased.evaluation.tracking.curves_to_json] (draws numbered
+    from 0)."""
     draws = len(next(iter(by_delta.values())))
     return {r: {float(d): gaps[r] for d, gaps in by_delta.items()} for r in range(draws)}
 
@@ -121,6 +131,42 @@ def mean_stderr(values: Sequence[float]) -> tuple[float, float]:
     degrees of freedom); the standard error is NaN for one draw."""
     v = np.asarray(values, dtype=float)
     return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def paired_margin(draws: int, level: float = 0.95) -> float:
+    """``t``, the ``(1 + level) / 2`` quantile of Student's t with ``draws − 1`` degrees of freedom:
+    a mean of ``draws`` paired differences further than ``t`` standard errors from 0 lies outside the
+    two-sided ``level`` interval of no difference (4.30 for 3 draws, 2.13 for 16, → 1.96)."""
+    if draws < 2:
+        raise ValueError(f"the spread over draws needs at least 2 draws, got {draws}")
+    return float(student_t.ppf((1 + level) / 2, draws - 1))
+
+
+def clearly_below(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> bool:
+    """Whether per-draw values ``a`` lie below ``b`` beyond the spread over draws.
+
+    Draw ``r`` of both comes from the same samples (the main job seeds each draw's batches by the
+    draw alone), so the differences ``d_r = a_r − b_r`` are paired: ``a`` is clearly below when
+    ``mean(d) + t · s_d / √R < 0``, with ``s_d`` their standard deviation (``R − 1`` degrees of
+    freedom) over the ``R`` draws and ``t`` from
+    [`paired_margin`][laplace_debiased.evaluation.tracking.paired_margin]: the two-sided ``level``
+    interval of the mean difference lies below 0. Fewer than 2 draws never give a clear order.
+
+    Args:
+        a: Per draw (ascending draw), the values of one fit, ``(R,)``.
+        b: The other fit's, ``(R,)``, in the same draw order.
+        level: Confidence level of the interval.
+
+    Raises:
+        ValueError: If ``a`` and ``b`` hold different numbers of draws (the draws are not paired).
+    """
+    if len(a) != len(b):
+        raise ValueError(f"paired draws needed: {len(a)} values against {len(b)}; compare fits of the same draws")
+    if len(a) < 2:
+        return False
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    mean, se = mean_stderr(d)
+    return mean + paired_margin(len(d), level) * se < 0
 
 
 def max_abs_interval(point: np.ndarray, boot: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:

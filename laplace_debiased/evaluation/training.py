@@ -28,7 +28,8 @@ from laplace_debiased.paths import default_cache_dir
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Hyper-parameters of :func:`train_map` (all part of the cache key)."""
+    """Hyper-parameters of [`train_map`][laplace_debiased.evaluation.training.train_map] (all part of the
+    cache key)."""
 
     epochs: int = 30
     lr: float = 1e-3
@@ -65,8 +66,9 @@ def cache_key(model: nn.Module, dataset: Dataset, config: TrainConfig) -> str:
 
 def model_cache_path(model: nn.Module, train_set: Dataset, config: TrainConfig, tag: str = "model",
                      cache_dir: str | Path | None = None) -> Path:
-    """Where :func:`train_map` caches (or finds) the weights of ``model`` trained on ``train_set``
-    (reads the rows :func:`fingerprint_rows` of ``train_set``)."""
+    """Where [`train_map`][laplace_debiased.evaluation.training.train_map] caches (or finds) the weights of
+    ``model`` trained on ``train_set`` (reads the rows
+    [`fingerprint_rows`][laplace_debiased.evaluation.training.fingerprint_rows] of ``train_set``)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
     return cache_dir / f"{tag}-{cache_key(model, train_set, config)}.pt"
 
@@ -117,7 +119,8 @@ def _optimizer(params: list[nn.Parameter], config: TrainConfig) -> torch.optim.O
 
 
 def _epoch_losses(model: nn.Module, train: DataLoader, val: DataLoader | None, likelihood: str) -> dict[str, float]:
-    """``train_<stat>`` (and ``val_<stat>``) of :func:`evaluate_loss` after an epoch."""
+    """``train_<stat>`` (and ``val_<stat>``) of
+    [`evaluate_loss`][laplace_debiased.evaluation.training.evaluate_loss] after an epoch."""
     row = {f"train_{k}": v for k, v in evaluate_loss(model, train, likelihood).items()}
     if val is not None:
         row.update({f"val_{k}": v for k, v in evaluate_loss(model, val, likelihood).items()})
@@ -220,7 +223,8 @@ def default_digits_model(
 
     Returns ``(model, splits)`` with ``splits`` the dict of ``"train"``/``"val"``/``"test"``
     datasets.  Initialisation is seeded, so the same ``seed`` gives the same weights with or
-    without a cache.  ``epochs`` overrides :data:`DIGITS_CONFIG`'s.
+    without a cache.  ``epochs`` overrides
+    [`DIGITS_CONFIG`][laplace_debiased.evaluation.training.DIGITS_CONFIG]'s.
     """
     from dataclasses import replace
 

@@ -2,10 +2,10 @@
 
 Both solvers minimise a quadratic ``q(x) = ½ xᵀAx − bᵀx`` (equivalently solve ``Ax = b``)
 with a matrix-free symmetric operator ``A`` (any callable ``[D] → [D]``, e.g. a
-:class:`laplace_debiased.curvature.operators.CountingOperator`). For a Newton step on a
-:class:`~laplace_debiased.curvature.operators.MiniBatchQuadratic` ``m`` take ``A = m.curvature`` and
-``b = −m.gradient``; the iterates ``x_p`` are then steps ``d`` from θ₀ and the residual
-``r_p = A x_p − b = ∇q(θ₀ + x_p; B)`` is the gradient of the quadratic model.
+[`laplace_debiased.curvature.operators.CountingOperator`][laplace_debiased.curvature.operators.CountingOperator]).
+For a Newton step on a [`MiniBatchQuadratic`][laplace_debiased.curvature.operators.MiniBatchQuadratic] ``m``
+take ``A = m.curvature`` and ``b = −m.gradient``; the iterates ``x_p`` are then steps ``d`` from θ₀ and the
+residual ``r_p = A x_p − b = ∇q(θ₀ + x_p; B)`` is the gradient of the quadratic model.
 
 Step sizes ``τ_p`` refer to the **normalised** search directions ``d_p = p_p / ‖p_p‖``
 (``x_{p+1} = x_p + τ_p d_p``), as in the paper's Fig. 4.
@@ -13,9 +13,11 @@ Step sizes ``τ_p`` refer to the **normalised** search directions ``d_p = p_p / 
 Non-positive curvature ``d_pᵀAd_p ≤ 0`` (possible for the Hessian, or for a singular GGN):
 with ``on_nonpositive="stop"`` (default) the loop ends *before* that step and the current
 iterate is returned with ``reason="nonpositive_curvature"`` (Nocedal & Wright Alg. 7.1; with
-zero iterations done that is ``x0``); with ``"raise"`` a :class:`NonPositiveCurvatureError`
-is raised. The products spent on the rejected direction are counted by a
-:class:`~laplace_debiased.curvature.operators.CountingOperator` but belong to no completed iteration.
+zero iterations done that is ``x0``); with ``"raise"`` a
+[`NonPositiveCurvatureError`][laplace_debiased.optim.cg.NonPositiveCurvatureError] is raised. The products
+spent on the rejected direction are counted by a
+[`CountingOperator`][laplace_debiased.curvature.operators.CountingOperator] but belong to no completed
+iteration.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class NonPositiveCurvatureError(RuntimeError):
 
 @dataclass
 class CGResult:
-    """Output of :func:`cg` after ``K`` iterations (``D`` parameters).
+    """Output of [`cg`][laplace_debiased.optim.cg.cg] after ``K`` iterations (``D`` parameters).
 
     Attributes:
         x: final iterate ``x_K``, ``[D]``.
@@ -64,7 +66,8 @@ class CGResult:
 
 @dataclass
 class DebiasedCGResult:
-    """Output of :func:`debiased_cg`: the CG run on ``B`` and the re-measured run on ``B̃``.
+    """Output of [`debiased_cg`][laplace_debiased.optim.cg.debiased_cg]: the CG run on ``B`` and the
+    re-measured run on ``B̃``.
 
     Attributes:
         cg: the plain CG process on ``(A, b)`` (directions, its own iterates and step sizes).
@@ -96,7 +99,7 @@ class DebiasedCGResult:
 
     @property
     def reason(self) -> str:
-        """Why the joint loop stopped (see :class:`CGResult`)."""
+        """Why the joint loop stopped (see [`CGResult`][laplace_debiased.optim.cg.CGResult])."""
         return self.cg.reason
 
 
@@ -109,8 +112,8 @@ class CGState:
         iteration: The iteration ``p``.
         x: The CG iterate on ``B``, shape ``(D,)``.
         r: The residual on ``B``, shape ``(D,)``.
-        x_tilde: The debiased iterate on ``B̃`` (``None`` in plain :func:`cg`).
-        r_tilde: The debiased residual on ``B̃`` (``None`` in plain :func:`cg`).
+        x_tilde: The debiased iterate on ``B̃`` (``None`` in plain [`cg`][laplace_debiased.optim.cg.cg]).
+        r_tilde: The debiased residual on ``B̃`` (``None`` in plain [`cg`][laplace_debiased.optim.cg.cg]).
     """
 
     iteration: int
@@ -157,10 +160,12 @@ def cg(
         atol: absolute residual tolerance.
         on_nonpositive: ``"stop"`` or ``"raise"``.
         store_iterates: keep all ``x_p`` (``[K+1, D]`` memory).
-        callback: called with a :class:`CGState` after every iteration; ``True`` stops.
+        callback: called with a [`CGState`][laplace_debiased.optim.cg.CGState] after every iteration; ``True``
+            stops.
 
     Returns:
-        The iterates, directions, step sizes and residual norms (:class:`CGResult`).
+        The iterates, directions, step sizes and residual norms
+        ([`CGResult`][laplace_debiased.optim.cg.CGResult]).
     """
     return _joint_cg(A, b, None, None, x0, max_iter, rtol, atol, on_nonpositive,
                      store_iterates, callback)
@@ -187,9 +192,10 @@ def debiased_cg(
 
     where ``r̃_p = Ãx̃_p − b̃ = ∇q(θ₀ + x̃_p; B̃)``; the recursion makes every iteration cost
     exactly one product with ``A`` and one with ``Ã`` (plus one each at the start if ``x0``
-    is given). With ``Ã = A, b̃ = b`` it reproduces :func:`cg` (up to rounding). Termination
-    (see :func:`cg`) uses the tolerance on ``B``'s residual (no new direction exists once it
-    vanishes), non-positive curvature on *either* batch, and ``callback`` sees both processes.
+    is given). With ``Ã = A, b̃ = b`` it reproduces [`cg`][laplace_debiased.optim.cg.cg] (up to rounding).
+    Termination (see [`cg`][laplace_debiased.optim.cg.cg]) uses the tolerance on ``B``'s residual (no new
+    direction exists once it vanishes), non-positive curvature on *either* batch, and ``callback`` sees both
+    processes.
 
     Args:
         A: symmetric operator of batch B, ``[D] → [D]``.
@@ -202,7 +208,8 @@ def debiased_cg(
         atol: absolute tolerance on B's residual.
         on_nonpositive: ``"stop"`` or ``"raise"``.
         store_iterates: keep all ``x_p`` and ``x̃_p`` (``[K+1, D]`` memory each).
-        callback: called with a :class:`CGState` after every iteration; ``True`` stops.
+        callback: called with a [`CGState`][laplace_debiased.optim.cg.CGState] after every iteration; ``True``
+            stops.
 
     Returns:
         The CG trajectory on B and the debiased trajectory.
@@ -218,8 +225,8 @@ def _stack(ts: list[Tensor], shape: tuple[int, ...], like: Tensor) -> Tensor:
 
 
 class _DebiasedTrack:
-    """The trajectory on B̃ (:func:`debiased_cg`): along each CG direction ``d`` of B, the step
-    ``τ̃ = -dᵀr̃ / dᵀÃd`` that minimises ``q(·; B̃)``, with its records."""
+    """The trajectory on B̃ ([`debiased_cg`][laplace_debiased.optim.cg.debiased_cg]): along each CG direction
+    ``d`` of B, the step ``τ̃ = -dᵀr̃ / dᵀÃd`` that minimises ``q(·; B̃)``, with its records."""
 
     def __init__(self, At: Operator, bt: Tensor, x: Tensor, warm: bool, store_iterates: bool) -> None:
         self.At, self.store = At, store_iterates
@@ -228,7 +235,7 @@ class _DebiasedTrack:
         self.xs, self.taus, self.curvs, self.slopes, self.rnorms = [self.x.clone()], [], [], [], [self.r.norm()]
 
     def curvature(self, d: Tensor) -> Tensor:
-        """``dᵀÃd`` (one product with ``Ã``, kept for :meth:`step`)."""
+        """``dᵀÃd`` (one product with ``Ã``, kept for ``step``)."""
         self.Ad = self.At(d)
         return d.dot(self.Ad)
 

@@ -1,13 +1,15 @@
 """Hessian-free (Newton-CG) optimizer on mini-batch quadratics, single-batch or debiased.
 
-Each :meth:`NewtonCG.step` builds the quadratic model of ``q(θ; B) = mean loss on B +
-β/2‖θ‖²`` around the current θ (see :mod:`laplace_debiased.curvature.operators`), runs
-``max_iter`` CG iterations on ``(H_B + βI + λI) x = −∇q(θ; B)`` and moves θ ← θ + lr·x:
+Each [`NewtonCG.step`][laplace_debiased.optim.newton_cg.NewtonCG.step] builds the quadratic model of
+``q(θ; B) = mean loss on B + β/2‖θ‖²`` around the current θ (see
+[`laplace_debiased.curvature.operators`][laplace_debiased.curvature.operators]), runs ``max_iter`` CG
+iterations on ``(H_B + βI + λI) x = −∇q(θ; B)`` and moves θ ← θ + lr·x:
 
 - ``debiased=False`` (single-batch, the usual Hessian-free step): ``x`` is the CG iterate.
 - ``debiased=True``: the directions come from CG on ``B`` and the step sizes are re-measured
-  on an independent batch ``B̃`` (:func:`laplace_debiased.optim.cg.debiased_cg`); ``x`` is the
-  debiased iterate. Costs one extra curvature-vector product (on ``B̃``) per CG iteration.
+  on an independent batch ``B̃``
+  ([`laplace_debiased.optim.cg.debiased_cg`][laplace_debiased.optim.cg.debiased_cg]); ``x`` is the debiased
+  iterate. Costs one extra curvature-vector product (on ``B̃``) per CG iteration.
 
 Step protocol (the usual ``torch.optim`` loop, no ``loss.backward()`` needed)::
 
@@ -23,9 +25,9 @@ batch of ``2b`` against two batches of ``b``); the debiased one uses one loader 
 ``B`` and ``B̃``. ``closure``, if given, is called after the update (with gradients enabled)
 and its value returned, e.g. to log a loss; otherwise ``step`` returns ``q(θ_old; B)``.
 Details of the last step (the CG result, the batch quadratics' values) are in
-:attr:`NewtonCG.last_step`. Curvature: ``"ggn"`` (default, positive semi-definite) or
-``"hessian"`` (indefinite: CG stops before a direction of non-positive curvature, see
-:mod:`laplace_debiased.optim.cg`). Damping λ defaults to 0, as in the paper.
+[`NewtonCG.last_step`][laplace_debiased.optim.newton_cg.NewtonCG.last_step]. Curvature: ``"ggn"`` (default,
+positive semi-definite) or ``"hessian"`` (indefinite: CG stops before a direction of non-positive curvature,
+see [`laplace_debiased.optim.cg`][laplace_debiased.optim.cg]). Damping λ defaults to 0, as in the paper.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from laplace_debiased.curvature.operators import (
 
 @dataclass
 class StepInfo:
-    """What one :meth:`NewtonCG.step` did.
+    """What one [`NewtonCG.step`][laplace_debiased.optim.newton_cg.NewtonCG.step] did.
 
     Attributes:
         result: the CG (or debiased CG) result; ``result.x`` is the step before ``lr``.

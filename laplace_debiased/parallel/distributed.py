@@ -3,17 +3,20 @@
 Every rank selects the same B and B̃ (same loader, same order or seeded ``generator``); rank
 ``r`` of ``W`` then takes rows ``torch.tensor_split(rows, W)[r]`` of *every* batch, so the work
 is balanced for any number of batches. K-FAC sums of the shards are added with one
-``all_reduce`` (:func:`all_reduce_sum_`), rank 0 eigendecomposes and :func:`broadcast_` sends
-the eigenbasis to the others, so every rank ends with an identical posterior.
+``all_reduce`` ([`all_reduce_sum_`][laplace_debiased.parallel.distributed.all_reduce_sum_]), rank 0
+eigendecomposes and [`broadcast_`][laplace_debiased.parallel.distributed.broadcast_] sends the eigenbasis to
+the others, so every rank ends with an identical posterior.
 
-Before sharding, :func:`check_same_fit_inputs` refuses ranks whose models or selected batches
-differ (digests, all-gathered); a fit runs inside :func:`fail_together`, so a rank that fails
-takes the others out of their collectives at once, and every collective here turns a lost peer
-into a :class:`PeerRankError` naming it (:mod:`laplace_debiased.parallel.rank_failures`).
+Before sharding, [`check_same_fit_inputs`][laplace_debiased.parallel.distributed.check_same_fit_inputs]
+refuses ranks whose models or selected batches differ (digests, all-gathered); a fit runs inside
+[`fail_together`][laplace_debiased.parallel.distributed.fail_together], so a rank that fails takes the others
+out of their collectives at once, and every collective here turns a lost peer into a
+[`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError] naming it
+([`laplace_debiased.parallel.rank_failures`][laplace_debiased.parallel.rank_failures]).
 
 Without an initialised process group (or with one rank) every function is the identity; so is
-every function inside :func:`local_fits`, which lets one rank fit alone while a group is
-initialised (the prior-precision sweep shards its jobs over the ranks that way).
+every function inside [`local_fits`][laplace_debiased.parallel.distributed.local_fits], which lets one rank
+fit alone while a group is initialised (the prior-precision sweep shards its jobs over the ranks that way).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ _local: ContextVar[bool] = ContextVar("laplace_debiased_local_fits", default=Fal
 
 def rank_world() -> tuple[int, int]:
     """``(rank, world_size)`` of the default process group; ``(0, 1)`` if none, or inside
-    :func:`local_fits`."""
+    [`local_fits`][laplace_debiased.parallel.distributed.local_fits]."""
     if not _local.get() and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -66,8 +69,8 @@ def rank_world() -> tuple[int, int]:
 def local_fits() -> Iterator[None]:
     """Fit in this process alone while a process group is initialised.
 
-    Inside the block :func:`rank_world` is ``(0, 1)``: no debiased structure shards its batches
-    or communicates. Use it where the ranks do
+    Inside the block [`rank_world`][laplace_debiased.parallel.distributed.rank_world] is ``(0, 1)``: no
+    debiased structure shards its batches or communicates. Use it where the ranks do
     different work (one fit each); a collective fit instead needs every rank to call ``fit``.
     """
     token = _local.set(True)
@@ -83,13 +86,15 @@ def is_distributed() -> bool:
 
 
 #: the store of the group this rank last announced itself in (not the group: a reference to it
-#: would keep its connections open after :func:`fail_together` destroys it)
+#: would keep its connections open after
+#: [`fail_together`][laplace_debiased.parallel.distributed.fail_together] destroys it)
 _announced: list = [None]
 
 
 def _comm(collective: Callable[..., object], /, *args: object, **kwargs: object) -> None:
     """Run ``collective(*args, **kwargs)``; a backend error (a peer gone, a closed connection, a timeout)
-    becomes a :class:`PeerRankError` naming the rank that failed (:func:`peer_failure`)."""
+    becomes a [`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError] naming the rank that
+    failed ([`peer_failure`][laplace_debiased.parallel.rank_failures.peer_failure])."""
     store = dist.distributed_c10d._get_default_store()
     if _announced[0] is not store:
         announce()
@@ -106,7 +111,8 @@ _EVERY_RANK = "laplace_debiased_on_every_rank"
 
 def _on_every_rank(err: E) -> E:
     """Mark ``err`` as raised by every rank at the same collective step (each rank raising its
-    own error or a :class:`PeerRankError`): :func:`fail_together` then keeps the group."""
+    own error or a [`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError]):
+    [`fail_together`][laplace_debiased.parallel.distributed.fail_together] then keeps the group."""
     setattr(err, _EVERY_RANK, True)
     return err
 
@@ -117,12 +123,14 @@ def fail_together(what: str) -> Iterator[None]:
     every rank at once, instead of leaving the others blocked in their next collective.
 
     On an exception that the other ranks do not raise at the same step (those that the helpers
-    here raise everywhere, :class:`RankMismatchError` included, keep the group usable) this
-    rank records its error in the group's store (:func:`report_failure`; not for a
-    :class:`PeerRankError`, which is a consequence) and destroys its process group, which closes
-    its connections: a peer in a collective with it gets an error at once and raises a
-    :class:`PeerRankError` naming this rank and its error. The group is unusable afterwards on
-    every rank (destroy it and initialise a new one to go on). Without a group: nothing.
+    here raise everywhere, [`RankMismatchError`][laplace_debiased.parallel.distributed.RankMismatchError]
+    included, keep the group usable) this rank records its error in the group's store
+    ([`report_failure`][laplace_debiased.parallel.rank_failures.report_failure]; not for a
+    [`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError], which is a consequence) and
+    destroys its process group, which closes its connections: a peer in a collective with it gets an error at
+    once and raises a [`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError] naming this
+    rank and its error. The group is unusable afterwards on every rank (destroy it and initialise a new one to
+    go on). Without a group: nothing.
     """
     if not is_distributed():
         yield
@@ -140,7 +148,8 @@ def fail_together(what: str) -> Iterator[None]:
 
 class RankMismatchError(ValueError):
     """The ranks of a distributed fit hold different models or selected different batches
-    (:func:`check_same_fit_inputs`); raised on every rank."""
+    ([`check_same_fit_inputs`][laplace_debiased.parallel.distributed.check_same_fit_inputs]); raised on every
+    rank."""
 
 
 def _leaves(obj: object) -> Iterator[torch.Tensor]:
@@ -187,7 +196,8 @@ def check_same_fit_inputs(model: torch.nn.Module, direction: Sequence[Batch],
     Collective. Each rank hashes (SHA-256 of the bytes) its model's ``state_dict`` and its
     selected batches B and B̃ (every tensor of every batch, before the rows are sharded); one
     ``all_gather_object`` of the three digests lets every rank compare them with rank 0's and
-    raise the same :class:`RankMismatchError`, which says what differs and how to fix it.
+    raise the same [`RankMismatchError`][laplace_debiased.parallel.distributed.RankMismatchError], which says
+    what differs and how to fix it.
     Bitwise: ranks must hold identical weights and batches. Without a group: nothing.
     """
     if not is_distributed():
@@ -210,7 +220,8 @@ def gather_results(fn: Callable[[], T]) -> list[T]:
 
     Collective (every rank must call it, in the same order); results must pickle. If ``fn``
     raises on any rank, every rank raises (the failing rank its own exception, the others a
-    :class:`PeerRankError`, a ``RuntimeError``, naming it), so no rank waits forever in a later collective. Without a
+    [`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError], a ``RuntimeError``, naming it),
+    so no rank waits forever in a later collective. Without a
     group: ``[fn()]``.
     """
     if not is_distributed():
@@ -235,9 +246,9 @@ def fetch_rows(held: HeldRows, wanted: Iterable[int]) -> HeldRows:
 
     Collective (every rank calls it, each with its own ``wanted``, possibly empty): one
     ``all_gather_object`` of the requests, then one ``scatter_object_list`` per rank, which sends
-    every other rank exactly the requested rows of its own shard (:class:`HeldRows`); each row is
-    sent by its one owner, as the item its data set serves (tensors copied: a row, not the storage
-    it views), so a fetched row is bitwise the row.
+    every other rank exactly the requested rows of its own shard
+    ([`HeldRows`][laplace_debiased.data.shards.HeldRows]); each row is sent by its one owner, as the item its
+    data set serves (tensors copied: a row, not the storage it views), so a fetched row is bitwise the row.
     A request outside ``[0, len(held))`` or a row no rank owns raises on every rank. Without a
     group: ``held`` (which must then hold every wanted row).
     """
@@ -318,9 +329,9 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> int:
 
 def local_shards(batches: Sequence[Batch], dict_key_x: str, dict_key_y: str, *, rank: int,
                  world: int) -> list[Batch]:
-    """Rank ``rank``'s rows of every batch (:func:`shard_batch`) among ``world`` ranks, empty
-    shards left out, so a sum over the shards of all ranks is the sum over ``batches``. One rank:
-    ``batches``."""
+    """Rank ``rank``'s rows of every batch
+    ([`shard_batch`][laplace_debiased.parallel.distributed.shard_batch]) among ``world`` ranks, empty shards
+    left out, so a sum over the shards of all ranks is the sum over ``batches``. One rank: ``batches``."""
     if world == 1:
         return list(batches)
     shards = []
@@ -338,9 +349,10 @@ def broadcast_computed(
     """Call ``compute()`` on rank ``src`` only and send its tensors (one dtype) to every rank.
 
     Collective. The shapes travel first (``broadcast_object_list``), then the values in one
-    :func:`broadcast_`; the other ranks receive into tensors on ``device``. If ``compute``
-    raises on ``src``, ``src`` re-raises it and the other ranks raise :class:`PeerRankError`.
-    Without a group: ``list(compute())``.
+    [`broadcast_`][laplace_debiased.parallel.distributed.broadcast_]; the other ranks receive into tensors on
+    ``device``. If ``compute`` raises on ``src``, ``src`` re-raises it and the other ranks raise
+    [`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError]. Without a group:
+    ``list(compute())``.
     """
     if not is_distributed():
         return list(compute())
@@ -370,7 +382,7 @@ def broadcast_computed(
 
 class _ReducedOperator:
     """``v ↦ Σ_ranks local_product(v)``, driven by rank ``src`` and served by the others
-    (:func:`run_with_reduced_operator`)."""
+    ([`run_with_reduced_operator`][laplace_debiased.parallel.distributed.run_with_reduced_operator])."""
 
     def __init__(self, local_product: Callable[[torch.Tensor], torch.Tensor], dim: int, dtype: torch.dtype,
                  device: torch.device | str, src: int) -> None:
@@ -426,13 +438,15 @@ def run_with_reduced_operator(
     src: int = 0,
 ) -> list[torch.Tensor]:
     """``run(operator)`` on rank ``src`` with ``operator(v) = Σ_ranks local_product(v)``, its
-    tensors sent to every rank (:func:`broadcast_computed`). Collective.
+    tensors sent to every rank
+    ([`broadcast_computed`][laplace_debiased.parallel.distributed.broadcast_computed]). Collective.
 
     Rank ``src`` alone drives ``run`` (e.g. an iterative eigensolver, which then takes one path
     whatever the round-off elsewhere); for every product it broadcasts ``v`` (``(dim,)``,
     ``dtype``), each rank applies its ``local_product`` and one ``all_reduce`` adds them. The
     other ranks serve products until ``src`` signals the end. A failing ``local_product`` on any
-    rank makes every rank raise (its own exception, or :class:`PeerRankError`). Without a group:
+    rank makes every rank raise (its own exception, or
+    [`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError]). Without a group:
     ``list(run(local_product))``.
     """
     if not is_distributed():

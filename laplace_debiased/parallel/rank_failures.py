@@ -1,18 +1,20 @@
 """What the ranks of a ``torch.distributed`` group tell each other when one of them fails.
 
 A rank that fails inside a collective section (a distributed fit,
-:func:`~laplace_debiased.parallel.distributed.fail_together`) writes its error into the
-group's key-value store (:func:`report_failure`) *before* it leaves the group. The peers blocked
-in a collective with it then get a communication error from the backend (gloo: "Connection
-closed by peer"), which :func:`peer_failure` turns into a :class:`PeerRankError` that names the
-failed rank and quotes its error: the store entry exists before the connection closes, so no
-timing decides what the message says. A rank that cannot write (killed, ``SIGKILL``; crashed in
-native code) is named when it ran on this host and its process is gone (each rank announces its
-host and pid in the store, :func:`announce`).
+[`fail_together`][laplace_debiased.parallel.distributed.fail_together]) writes its error into the
+group's key-value store ([`report_failure`][laplace_debiased.parallel.rank_failures.report_failure]) *before*
+it leaves the group. The peers blocked in a collective with it then get a communication error from the backend
+(gloo: "Connection closed by peer"), which
+[`peer_failure`][laplace_debiased.parallel.rank_failures.peer_failure] turns into a
+[`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError] that names the failed rank and quotes
+its error: the store entry exists before the connection closes, so no timing decides what the message says. A
+rank that cannot write (killed, ``SIGKILL``; crashed in native code) is named when it ran on this host and its
+process is gone (each rank announces its host and pid in the store,
+[`announce`][laplace_debiased.parallel.rank_failures.announce]).
 
-:func:`wait_for_peers` lets the command line keep a failed rank alive until every other rank
-has reported its own error (or is gone), so that a launcher that stops the remaining workers
-when one exits (``torchrun``) cannot cut a peer's error message.
+[`wait_for_peers`][laplace_debiased.parallel.rank_failures.wait_for_peers] lets the command line keep a failed
+rank alive until every other rank has reported its own error (or is gone), so that a launcher that stops the
+remaining workers when one exits (``torchrun``) cannot cut a peer's error message.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def announce() -> None:
 
 
 def report_failure(err: BaseException, what: str) -> None:
-    """Record this rank's failure in the group's store, where :func:`peer_failure` finds it."""
+    """Record this rank's failure in the group's store, where
+    [`peer_failure`][laplace_debiased.parallel.rank_failures.peer_failure] finds it."""
     store = _store()
     if store is None:
         return
@@ -91,7 +94,8 @@ def _gone(pid: int) -> bool:
 
 
 def _local_pids(store, ranks: list[int]) -> dict[int, int]:
-    """Peers of this host among ``ranks``: ``{rank: pid}`` (from :func:`announce`)."""
+    """Peers of this host among ``ranks``: ``{rank: pid}`` (from
+    [`announce`][laplace_debiased.parallel.rank_failures.announce])."""
     host, pids = socket.gethostname(), {}
     for r in ranks:
         entry = _read(store, _key("pid", r))
@@ -101,7 +105,7 @@ def _local_pids(store, ranks: list[int]) -> dict[int, int]:
 
 
 def _dead_peers(store, world: int, me: int) -> list[int]:
-    """Ranks of this host whose process is gone, waiting up to :data:`_EXIT_GRACE_S` for a
+    """Ranks of this host whose process is gone, waiting up to ``_EXIT_GRACE_S`` for a
     peer whose connection closed to finish exiting."""
     pids = _local_pids(store, [r for r in range(world) if r != me])
     deadline = time.monotonic() + _EXIT_GRACE_S
@@ -113,8 +117,9 @@ def _dead_peers(store, world: int, me: int) -> list[int]:
 
 
 def peer_failure(err: BaseException, what: str) -> PeerRankError:
-    """The :class:`PeerRankError` for a collective that failed with ``err`` during ``what``: it
-    names the rank(s) that reported a failure, else this host's peers that are gone."""
+    """The [`PeerRankError`][laplace_debiased.parallel.rank_failures.PeerRankError] for a collective that
+    failed with ``err`` during ``what``: it names the rank(s) that reported a failure, else this host's peers
+    that are gone."""
     store, me, world = _store(), dist.get_rank(), dist.get_world_size()
     if store is not None:
         reports = {r: _read(store, _key("failed", r)) for r in range(world) if r != me}

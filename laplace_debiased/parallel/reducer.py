@@ -4,11 +4,14 @@ A two-batch fit needs four collectives: a sum of per-rank partial sums (K-FAC fa
 curvatures, the summed loss), a broadcast of what rank 0 computed into tensors of known shapes
 (the K-FAC eigenbases), a computation on rank 0 whose tensors, of shapes only rank 0 knows, every
 rank receives (the eigenpairs of a dense curvature), and an iterative solver on rank 0 whose
-every product is summed over the ranks (Lanczos on the summed curvature). :class:`Reducer` does
-them in one process, where each is the identity; :class:`ProcessGroupReducer` does them over the
-default ``torch.distributed`` group (:mod:`laplace_debiased.parallel.distributed`). A fit takes the reducer of
-:func:`current_reducer`; :func:`use_reducer` installs another one (tests inject failures that
-way, with a reducer whose collectives fail on a chosen rank).
+every product is summed over the ranks (Lanczos on the summed curvature).
+[`Reducer`][laplace_debiased.parallel.reducer.Reducer] does them in one process, where each is the identity;
+[`ProcessGroupReducer`][laplace_debiased.parallel.reducer.ProcessGroupReducer] does them over the default
+``torch.distributed`` group
+([`laplace_debiased.parallel.distributed`][laplace_debiased.parallel.distributed]). A fit takes the reducer of
+[`current_reducer`][laplace_debiased.parallel.reducer.current_reducer];
+[`use_reducer`][laplace_debiased.parallel.reducer.use_reducer] installs another one (tests inject failures
+that way, with a reducer whose collectives fail on a chosen rank).
 """
 
 from __future__ import annotations
@@ -95,8 +98,9 @@ class Reducer:
 
 class ProcessGroupReducer(Reducer):
     """The collectives over the default ``torch.distributed`` group (identities outside one, or
-    inside :func:`~laplace_debiased.parallel.distributed.local_fits`). A rank that fails in one
-    makes every rank raise (:mod:`laplace_debiased.parallel.rank_failures`)."""
+    inside [`local_fits`][laplace_debiased.parallel.distributed.local_fits]). A rank that fails in one
+    makes every rank raise
+    ([`laplace_debiased.parallel.rank_failures`][laplace_debiased.parallel.rank_failures])."""
 
     @property
     def rank(self) -> int:
@@ -131,9 +135,10 @@ _installed: list[Reducer] = []
 
 
 def current_reducer() -> Reducer:
-    """The reducer a fit uses now: the innermost one of :func:`use_reducer`, else a
-    :class:`ProcessGroupReducer` under an initialised group of several ranks, else a
-    :class:`Reducer`."""
+    """The reducer a fit uses now: the innermost one of
+    [`use_reducer`][laplace_debiased.parallel.reducer.use_reducer], else a
+    [`ProcessGroupReducer`][laplace_debiased.parallel.reducer.ProcessGroupReducer] under an initialised group
+    of several ranks, else a [`Reducer`][laplace_debiased.parallel.reducer.Reducer]."""
     if _installed:
         return _installed[-1]
     return ProcessGroupReducer() if is_distributed() else Reducer()
@@ -141,7 +146,8 @@ def current_reducer() -> Reducer:
 
 @contextmanager
 def use_reducer(reducer: Reducer) -> Iterator[Reducer]:
-    """Make ``reducer`` the one :func:`current_reducer` returns inside the block."""
+    """Make ``reducer`` the one [`current_reducer`][laplace_debiased.parallel.reducer.current_reducer] returns
+    inside the block."""
     _installed.append(reducer)
     try:
         yield reducer

@@ -2,10 +2,12 @@
 fitted Laplace approximation (their covariances, variances and square roots), the per-example
 logit Jacobians of the linearised network, the link approximations and the grid predictive.
 
-Modules: :mod:`.links` (``(f, Σ)`` -> probabilities), :mod:`.jacobians` (``LayerJacobian``,
-``logit_jacobians``), :mod:`.grams` (weighted Gram matrices shared by the structures),
-:mod:`.kron` (``KronStructure``), :mod:`.eigen` (``EigenStructure``), :mod:`.lowrank`
-(float64 functional covariances for laplace-torch's own predictive paths), :mod:`.from_laplace`
-(which structure a fitted laplace-torch object has) and :mod:`.grid` (``GridPredictive`` and the
-one-pass prior-precision grid search).
+Modules: [`links`][laplace_debiased.posterior.links] (``(f, Σ)`` -> probabilities),
+[`jacobians`][laplace_debiased.posterior.jacobians] (``LayerJacobian``, ``logit_jacobians``),
+[`grams`][laplace_debiased.posterior.grams] (weighted Gram matrices shared by the structures),
+[`kron`][laplace_debiased.posterior.kron] (``KronStructure``), [`eigen`][laplace_debiased.posterior.eigen]
+(``EigenStructure``), [`lowrank`][laplace_debiased.posterior.lowrank] (float64 functional covariances for
+laplace-torch's own predictive paths), [`from_laplace`][laplace_debiased.posterior.from_laplace] (which
+structure a fitted laplace-torch object has) and [`grid`][laplace_debiased.posterior.grid] (``GridPredictive``
+and the one-pass prior-precision grid search).
 """

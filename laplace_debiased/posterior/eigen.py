@@ -22,9 +22,9 @@ class EigenStructure:
     precision ``δ``: ``Σ(δ) = JU diag(1/(sλ+δ)) (JU)ᵀ + R Rᵀ/δ`` with the residual
     ``R = J - (JU)Uᵀ`` (a Gram of the residual, not the cancelling ``JJᵀ - JU(JU)ᵀ``).
     ``U`` and ``λ`` are re-orthonormalised and re-diagonalised in float64
-    (:func:`orthonormal_eigenpairs`), round-off negative eigenvalues clamped to 0 (``H`` is PSD:
-    a negative ``sλ + δ`` at small ``δ`` is what made float32 predictives non-finite);
-    everything computed is float64.
+    ([`orthonormal_eigenpairs`][laplace_debiased.posterior.eigen.orthonormal_eigenpairs]), round-off negative
+    eigenvalues clamped to 0 (``H`` is PSD: a negative ``sλ + δ`` at small ``δ`` is what made float32
+    predictives non-finite); everything computed is float64.
     """
 
     def __init__(self, U: Tensor, eigenvalues: Tensor, h_factor: float | Tensor) -> None:
@@ -44,7 +44,8 @@ class EigenStructure:
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> tuple[Tensor, Tensor | None]:
         """``(JU, R Rᵀ)`` (float64) with ``R = J - (JU)Uᵀ``; ``R Rᵀ`` is ``None`` for a full
-        posterior.  ``R`` is formed in pieces of the parameters (:func:`residual_gram`)."""
+        posterior.  ``R`` is formed in pieces of the parameters
+        ([`residual_gram`][laplace_debiased.posterior.grams.residual_gram])."""
         jacs = [jacobian_float64(j) for j in jacs]
         sizes = [j.dense.shape[-1] if j.dense is not None else j.g.shape[-1] * j.a.shape[-1] for j in jacs]
         if sum(sizes) != self.U.shape[0]:
@@ -63,7 +64,9 @@ class EigenStructure:
         return cov if rest is None else cov + rest / d[:, None, None, None]
 
     def covariance(self, rotated, delta: float | Tensor) -> Tensor:
-        """``Σ(δ)`` of shape ``(n, C, C)``: :meth:`covariances` at one prior precision."""
+        """``Σ(δ)`` of shape ``(n, C, C)``:
+        [`covariances`][laplace_debiased.posterior.eigen.EigenStructure.covariances] at one prior
+        precision."""
         return self.covariances(rotated, [delta])[0]
 
     def variances(self, rotated, prior_precisions: Sequence[float | Tensor], project: bool = False) -> Tensor:
@@ -89,9 +92,9 @@ def orthonormal_eigenpairs(U: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tens
     """``(Q, μ)`` in float64 with ``QᵀQ = I`` to float64 round-off and ``Q diag(μ) Qᵀ =
     U diag(λ) Uᵀ`` (``U`` ``(P, k)`` orthonormal only to its own dtype's round-off).
 
-    ``U = Q₀R`` (:func:`orthonormal_factor`), ``R diag(λ) Rᵀ = V diag(μ) Vᵀ`` (eigh), ``Q = Q₀V``;
-    negative ``μ`` clamped to 0 (a float32 ``U`` makes complement formulas
-    like ``I - UUᵀ`` wrong by ``1e-7``, which ``1/δ`` amplifies)."""
+    ``U = Q₀R`` ([`orthonormal_factor`][laplace_debiased.posterior.eigen.orthonormal_factor]),
+    ``R diag(λ) Rᵀ = V diag(μ) Vᵀ`` (eigh), ``Q = Q₀V``; negative ``μ`` clamped to 0 (a float32 ``U`` makes
+    complement formulas like ``I - UUᵀ`` wrong by ``1e-7``, which ``1/δ`` amplifies)."""
     Q0, R = orthonormal_factor(U.double())
     mu, V = symmetric_eigh64((R * eigenvalues.double()) @ R.T)
     return Q0 @ V, mu.clamp_min(0.0)

@@ -3,7 +3,8 @@
 
 ``EKFACDecomposed`` is the ``la.H`` of a ``debiased_ekfac`` fit, ``SpannedEKFACDecomposed`` the same
 where a block spans several parameter tensors; ``EKFACStructure`` / ``SpannedEKFACStructure`` rotate
-Jacobians once into their eigenbasis for the grid predictive (:mod:`laplace_debiased.posterior.grid`).
+Jacobians once into their eigenbasis for the grid predictive
+([`laplace_debiased.posterior.grid`][laplace_debiased.posterior.grid]).
 """
 
 from __future__ import annotations
@@ -193,23 +194,25 @@ class EKFACDecomposed:
         )
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> EKFACStructure:
-        """The :class:`~laplace_debiased.posterior.grid.GridPredictive` structure.
+        """The [`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive] structure.
 
         Args:
             h_factor: The curvature scale ``s`` (laplace-torch's ``_H_factor``).
             numels: The sizes of the Laplace object's parameter tensors.
 
         Returns:
-            An :class:`EKFACStructure` of this curvature without its ``deltas``.
+            An [`EKFACStructure`][laplace_debiased.posterior.ekfac.EKFACStructure] of this curvature without
+            its ``deltas``.
         """
         return EKFACStructure(self, h_factor, numels)
 
 
 class EKFACStructure(KronStructure):
-    """:class:`~laplace_debiased.posterior.grid.GridPredictive` structure of an
-    :class:`EKFACDecomposed` curvature: same eigenbasis rotation as K-FAC, eigenvalues per
-    basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held and computed
-    in float64 like :class:`KronStructure` (round-off negative eigenvalues clamped to 0).
+    """[`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive] structure of an
+    [`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] curvature: same eigenbasis rotation
+    as K-FAC, eigenvalues per basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held
+    and computed in float64 like [`KronStructure`][laplace_debiased.posterior.kron.KronStructure] (round-off
+    negative eigenvalues clamped to 0).
 
     Args:
         H: The curvature.
@@ -237,12 +240,14 @@ class EKFACStructure(KronStructure):
 
 
 class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
-    """:class:`EKFACStructure` over blocks spanning several parameter tensors."""
+    """[`EKFACStructure`][laplace_debiased.posterior.ekfac.EKFACStructure] over blocks spanning several
+    parameter tensors."""
 
 
 class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
-    """:class:`EKFACDecomposed` whose blocks may span several parameter tensors (a
-    normalisation layer's dense block; :mod:`laplace_debiased.curvature.layer_blocks`)."""
+    """[`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] whose blocks may span several
+    parameter tensors (a normalisation layer's dense block;
+    [`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks])."""
 
     _structure = SpannedEKFACStructure
 

@@ -25,8 +25,9 @@ def laplace_params(la) -> list[Tensor]:
 
 
 def predictive_parts(la) -> tuple[nn.Module, list[Tensor]]:
-    """The network and the parameters of ``la``'s posterior (:func:`laplace_params`) as objects
-    that pickle, for evaluating the posterior in another process.
+    """The network and the parameters of ``la``'s posterior
+    ([`laplace_params`][laplace_debiased.posterior.from_laplace.laplace_params]) as objects that pickle, for
+    evaluating the posterior in another process.
 
     Over all weights: ``la.model`` and its parameters. Last layer: a copy of the network inside
     laplace-torch's ``FeatureExtractor`` without the extractor's feature hook (a local function,
@@ -55,7 +56,9 @@ def curvature_kind(la: ParametricLaplace) -> str | None:
     Returns:
         ``"own"`` (a curvature with a ``grid_structure`` method), ``"kron"``
         (``KronDecomposed``), ``"dense"`` (a ``(P, P)`` tensor) or ``"low_rank"`` (a pair
-        ``(U, λ)``) for the curvatures :func:`posterior_structure` reads, else ``None``.
+        ``(U, λ)``) for the curvatures
+        [`posterior_structure`][laplace_debiased.posterior.from_laplace.posterior_structure] reads, else
+        ``None``.
     """
     from laplace.utils.matrix import KronDecomposed
 
@@ -75,10 +78,10 @@ def curvature_kind(la: ParametricLaplace) -> str | None:
 def posterior_structure(la) -> KronStructure | EigenStructure:
     """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
 
-    ``KronDecomposed`` -> :class:`KronStructure`; a dense ``(P, P)`` tensor ->
-    :class:`EigenStructure` (full; from ``la.curvature_eigenpairs()`` ``(Q, h)`` where the object
-    has them, low rank when ``H`` has rank ``< P``); a pair ``(U, λ)`` -> :class:`EigenStructure`
-    (low rank).
+    ``KronDecomposed`` -> [`KronStructure`][laplace_debiased.posterior.kron.KronStructure]; a dense ``(P, P)``
+    tensor -> [`EigenStructure`][laplace_debiased.posterior.eigen.EigenStructure] (full; from
+    ``la.curvature_eigenpairs()`` ``(Q, h)`` where the object has them, low rank when ``H`` has rank ``< P``);
+    a pair ``(U, λ)`` -> [`EigenStructure`][laplace_debiased.posterior.eigen.EigenStructure] (low rank).
     """
     kind, H, s = curvature_kind(la), getattr(la, "H", None), la._H_factor
     if kind == "own":  # a curvature that knows its basis (debiased EKFAC)

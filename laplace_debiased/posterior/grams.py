@@ -35,7 +35,8 @@ def as_prior(delta: float | Tensor, n_blocks: int, dtype: torch.dtype) -> Tensor
     return d.expand(n_blocks)
 
 
-#: Elements of the pair-product buffer in :func:`weighted_grams` (2**22 float32 = 16 MiB).
+#: Elements of the pair-product buffer in [`weighted_grams`][laplace_debiased.posterior.grams.weighted_grams]
+#: (2**22 float32 = 16 MiB).
 PAIR_BUFFER = 2**22
 
 
@@ -45,9 +46,9 @@ def weighted_grams(A: Tensor, W: Tensor) -> Tensor:
 
     For ``G ≥ 3`` ``A`` is read once for the whole grid: the upper-triangle entries are one matrix
     product of the pair products ``A_c ∘ A_d`` (``c ≤ d``) with ``Wᵀ``, computed in pieces of at
-    most :data:`PAIR_BUFFER` elements (inputs × pairs × columns); about 3x faster than one batched
-    matrix product per grid point at 14 points.  For ``G ≤ 2`` forming the pairs costs more than
-    it saves, so it is one batched matrix product ``(A ∘ w_g) Aᵀ`` per grid point.
+    most [`PAIR_BUFFER`][laplace_debiased.posterior.grams.PAIR_BUFFER] elements (inputs × pairs × columns);
+    about 3x faster than one batched matrix product per grid point at 14 points.  For ``G ≤ 2`` forming the
+    pairs costs more than it saves, so it is one batched matrix product ``(A ∘ w_g) Aᵀ`` per grid point.
     """
     if len(W) < 3:
         return torch.stack([(A * w) @ A.transpose(1, 2) for w in W])
@@ -87,8 +88,9 @@ def jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
 def residual_gram(jac: LayerJacobian, JU: Tensor, U_b: Tensor) -> Tensor:
     """``R Rᵀ`` of the residual ``R = J - (JU) U_bᵀ`` of one parameter tensor.
 
-    ``R`` is formed in column pieces of at most :data:`PAIR_BUFFER` elements (a factored
-    ``Linear`` Jacobian a few weight rows at a time), never the whole ``(n, C, numel)`` Jacobian.
+    ``R`` is formed in column pieces of at most [`PAIR_BUFFER`][laplace_debiased.posterior.grams.PAIR_BUFFER]
+    elements (a factored ``Linear`` Jacobian a few weight rows at a time), never the whole ``(n, C, numel)``
+    Jacobian.
 
     Args:
         jac: the parameter tensor's Jacobian ``J`` (``(n, C, numel)`` dense, or factored).

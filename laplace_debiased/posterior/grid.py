@@ -12,20 +12,21 @@ basis (per block ``H_k = Q_k diag(λ_k) Q_kᵀ``; for K-FAC ``Q_k = Q_G ⊗ Q_A`
 so the expensive, prior-independent work (per-example Jacobians, rotation into the eigenbasis) is
 done once per chunk of inputs and reused for every prior precision of a grid; the structures'
 ``covariances(rotated, grid)`` return ``Σ(δ)`` for the whole grid ``(G, n, C, C)`` reading each
-rotated Jacobian once (:func:`weighted_grams`), and ``covariance(rotated, δ)`` is its one-point
-case.  The full ``(batch × classes × parameters)`` Jacobian is never built: inputs are processed
-in chunks, and the Jacobian of a ``Linear`` layer (2-D input) stays in its rank-one form
-``g_c ⊗ a`` (output gradient ⊗ input), rotated as ``(Q_Gᵀ g_c) ⊗ (Q_Aᵀ a)``.
-Links: :mod:`laplace_debiased.posterior.links`.  :func:`laplace_debiased.evaluation.predictive.
-sampled_linearized_predictive` samples parameters instead, for posteriors without a cheap
-eigenbasis.
+rotated Jacobian once ([`weighted_grams`][laplace_debiased.posterior.grams.weighted_grams]), and
+``covariance(rotated, δ)`` is its one-point case.  The full ``(batch × classes × parameters)`` Jacobian is
+never built: inputs are processed in chunks, and the Jacobian of a ``Linear`` layer (2-D input) stays in its
+rank-one form ``g_c ⊗ a`` (output gradient ⊗ input), rotated as ``(Q_Gᵀ g_c) ⊗ (Q_Aᵀ a)``.
+Links: [`laplace_debiased.posterior.links`][laplace_debiased.posterior.links].
+[`sampled_linearized_predictive`][laplace_debiased.evaluation.predictive.sampled_linearized_predictive]
+samples parameters instead, for posteriors without a cheap eigenbasis.
 
-Supported posteriors (read from a fitted laplace-torch object, see :func:`posterior_structure`):
-``KronDecomposed`` ``H`` (laplace's K-FAC and the debiased K-FAC of :mod:`laplace_debiased.structures.kron`),
-dense ``H`` (full), and a low-rank eigen pair ``(U, λ)`` (prior ``δ`` on the complement of ``U``).
-Per-example Jacobians are closed-form for ``nn.Linear``/``nn.Conv2d`` parameters (captured input
-activations and output gradients, one batched backward pass per class) and come from
-``torch.func`` (``vmap`` over ``jacrev``) otherwise.
+Supported posteriors (read from a fitted laplace-torch object, see
+[`posterior_structure`][laplace_debiased.posterior.from_laplace.posterior_structure]): ``KronDecomposed``
+``H`` (laplace's K-FAC and the debiased K-FAC of
+[`laplace_debiased.structures.kron`][laplace_debiased.structures.kron]), dense ``H`` (full), and a low-rank
+eigen pair ``(U, λ)`` (prior ``δ`` on the complement of ``U``). Per-example Jacobians are closed-form for
+``nn.Linear``/``nn.Conv2d`` parameters (captured input activations and output gradients, one batched backward
+pass per class) and come from ``torch.func`` (``vmap`` over ``jacrev``) otherwise.
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ class GridPredictive:
 
     @classmethod
     def from_parts(cls, model: nn.Module, params: Sequence[Tensor], structure, chunk_size: int = 64) -> GridPredictive:
-        """The predictive of a classification posterior ``structure`` (:func:`posterior_structure`)
-        over the parameters ``params`` of ``model``, without its laplace-torch object (e.g. one
-        fitted in another process: :func:`~laplace_debiased.posterior.from_laplace.predictive_parts`).
-        Calling it needs an explicit ``prior_precision``."""
+        """The predictive of a classification posterior ``structure``
+        ([`posterior_structure`][laplace_debiased.posterior.from_laplace.posterior_structure]) over the
+        parameters ``params`` of ``model``, without its laplace-torch object (e.g. one fitted in another
+        process: [`predictive_parts`][laplace_debiased.posterior.from_laplace.predictive_parts]). Calling it
+            needs an explicit ``prior_precision``."""
         pred = cls.__new__(cls)
         pred.la, pred.model, pred.params, pred.structure = None, model, list(params), structure
         pred.chunk_size = int(chunk_size)
@@ -98,7 +100,8 @@ class GridPredictive:
         """Predictive probabilities for each prior precision and link.
 
         Outputs ``(N, tokens, C)``: every token's predictive is the predictive of its own row
-        (:func:`logit_rows`), returned as ``(G, N, tokens, C)`` and ``"map"`` ``(N, tokens, C)``.
+        ([`logit_rows`][laplace_debiased.posterior.jacobians.logit_rows]), returned as ``(G, N, tokens, C)``
+        and ``"map"`` ``(N, tokens, C)``.
 
         Args:
             data: A tensor of inputs ``(N, ...)``, or an iterable of input tensors or of
@@ -179,17 +182,18 @@ GRIDSEARCH_LINKS = ("probit", "mc", "bridge", "bridge_norm")
 
 
 def gridsearch_supported(la, pred_type: str, link_approx: str) -> bool:
-    """Whether :func:`grid_validation_scores` can replace laplace-torch's per-point loop:
-    a fitted classification posterior with an eigenbasis, the GLM predictive, and a link of
-    :data:`GRIDSEARCH_LINKS`."""
+    """Whether [`grid_validation_scores`][laplace_debiased.posterior.grid.grid_validation_scores] can replace
+    laplace-torch's per-point loop: a fitted classification posterior with an eigenbasis, the GLM predictive,
+    and a link of [`GRIDSEARCH_LINKS`][laplace_debiased.posterior.grid.GRIDSEARCH_LINKS]."""
     if getattr(la, "likelihood", None) != "classification" or pred_type != "glm":
         return False
     return link_approx in GRIDSEARCH_LINKS and curvature_kind(la) is not None
 
 
 class UnsupportedBatches(TypeError):
-    """Validation batches that :func:`grid_validation_scores` cannot read (not ``(X, y)``
-    tensors, e.g. dict batches): use laplace-torch's per-point ``validate`` instead."""
+    """Validation batches that
+    [`grid_validation_scores`][laplace_debiased.posterior.grid.grid_validation_scores] cannot read (not
+    ``(X, y)`` tensors, e.g. dict batches): use laplace-torch's per-point ``validate`` instead."""
 
 
 def grid_validation_scores(
@@ -197,17 +201,18 @@ def grid_validation_scores(
     chunk_size: int = 64,
 ) -> list[float]:
     """``laplace.utils.validate(la, val_loader, loss, "glm", link_approx)`` at every prior
-    precision of the grid, from one :class:`GridPredictive` pass over ``val_loader``.
+    precision of the grid, from one [`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive] pass
+    over ``val_loader``.
 
     ``loss`` is a torchmetrics ``Metric`` (one reset copy per grid point, updated batch by batch
     and ``compute().sum()``, as ``validate`` does) or a callable ``loss(probs, targets)`` on the
-    concatenated predictions.  Batches are ``(X, y)`` tensors (else :class:`UnsupportedBatches`).
-    Outputs ``(n, tokens, C)`` are scored with every token as one row (``y`` ``(n, tokens)``;
-    other target shapes raise a ``ValueError``), so a mean metric such as laplace-torch's
-    ``RunningNLLMetric`` is averaged over all tokens, as laplace-torch's LLM examples do; tokens
-    whose label is -100 (padded) are left out, as ``CrossEntropyLoss`` leaves them out.
-    ``"mc"`` draws its own samples, so its scores are a different Monte-Carlo estimate of the
-    same predictive than laplace-torch's.
+    concatenated predictions.  Batches are ``(X, y)`` tensors (else
+    [`UnsupportedBatches`][laplace_debiased.posterior.grid.UnsupportedBatches]). Outputs ``(n, tokens, C)``
+    are scored with every token as one row (``y`` ``(n, tokens)``; other target shapes raise a
+    ``ValueError``), so a mean metric such as laplace-torch's ``RunningNLLMetric`` is averaged over all
+    tokens, as laplace-torch's LLM examples do; tokens whose label is -100 (padded) are left out, as
+    ``CrossEntropyLoss`` leaves them out. ``"mc"`` draws its own samples, so its scores are a different
+    Monte-Carlo estimate of the same predictive than laplace-torch's.
     """
     from torchmetrics import Metric
 

@@ -1,12 +1,13 @@
 """Decomposed K-FAC whose factors may keep their null space implicit.
 
 A K-FAC factor of a batch narrower than the layer (``d`` inputs, ``n < d`` rows) has rank
-``≤ n``. :func:`laplace_debiased.curvature.linalg.lowrank_debiased_factor` returns its
-debiased eigenpairs as ``Q`` (d, r) orthonormal and ``λ`` (r + 1,): ``λ[:r]`` along ``Q`` and
-``ν = λ[r]`` on the whole complement ``N = I - QQᵀ`` (0 for B's null space compressed onto B̃,
-the "aligned" treatment; a mean Rayleigh quotient for the "isotropic" one).
-:class:`ImplicitKronDecomposed` is laplace-torch's ``KronDecomposed`` for such factors, never
-forming a ``d × d`` basis except in ``to_matrix``:
+``≤ n``.
+[`laplace_debiased.curvature.linalg.lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor]
+returns its debiased eigenpairs as ``Q`` (d, r) orthonormal and ``λ`` (r + 1,): ``λ[:r]`` along ``Q`` and
+``ν = λ[r]`` on the whole complement ``N = I - QQᵀ`` (0 for B's null space compressed onto B̃, the "aligned"
+treatment; a mean Rayleigh quotient for the "isotropic" one).
+[`ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed] is laplace-torch's
+``KronDecomposed`` for such factors, never forming a ``d × d`` basis except in ``to_matrix``:
 
 * a factor is ``Σ_k λ_k q_k q_kᵀ + ν N``: the *extended* spectrum ``[λ_1, ..., λ_r, ν]`` with
   multiplicities ``[1, ..., 1, d - r]`` (``r`` eigenvalues only: ``ν = 0``; ``Q`` square: no
@@ -105,7 +106,9 @@ class ImplicitKronDecomposed(KronDecomposed):
     with ``r`` or ``r + 1`` eigenvalues, the last then the factor's eigenvalue on the whole
     complement (else 0; module docstring). All of laplace-torch's uses
     (``logdet``, ``bmm``, ``inv_square_form``, ``diag``; ``to_matrix`` completes the bases) and
-    the grid predictive (:meth:`grid_structure`) keep the null space implicit."""
+    the grid predictive
+    ([`grid_structure`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed.grid_structure]) keep
+    the null space implicit."""
 
     def __add__(self, deltas: Tensor) -> ImplicitKronDecomposed:
         self._check_deltas(deltas)
@@ -158,7 +161,8 @@ class ImplicitKronDecomposed(KronDecomposed):
 
     def completed(self) -> KronDecomposed:
         """laplace-torch's ``KronDecomposed`` of the same matrix, every basis completed
-        (:func:`complete_basis`, ``O(d² r)`` per implicit factor)."""
+        ([`complete_basis`][laplace_debiased.posterior.implicit_kron.complete_basis], ``O(d² r)`` per implicit
+        factor)."""
         blocks = [[complete_basis(Q, l) for Q, l in zip(Qs, ls)] for Qs, ls in zip(self.eigenvectors, self.eigenvalues)]
         return KronDecomposed(
             [[b[0] for b in bl] for bl in blocks], [[b[1] for b in bl] for bl in blocks], self.deltas, damping=self.damping
@@ -168,16 +172,18 @@ class ImplicitKronDecomposed(KronDecomposed):
         return self.completed().to_matrix(exponent)
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> KronStructure:
-        """The grid predictive's structure: :class:`ImplicitKronStructure` if a factor is
-        implicit, else :class:`~laplace_debiased.posterior.kron.KronStructure`."""
+        """The grid predictive's structure:
+        [`ImplicitKronStructure`][laplace_debiased.posterior.implicit_kron.ImplicitKronStructure] if a factor
+        is implicit, else [`KronStructure`][laplace_debiased.posterior.kron.KronStructure]."""
         if all(Q.shape[0] == Q.shape[1] for Qs in self.eigenvectors for Q in Qs):
             return KronStructure(self, h_factor, numels)
         return ImplicitKronStructure(self, h_factor, numels)
 
 
 class ImplicitKronStructure(KronStructure):
-    """:class:`~laplace_debiased.posterior.kron.KronStructure` of an
-    :class:`ImplicitKronDecomposed` whose input-side factors may be implicit (``Q_A`` (d, r)).
+    """[`KronStructure`][laplace_debiased.posterior.kron.KronStructure] of an
+    [`ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed] whose
+    input-side factors may be implicit (``Q_A`` (d, r)).
 
     For such a block the complement ``N`` of ``Q_A`` is one more eigen-direction of the input
     factor, with its eigenvalue ``ν`` (weights ``1/(s λ_G ν + δ)``, damped
@@ -185,7 +191,8 @@ class ImplicitKronStructure(KronStructure):
     a factored Jacobian ``g ⊗ a`` rotates to ``(Q_Gᵀ g) ⊗ [(Q_Aᵀ a)², ‖N a‖²]`` (``‖N a‖²`` from
     ``a - Q_A Q_Aᵀ a``, no cancellation); a dense one ``J`` to ``[Q_Gᵀ J Q_A, Q_Gᵀ J N]`` (``d``
     columns sharing the null weight, so the cross terms of the covariance stay exact). Blocks
-    with an implicit output-side or single factor get completed bases (:func:`complete_basis`).
+    with an implicit output-side or single factor get completed bases
+    ([`complete_basis`][laplace_debiased.posterior.implicit_kron.complete_basis]).
     """
 
     def __init__(self, H: ImplicitKronDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
@@ -211,7 +218,8 @@ class ImplicitKronStructure(KronStructure):
             )
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
-        """:meth:`KronStructure.rotate`, with the null-space column(s) of implicit blocks."""
+        """[`KronStructure.rotate`][laplace_debiased.posterior.kron.KronStructure.rotate], with the null-space
+        column(s) of implicit blocks."""
         out = super().rotate(jacs)
         for k in (k for k, implicit in enumerate(self.implicit) if implicit):
             jac, (QG, QA) = jacobian_float64(jacs[k]), self.Qs[k]

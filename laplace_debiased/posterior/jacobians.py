@@ -27,7 +27,7 @@ class LayerJacobian:
     ``weight.flatten()``), *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order, or a
     *sum over positions* (a ``Conv2d`` weight), ``positions = (g (n, C, out, T), u (n, k, T))``
     with ``J[n, c] = vec(Σ_t g[n, c, :, t] u[n, :, t]ᵀ)`` (``u`` the unfolded input), formed
-    densely only by :meth:`full`.
+    densely only by [`full`][laplace_debiased.posterior.jacobians.LayerJacobian.full].
     A leading size 1 of ``g`` or ``dense`` means the same for every input (broadcast): the
     output layer's ``g`` is the identity, which is then never materialised per input.
     """
@@ -82,7 +82,8 @@ def _owners(model: nn.Module, params: Sequence[Tensor]) -> list[tuple[nn.Module,
 
 def logit_rows(f: Tensor) -> Tensor:
     """Outputs ``(n, [tokens, ...,] C)`` as rows ``(n·tokens, C)``, one per token
-    (:func:`laplace_debiased.curvature.kfac.output_rows`, which also checks ``f.ndim ≥ 2``)."""
+    ([`laplace_debiased.curvature.kfac.output_rows`][laplace_debiased.curvature.kfac.output_rows], which also
+    checks ``f.ndim ≥ 2``)."""
     return output_rows(f, f[..., 0])[0]
 
 
@@ -198,7 +199,8 @@ def logit_jacobians(
 
     Returns:
         ``(f, jacs)``: the logits ``(n, [tokens,] C)`` and, per parameter, the Jacobian of the
-        logit rows (:func:`logit_rows`, ``(n·tokens, C, numel)``) as a :class:`LayerJacobian`.
+        logit rows ([`logit_rows`][laplace_debiased.posterior.jacobians.logit_rows], ``(n·tokens, C, numel)``)
+        as a [`LayerJacobian`][laplace_debiased.posterior.jacobians.LayerJacobian].
     """
     if all(o is not None for o in _owners(model, params)):
         return _layer_jacobians(model, params, x)

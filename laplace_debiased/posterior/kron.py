@@ -40,7 +40,7 @@ class KronStructure:
     def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
         """Prior-independent work: Jacobians (float64) in the eigenbasis of each block. A
         Jacobian that is a sum over positions (``Conv2d``) is rotated factor by factor where
-        that is cheaper (:func:`rotate_positions`)."""
+        that is cheaper ([`rotate_positions`][laplace_debiased.posterior.kron.rotate_positions])."""
         out = []
         for jac, Qs in zip(jacs, self.Qs):
             if len(Qs) == 2 and jac.positions is not None and positions_cheaper(jac.positions):
@@ -94,7 +94,8 @@ class KronStructure:
         return n, rotated[0][1].shape[1]
 
     def covariance(self, rotated, delta: float | Tensor) -> Tensor:
-        """``Σ(δ)`` of shape ``(n, C, C)``: :meth:`covariances` at one prior precision."""
+        """``Σ(δ)`` of shape ``(n, C, C)``:
+        [`covariances`][laplace_debiased.posterior.kron.KronStructure.covariances] at one prior precision."""
         return self.covariances(rotated, [delta])[0]
 
     def variances(self, rotated, prior_precisions: Sequence[float | Tensor], project: bool = False) -> Tensor:
@@ -115,7 +116,8 @@ class KronStructure:
 
 
 def positions_cheaper(positions: tuple[Tensor, Tensor]) -> bool:
-    """Whether :func:`rotate_positions` costs fewer multiply-adds than rotating the dense
+    """Whether [`rotate_positions`][laplace_debiased.posterior.kron.rotate_positions] costs fewer
+    multiply-adds than rotating the dense
     Jacobian: ``T k² + C T o² + C o T k`` against ``C o k (o + k)`` per input (``o`` outputs,
     ``k`` unfolded inputs, ``T`` positions, ``C`` classes)."""
     g, u = positions

@@ -23,7 +23,9 @@ from laplace_debiased.curvature.linalg import symmetric_eigh64
 
 #: links of the sweeps and reports
 LINKS = ("probit_projected", "probit", "mc")
-#: every link :func:`apply_link` and :meth:`GridPredictive.grid` evaluate (adds laplace-torch's bridge)
+#: every link [`apply_link`][laplace_debiased.posterior.links.apply_link] and
+#: [`GridPredictive.grid`][laplace_debiased.posterior.grid.GridPredictive.grid] evaluate (adds laplace-torch's
+#: bridge)
 ALL_LINKS = (*LINKS, "bridge", "bridge_norm")
 
 
@@ -50,7 +52,8 @@ def project_logits(f: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def probit_projected(f: Tensor, cov: Tensor) -> Tensor:
-    """Probit on the logit-difference subspace: :func:`probit` of :func:`project_logits`."""
+    """Probit on the logit-difference subspace: [`probit`][laplace_debiased.posterior.links.probit] of
+    [`project_logits`][laplace_debiased.posterior.links.project_logits]."""
     return probit(*project_logits(f, cov))
 
 
@@ -118,8 +121,10 @@ def apply_link(
     n_samples: int = 100,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Dispatch to :func:`probit_projected`, :func:`probit`, :func:`mc_softmax` or
-    :func:`laplace_bridge` by name."""
+    """Dispatch to [`probit_projected`][laplace_debiased.posterior.links.probit_projected],
+    [`probit`][laplace_debiased.posterior.links.probit],
+    [`mc_softmax`][laplace_debiased.posterior.links.mc_softmax] or
+    [`laplace_bridge`][laplace_debiased.posterior.links.laplace_bridge] by name."""
     if link == "probit":
         return probit(f, cov)
     if link == "probit_projected":

@@ -1,9 +1,9 @@
 """Posterior decompositions and grid structures whose blocks may span several parameter tensors.
 
 A normalisation layer's dense curvature block covers its weight and bias together
-(:mod:`laplace_debiased.curvature.layer_blocks`), so blocks and parameter tensors do not always
-correspond one to one: the decomposed curvatures here carry ``spans`` (parameter tensors per
-block), map per-tensor prior precisions to their blocks, and give the grid predictive a
+([`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks]), so blocks and
+parameter tensors do not always correspond one to one: the decomposed curvatures here carry ``spans``
+(parameter tensors per block), map per-tensor prior precisions to their blocks, and give the grid predictive a
 structure that concatenates the Jacobians of the tensors of a block.
 """
 
@@ -45,7 +45,8 @@ class Spanned:
     __rmul__ = __mul__
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> Any:
-        """The grid predictive's structure (:class:`SpannedStructure`): ``_implicit_structure``
+        """The grid predictive's structure
+        ([`SpannedStructure`][laplace_debiased.posterior.spanned.SpannedStructure]): ``_implicit_structure``
         when a factor keeps its null space implicit (``(d, r)`` eigenvectors, ``r < d``)."""
         implicit = any(Q.shape[0] != Q.shape[1] for Qs in self.eigenvectors for Q in Qs)
         structure = getattr(self, "_implicit_structure", None) if implicit else self._structure
@@ -93,9 +94,9 @@ class SpannedStructure:
 
 
 class SpannedKronStructure(SpannedStructure, KronStructure):
-    """:class:`~laplace_debiased.posterior.kron.KronStructure` over spanning blocks."""
+    """[`KronStructure`][laplace_debiased.posterior.kron.KronStructure] over spanning blocks."""
 
 
 class SpannedImplicitKronStructure(SpannedStructure, ImplicitKronStructure):
-    """:class:`~laplace_debiased.posterior.implicit_kron.ImplicitKronStructure` over spanning
+    """[`ImplicitKronStructure`][laplace_debiased.posterior.implicit_kron.ImplicitKronStructure] over spanning
     blocks: dense normalisation blocks beside K-FAC input factors whose null space is implicit."""

@@ -1,15 +1,22 @@
 """The Laplace classes, registered with laplace-torch's ``Laplace(...)`` factory.
 
-* :mod:`.two_batch` -- ``TwoBatchLaplace``, the one adapter base listed before laplace-torch's
+* [`two_batch`][laplace_debiased.structures.two_batch] -- ``TwoBatchLaplace``, the one adapter base listed
+  before laplace-torch's
   class: the two-batch ``fit`` shared by every debiased class and thin overrides calling the
-  functions of :mod:`.fit_checks` (input checks), :mod:`.chunked` (the predictive over chunks of
-  the inputs), :mod:`.token_outputs` (GLM predictive of token outputs, per-example Jacobians),
-  :mod:`.gridsearch` (prior-precision grid search) and :mod:`.block_priors` (per-block marglik);
-* :mod:`.kron` -- ``DebiasedKron(LL)Laplace`` (``hessian_structure="debiased_kron"``);
-* :mod:`.ekfac` -- ``DebiasedEKFAC(LL)Laplace`` (``hessian_structure="debiased_ekfac"``);
-* :mod:`.lowrank` -- ``DebiasedLowRank(LL)Laplace`` and ``DebiasedFull(LL)Laplace``.
+  functions of [`fit_checks`][laplace_debiased.structures.fit_checks] (input checks),
+  [`chunked`][laplace_debiased.structures.chunked] (the predictive over chunks of the inputs),
+  [`token_outputs`][laplace_debiased.structures.token_outputs] (GLM predictive of token outputs, per-example
+  Jacobians), [`gridsearch`][laplace_debiased.structures.gridsearch] (prior-precision grid search) and
+  [`block_priors`][laplace_debiased.structures.block_priors] (per-block marglik);
+* [`kron`][laplace_debiased.structures.kron] -- ``DebiasedKron(LL)Laplace``
+  (``hessian_structure="debiased_kron"``);
+* [`ekfac`][laplace_debiased.structures.ekfac] -- ``DebiasedEKFAC(LL)Laplace``
+  (``hessian_structure="debiased_ekfac"``);
+* [`lowrank`][laplace_debiased.structures.lowrank] -- ``DebiasedLowRank(LL)Laplace`` and
+  ``DebiasedFull(LL)Laplace``.
 
-The choice of B and B̃ and the K-FAC computations are in :mod:`laplace_debiased.computers`.
+The choice of B and B̃ and the K-FAC computations are in
+[`laplace_debiased.computers`][laplace_debiased.computers].
 """
 
 # Importing any submodule defines (and so registers) every debiased class.

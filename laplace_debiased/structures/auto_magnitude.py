@@ -1,8 +1,8 @@
 """``n_magnitude_batches="auto"`` of the debiased K-FAC structures over all weights: the rows the
 direction batches give each K-FAC factor, counted on the model (the rule and its record are in
-:mod:`laplace_debiased.computers.auto_magnitude`), and the model's per-sample output shape.  Plain
-functions of the model, the batches and laplace-torch's backend, called by
-:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`."""
+[`laplace_debiased.computers.auto_magnitude`][laplace_debiased.computers.auto_magnitude]), and the model's
+per-sample output shape.  Plain functions of the model, the batches and laplace-torch's backend, called by
+[`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace]."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def sample_output_shape(model: nn.Module, batch: Batch, dict_key_x: str, dict_ke
 
 def output_columns(backend: CurvatureInterface, likelihood: str, n_outputs: int, asdl_fisher_kwargs: dict) -> int:
     """Rows each output row adds to an output-side factor
-    (:mod:`laplace_debiased.computers.auto_magnitude`).
+    ([`laplace_debiased.computers.auto_magnitude`][laplace_debiased.computers.auto_magnitude]).
 
     Args:
         backend: laplace-torch's curvature backend.
@@ -81,7 +81,8 @@ def factor_row_counts(
         model: The network.
         layers: Its layers with the K-FAC blocks (laplace-torch's backend model).
         direction: The batches of B.
-        columns: Rows per output row of an output-side factor, of ``C`` (:func:`output_columns`).
+        columns: Rows per output row of an output-side factor, of ``C``
+            ([`output_columns`][laplace_debiased.structures.auto_magnitude.output_columns]).
         dtype: The model's dtype (the batches are checked against it).
         likelihood: laplace-torch's likelihood.
         dict_key_x: Key of the inputs in a mapping batch.
@@ -123,8 +124,8 @@ def auto_magnitude_rule(
     dict_key_y: str,
 ) -> Callable[[list[Batch]], AutoMagnitude]:
     """The rule of ``n_magnitude_batches="auto"``: B's batches to
-    :func:`~laplace_debiased.computers.auto_magnitude.auto_magnitude_batches` of their
-    :func:`factor_row_counts`.
+    [`auto_magnitude_batches`][laplace_debiased.computers.auto_magnitude.auto_magnitude_batches] of their
+    [`factor_row_counts`][laplace_debiased.structures.auto_magnitude.factor_row_counts].
 
     Args:
         model: The network.
@@ -139,7 +140,8 @@ def auto_magnitude_rule(
         dict_key_y: Key of the targets in a mapping batch.
 
     Returns:
-        The function of the direction batches that :func:`~laplace_debiased.computers.batches.split_batches` calls.
+        The function of the direction batches that
+        [`split_batches`][laplace_debiased.computers.batches.split_batches] calls.
 
     Raises:
         ValueError: ``last_layer``.

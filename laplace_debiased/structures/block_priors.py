@@ -1,16 +1,17 @@
 """Layerwise marginal-likelihood prior tuning with one prior precision per curvature block.
 
 ``debiased_kron`` and ``debiased_ekfac`` over all weights keep a normalisation layer's weight and
-bias in one dense curvature block (:mod:`laplace_debiased.curvature.layer_blocks`), so the two tensors
-take one prior precision: the posterior precision of the block is ``G + δ I`` over both. A
-per-tensor ("layerwise") prior then has one free value per *block*, and laplace-torch's marglik
-loop, which moves every tensor's value on its own, would give the two tensors different values.
+bias in one dense curvature block
+([`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks]), so the two tensors
+take one prior precision: the posterior precision of the block is ``G + δ I`` over both. A per-tensor
+("layerwise") prior then has one free value per *block*, and laplace-torch's marglik loop, which moves every
+tensor's value on its own, would give the two tensors different values.
 
-:func:`block_marglik` runs that loop over the blocks instead
-(:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace` calls it where :func:`prior_spans`
-has a block of several tensors): it optimises ``log δ_b``, one per
-block ``b``, with Adam on ``-log p(D | δ)``, evaluated at the per-tensor vector that repeats
-``δ_b`` over the tensors of block ``b``. The gradient of a block's value is the sum of its
+[`block_marglik`][laplace_debiased.structures.block_priors.block_marglik] runs that loop over the blocks
+instead ([`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace] calls it where
+[`prior_spans`][laplace_debiased.structures.block_priors.prior_spans] has a block of several tensors): it
+optimises ``log δ_b``, one per block ``b``, with Adam on ``-log p(D | δ)``, evaluated at the per-tensor vector
+that repeats ``δ_b`` over the tensors of block ``b``. The gradient of a block's value is the sum of its
 tensors' gradients, the derivative of the marginal likelihood along the tied direction. Every
 other call (a scalar or diagonal prior, grid search, a model without spanning blocks) is
 laplace-torch's own.
@@ -60,7 +61,8 @@ def block_marglik(
     Args:
         log_marginal_likelihood: ``log p(D | δ)`` of a per-tensor prior precision vector
             ``(sum(spans),)``, differentiable in it.
-        spans: Parameter tensors per block (:func:`prior_spans`).
+        spans: Parameter tensors per block
+            ([`prior_spans`][laplace_debiased.structures.block_priors.prior_spans]).
         init_prior_prec: A scalar, one value per block, or one per tensor with equal values
             within each block.
         n_steps: Adam steps.

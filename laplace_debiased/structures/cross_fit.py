@@ -10,13 +10,13 @@ instead would be a single Gaussian, but ``P₁ + P₂`` is diagonal in no Kronec
 
 * GLM predictive: the mixture's exact function-space mean and covariance,
   ``f(x)`` and ``½ J (P₁⁻¹ + P₂⁻¹) Jᵀ`` (laplace-torch's ``functional_variance``, and
-  :class:`~laplace_debiased.posterior.grid.GridPredictive`);
+  [`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive]);
 * ``sample``: exact mixture samples (each sample from a component drawn with probability ½);
 * marginal likelihood: the average of the two components' Laplace log evidences
   (``log_det_posterior_precision`` and ``square_norm`` are component averages).
 
 The components are laplace-torch ``KronDecomposed`` (debiased K-FAC) or
-:class:`~laplace_debiased.posterior.ekfac.EKFACDecomposed` (debiased EKFAC) objects.
+[`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] (debiased EKFAC) objects.
 """
 
 from __future__ import annotations
@@ -114,15 +114,16 @@ class CrossFitDecomposed:
 
 
 def _component_structure(component: Any, h_factor: float | Tensor, numels: Sequence[int]) -> Any:
-    """The grid structure of one component: its own (EKFAC) or :class:`KronStructure`."""
+    """The grid structure of one component: its own (EKFAC) or
+    [`KronStructure`][laplace_debiased.posterior.kron.KronStructure]."""
     if callable(getattr(component, "grid_structure", None)):
         return component.grid_structure(h_factor, numels)
     return KronStructure(component, h_factor, numels)
 
 
 class CrossFitStructure:
-    """Grid structure of a :class:`CrossFitDecomposed` mixture: ``Σ(δ)`` is the average of the
-    two components' function-space covariances (float64)."""
+    """Grid structure of a [`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed]
+    mixture: ``Σ(δ)`` is the average of the two components' function-space covariances (float64)."""
 
     def __init__(self, H: CrossFitDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
         self.parts = [_component_structure(c, h_factor, numels) for c in H.components]

@@ -4,21 +4,24 @@ Per parameter block the posterior precision is ``s · Q diag(vec Λ) Qᵀ + δ``
 ``Q = Q_G ⊗ Q_A`` the eigenvectors of B's K-FAC factors and ``Λ = diag(Qᵀ C_B̃ Q)`` the exact
 GGN / empirical-Fisher curvature of the independent batch B̃ along them, scaled to ``N`` data
 points like every debiased structure (``N/|B̃|`` times the sum over B̃; maths in
-:mod:`laplace_debiased.curvature.ekfac`).  With B̃ = B this is plain EKFAC on B.
+[`laplace_debiased.curvature.ekfac`][laplace_debiased.curvature.ekfac]).  With B̃ = B this is plain EKFAC on
+B.
 
 Outputs may be ``(n, tokens, C)``, every token an output with its own loss term (targets
 ``(n, tokens)``): the K-FAC basis comes from ``debiased_kron``'s shared pass, and the
 eigenvalues of each token position are measured and added up
-(:func:`~laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues`).
+([`measure_ekfac_eigenvalues`][laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues]).
 
 Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
 B̃, curvature measured on B) and uses the equal-weight mixture of the two Gaussians as the
-posterior (:mod:`laplace_debiased.structures.cross_fit`, shared with ``debiased_kron``).
+posterior ([`laplace_debiased.structures.cross_fit`][laplace_debiased.structures.cross_fit], shared with
+``debiased_kron``).
 
 Under an initialised ``torch.distributed`` group the K-FAC sums come from ``debiased_kron``'s
 sharded pass, rank 0 broadcasts their eigenbasis, every rank measures the eigenvalue sums on its
-rows of B̃ and the sums are all-reduced (:mod:`laplace_debiased.computers.ekfac`, through the
-reducer of :func:`~laplace_debiased.parallel.reducer.current_reducer`).
+rows of B̃ and the sums are all-reduced
+([`laplace_debiased.computers.ekfac`][laplace_debiased.computers.ekfac], through the reducer of
+[`current_reducer`][laplace_debiased.parallel.reducer.current_reducer]).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def ekfac_measurement(
         dtype: The model's dtype.
 
     Returns:
-        The :class:`~laplace_debiased.computers.ekfac.EKFACMeasurement`.
+        The [`EKFACMeasurement`][laplace_debiased.computers.ekfac.EKFACMeasurement].
     """
     reducer = current_reducer()
     n_rows = sum(batch_size(b, dict_key_x, dict_key_y) for b in batches)
@@ -115,8 +118,8 @@ def ekfac_measurement(
 
 
 def _ekfac_decomposed(eigenvectors: list, eigenvalues: list[Tensor], modules: list[nn.Module]) -> EKFACDecomposed:
-    """:class:`SpannedEKFACDecomposed` where a block spans several parameter tensors, else
-    :class:`EKFACDecomposed`."""
+    """[`SpannedEKFACDecomposed`][laplace_debiased.posterior.ekfac.SpannedEKFACDecomposed] where a block spans
+    several parameter tensors, else [`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed]."""
     spans = block_spans(modules)
     if any(span > 1 for span in spans):
         return SpannedEKFACDecomposed(eigenvectors, eigenvalues, spans)
@@ -125,13 +128,14 @@ def _ekfac_decomposed(eigenvectors: list, eigenvalues: list[Tensor], modules: li
 
 def ekfac_curvature(basis: list, measured: list, measurement: EKFACMeasurement, modules: list[nn.Module]) -> EKFACDecomposed:
     """EKFAC with the eigenbasis of one batch set's K-FAC and the curvature of another
-    (:func:`~laplace_debiased.computers.ekfac.decompose_ekfac`).
+    ([`decompose_ekfac`][laplace_debiased.computers.ekfac.decompose_ekfac]).
 
     Args:
         basis: The K-FAC blocks (``Kron.kfacs``) whose eigenbasis is kept, scaled to ``N``.
         measured: The K-FAC blocks of the measured batch set, scaled to ``N`` (for the
             embedding and normalisation blocks).
-        measurement: The measured batch set (:func:`ekfac_measurement`).
+        measurement: The measured batch set
+            ([`ekfac_measurement`][laplace_debiased.structures.ekfac.ekfac_measurement]).
         modules: The layers of the blocks, in block order.
 
     Returns:
@@ -151,19 +155,22 @@ def debiased_ekfac_curvature(
     swap: bool,
 ) -> EKFACDecomposed | CrossFitDecomposed:
     """The debiased EKFAC curvature of a fit: B's eigenbasis, B̃'s curvature along it
-    (:func:`ekfac_curvature`), and with ``swap`` the mixture with the swapped roles.
+    ([`ekfac_curvature`][laplace_debiased.structures.ekfac.ekfac_curvature]), and with ``swap`` the mixture
+    with the swapped roles.
 
     Args:
         direction: B's K-FAC blocks (``Kron.kfacs``), scaled to ``N``.
         magnitude: B̃'s K-FAC blocks, scaled to ``N`` (B's where B̃'s are not needed).
         batches: B and B̃.
-        measure: The measurement of a batch set's curvature (:func:`ekfac_measurement`).
+        measure: The measurement of a batch set's curvature
+            ([`ekfac_measurement`][laplace_debiased.structures.ekfac.ekfac_measurement]).
         modules: The layers of the blocks, in block order.
         swap: Also decompose the swapped roles (basis from B̃, curvature from B).
 
     Returns:
-        The decomposition, or the :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`
-        of it and the swapped one.
+        The decomposition, or the
+        [`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed] of it and the swapped
+        one.
     """
     H = ekfac_curvature(direction, magnitude, measure(batches[1]), modules)
     if swap:
@@ -185,10 +192,11 @@ def ekfac_state(H: EKFACDecomposed | CrossFitDecomposed) -> dict[str, Any]:
 
 
 def ekfac_from_state(state_dict: dict[str, Any], modules: list[nn.Module]) -> EKFACDecomposed | CrossFitDecomposed:
-    """The decomposition :func:`ekfac_state` saved.
+    """The decomposition [`ekfac_state`][laplace_debiased.structures.ekfac.ekfac_state] saved.
 
     Args:
-        state_dict: A ``state_dict`` with :func:`ekfac_state`'s entry.
+        state_dict: A ``state_dict`` with [`ekfac_state`][laplace_debiased.structures.ekfac.ekfac_state]'s
+            entry.
         modules: The layers of the blocks, in block order.
 
     Returns:
@@ -202,14 +210,15 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
     """Two-batch debiased EKFAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_ekfac")``).
 
-    Same interface as ``KronLaplace``. After :meth:`fit`, ``H_facs`` is B's K-FAC (``Kron``,
+    Same interface as ``KronLaplace``. After
+    [`fit`][laplace_debiased.structures.ekfac.DebiasedEKFACLaplace.fit], ``H_facs`` is B's K-FAC (``Kron``,
     scaled to ``n_data``; cross-fitted, ``H_facs_magnitude`` is B̃'s), and ``H`` an
-    :class:`~laplace_debiased.posterior.ekfac.EKFACDecomposed` (or, cross-fitted, a
-    :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`).
+    [`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] (or, cross-fitted, a
+    [`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed]).
     Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
     conv weight gradient is summed over positions before it is rotated and squared); embeddings,
     attention projections and GPT-2 ``Conv1D`` get debiased K-FAC blocks, normalisation layers
-    their dense blocks (:mod:`laplace_debiased.curvature.layer_blocks`).
+    their dense blocks ([`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks]).
     Backends as ``debiased_kron``: the GGN backends give the exact GGN diagonal (``stochastic``
     ones an MC Fisher), EF backends the empirical Fisher.  ``damping`` is not supported (the
     eigenvalues are not Kronecker-factored), nor are online fits (``override=False``).
@@ -245,7 +254,8 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         """Fit the debiased EKFAC approximation at the current (MAP) parameters.
 
         Args:
-            train_loader: The training data, as in :meth:`TwoBatchLaplace.fit`.
+            train_loader: The training data, as in
+                [`TwoBatchLaplace.fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit].
             override: Must be ``True``: ``False`` raises (the eigenvalues are measured in one
                 basis and cannot be re-measured in a combined basis without the earlier data).
             progress_bar: Unused (laplace-torch compatibility).
@@ -254,11 +264,12 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
             n_magnitude_batches: Loader batches in B̃ (default 1), or ``"auto"``.
             split: ``"batches"`` (default) or ``"halves"``.
             generator: Draw the batches at random.
-            null_space: Checked as in :meth:`DebiasedKronLaplace.fit` but not used: the
-                eigenvalues are B̃'s exact diagonal in B's basis.
+            null_space: Checked as in
+                [`DebiasedKronLaplace.fit`][laplace_debiased.structures.kron.DebiasedKronLaplace.fit] but not
+                used: the eigenvalues are B̃'s exact diagonal in B's basis.
             estimator: ``"paper"`` only (the default).
             cross_fit: Also fit the swapped roles (basis from B̃, curvature from B) and use the
-                equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
+                equal-weight mixture of the two ([`cross_fit`][laplace_debiased.structures.cross_fit]).
         """
         if not override:
             raise ValueError(
@@ -301,11 +312,12 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """KronLaplace's state (``"H"``: B's K-FAC) and the decomposition (:func:`ekfac_state`)."""
+        """KronLaplace's state (``"H"``: B's K-FAC) and the decomposition
+        ([`ekfac_state`][laplace_debiased.structures.ekfac.ekfac_state])."""
         return {**super().state_dict(), **ekfac_state(self.H)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a saved fit (:func:`ekfac_from_state`)."""
+        """Restore a saved fit ([`ekfac_from_state`][laplace_debiased.structures.ekfac.ekfac_from_state])."""
         super().load_state_dict(state_dict)
         self.H_facs_magnitude = None
         self.H = ekfac_from_state(state_dict, curvature_modules(self.backend._model))

@@ -1,6 +1,6 @@
 """Input checks of the two-batch fit: refuse what laplace-torch would fit silently wrong, with a
 message that says what to do.  Plain functions of the model, the batches and the fit's options,
-called by :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`.
+called by [`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace].
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ __all__ = [
 
 _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 LOGIT_CHECK_ROWS = 8
-"""Inputs of the first fit batch whose outputs :func:`check_outputs_are_logits` inspects."""
+"""Inputs of the first fit batch whose outputs
+[`check_outputs_are_logits`][laplace_debiased.structures.fit_checks.check_outputs_are_logits] inspects."""
 
 
 def outputs_are_probabilities(f: torch.Tensor) -> bool:
@@ -81,7 +82,8 @@ def check_override(last_layer: bool, override: bool) -> None:
 
 def check_model_mode(model: nn.Module) -> None:
     """Refuse Dropout/BatchNorm layers left in train mode, and BatchNorm layers without running
-    statistics (:func:`batch_statistics_layers`), before any forward pass.
+    statistics ([`batch_statistics_layers`][laplace_debiased.structures.fit_checks.batch_statistics_layers]),
+    before any forward pass.
 
     The layers' own ``training`` flags decide, not the wrapper's: laplace-torch's last-layer
     ``FeatureExtractor`` is created in train mode around a model the user put in eval mode, and
@@ -151,7 +153,8 @@ def check_outputs_are_logits(net: nn.Module, X: torch.Tensor | MutableMapping, l
         likelihood: laplace-torch's likelihood; other than ``"classification"`` nothing is checked.
 
     Raises:
-        ValueError: Every output row is a probability vector (:func:`outputs_are_probabilities`).
+        ValueError: Every output row is a probability vector
+            ([`outputs_are_probabilities`][laplace_debiased.structures.fit_checks.outputs_are_probabilities]).
     """
     if likelihood != "classification":
         return

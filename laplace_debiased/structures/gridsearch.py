@@ -1,14 +1,17 @@
-"""Prior-precision grid search of the two-batch classes (:func:`grid_search`, called by
-:class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`): one predictive pass for the
-whole grid where :mod:`laplace_debiased.posterior.grid` can, else laplace-torch's ``validate``
-per point with the metric reset before each; the lowest score wins by the package's choice rule
-(:func:`~laplace_debiased.prior_grid.choose_prior_precision`, through :func:`lowest_score_point`).
+"""Prior-precision grid search of the two-batch classes
+([`grid_search`][laplace_debiased.structures.gridsearch.grid_search], called by
+[`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace]): one predictive pass for the whole
+grid where [`laplace_debiased.posterior.grid`][laplace_debiased.posterior.grid] can, else laplace-torch's
+``validate`` per point with the metric reset before each; the lowest score wins by the package's choice rule
+([`choose_prior_precision`][laplace_debiased.prior_grid.choose_prior_precision], through
+[`lowest_score_point`][laplace_debiased.structures.gridsearch.lowest_score_point]).
 
 Regression: the default score is the Gaussian predictive NLL with the object's ``sigma_noise``
-(:class:`GaussianPredictiveNLL`, :func:`regression_grid_loss`), so that δ is chosen for calibration; laplace-torch's default,
-the MSE of the predictive mean, does not depend on δ under the GLM predictive (the mean is the
-MAP output), so every grid point would tie and the bottom of the grid would win.  An MSE passed
-as ``loss`` with the GLM predictive is refused.
+([`GaussianPredictiveNLL`][laplace_debiased.structures.gridsearch.GaussianPredictiveNLL],
+[`regression_grid_loss`][laplace_debiased.structures.gridsearch.regression_grid_loss]), so that δ is chosen
+for calibration; laplace-torch's default, the MSE of the predictive mean, does not depend on δ under the GLM
+predictive (the mean is the MAP output), so every grid point would tie and the bottom of the grid would win.
+An MSE passed as ``loss`` with the GLM predictive is refused.
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def regression_grid_loss(
         device: The Laplace object's device.
 
     Returns:
-        ``loss``, or :class:`GaussianPredictiveNLL` with ``sigma_noise`` if it is ``None``.
+        ``loss``, or [`GaussianPredictiveNLL`][laplace_debiased.structures.gridsearch.GaussianPredictiveNLL]
+        with ``sigma_noise`` if it is ``None``.
 
     Raises:
         ValueError: An MSE ``loss`` under the GLM predictive (it does not depend on δ).
@@ -127,8 +131,9 @@ def grid_search(
 
     Classification with the GLM predictive and a probit/bridge/mc link scores the whole grid from
     one predictive pass over ``val_loader``
-    (:func:`laplace_debiased.posterior.grid.grid_validation_scores`); other settings (and dict
-    batches) evaluate ``validate`` once per grid point, setting ``la.prior_precision``.
+    ([`laplace_debiased.posterior.grid.grid_validation_scores`][laplace_debiased.posterior.grid.grid_validation_scores]);
+    other settings (and dict batches) evaluate ``validate`` once per grid point, setting
+    ``la.prior_precision``.
 
     Args:
         la: A fitted Laplace object.
@@ -141,7 +146,8 @@ def grid_search(
         progress_bar: Show a progress bar over the grid points.
 
     Returns:
-        The chosen element of ``interval`` (:func:`lowest_score_point`).
+        The chosen element of ``interval``
+        ([`lowest_score_point`][laplace_debiased.structures.gridsearch.lowest_score_point]).
     """
     if gridsearch_supported(la, pred_type, link_approx):
         try:
@@ -180,8 +186,8 @@ def lowest_score_point(interval: torch.Tensor, scores: list[float]) -> torch.Ten
 
     Returns:
         The element of ``interval`` that
-        :func:`~laplace_debiased.prior_grid.choose_prior_precision` chooses: non-finite scores
-        are skipped and ties go to the smallest prior precision.  When no score is finite, the
+        [`choose_prior_precision`][laplace_debiased.prior_grid.choose_prior_precision] chooses: non-finite
+        scores are skipped and ties go to the smallest prior precision.  When no score is finite, the
         first element, as laplace-torch's ``argmin`` returns.
     """
     deltas = [float(d) for d in interval]

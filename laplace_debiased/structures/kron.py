@@ -2,7 +2,8 @@
 
 Per parameter block, the K-FAC factors ``[G, A]`` of the direction batch B give the
 eigenvectors, and the factors ``[D, C]`` of the independent magnitude batch B̃ give the
-eigenvalues ``diag(U_Gᵀ D U_G)``, ``diag(U_Aᵀ C U_A)`` (:func:`laplace_debiased.curvature.linalg.debiased_kron`).
+eigenvalues ``diag(U_Gᵀ D U_G)``, ``diag(U_Aᵀ C U_A)``
+([`laplace_debiased.curvature.linalg.debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron]).
 
 Scale convention (identical to a laplace-torch ``KronLaplace`` fit over all ``N`` data):
 the factors of a batch set S with ``m`` samples are ``G_S = N/m * sum_{n in S} g_n g_nᵀ``
@@ -12,10 +13,10 @@ the factors of a batch set S with ``m`` samples are ``G_S = N/m * sum_{n in S} g
 
 Fit cost: with the Curvlinops exact-GGN or EF backend (the default) the rows of B and B̃ go
 through the model in shared forward/backward passes and the factor sums are split by sample
-(:mod:`laplace_debiased.curvature.kfac`), so a debiased fit at 2 × b/2 costs one pass over
-``b`` rows like a single-batch fit at ``b``; other backends are called once per batch.
+([`laplace_debiased.curvature.kfac`][laplace_debiased.curvature.kfac]), so a debiased fit at 2 × b/2 costs one
+pass over ``b`` rows like a single-batch fit at ``b``; other backends are called once per batch.
 Under an initialised ``torch.distributed`` group the rows are sharded over the ranks
-(:mod:`laplace_debiased.parallel.distributed`).
+([`laplace_debiased.parallel.distributed`][laplace_debiased.parallel.distributed]).
 """
 
 from __future__ import annotations
@@ -67,12 +68,13 @@ class DebiasedKronDecomposed(ImplicitKronDecomposed):
     """``KronDecomposed`` whose ``+`` (prior precision) and ``*`` (likelihood factor) keep
     ``damping`` (laplace-torch 0.3 silently drops it in both operations) and whose input-side
     factors may keep their null space implicit
-    (:class:`~laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`)."""
+    ([`ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed])."""
 
 
 class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
-    """:class:`DebiasedKronDecomposed` whose blocks may span several parameter tensors (a
-    normalisation layer's dense block; :mod:`laplace_debiased.curvature.layer_blocks`)."""
+    """[`DebiasedKronDecomposed`][laplace_debiased.structures.kron.DebiasedKronDecomposed] whose blocks may
+    span several parameter tensors (a normalisation layer's dense block;
+    [`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks])."""
 
     _structure = SpannedKronStructure
     _implicit_structure = SpannedImplicitKronStructure
@@ -94,8 +96,9 @@ def kron_decomposed(
         modules: The layers of the blocks, in block order.
 
     Returns:
-        A :class:`SpannedKronDecomposed` where a dense normalisation block spans several parameter
-        tensors, else a :class:`DebiasedKronDecomposed`.
+        A [`SpannedKronDecomposed`][laplace_debiased.structures.kron.SpannedKronDecomposed] where a dense
+        normalisation block spans several parameter tensors, else a
+        [`DebiasedKronDecomposed`][laplace_debiased.structures.kron.DebiasedKronDecomposed].
     """
     spans = block_spans(modules)
     if any(span > 1 for span in spans):
@@ -110,7 +113,7 @@ def kron_fit_options(
 
     Args:
         null_space: ``fit(null_space=...)``, one of
-            :data:`~laplace_debiased.curvature.completion.NULL_SPACE_MODES`.
+            [`NULL_SPACE_MODES`][laplace_debiased.curvature.completion.NULL_SPACE_MODES].
         estimator: ``fit(estimator=...)``, ``None`` for the default.
         cross_fit: ``fit(cross_fit=...)``, a bool.
         offered: The estimators the structure offers.
@@ -118,7 +121,7 @@ def kron_fit_options(
 
     Returns:
         The estimator the fit uses
-        (:func:`~laplace_debiased.computers.kron_estimators.resolve_estimator`).
+        ([`resolve_estimator`][laplace_debiased.computers.kron_estimators.resolve_estimator]).
 
     Raises:
         ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` / ``"shrunk"``
@@ -146,7 +149,7 @@ def backend_kfacs(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, list[Kron]]:
     """K-FAC of each batch set by one backend call per batch (backends that
-    :func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` does not reproduce),
+    [`single_pass_fisher`][laplace_debiased.structures.kron_layers.single_pass_fisher] does not reproduce),
     scaled to ``N`` points (module docstring convention), with the blocks of frozen parameters
     dropped and the rest checked.
 
@@ -218,18 +221,18 @@ def fit_kfacs(
     dict_key_y: str,
 ) -> tuple[torch.Tensor, list[Kron], list | None]:
     """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of them: one
-    shared pass (:func:`~laplace_debiased.computers.kron_passes.single_pass_kfacs`) where the
-    backend allows, else :func:`backend_kfacs`; the layers and the first set checked first
-    (:func:`~laplace_debiased.structures.kron_layers.check_supported`), the blocks checked against
-    the trainable parameters.
+    shared pass ([`single_pass_kfacs`][laplace_debiased.computers.kron_passes.single_pass_kfacs]) where the
+    backend allows, else [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs]; the layers and the
+    first set checked first ([`check_supported`][laplace_debiased.structures.kron_layers.check_supported]),
+    the blocks checked against the trainable parameters.
 
     Args:
         model: The network.
         backend: laplace-torch's curvature backend.
         groups: The batch sets (B, and B̃ unless it is B).
         N: Training samples the factors are scaled to.
-        fisher: :func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` of the
-            backend (``None``: :func:`backend_kfacs`).
+        fisher: [`single_pass_fisher`][laplace_debiased.structures.kron_layers.single_pass_fisher] of the
+            backend (``None``: [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs]).
         likelihood: laplace-torch's likelihood.
         asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
         output_shape: The per-sample output shape ``([tokens, ...,] C)``.
@@ -239,12 +242,12 @@ def fit_kfacs(
 
     Returns:
         The summed loss, one ``Kron`` per set, and the shared pass's factor rows (``None`` for
-        :func:`backend_kfacs`).
+        [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs]).
 
     Raises:
         ValueError: What the backend would get wrong for these layers and batches
-            (:func:`~laplace_debiased.structures.kron_layers.check_supported`), or what
-            :func:`backend_kfacs` refuses.
+            ([`check_supported`][laplace_debiased.structures.kron_layers.check_supported]), or what
+            [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs] refuses.
     """
     check_supported(backend, backend._model, groups[0], fisher, output_shape)
     params = next(model.parameters())
@@ -278,7 +281,7 @@ def debiased_kron_curvature(
     damping: bool,
 ) -> tuple[DebiasedKronDecomposed | CrossFitDecomposed, Coverage | None, Correction | None]:
     """The debiased K-FAC curvature of B's and B̃'s factors
-    (:func:`~laplace_debiased.computers.kron.decompose_two_batch`).
+    ([`decompose_two_batch`][laplace_debiased.computers.kron.decompose_two_batch]).
 
     Args:
         direction: B's K-FAC, scaled to ``n_data``.
@@ -293,8 +296,9 @@ def debiased_kron_curvature(
         damping: laplace-torch's ``damping``.
 
     Returns:
-        The decomposition (:func:`kron_decomposed`, or the mixture of it and the swapped one),
-        the coverage record and the correction record (``None`` where not computed).
+        The decomposition ([`kron_decomposed`][laplace_debiased.structures.kron.kron_decomposed], or the
+        mixture of it and the swapped one), the coverage record and the correction record (``None`` where not
+        computed).
     """
     rows = rows or [None]
     result = decompose_two_batch(
@@ -329,15 +333,17 @@ def kron_state(H: DebiasedKronDecomposed | CrossFitDecomposed) -> dict[str, Any]
 def kron_from_state(
     state_dict: dict[str, Any], damping: bool, modules: list[nn.Module]
 ) -> DebiasedKronDecomposed | CrossFitDecomposed:
-    """The decomposition :func:`kron_state` saved.
+    """The decomposition [`kron_state`][laplace_debiased.structures.kron.kron_state] saved.
 
     Args:
-        state_dict: A ``state_dict`` with :func:`kron_state`'s entries.
+        state_dict: A ``state_dict`` with [`kron_state`][laplace_debiased.structures.kron.kron_state]'s
+            entries.
         damping: laplace-torch's ``damping``.
         modules: The layers of the blocks, in block order.
 
     Returns:
-        The decomposition (:func:`kron_decomposed`), or the mixture of it and the swapped one.
+        The decomposition ([`kron_decomposed`][laplace_debiased.structures.kron.kron_decomposed]), or the
+        mixture of it and the swapped one.
     """
     H = kron_decomposed(state_dict["H_eigenvectors"], state_dict["H_eigenvalues"], damping, modules)
     if "H_swapped" in state_dict:
@@ -349,12 +355,13 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 
-    After :meth:`fit`, ``H_facs`` / ``H_facs_magnitude`` are the ``Kron`` factors of B and B̃
-    (scaled to ``n_data``) and ``H`` a :class:`DebiasedKronDecomposed`: by default the pooled
-    eigenvectors of B ∪ B̃ with corrected eigenvalues, the correction shrunk by its noise; with ``estimator="paper"`` B's eigenvectors
-    and B̃'s Rayleigh quotients (cross-fitted: a
-    :class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`).
-    Layers: :mod:`~laplace_debiased.curvature.layer_blocks` (beyond Linear/Conv2d only with the
+    After [`fit`][laplace_debiased.structures.kron.DebiasedKronLaplace.fit], ``H_facs`` / ``H_facs_magnitude``
+    are the ``Kron`` factors of B and B̃ (scaled to ``n_data``) and ``H`` a
+    [`DebiasedKronDecomposed`][laplace_debiased.structures.kron.DebiasedKronDecomposed]: by default the pooled
+    eigenvectors of B ∪ B̃ with corrected eigenvalues, the correction shrunk by its noise; with
+    ``estimator="paper"`` B's eigenvectors and B̃'s Rayleigh quotients (cross-fitted: a
+    [`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed]).
+    Layers: [`layer_blocks`][laplace_debiased.curvature.layer_blocks] (beyond Linear/Conv2d only with the
     default Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
     """
 
@@ -382,13 +389,15 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     ) -> None:
         """Fit the debiased K-FAC approximation at the current (MAP) parameters.
 
-        The arguments up to ``generator`` choose the two batches, as in :meth:`TwoBatchLaplace.fit`.
-        After the fit ``self.coverage`` (:class:`~laplace_debiased.computers.coverage.Coverage`,
-        logged) records what the curvature covers, and ``self.correction``
-        (:class:`~laplace_debiased.computers.kron_estimators.Correction`) what a corrected fit changed.
+        The arguments up to ``generator`` choose the two batches, as in
+        [`TwoBatchLaplace.fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit]. After the fit
+        ``self.coverage`` ([`Coverage`][laplace_debiased.computers.coverage.Coverage], logged) records what
+        the curvature covers, and ``self.correction``
+        ([`Correction`][laplace_debiased.computers.kron_estimators.Correction]) what a corrected fit changed.
 
         Args:
-            train_loader: The training data, as in :meth:`TwoBatchLaplace.fit`.
+            train_loader: The training data, as in
+                [`TwoBatchLaplace.fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit].
             override: ``False`` accumulates onto a previous fit.
             progress_bar: Unused (laplace-torch compatibility).
             magnitude_loader: Take B̃ from this loader (``train_loader`` itself: B̃ = B).
@@ -401,17 +410,20 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
                 magnitude. ``"isotropic"``: B̃'s mean
                 curvature over each such eigenspace, ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased);
                 ``"aligned"``: B̃'s own eigenbasis there (same-batch bias, exact zeros where B ∪ B̃
-                does not reach); :mod:`laplace_debiased.curvature.completion`. Unused by ``debiased_ekfac``.
+                does not reach);
+                [`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion]. Unused by
+                ``debiased_ekfac``.
             estimator: ``"shrunk"`` (the default): the eigenvectors of B ∪ B̃, a single batch of
                 all their samples, with eigenvalues less the regression-to-the-mean gap the two
                 batches measure against each other, that correction shrunk per factor by its noise
                 (the two orders' disagreement; the pooled null space keeps all of it);
-                ``"corrected"``: the same unshrunk (:mod:`laplace_debiased.curvature.corrected`);
-                or ``"paper"`` (Tatzel et al.: B's eigenvectors, B̃'s Rayleigh quotients; the only
-                one of ``debiased_ekfac``, and the default with ``cross_fit=True`` or
-                ``null_space="aligned"``, its options). B̃ = B gives stock K-FAC either way.
+                ``"corrected"``: the same unshrunk
+                ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]); or
+                ``"paper"`` (Tatzel et al.: B's eigenvectors, B̃'s Rayleigh quotients; the only one of
+                ``debiased_ekfac``, and the default with ``cross_fit=True`` or ``null_space="aligned"``, its
+                options). B̃ = B gives stock K-FAC either way.
             cross_fit: Also fit the swapped roles (basis from B̃, eigenvalues from B) and use the
-                equal-weight mixture of the two (:mod:`~laplace_debiased.structures.cross_fit`).
+                equal-weight mixture of the two ([`cross_fit`][laplace_debiased.structures.cross_fit]).
 
         Raises:
             ValueError: An unknown ``null_space`` or ``estimator``.
@@ -452,8 +464,8 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
 
     def _decompose(self, n_data: int | None = None) -> None:
         """``H``, ``coverage`` and ``correction`` from ``H_facs`` and ``H_facs_magnitude``
-        (:func:`debiased_kron_curvature`), scaled to ``n_data`` data points (by default
-        ``self.n_data``)."""
+        ([`debiased_kron_curvature`][laplace_debiased.structures.kron.debiased_kron_curvature]), scaled to
+        ``n_data`` data points (by default ``self.n_data``)."""
         self.H, self.coverage, self.correction = debiased_kron_curvature(
             self.H_facs, self.H_facs_magnitude, getattr(self, "_factor_rows", None), null_space=self._null_space,
             estimator=self._estimator, cross_fit=self._cross_fit, sizes=self._fit_sizes,
@@ -461,7 +473,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """KronLaplace's state, B̃'s factors, the decomposition (:func:`kron_state`), and the
+        """KronLaplace's state, B̃'s factors, the decomposition ([`kron_state`][laplace_debiased.structures.kron.kron_state]), and the
         samples in B and B̃ and the estimator's settings, which an online fit continues from."""
         return {
             **super().state_dict(), "H_magnitude": self.H_facs_magnitude.kfacs, **kron_state(self.H),
@@ -483,6 +495,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
 class DebiasedKronLLLaplace(DebiasedKronLaplace, KronLLLaplace):
     """Last-layer two-batch debiased K-FAC Laplace (``Laplace(..., "last_layer",
     hessian_structure="debiased_kron")``), a ``KronLLLaplace`` with the debiased fit of
-    :class:`DebiasedKronLaplace`. ``override=False`` is not supported (as in laplace-torch)."""
+    [`DebiasedKronLaplace`][laplace_debiased.structures.kron.DebiasedKronLaplace]. ``override=False`` is not
+    supported (as in laplace-torch)."""
 
     _key = ("last_layer", "debiased_kron")

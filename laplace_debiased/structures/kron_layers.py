@@ -1,9 +1,10 @@
 """Which layers and K-FAC blocks a debiased K-FAC covers: the supported layers (K-FAC, embedding
-and dense normalisation blocks, :mod:`laplace_debiased.curvature.layer_blocks`), the blocks of
-frozen parameters dropped, refusals for what a backend would get wrong, and which backends the
-shared K-FAC pass reproduces.  Plain functions of the layers, the blocks and laplace-torch's
-backend, called by :mod:`~laplace_debiased.structures.kron`, :mod:`~laplace_debiased.structures.ekfac`
-and :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`.
+and dense normalisation blocks,
+[`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks]), the blocks of frozen
+parameters dropped, refusals for what a backend would get wrong, and which backends the shared K-FAC pass
+reproduces.  Plain functions of the layers, the blocks and laplace-torch's backend, called by
+[`kron`][laplace_debiased.structures.kron], [`ekfac`][laplace_debiased.structures.ekfac] and
+[`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace].
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def trainable_blocks(layers: nn.Module, kfacs: list[list[torch.Tensor]]) -> list
 
     Returns:
         The blocks of trainable parameters; blocks in any other layout unchanged, for
-        :func:`check_blocks` to verify.
+        [`check_blocks`][laplace_debiased.structures.kron_layers.check_blocks] to verify.
     """
     owners = [
         p
@@ -144,7 +145,7 @@ def check_blocks(kfacs: list[list[torch.Tensor]], modules: list[nn.Module], back
     Args:
         kfacs: The K-FAC blocks of one batch set.
         modules: The layers of the blocks, in block order
-            (:func:`~laplace_debiased.curvature.layer_blocks.curvature_modules`).
+            ([`curvature_modules`][laplace_debiased.curvature.layer_blocks.curvature_modules]).
         backend: laplace-torch's curvature backend (for the message).
 
     Raises:
@@ -161,7 +162,7 @@ def check_blocks(kfacs: list[list[torch.Tensor]], modules: list[nn.Module], back
 
 def single_pass_fisher(backend: CurvatureInterface, asdl_fisher_kwargs: dict) -> str | None:
     """The curvature type of ``backend`` if the shared K-FAC pass
-    (:func:`~laplace_debiased.computers.kron_passes.single_pass_kfacs`) reproduces it exactly.
+    ([`single_pass_kfacs`][laplace_debiased.computers.kron_passes.single_pass_kfacs]) reproduces it exactly.
 
     Args:
         backend: laplace-torch's curvature backend.

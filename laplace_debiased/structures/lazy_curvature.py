@@ -3,10 +3,11 @@
 laplace-torch's ``FullLaplace`` keeps the dense ``P × P`` curvature ``H``. ``debiased_full``
 knows it after the fit as float64 eigenpairs ``H = Q diag(h) Qᵀ``, from which the marginal
 likelihood and the scalar-prior predictive are computed; forming the dense matrix costs
-``O(P² r)``. ``DebiasedFullLaplace`` stores a :class:`PendingCurvature` in their place and forms
-``H`` (:func:`formed_curvature`) when something reads ``la.H`` (a layer-wise or diagonal prior's
-posterior scale, ``posterior_precision``, ``state_dict``, a user), so every laplace-torch path
-that reads it still works and sees the same value.
+``O(P² r)``. ``DebiasedFullLaplace`` stores a
+[`PendingCurvature`][laplace_debiased.structures.lazy_curvature.PendingCurvature] in their place and forms
+``H`` ([`formed_curvature`][laplace_debiased.structures.lazy_curvature.formed_curvature]) when something reads
+``la.H`` (a layer-wise or diagonal prior's posterior scale, ``posterior_precision``, ``state_dict``, a user),
+so every laplace-torch path that reads it still works and sees the same value.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ def formed_curvature(
     """The dense curvature of what ``la.H`` stores.
 
     Args:
-        stored: A dense ``(P, P)`` tensor, a :class:`PendingCurvature`, or ``None`` (not fitted).
+        stored: A dense ``(P, P)`` tensor, a
+            [`PendingCurvature`][laplace_debiased.structures.lazy_curvature.PendingCurvature], or ``None``
+            (not fitted).
         device: The model's device.
         dtype: The model's dtype.
 
     Returns:
         ``stored`` itself unless it is pending; a pending curvature formed now
-        (:func:`~laplace_debiased.computers.lowrank.symmetric_outer`, exactly symmetric), on
+        ([`symmetric_outer`][laplace_debiased.computers.lowrank.symmetric_outer], exactly symmetric), on
         ``device`` in ``dtype``.
     """
     if isinstance(stored, PendingCurvature):

@@ -23,28 +23,29 @@ loader of ``N`` samples: ``N / |S|`` times the summed-loss curvature of batch se
   features ⊗ output curvature (no per-parameter autograd).
 
 Fit semantics (B/B̃ selection, rescaled loss, bad-input errors, grid-search fix) are those of
-:class:`laplace_debiased.structures.two_batch.TwoBatchLaplace`. Backends: any exact GGN
-backend (``CurvlinopsGGN``, the default, ``AsdlGGN``, ``BackPackGGN``) or empirical-Fisher
-backend (``CurvlinopsEF``, ``AsdlEF``, ``BackPackEF``); the curvature is computed by
-:mod:`laplace_debiased.curvature.eigen` from the backend's *type* only, so every such backend
-gives the same result (the backend's loss function scales the training loss). Inputs may be
+[`laplace_debiased.structures.two_batch.TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace].
+Backends: any exact GGN backend (``CurvlinopsGGN``, the default, ``AsdlGGN``, ``BackPackGGN``) or
+empirical-Fisher backend (``CurvlinopsEF``, ``AsdlEF``, ``BackPackEF``); the curvature is computed by
+[`laplace_debiased.curvature.eigen`][laplace_debiased.curvature.eigen] from the backend's *type* only, so
+every such backend gives the same result (the backend's loss function scales the training loss). Inputs may be
 tensors or mappings (a dict or a Hugging Face ``BatchEncoding`` that the model consumes whole,
 with laplace-torch's ``dict_key_x``/``dict_key_y``), for all weights and for the last layer;
 the weights are the parameters with ``requires_grad`` (e.g. LoRA adapters on a frozen
 backbone). Outputs may be ``(n, tokens, C)``, every token an output with its own loss term
 (targets ``(n, tokens)`` or ``(n, tokens, C)``; last layer: features ``(n, tokens, D)``), as in
-:mod:`laplace_debiased.curvature.eigen`. ``likelihood="reward_modeling"`` fits with the classification curvature (Bradley-Terry
-preference pairs) and predicts as regression, as laplace-torch does.
+[`laplace_debiased.curvature.eigen`][laplace_debiased.curvature.eigen]. ``likelihood="reward_modeling"`` fits
+with the classification curvature (Bradley-Terry preference pairs) and predicts as regression, as
+laplace-torch does.
 
-Under an initialised ``torch.distributed`` group (:mod:`laplace_debiased.parallel.distributed`)
-every rank computes the dense curvature of its rows of every batch of B (and, for
-``debiased_full``, of B̃; for ``debiased_lowrank`` B̃'s directional curvatures), the shares are
-added with ``all_reduce``, and rank 0 decomposes (float64) and broadcasts, so every rank holds
-the identical posterior. ``debiased_lowrank`` then takes the dense route on the ``P × P`` sum,
-or (``method="lanczos"``, or ``"auto"`` above 1 GiB) Lanczos on rank 0 with every product
+Under an initialised ``torch.distributed`` group
+([`laplace_debiased.parallel.distributed`][laplace_debiased.parallel.distributed]) every rank computes the
+dense curvature of its rows of every batch of B (and, for ``debiased_full``, of B̃; for ``debiased_lowrank``
+B̃'s directional curvatures), the shares are added with ``all_reduce``, and rank 0 decomposes (float64) and
+broadcasts, so every rank holds the identical posterior. ``debiased_lowrank`` then takes the dense route on
+the ``P × P`` sum, or (``method="lanczos"``, or ``"auto"`` above 1 GiB) Lanczos on rank 0 with every product
 ``G_B v`` summed over the ranks. The computations are those of
-:mod:`laplace_debiased.computers.lowrank`, through the reducer of
-:func:`~laplace_debiased.parallel.reducer.current_reducer`.
+[`laplace_debiased.computers.lowrank`][laplace_debiased.computers.lowrank], through the reducer of
+[`current_reducer`][laplace_debiased.parallel.reducer.current_reducer].
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class EigenConfig:
     Attributes:
         rank: Number ``k`` of top eigenvectors of ``G_B``.
         method: Route to the eigenpairs, one of ``eigen.METHODS``
-            (:func:`laplace_debiased.curvature.eigen.top_eigenpairs`).
+            ([`laplace_debiased.curvature.eigen.top_eigenpairs`][laplace_debiased.curvature.eigen.top_eigenpairs]).
         eigval_rtol: Directions with B-eigenvalue ``≤ eigval_rtol · λ_max(G_B)`` are not selected
             (those B does not see; also guards against round-off null-space vectors).
         remeasured_rtol: Directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are removed.
@@ -134,7 +135,8 @@ class EigenConfig:
         """Refuse a ``state_dict`` saved with other settings.
 
         Args:
-            state_dict: A loaded ``state_dict`` (:meth:`state`'s entries).
+            state_dict: A loaded ``state_dict``
+                ([`state`][laplace_debiased.structures.lowrank.EigenConfig.state]'s entries).
 
         Raises:
             ValueError: The saved settings differ from these.
@@ -148,7 +150,8 @@ class EigenConfig:
 
 
 def curvature_type(backend: CurvatureInterface) -> inputs.Curvature:
-    """The curvature a backend stands for in :mod:`laplace_debiased.curvature.eigen`.
+    """The curvature a backend stands for in
+    [`laplace_debiased.curvature.eigen`][laplace_debiased.curvature.eigen].
 
     Args:
         backend: laplace-torch's curvature backend.
@@ -212,7 +215,8 @@ def module_batches(
 
 @dataclass(frozen=True)
 class EigenFitInputs:
-    """What :mod:`laplace_debiased.computers.lowrank` computes a two-batch fit from.
+    """What [`laplace_debiased.computers.lowrank`][laplace_debiased.computers.lowrank] computes a two-batch
+    fit from.
 
     Attributes:
         source: The curvature module, likelihood, curvature type and output width.
@@ -244,7 +248,8 @@ def eigen_fit_inputs(
 
     Args:
         model: laplace-torch's ``la.model`` (a ``FeatureExtractor`` for a last layer).
-        backend: laplace-torch's curvature backend (:func:`curvature_type`).
+        backend: laplace-torch's curvature backend
+            ([`curvature_type`][laplace_debiased.structures.lowrank.curvature_type]).
         direction_batches: B.
         magnitude_batches: B̃ (the same list object for B̃ = B).
         likelihood: laplace-torch's likelihood; ``"reward_modeling"`` fits as classification.
@@ -255,7 +260,7 @@ def eigen_fit_inputs(
         reducer: The ranks' collectives (this rank keeps its shard of every batch).
 
     Returns:
-        The :class:`EigenFitInputs`.
+        The [`EigenFitInputs`][laplace_debiased.structures.lowrank.EigenFitInputs].
 
     Raises:
         ValueError: The backend is not an exact GGN or empirical-Fisher backend.
@@ -288,10 +293,12 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         model: The network, as for laplace-torch's ``ParametricLaplace``.
         likelihood: laplace-torch's likelihood.
         rank: Number ``k`` of top eigenvectors of ``G_B``.
-        method: Route to B's eigenpairs (:class:`EigenConfig`, which holds the four settings as
-            ``eigen_config``).
-        eigval_rtol: Floor on B's eigenvalues, relative to the largest (:class:`EigenConfig`).
-        remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest (:class:`EigenConfig`).
+        method: Route to B's eigenpairs ([`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig],
+            which holds the four settings as ``eigen_config``).
+        eigval_rtol: Floor on B's eigenvalues, relative to the largest
+            ([`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig]).
+        remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest
+            ([`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig]).
         **kwargs: laplace-torch's ``ParametricLaplace`` arguments.
 
     After ``fit``: ``H = (U (P, r), λ̃ (r,))`` in the model dtype with ``r ≤ rank``;
@@ -331,8 +338,9 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         split: str = "batches",
         generator: torch.Generator | None = None,
     ) -> None:
-        """Two-batch fit (the arguments of :meth:`TwoBatchLaplace.fit`); ``override=False``
-        is refused because an eigen-representation cannot be updated additively."""
+        """Two-batch fit (the arguments of
+        [`TwoBatchLaplace.fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit]);
+        ``override=False`` is refused because an eigen-representation cannot be updated additively."""
         if not override:
             raise ValueError(
                 "debiased_lowrank cannot be updated (override=False): the eigenpairs of a "
@@ -345,7 +353,8 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         )
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
-        """B's top eigenvectors and B̃'s Rayleigh quotients (:func:`~laplace_debiased.computers.lowrank.debiased_lowrank`)."""
+        """B's top eigenvectors and B̃'s Rayleigh quotients
+        ([`debiased_lowrank`][laplace_debiased.computers.lowrank.debiased_lowrank])."""
         reducer = current_reducer()
         fit = eigen_fit_inputs(
             self.model, self.backend, direction_batches, magnitude_batches, likelihood=self.likelihood,
@@ -363,7 +372,9 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
 
     def curvature_eigenpairs(self) -> tuple[Tensor, Tensor]:
         """``(Q (P, r), h (r,))`` float64, ``H = Q diag(h) Qᵀ`` (unscaled by ``_H_factor``): ``H``
-        re-orthonormalised (:func:`orthonormal_eigenpairs`, ``O(P r²)``) once per ``H`` object."""
+        re-orthonormalised
+        ([`orthonormal_eigenpairs`][laplace_debiased.posterior.eigen.orthonormal_eigenpairs], ``O(P r²)``)
+        once per ``H`` object."""
         self._check_H_init()
         known = current_eigenpairs(getattr(self, "_known_eigenpairs", None), self.H, lambda: orthonormal_eigenpairs(*self.H))
         self._known_eigenpairs = known
@@ -371,7 +382,8 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
 
     @property
     def log_det_posterior_precision(self) -> Tensor:
-        """``log det(s·H + P₀)`` in the model dtype, float64 from :meth:`curvature_eigenpairs`."""
+        """``log det(s·H + P₀)`` in the model dtype, float64 from
+        [`curvature_eigenpairs`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace.curvature_eigenpairs]."""
         Q, h = self.curvature_eigenpairs()
         prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         return eigen_log_det(Q, h, self._H_factor, prior).to(self._dtype)
@@ -379,12 +391,13 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
         "prior term minus low-rank correction" cancellation
-        (:func:`laplace_debiased.posterior.lowrank.lowrank_functional_covariance`)."""
+        ([`laplace_debiased.posterior.lowrank.lowrank_functional_covariance`][laplace_debiased.posterior.lowrank.lowrank_functional_covariance])."""
         (U, lam), prior = self.posterior_precision
         return lowrank_functional_covariance(Js, U, lam, prior)
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
-        """Joint ``(n·C, n·C)`` covariance; its diagonal blocks are :meth:`functional_variance`."""
+        """Joint ``(n·C, n·C)`` covariance; its diagonal blocks are
+        [`functional_variance`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace.functional_variance]."""
         n, C, P = Js.shape
         return self.functional_variance(Js.reshape(1, n * C, P))[0]
 
@@ -398,12 +411,12 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         }
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
-        """The checks of every structure, then the :class:`EigenConfig` settings."""
+        """The checks of every structure, then the [`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig] settings."""
         super()._check_loadable(state_dict)
         self.eigen_config.check_state(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a saved fit (refused if saved with other :class:`EigenConfig` settings)."""
+        """Restore a saved fit (refused if saved with other [`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig] settings)."""
         super().load_state_dict(state_dict)
         self._known_eigenpairs = eigenpairs_from_state(state_dict, self.H)
         self.direction_eigenvalues = state_dict["direction_eigenvalues"]
@@ -412,7 +425,7 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
 
 class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
     """Last-layer two-batch debiased low-rank Laplace (``Laplace(..., "last_layer",
-    hessian_structure="debiased_lowrank")``): :class:`DebiasedLowRankLaplace` on the last
+    hessian_structure="debiased_lowrank")``): [`DebiasedLowRankLaplace`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace] on the last
     ``nn.Linear``, fed with its input features (laplace-torch's ``FeatureExtractor``)."""
 
     _key = ("last_layer", "debiased_lowrank")
@@ -423,26 +436,29 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
     subset_of_weights="all", hessian_structure="debiased_full")``), for small models.
 
     After ``fit``: ``H = U diag(λ̃) Uᵀ + Π G_B̃ Π`` (dense ``P × P``, model dtype;
-    :func:`laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`) with ``U`` the eigenvectors of
-    ``G_B`` with non-zero eigenvalue, ``λ̃ = diag(Uᵀ G_B̃ U)`` and ``Π`` the projector onto ``G_B``'s
-    null space (empty when ``|B|·C ≥ P`` up to the null space all batches share, where
-    ``G_B̃ = 0`` too; then ``H = U diag(λ̃) Uᵀ`` over a full eigenbasis). The range of ``G_B``
+    [`laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature`][laplace_debiased.curvature.eigen.eigenbasis_debiased_curvature])
+    with ``U`` the eigenvectors of ``G_B`` with non-zero eigenvalue, ``λ̃ = diag(Uᵀ G_B̃ U)`` and ``Π`` the
+    projector onto ``G_B``'s null space (empty when ``|B|·C ≥ P`` up to the null space all batches share,
+    where ``G_B̃ = 0`` too; then ``H = U diag(λ̃) Uᵀ`` over a full eigenbasis). The range of ``G_B``
     comes from ``VᵀV`` when ``|B|·C < P``, and when ``|B̃|·C < P`` the null-space part from the
-    factor of ``G_B̃`` (:func:`laplace_debiased.curvature.eigen.factored_null_space_compression`),
-    so the cost is that of ``min(P, |B|·C)`` and ``|B̃|·C`` eigenproblems plus a few ``P × P``
-    products; the resulting eigenpairs of ``H`` are kept (:meth:`curvature_eigenpairs`) for the
-    marginal likelihood and the scalar-prior predictive, and where they are known the dense ``H``
-    is formed only when read (:mod:`~laplace_debiased.structures.lazy_curvature`). ``direction_eigenvalues`` and ``eigenvalues``
-    hold B's non-zero eigenvalues and their ``λ̃`` (descending in B's order, scaled to
-    ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one, as
-    ``FullLaplace`` adds curvature.
+    factor of ``G_B̃``
+    ([`laplace_debiased.curvature.eigen.factored_null_space_compression`][laplace_debiased.curvature.eigen.factored_null_space_compression]),
+    so the cost is that of ``min(P, |B|·C)`` and ``|B̃|·C`` eigenproblems plus a few ``P × P`` products; the
+    resulting eigenpairs of ``H`` are kept
+    ([`curvature_eigenpairs`][laplace_debiased.structures.lowrank.DebiasedFullLaplace.curvature_eigenpairs])
+    for the marginal likelihood and the scalar-prior predictive, and where they are known the dense ``H`` is
+    formed only when read ([`lazy_curvature`][laplace_debiased.structures.lazy_curvature]).
+    ``direction_eigenvalues`` and ``eigenvalues`` hold B's non-zero eigenvalues and their ``λ̃`` (descending
+    in B's order, scaled to ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one,
+    as ``FullLaplace`` adds curvature.
     """
 
     _key = ("all", "debiased_full")
 
     @property
     def H(self) -> Tensor | None:
-        """The dense curvature ``(P, P)`` in the model dtype (:func:`formed_curvature` on first read)."""
+        """The dense curvature ``(P, P)`` in the model dtype
+        ([`formed_curvature`][laplace_debiased.structures.lazy_curvature.formed_curvature] on first read)."""
         self._H_stored = formed_curvature(self._H_stored, self._device, self._dtype)  # before any: AttributeError
         return self._H_stored
 
@@ -457,8 +473,8 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         """Debiased dense curvature and its float64 eigenpairs
-        (:func:`~laplace_debiased.computers.lowrank.debiased_full`), added to ``H``: a first fit keeps the
-        eigenpairs (re-orthonormalised) and leaves ``H`` pending; a later one (``override=False``)
+        ([`debiased_full`][laplace_debiased.computers.lowrank.debiased_full]), added to ``H``: a first fit
+        keeps the eigenpairs (re-orthonormalised) and leaves ``H`` pending; a later one (``override=False``)
         and a fit over several ranks (no eigenpairs) add densely."""
         reducer = current_reducer()
         fit = eigen_fit_inputs(
@@ -493,7 +509,8 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
 
     @property
     def log_det_posterior_precision(self) -> Tensor:
-        """``log det(s·H + P₀)`` in the model dtype, float64 from :meth:`curvature_eigenpairs`."""
+        """``log det(s·H + P₀)`` in the model dtype, float64 from
+        [`curvature_eigenpairs`][laplace_debiased.structures.lowrank.DebiasedFullLaplace.curvature_eigenpairs]."""
         Q, h = self.curvature_eigenpairs()
         prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         return eigen_log_det(Q, h, self._H_factor, prior).to(self._dtype)
@@ -501,15 +518,17 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
     def _compute_scale(self) -> None:
         """Posterior scale from a float64 eigendecomposition (laplace-torch's Cholesky fails or
         turns non-finite in float32 at small prior precision); the float64 scale is kept for
-        :meth:`functional_variance` (:func:`laplace_debiased.posterior.lowrank.dense_posterior_scale`)."""
+        [`functional_variance`][laplace_debiased.structures.lowrank.DebiasedFullLaplace.functional_variance]
+        ([`laplace_debiased.posterior.lowrank.dense_posterior_scale`][laplace_debiased.posterior.lowrank.dense_posterior_scale])."""
         self._check_H_init()
         self._posterior_scale64 = dense_posterior_scale(self.H, self._H_factor, self.prior_precision_diag)
         self._posterior_scale = self._posterior_scale64.to(self._dtype)
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` in ``Js.dtype``, float64 inside. A scalar prior ``δ`` shares
-        the curvature's eigenbasis (:func:`~laplace_debiased.posterior.marglik.eigen_functional_covariance`,
-        no factorisation per ``δ``); another prior uses the float64 scale ``S Sᵀ = P⁻¹``."""
+        the curvature's eigenbasis
+        ([`eigen_functional_covariance`][laplace_debiased.posterior.marglik.eigen_functional_covariance], no
+        factorisation per ``δ``); another prior uses the float64 scale ``S Sᵀ = P⁻¹``."""
         prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         if prior.numel() == 1:
             Q, h = self.curvature_eigenpairs()
@@ -520,7 +539,8 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
         return (JS @ JS.transpose(-1, -2)).to(Js.dtype)
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
-        """Joint ``(n·C, n·C)`` covariance; its diagonal blocks are :meth:`functional_variance`."""
+        """Joint ``(n·C, n·C)`` covariance; its diagonal blocks are
+        [`functional_variance`][laplace_debiased.structures.lowrank.DebiasedFullLaplace.functional_variance]."""
         n, C, P = Js.shape
         return self.functional_variance(Js.reshape(1, n * C, P))[0]
 

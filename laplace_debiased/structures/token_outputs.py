@@ -1,20 +1,21 @@
 """laplace-torch's GLM predictive for token outputs ``(n, tokens, C)``, and per-example Jacobians
-(functions called by :class:`~laplace_debiased.structures.two_batch.TwoBatchLaplace`).
+(functions called by [`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace]).
 
 Token outputs ``(n, tokens, C)`` (``la.fit_output_shape`` has more than one entry), every
 token an output: laplace-torch's GLM predictive takes ``(n, C)`` outputs, so the adapter hands
-it the token rows ``(n·tokens, C)`` with their Jacobians (:func:`token_jacobians`) and gives
-the results the token shape back (:func:`token_shaped`): ``la(x)`` ``(n, tokens, C)`` (regression: mean and
-covariance ``(n, tokens, C, C)``; ``joint=True`` stays flat over the rows), GLM samples
-``(S, n, tokens, C)``. Tokens of one input are independent under this predictive only in the
-sense laplace-torch's LLM examples use: each token's marginal ``N(f_t, J_t P⁻¹ J_tᵀ)``.
-The GLM functional samples come from a float64 square root (laplace-torch's float32 Cholesky
-fails at small prior precision).
+it the token rows ``(n·tokens, C)`` with their Jacobians
+([`token_jacobians`][laplace_debiased.structures.token_outputs.token_jacobians]) and gives the results the
+token shape back ([`token_shaped`][laplace_debiased.structures.token_outputs.token_shaped]): ``la(x)``
+``(n, tokens, C)`` (regression: mean and covariance ``(n, tokens, C, C)``; ``joint=True`` stays flat over the
+rows), GLM samples ``(S, n, tokens, C)``. Tokens of one input are independent under this predictive only in
+the sense laplace-torch's LLM examples use: each token's marginal ``N(f_t, J_t P⁻¹ J_tᵀ)``. The GLM functional
+samples come from a float64 square root (laplace-torch's float32 Cholesky fails at small prior precision).
 
 Outputs ``(n, C)`` of a tensor input, all weights, without ``enable_backprop``: the Jacobians are
-per-example (:func:`laplace_debiased.posterior.jacobians.logit_jacobians`), so the memory of the
-GLM predictive grows linearly with ``n``; laplace-torch's ``torch.func.jacrev`` over the batch
-pushes all ``n·C`` cotangents through all ``n`` inputs, quadratic in ``n``.
+per-example
+([`laplace_debiased.posterior.jacobians.logit_jacobians`][laplace_debiased.posterior.jacobians.logit_jacobians]),
+so the memory of the GLM predictive grows linearly with ``n``; laplace-torch's ``torch.func.jacrev`` over the
+batch pushes all ``n·C`` cotangents through all ``n`` inputs, quadratic in ``n``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def per_example_jacobians(
     model: nn.Module, params: list[torch.Tensor], X: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Jacobians and outputs from per-example Jacobians
-    (:func:`laplace_debiased.posterior.jacobians.logit_jacobians`): memory linear in ``n``,
+    ([`laplace_debiased.posterior.jacobians.logit_jacobians`][laplace_debiased.posterior.jacobians.logit_jacobians]):
+    memory linear in ``n``,
     where laplace-torch's ``torch.func.jacrev`` over the batch pushes all ``n·C`` cotangents
     through all ``n`` inputs (memory quadratic in ``n``).
 

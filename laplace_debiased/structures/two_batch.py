@@ -1,19 +1,19 @@
 """The adapter base of all two-batch (debiased) Laplace classes: the shared ``fit`` and the
 laplace-torch overrides every structure shares.
 
-A class using :class:`TwoBatchLaplace` lists it *before* its laplace-torch base
-(``class X(TwoBatchLaplace, KronLaplace)``) and implements the hook
+A class using [`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace] lists it *before* its
+laplace-torch base (``class X(TwoBatchLaplace, KronLaplace)``) and implements the hook
 
 ``_fit_two_batch(direction_batches, magnitude_batches, N) -> Tensor``
 
 which computes the curvature of the direction batches B and the magnitude batches B̃,
 each scaled to ``N`` data points exactly like a laplace-torch fit over a loader of ``N``
-samples (summed loss; see :mod:`laplace_debiased.computers.batches` for how B and B̃ are chosen),
-sets ``self.H`` and returns the summed loss over the distinct batches of B ∪ B̃
-(:meth:`_distinct`), unscaled: backends that evaluate it with the curvature return theirs,
-the others call :meth:`_summed_loss`, so no batch is forwarded twice for the loss.  When the hook runs, ``self.n_data`` still holds the number of data
-points of earlier fits (0 unless ``override=False``), so online fits can combine them.
-Subclasses that keep extra state per fit extend :meth:`_reset_fit_state`.
+samples (summed loss; see [`laplace_debiased.computers.batches`][laplace_debiased.computers.batches] for how B
+and B̃ are chosen), sets ``self.H`` and returns the summed loss over the distinct batches of B ∪ B̃
+(``_distinct``), unscaled: backends that evaluate it with the curvature return theirs,
+the others call ``_summed_loss``, so no batch is forwarded twice for the loss.  When the hook runs,
+``self.n_data`` still holds the number of data points of earlier fits (0 unless ``override=False``), so online
+fits can combine them. Subclasses that keep extra state per fit extend ``_reset_fit_state``.
 
 After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.fit_batches``
 (which batches formed B and B̃, and how they were chosen), ``self.n_data += N`` and
@@ -22,12 +22,12 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
 The overrides are thin: each calls the plain functions of a sibling module, the input checks
-of :mod:`.fit_checks` and :mod:`.shared_parameters`, the saved state of :mod:`.saved_state`,
-``n_magnitude_batches="auto"`` of :mod:`.auto_magnitude`, the predictive
-over chunks of the inputs of :mod:`.chunked`, the GLM predictive of token outputs and per-example
-Jacobians of :mod:`.token_outputs`, the mixture samples of a cross-fitted ``H`` of
-:mod:`.cross_fit`, the grid search of :mod:`.gridsearch` and the per-block layerwise marglik of
-:mod:`.block_priors`.
+of [`fit_checks`][laplace_debiased.structures.fit_checks] and [`shared_parameters`][laplace_debiased.structures.shared_parameters], the saved state of [`saved_state`][laplace_debiased.structures.saved_state],
+``n_magnitude_batches="auto"`` of [`auto_magnitude`][laplace_debiased.structures.auto_magnitude], the predictive
+over chunks of the inputs of [`chunked`][laplace_debiased.structures.chunked], the GLM predictive of token outputs and per-example
+Jacobians of [`token_outputs`][laplace_debiased.structures.token_outputs], the mixture samples of a cross-fitted ``H`` of
+[`cross_fit`][laplace_debiased.structures.cross_fit], the grid search of [`gridsearch`][laplace_debiased.structures.gridsearch] and the per-block layerwise marglik of
+[`block_priors`][laplace_debiased.structures.block_priors].
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def summed_loss(
 ) -> torch.Tensor:
     """laplace-torch's loss ``sum over batches of factor * lossfunc(model(X), y)``.
 
-    Each token is its own loss term for outputs ``(n, tokens, C)`` (:func:`output_rows`).  Under a
-    process group each rank forwards its rows only and the sums are added by ``reducer``.
+    Each token is its own loss term for outputs ``(n, tokens, C)``
+    ([`output_rows`][laplace_debiased.curvature.kfac.output_rows]).  Under a process group each rank forwards
+    its rows only and the sums are added by ``reducer``.
 
     Args:
         model: The network.
@@ -137,7 +138,7 @@ def summed_loss(
         batches: Loader batches.
         dict_key_x: Key of the inputs in a mapping batch.
         dict_key_y: Key of the targets in a mapping batch.
-        reducer: Sums over the ranks (:func:`~laplace_debiased.parallel.reducer.current_reducer`).
+        reducer: Sums over the ranks ([`current_reducer`][laplace_debiased.parallel.reducer.current_reducer]).
         device: Device of the result.
         dtype: dtype of the result.
 
@@ -169,7 +170,7 @@ def has_padded_targets(
 
     Raises:
         ValueError: Targets that do not fit ``output_shape``
-            (:func:`~laplace_debiased.computers.batches.check_targets`).
+            ([`check_targets`][laplace_debiased.computers.batches.check_targets]).
     """
     padded = False
     for i, b in enumerate(batches):
@@ -186,12 +187,12 @@ class TwoBatchLaplace:
 
     Structures whose curvature is laplace-torch's K-FAC blocks (``debiased_kron``,
     ``debiased_ekfac``) set ``_kfac_blocks``; it turns on ``n_magnitude_batches="auto"``
-    (:mod:`.auto_magnitude`), the shared K-FAC pass's check of padded targets and per-block
-    layerwise priors (:mod:`.block_priors`).
+    ([`auto_magnitude`][laplace_debiased.structures.auto_magnitude]), the shared K-FAC pass's check of padded
+    targets and per-block layerwise priors ([`block_priors`][laplace_debiased.structures.block_priors]).
 
     Attributes:
         predictive_chunk_size: Inputs per chunk of the predictive; ``None`` (default) picks
-            :func:`~laplace_debiased.structures.chunked.auto_chunk_size` from the fit.
+            [`auto_chunk_size`][laplace_debiased.structures.chunked.auto_chunk_size] from the fit.
     """
 
     predictive_chunk_size: int | None = None
@@ -214,8 +215,9 @@ class TwoBatchLaplace:
 
         Under a ``torch.distributed`` group (collective: every rank calls ``fit``) the ranks
         refuse to fit if their models or selected B and B̃ differ
-        (:func:`~laplace_debiased.parallel.distributed.check_same_fit_inputs`); an error on one
-        rank ends the fit on every rank (:func:`~laplace_debiased.parallel.distributed.fail_together`).
+        ([`check_same_fit_inputs`][laplace_debiased.parallel.distributed.check_same_fit_inputs]); an error on
+        one rank ends the fit on every rank
+        ([`fail_together`][laplace_debiased.parallel.distributed.fail_together]).
 
         Args:
             train_loader: Training data; ``N = len(train_loader.dataset)``. B = its first
@@ -223,7 +225,7 @@ class TwoBatchLaplace:
                 with a shuffling loader); a one-batch loader is split into two disjoint halves by a
                 seeded permutation. The choice is logged (INFO, logger ``laplace_debiased``) and
                 recorded in ``self.fit_batches``, one
-                :class:`~laplace_debiased.computers.batches.BatchChoice` per fit since the last
+                [`BatchChoice`][laplace_debiased.computers.batches.BatchChoice] per fit since the last
                 ``override=True``.
             override: ``False`` accumulates onto a previous fit (online: both batch sets
                 combined, debiased again).
@@ -237,14 +239,15 @@ class TwoBatchLaplace:
                 wider than the rows ``R_f`` B gives it (more after a short batch), at most
                 ``AUTO_MAGNITUDE_CAP = 8``; ``k``, why, and any factor B ∪ B̃ still misses (a
                 warning) are in ``fit_batches[-1].auto``
-                (:mod:`~laplace_debiased.computers.auto_magnitude`).
+                ([`auto_magnitude`][laplace_debiased.computers.auto_magnitude]).
             split: ``"batches"`` (default), or ``"halves"``: all batches, first half B, second
                 half B̃ ("debiased full-batch").
             generator: Draw the batches at random; one seed, one B and B̃, with a shuffling
                 loader too.
 
         Raises:
-            ValueError: Inputs the fit would get silently wrong (:mod:`.fit_checks`).
+            ValueError: Inputs the fit would get silently wrong
+                ([`fit_checks`][laplace_debiased.structures.fit_checks]).
         """
         del progress_bar
         with fail_together(f"{type(self).__name__}.fit"):
@@ -264,8 +267,8 @@ class TwoBatchLaplace:
 
     def _magnitude_rule(self, n_magnitude_batches: object) -> Callable[[list[Batch]], AutoMagnitude] | None:
         """``None`` unless ``n_magnitude_batches="auto"``, then
-        :func:`~laplace_debiased.structures.auto_magnitude.auto_magnitude_rule` (K-FAC blocks only);
-        another string raises."""
+        [`auto_magnitude_rule`][laplace_debiased.structures.auto_magnitude.auto_magnitude_rule] (K-FAC blocks
+        only); another string raises."""
         if not isinstance(n_magnitude_batches, str):
             return None
         if n_magnitude_batches != "auto":
@@ -283,13 +286,14 @@ class TwoBatchLaplace:
         )
 
     def _single_pass_fisher(self) -> str | None:
-        """:func:`~laplace_debiased.structures.kron_layers.single_pass_fisher` of the backend (K-FAC
-        blocks only; ``None`` otherwise)."""
+        """[`single_pass_fisher`][laplace_debiased.structures.kron_layers.single_pass_fisher] of the backend
+        (K-FAC blocks only; ``None`` otherwise)."""
         return single_pass_fisher(self.backend, self._asdl_fisher_kwargs) if self._kfac_blocks else None
 
     def _fit_split(self, batches: BatchSplit, override: bool) -> None:
-        """:meth:`fit` on the selected B and B̃: the inputs checked, the curvature fitted, and this
-        fit's loss (rescaled to ``N``), ``N`` and batch choice added to the totals."""
+        """[`fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit] on the selected B and B̃: the
+        inputs checked, the curvature fitted, and this fit's loss (rescaled to ``N``), ``N`` and batch choice
+        added to the totals."""
         check_same_fit_inputs(self.model, batches.direction, batches.magnitude)
         logger.info("%s fit: %s", type(self).__name__, batches.choice.describe())
         if batches.choice.auto is not None and batches.choice.auto.short is not None:
@@ -307,7 +311,7 @@ class TwoBatchLaplace:
         self.fit_batches = (*getattr(self, "fit_batches", ()), batches.choice)
 
     def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
-        """The checks before a fit (:mod:`.fit_checks`, :mod:`.shared_parameters`), eval mode, the
+        """The checks before a fit ([`fit_checks`][laplace_debiased.structures.fit_checks], [`shared_parameters`][laplace_debiased.structures.shared_parameters]), eval mode, the
         last layer (last-layer classes, first fit), earlier fits forgotten when ``override``, and the output shape."""
         keys = (self.dict_key_x, self.dict_key_y)
         last_layer = isinstance(self, LLLaplace)
@@ -331,11 +335,12 @@ class TwoBatchLaplace:
 
     @staticmethod
     def _distinct(direction_batches: list[Batch], magnitude_batches: list[Batch]) -> list[Batch]:
-        """:func:`distinct_batches`."""
+        """[`distinct_batches`][laplace_debiased.structures.two_batch.distinct_batches]."""
         return distinct_batches(direction_batches, magnitude_batches)
 
     def _summed_loss(self, batches: list[Batch]) -> torch.Tensor:
-        """:func:`summed_loss` of ``batches`` under the current reducer."""
+        """[`summed_loss`][laplace_debiased.structures.two_batch.summed_loss] of ``batches`` under the current
+        reducer."""
         return summed_loss(
             self.model, self.backend, batches, dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
             reducer=current_reducer(), device=self._device, dtype=self._dtype,
@@ -361,7 +366,7 @@ class TwoBatchLaplace:
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> torch.Tensor:
         """Posterior samples ``(n_samples, n_params)``; a cross-fitted ``H``
-        (:class:`~laplace_debiased.structures.cross_fit.CrossFitDecomposed`): exact mixture samples.
+        ([`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed]): exact mixture samples.
         Without ``generator``, inside ``la(x, generator=g)``: drawn from ``g``."""
         if generator is None:
             generator = self._call_generator
@@ -392,7 +397,7 @@ class TwoBatchLaplace:
 
     def state_dict(self) -> dict[str, Any]:
         """laplace-torch's state with the structure, the subset, every approximated parameter's
-        name and shape, and the output shape (:func:`~laplace_debiased.structures.saved_state.fit_state`).
+        name and shape, and the output shape ([`fit_state`][laplace_debiased.structures.saved_state.fit_state]).
 
         Raises:
             AttributeError: Not fitted (nor loaded) yet.
@@ -404,7 +409,7 @@ class TwoBatchLaplace:
         return {**super().state_dict(), **fit_state(self._key[1], self._key[0], self.parameter_layout(), self.fit_output_shape)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by :meth:`state_dict`, checked first (:meth:`_check_loadable`).
+        """Load a state saved by [`state_dict`][laplace_debiased.structures.two_batch.TwoBatchLaplace.state_dict], checked first (``_check_loadable``).
 
         Raises:
             ValueError: The state does not fit this object; the message names the first difference.
@@ -415,7 +420,7 @@ class TwoBatchLaplace:
         self.fit_batches = ()
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
-        """:func:`~laplace_debiased.structures.saved_state.check_saved_fit`; a last-layer object
+        """[`check_saved_fit`][laplace_debiased.structures.saved_state.check_saved_fit]; a last-layer object
         whose last layer is not found yet compares the module the state names (no forward pass).
         Structures with more settings extend this."""
 
@@ -445,10 +450,10 @@ class TwoBatchLaplace:
         **model_kwargs: Any,
     ) -> Output:
         """laplace-torch's ``la(x, ...)`` (same arguments), over chunks of ``x``
-        (:mod:`.chunked`); the joint predictive (``joint=True``) in one piece. ``generator`` is
+        ([`chunked`][laplace_debiased.structures.chunked]); the joint predictive (``joint=True``) in one piece. ``generator`` is
         the source of every draw of the call (``link_approx="mc"``, ``pred_type="nn"``), which
         laplace-torch 0.3 does not pass on: it is held as ``_call_generator`` for the call
-        (:meth:`sample`, :meth:`_glm_functional_samples`)."""
+        ([`sample`][laplace_debiased.structures.two_batch.TwoBatchLaplace.sample], ``_glm_functional_samples``)."""
 
         def predict(chunk: Any) -> Output:
             return super(TwoBatchLaplace, self).__call__(
@@ -487,12 +492,13 @@ class TwoBatchLaplace:
 
     def chunk_size(self) -> int:
         """Inputs per chunk: ``predictive_chunk_size``, or
-        :func:`~laplace_debiased.structures.chunked.auto_chunk_size` where it is ``None``."""
+        [`auto_chunk_size`][laplace_debiased.structures.chunked.auto_chunk_size] where it is ``None``."""
         outputs = math.prod(getattr(self, "fit_output_shape", (self.n_outputs or 1,)))
         return checked_chunk_size(self.predictive_chunk_size, outputs, self.n_params, self._dtype)
 
     def _chunked(self, predict: Callable[[Any], Output], x: Any, generator: torch.Generator | None, dim: int) -> Output:
-        """:func:`~laplace_debiased.structures.chunked.chunked` at :meth:`chunk_size`."""
+        """[`chunked`][laplace_debiased.structures.chunked.chunked] at
+        [`chunk_size`][laplace_debiased.structures.two_batch.TwoBatchLaplace.chunk_size]."""
         return chunked(
             predict, x, self.chunk_size(), dict_key_x=self.dict_key_x, generator=generator, device=self._device, dim=dim
         )
@@ -504,7 +510,7 @@ class TwoBatchLaplace:
     def log_likelihood(self) -> torch.Tensor:
         """laplace-torch's log likelihood; for token outputs in regression its Gaussian normaliser
         counts all ``n_data · tokens · C`` outputs
-        (:func:`~laplace_debiased.structures.token_outputs.token_regression_normaliser`)."""
+        ([`token_regression_normaliser`][laplace_debiased.structures.token_outputs.token_regression_normaliser])."""
         ll = super().log_likelihood
         if self.likelihood == "regression" and self._has_token_outputs():
             sigma = torch.as_tensor(self.sigma_noise, device=self._device, dtype=self._dtype)
@@ -550,7 +556,7 @@ class TwoBatchLaplace:
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """laplace-torch's GLM functional samples (``link_approx="mc"``) from a float64 square root
-        of ``f_var`` (:func:`~laplace_debiased.posterior.links.normal_samples`; laplace-torch's
+        of ``f_var`` ([`normal_samples`][laplace_debiased.posterior.links.normal_samples]; laplace-torch's
         float32 Cholesky fails at small prior precision). Token outputs: ``(S, n, tokens, C)``.
         Without ``generator``, inside ``la(x, generator=g)``: drawn from ``g``."""
         if generator is None:
@@ -606,11 +612,11 @@ class TwoBatchLaplace:
 
         ``method="marglik"`` with ``prior_structure="layerwise"`` on a curvature whose blocks span
         several parameter tensors optimises one value per block
-        (:func:`~laplace_debiased.structures.block_priors.block_marglik`); ``init_prior_prec`` is
+        ([`block_marglik`][laplace_debiased.structures.block_priors.block_marglik]); ``init_prior_prec`` is
         then a scalar, one value per block, or one per tensor with equal values within each block.
         ``method="gridsearch"`` with ``likelihood="regression"`` scores by
-        :func:`~laplace_debiased.structures.gridsearch.regression_grid_loss` (default: the Gaussian
-        predictive NLL with ``self.sigma_noise``; an MSE ``loss`` with ``pred_type="glm"`` raises
+        [`regression_grid_loss`][laplace_debiased.structures.gridsearch.regression_grid_loss] (default: the
+        Gaussian predictive NLL with ``self.sigma_noise``; an MSE ``loss`` with ``pred_type="glm"`` raises
         ``ValueError``).
         """
         spans = [1]
@@ -644,5 +650,6 @@ class TwoBatchLaplace:
         n_samples: int = 100,
         progress_bar: bool = False,
     ) -> torch.Tensor:
-        """laplace-torch's grid search hook: :func:`~laplace_debiased.structures.gridsearch.grid_search`."""
+        """laplace-torch's grid search hook:
+        [`grid_search`][laplace_debiased.structures.gridsearch.grid_search]."""
         return grid_search(self, loss, interval, val_loader, pred_type, link_approx, n_samples, progress_bar)

@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 
 from laplace_debiased.evaluation.report import mean_stderr_text, write_report
 from laplace_debiased.evaluation.tracking import (
+    clearly_below,
     curves_from_json,
     curves_to_json,
     gap_curves,
@@ -22,6 +23,7 @@ from laplace_debiased.evaluation.tracking import (
     max_abs_interval,
     max_gap_per_draw,
     mean_stderr,
+    paired_margin,
     reference_of,
     where_largest,
 )
@@ -172,6 +174,56 @@ def test_report_tabulates_the_gaps_and_says_whether_debiasing_helped_at_equal_sa
     assert f"debiased 32 + 32 tracks the full batch {word} closely than single 64 with the same samples" in section
     # only a debiased LA that loses is explained, with the batch's share of N
     assert ("64 of N = 300 training points (21 %)" in section) is not debiased_closer
+
+
+def test_report_says_an_order_within_the_spread_over_draws_is_no_order(tmp_path):
+    """Three draws whose paired gap differences (-2, +4, -4 %) have a mean (-0.7 %) well inside
+    t = 4.30 standard errors (3.5 %): the report names no closer fit and no explanation."""
+    full = [1.0, 0.8, 0.6, 0.5]
+    draws = {"kron_single": [[v * (1 + g) for v in full] for g in (0.05, 0.02, 0.08)],
+             "kron_debiased": [[v * (1 + g) for v in full] for g in (0.03, 0.06, 0.04)]}
+    rows = _curves(full, draws) + [_row("map", 0, None, 0.9, link="map")]
+    text = write_report(rows, tmp_path / "rep", setting=_setting(64, 300)).read_text()
+    section = text.split("## Tracking the full batch over the whole grid")[1].split("\n## ")[0]
+    assert ("debiased 32 + 32 against single 64 with the same samples (4.3 % against 5.0 %): which tracks the "
+            "full batch more closely is within the spread over draws.") in section
+    assert "tracks the full batch more closely than" not in section and "less closely" not in section
+    assert "of N = 300" not in section
+
+
+def test_paired_margin_is_students_t_quantile():
+    """The textbook two-sided 95 % values: t(2) = 4.303, t(15) = 2.131, and the normal 1.960 in the limit."""
+    assert paired_margin(3) == pytest.approx(4.303, abs=5e-4)
+    assert paired_margin(16) == pytest.approx(2.131, abs=5e-4)
+    assert paired_margin(10**6) == pytest.approx(1.960, abs=5e-4)
+    with pytest.raises(ValueError, match="at least 2 draws"):
+        paired_margin(1)
+
+
+@pytest.mark.parametrize("mean, clear", [(-0.026, True), (-0.023, False), (0.026, False)])
+def test_clearly_below_where_the_paired_mean_clears_t_standard_errors(mean, clear):
+    """Differences ``mean + 0.01 · (-1, 0, 1)``: standard deviation 0.01, standard error 0.01/√3, so
+    the boundary is ``mean = -4.303 · 0.00577 = -0.0248``."""
+    b = np.array([0.3, 0.5, 0.7])
+    a = b + mean + 0.01 * np.array([-1.0, 0.0, 1.0])
+    assert clearly_below(a, b) is clear
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=3, max_size=3))
+def test_a_difficulty_shared_by_both_fits_in_a_draw_does_not_blur_the_order(shared):
+    """Pairing: adding the same per-draw offset to both fits' values leaves the verdict; a constant
+    lead of 0.01 is clear however much the draws differ from each other."""
+    b = np.array([0.10, 0.11, 0.12])
+    a = b - 0.01 + np.array([0.0, 1e-3, -1e-3])
+    assert clearly_below(a, b) and clearly_below(a + shared, b + shared)
+    assert not clearly_below(b + shared, a + shared)
+
+
+def test_clearly_below_needs_paired_draws():
+    assert not clearly_below([0.1], [0.2])  # one draw: no spread, no order
+    with pytest.raises(ValueError, match="paired draws"):
+        clearly_below([0.1, 0.2], [0.2, 0.3, 0.4])
 
 
 @st.composite
