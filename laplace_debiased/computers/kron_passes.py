@@ -8,7 +8,7 @@ are added over the ranks.
 
 Scale convention (that of a laplace-torch ``KronLaplace`` fit over all ``N`` data): a batch set
 of ``m`` samples gives ``G = N/m · Σ g gᵀ`` (output side, summed loss) and ``A = mean a aᵀ``
-(input side).
+(input side; over the samples, or under token outputs the tokens, whose targets are not padded).
 """
 
 from __future__ import annotations
@@ -119,9 +119,10 @@ def single_pass_kfacs(
     krons, all_rows = [], []
     for g, m in enumerate(sum(s) for s in sizes):
         kfacs, rows = [], []
-        X_g = input_factor_rows(sums, g, backend.factor**0.5 / m)
-        for module, G, A, X in zip(modules, sums.output, sums.input, X_g):
-            blocks = module_blocks(module, G[g], None if A is None else A[g], m)
+        X_g = input_factor_rows(sums, g, backend.factor**0.5)
+        for i, (module, G, A, X) in enumerate(zip(modules, sums.output, sums.input, X_g)):
+            blocks = module_blocks(module, G[g], None, m) if A is None else module_blocks(
+                module, G[g], A[g], sums.mean_divisor(i, g))
             kfacs.extend(blocks)  # input rows only for Linear/Conv2d weight blocks
             rows.extend([None, X] if len(b) == 2 and not is_extra(module) else [None] * len(b) for b in blocks)
         all_rows.append(rows)
