@@ -57,6 +57,7 @@ from laplace_debiased.structures.chunked import Output, checked_chunk_size, chun
 from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
 from laplace_debiased.structures.fit_checks import (
     check_batch_dtypes,
+    check_materialised,
     check_model_mode,
     check_outputs_are_logits,
     check_override,
@@ -245,6 +246,7 @@ class TwoBatchLaplace:
         with fail_together(f"{type(self).__name__}.fit"):
             check_override(isinstance(self, LLLaplace), override)
             check_model_mode(self.model)
+            check_materialised(self.model)
             batches = split_batches(
                 train_loader, n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches,
                 magnitude_loader=magnitude_loader, split=split, generator=generator,
