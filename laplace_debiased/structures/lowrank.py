@@ -376,6 +376,16 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         return eigen_log_det(Q, h, self._H_factor, prior).to(self._dtype)
 
+    def square_norm(self, value: Tensor) -> Tensor:
+        """``Δᵀ P Δ`` for ``Δ = value - θ*`` and ``P = s·Q diag(h) Qᵀ + diag(p)``, float64 in the
+        eigenbasis of :meth:`curvature_eigenpairs` (``s Σ_i h_i (q_iᵀΔ)² + Σ_j p_j Δ_j²``), in the
+        model dtype; with :attr:`log_det_posterior_precision` it gives laplace-torch's ``log_prob``,
+        the log density of ``N(θ*, P⁻¹)``."""
+        Q, h = self.curvature_eigenpairs()
+        delta = (value - self.mean).double()
+        along = (delta @ Q).square() @ h * self._H_factor
+        return (along + (self.prior_precision_diag.double() * delta.square()).sum(-1)).to(self._dtype)
+
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
         "prior term minus low-rank correction" cancellation

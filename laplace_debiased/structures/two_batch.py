@@ -54,7 +54,7 @@ from laplace_debiased.posterior.links import normal_samples
 from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule, sample_output_shape
 from laplace_debiased.structures.block_priors import block_marglik, prior_spans
 from laplace_debiased.structures.chunked import Output, checked_chunk_size, chunked
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_log_prob, mixture_samples
 from laplace_debiased.structures.fit_checks import (
     check_batch_dtypes,
     check_materialised,
@@ -361,6 +361,13 @@ class TwoBatchLaplace:
         return mixture_samples(
             self.posterior_precision, self.mean, n_samples, generator, device=self._device, dtype=self._dtype
         )
+
+    def log_prob(self, value: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+        """laplace-torch's ``log_prob``; for a cross-fitted ``H`` the log density of the mixture
+        that :meth:`sample` draws from (:func:`~laplace_debiased.structures.cross_fit.mixture_log_prob`)."""
+        if not isinstance(self.H, CrossFitDecomposed):
+            return super().log_prob(value, normalized)
+        return mixture_log_prob(self.posterior_precision, value - self.mean, normalized)
 
     # ------------------------------------------------------------------ predictive
     def __call__(
