@@ -67,7 +67,7 @@ def isotropic_factor(
     Args:
         direction: ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
         magnitude: ``(n, n)`` PSD factor of B̃, same layer and position.
-        terms: samples summed into ``magnitude`` (its round-off tolerance,
+        terms: rank-one terms summed into ``magnitude`` (its round-off tolerance,
             :func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`).
 
     Returns:
@@ -163,7 +163,7 @@ def debiased_factor_mode(
         magnitude: B̃'s ``(n, n)`` PSD factor, same layer and position.
         null_space: ``"isotropic"`` (:func:`isotropic_factor`) or ``"aligned"``
             (:func:`~laplace_debiased.curvature.linalg.debiased_factor`).
-        terms: The samples summed into ``magnitude`` (its round-off tolerance).
+        terms: The rank-one terms summed into ``magnitude`` (its round-off tolerance).
 
     Returns:
         ``(U, lam)`` as the chosen function returns them.

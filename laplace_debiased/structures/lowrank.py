@@ -184,6 +184,15 @@ class _PairHead(nn.Module):
         return out.flatten(1) if x.ndim == 3 else out
 
 
+def _pair_features(features: Tensor, n: int) -> Tensor:
+    """A reward model's last-layer features of ``n`` preference pairs as ``(n, 2, D)``: a model
+    that flattens each pair to two rows gives ``(2n, D)``, sample-major (the layout of
+    ``x.reshape(-1, d)`` on ``(n, 2, d)``); features ``(n, 2, D)`` pass unchanged."""
+    if features.ndim == 2 and features.shape[0] == 2 * n:
+        return features.reshape(n, 2, features.shape[-1])
+    return features
+
+
 @torch.no_grad()
 def module_batches(
     model: nn.Module, batches: list[Batch], *, last_layer: bool, dict_key_x: str, dict_key_y: str
@@ -269,7 +278,10 @@ def eigen_fit_inputs(
 
     def local(batches: list[Batch]) -> list[inputs.Batch]:
         shards = local_shards(batches, **keys, rank=reducer.rank, world=reducer.world)
-        return module_batches(model, shards, last_layer=last_layer, **keys)
+        out = module_batches(model, shards, last_layer=last_layer, **keys)
+        if last_layer and likelihood == "reward_modeling":  # pairs flattened to 2n feature rows
+            out = [(_pair_features(X, len(y)), y) for X, y in out]
+        return out
 
     same = magnitude_batches is direction_batches
     return EigenFitInputs(
