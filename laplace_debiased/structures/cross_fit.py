@@ -174,8 +174,9 @@ def mixture_samples(
 
 
 def mixture_log_prob(P: CrossFitDecomposed, delta: Tensor, normalized: bool = True) -> Tensor:
-    """Log density of the equal-weight mixture of ``N(θ*, P₁⁻¹)`` and ``N(θ*, P₂⁻¹)`` at
-    ``θ = θ* + delta``, computed stably with logsumexp::
+    """Log density of the mixture of ``N(θ*, P₁⁻¹)`` and ``N(θ*, P₂⁻¹)``, weights ½, at ``θ* + delta``.
+
+    Computed stably with logsumexp::
 
         log p(θ) = -P/2 log 2π + log ½ + logsumexp_k (½ log det P_k - ½ Δᵀ P_k Δ).
 
