@@ -137,12 +137,12 @@ def decompose_two_batch(
     same = magnitude is direction
     correction = None
     swapped = None
+    counts = [t if t is not None else [[max(sizes)] * len(F) for F in direction] for t in terms]
     if estimator in CORRECTED and not same:
         vecs, vals, correction = corrected_decomposition(
             direction, magnitude, sizes, list(names), n_data, reducer, paired_rows(rows[0], rows[-1]),
-            shrink=estimator == "shrunk")
+            shrink=estimator == "shrunk", terms=[[max(b, m) for b, m in zip(*pair)] for pair in zip(*counts)])
     else:
-        counts = [t if t is not None else [[max(sizes)] * len(F) for F in direction] for t in terms]
         vecs, vals = _debiased(direction, magnitude, rows[0], rows[-1], null_space, counts[-1], reducer)
         if cross_fit and not same:
             swapped = _debiased(magnitude, direction, rows[-1], rows[0], null_space, counts[0], reducer)

@@ -116,3 +116,15 @@ def test_a_stock_equivalent_fit_over_many_positions_is_not_refused():
     along_null = float(u @ factor.double() @ u)  # 0 in exact arithmetic
     assert along_null < -roundoff_tolerance(factor, terms=256)  # what the samples alone allow
     assert abs(along_null) <= roundoff_tolerance(factor, terms=256 * 1024 * 10)
+
+
+@pytest.mark.parametrize("estimator", ["paper", "corrected", "shrunk"])
+def test_a_two_batch_fit_over_many_positions_is_not_refused(estimator):
+    """B ≠ B̃ (256 samples each) of the same head: every estimate remeasures B̃'s float32 output
+    factor along B's eigenvectors, the softmax's null direction among them."""
+    model = _conv_gap_classifier()
+    X = torch.randn(512, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    loader = DataLoader(TensorDataset(X, model(X).argmax(-1).detach()), batch_size=256)
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(loader, estimator=estimator)
+    assert all(bool((v >= 0).all()) for block in la.H.eigenvalues for v in block)
