@@ -128,7 +128,8 @@ def single_pass_kfacs(
             blocks = module_blocks(module, G[g], None, m) if A is None else module_blocks(
                 module, G[g], A[g], sums.mean_divisor(i, g))
             counts = sums.terms[i][g]  # the counts in the blocks' layout (a mean divides by 1)
-            terms.extend([[int(t) for t in b] for b in module_blocks(module, counts[0], None if A is None else counts[1], 1.0)])
+            count_blocks = module_blocks(module, counts[0], None if A is None else counts[1], 1.0)
+            terms.extend([[int(t) for t in b] for b in count_blocks])
             kfacs.extend(blocks)  # input rows only for Linear/Conv2d weight blocks
             rows.extend([None, X] if len(b) == 2 and not is_extra(module) else [None] * len(b) for b in blocks)
         all_rows.append(rows)

@@ -329,8 +329,9 @@ def _input_sums(
     n_rows: int, kept: torch.Tensor | None = None,
 ) -> None:
     """Add the input-side sums of module ``i``'s input ``a`` (``(n, ..., d_in)``, conv: the
-    unfolded patches; ``k · n`` rows for ``k`` rows per sample) in a pass over ``n_rows`` samples per segment to ``into.input[i]``, keeping rows where wanted, and their
-    weights to ``into.input_weight[i]``; padded positions (``kept``, :func:`position_weights`)
+    unfolded patches; ``k · n`` rows for ``k`` rows per sample) in a pass over ``n_rows`` samples
+    per segment to ``into.input[i]``, keeping rows where wanted, and their weights to
+    ``into.input_weight[i]``; padded positions (``kept``, :func:`position_weights`)
     are left out."""
     a = _patches(a, module)
     k = a.shape[0] // n_rows  # rows per sample, summed (module docstring)

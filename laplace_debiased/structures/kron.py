@@ -451,7 +451,8 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         direction, magnitude = krons[0], krons[-1]
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             self._factor_rows = None
-            terms = None if terms is None else [_added_terms(old, new) for old, new in zip(self._factor_terms, terms)]
+            known = getattr(self, "_factor_terms", (None, None))
+            terms = None if terms is None else [_added_terms(old, new) for old, new in zip(known, terms)]
             direction = Kron(combine_kfacs(self.H_facs.kfacs, direction.kfacs, self.n_data, N))
             magnitude = Kron(combine_kfacs(self.H_facs_magnitude.kfacs, magnitude.kfacs, self.n_data, N))
         self.H_facs, self.H_facs_magnitude = direction, magnitude
