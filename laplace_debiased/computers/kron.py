@@ -37,6 +37,8 @@ __all__ = ["KronDecomposition", "combine_kfacs", "decompose_two_batch", "paired_
 Kfacs = list[list[torch.Tensor]]
 #: per block and factor, the rows ``X`` with ``F = XᵀX`` where known, else ``None``
 Rows = list[list[torch.Tensor | None]]
+#: per block and factor, the rank-one terms summed into the factor
+Terms = list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -83,17 +85,17 @@ def paired_rows(direction_rows: Rows | None, magnitude_rows: Rows | None
 
 
 def _debiased(direction: Kfacs, magnitude: Kfacs, rows: Rows | None, magnitude_rows: Rows | None,
-              null_space: str, terms: int, reducer: Reducer) -> tuple[Kfacs, Kfacs]:
+              null_space: str, terms: list[list[int]], reducer: Reducer) -> tuple[Kfacs, Kfacs]:
     """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude``, computed on rank 0.
 
     B's degenerate groups follow ``null_space``, except when B̃ is B (the same list), where
     the plain eigendecomposition (``"aligned"``) keeps B's own eigenvalues: the isotropic mean
-    over B's tied runs would move them by up to the round-off tolerance. ``terms`` (the samples
-    summed into the factors) sets that tolerance."""
+    over B's tied runs would move them by up to the round-off tolerance. ``terms`` (per block and
+    factor, the rank-one terms summed into ``magnitude``'s factor) sets that tolerance."""
     rule = "aligned" if magnitude is direction else null_space
     return on_rank0(lambda: debiased_kron(
         direction, magnitude, paired_rows(rows, magnitude_rows),
-        factor=lambda D, M: debiased_factor_mode(D, M, rule, terms), null_space=rule,
+        factor=lambda D, M, t: debiased_factor_mode(D, M, rule, t), null_space=rule, terms=terms,
     ), direction, reducer)
 
 
@@ -109,6 +111,7 @@ def decompose_two_batch(
     n_data: int,
     names: Sequence[tuple[str, str]],
     reducer: Reducer,
+    terms: tuple[Terms | None, Terms | None] = (None, None),
 ) -> KronDecomposition:
     """The two-batch decomposition of B's and B̃'s K-FAC factors.
 
@@ -126,6 +129,8 @@ def decompose_two_batch(
         n_data: the training data B and B̃ were drawn from (finite-population scaling).
         names: ``(layer, parameter)`` per block, for the records.
         reducer: the ranks' collectives: rank 0 decomposes, every rank receives the result.
+        terms: B's and B̃'s rank-one terms per block and factor (samples × positions × loss-Hessian
+            columns; their round-off tolerance); ``None``: the samples ``max(sizes)``.
 
     Returns:
         The [`KronDecomposition`][laplace_debiased.computers.kron.KronDecomposition].
@@ -133,15 +138,15 @@ def decompose_two_batch(
     same = magnitude is direction
     correction = None
     swapped = None
+    counts = [t if t is not None else [[max(sizes)] * len(F) for F in direction] for t in terms]
     if estimator in CORRECTED and not same:
         vecs, vals, correction = corrected_decomposition(
             direction, magnitude, sizes, list(names), n_data, reducer, paired_rows(rows[0], rows[-1]),
-            shrink=estimator == "shrunk")
+            shrink=estimator == "shrunk", terms=[[max(b, m) for b, m in zip(*pair)] for pair in zip(*counts)])
     else:
-        terms = max(sizes)
-        vecs, vals = _debiased(direction, magnitude, rows[0], rows[-1], null_space, terms, reducer)
+        vecs, vals = _debiased(direction, magnitude, rows[0], rows[-1], null_space, counts[-1], reducer)
         if cross_fit and not same:
-            swapped = _debiased(magnitude, direction, rows[-1], rows[0], null_space, terms, reducer)
+            swapped = _debiased(magnitude, direction, rows[-1], rows[0], null_space, counts[0], reducer)
     coverage = coverage_record(
         direction, magnitude, vecs, vals, list(names), rows=paired_rows(rows[0], rows[-1]),
         null_space=null_space, direction_size=sizes[0], magnitude_size=sizes[1],

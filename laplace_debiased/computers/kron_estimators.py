@@ -135,18 +135,19 @@ def corrected_decomposition(
     reducer: Reducer,
     rows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
     shrink: bool = False,
+    terms: list[list[int]] | None = None,
 ) -> tuple[list, list, Correction | None]:
-    """[`corrected_kron`][laplace_debiased.curvature.corrected.corrected_kron] of B's and B̃'s K-FAC factors
-    (``sizes`` their samples, drawn from ``n_data`` training data; ``rows`` per block and factor B's and B̃'s
-    factor rows where known; ``shrink``: the ``"shrunk"`` estimate), on rank 0
-    and broadcast ([`on_rank0`][laplace_debiased.computers.kron_estimators.on_rank0]); returns
-    ``(eigenvectors, eigenvalues, correction)`` with rank 0's
-    [`Correction`][laplace_debiased.computers.kron_estimators.Correction] (``None`` on the other ranks),
-    logged per block (``names``)."""
+    """[`corrected_kron`][laplace_debiased.curvature.corrected.corrected_kron] of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
+    ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known;
+    ``shrink``: the ``"shrunk"`` estimate; ``terms`` per block and factor the rank-one terms summed
+    into either factor, default the samples ``max(sizes)``), on rank 0
+    and broadcast ([`on_rank0`][laplace_debiased.computers.kron_estimators.on_rank0]); returns ``(eigenvectors, eigenvalues, correction)`` with
+    rank 0's [`Correction`][laplace_debiased.computers.kron_estimators.Correction] (``None`` on the other ranks), logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:
-        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data, rows, shrink)
+        counts = terms if terms is not None else max(sizes)
+        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, counts, n_data, rows, shrink)
         records.extend(recs)
         return vecs, vals
 

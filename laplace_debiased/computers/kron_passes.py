@@ -8,7 +8,7 @@ two-batch fit at 2 × b/2 costs one pass over ``b`` rows like a single-batch fit
 
 Scale convention (that of a laplace-torch ``KronLaplace`` fit over all ``N`` data): a batch set
 of ``m`` samples gives ``G = N/m · Σ g gᵀ`` (output side, summed loss) and ``A = mean a aᵀ``
-(input side).
+(input side; over the samples, or under token outputs the tokens, whose targets are not padded).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ __all__ = ["single_pass_kfacs"]
 
 #: per batch set, per block and factor: the rows ``X`` with ``F = XᵀX`` where known, else ``None``
 FactorRows = list[list[list[torch.Tensor | None]]]
+#: per batch set, per block and factor: the rank-one terms summed into the factor
+FactorTerms = list[list[list[int]]]
 
 
 def _passes(
@@ -92,7 +94,7 @@ def _group_sums(
 def single_pass_kfacs(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], N: int,
     *, likelihood: str, backend: Any, fisher: str, keys: tuple[str, str], mean: Any, reducer: Reducer,
-) -> tuple[torch.Tensor, list[list[list[torch.Tensor]]], FactorRows | None]:
+) -> tuple[torch.Tensor, list[list[list[torch.Tensor]]], FactorRows | None, FactorTerms]:
     """K-FAC of each batch set in ``groups``, scaled to ``N`` points (module docstring).
 
     Args:
@@ -108,25 +110,32 @@ def single_pass_kfacs(
         reducer: the ranks' collectives; each rank passes its shard of every batch.
 
     Returns:
-        ``(loss, kfacs, rows)``: the summed loss over all batches (unscaled), per batch set its
-        factors (blocks of 1 or 2 square tensors, laplace-torch's ``Kron.kfacs`` layout), and
-        per batch set the input-factor rows of the Linear/Conv2d weight blocks
-        (``None`` under a process group, where each rank holds only its rows).
+        ``(loss, kfacs, rows, terms)``: the summed loss over all batches (unscaled), per batch set
+        its factors (blocks of 1 or 2 square tensors, laplace-torch's ``Kron.kfacs`` layout), per
+        batch set the input-factor rows of the Linear/Conv2d weight blocks (``None`` under a
+        process group, where each rank holds only its rows), and per batch set, block and factor
+        the rank-one terms summed into the factor (their float32 round-off,
+        [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
     """
     sizes = [[batch_size(b, *keys) for b in batches] for batches in groups]
     keep_rows = reducer.world == 1
     sums = _group_sums(model, modules, groups, sizes, likelihood=likelihood, backend=backend,
                        fisher=fisher, keys=keys, keep_rows=keep_rows, mean=mean, reducer=reducer)
-    krons, all_rows = [], []
+    krons, all_rows, all_terms = [], [], []
     for g, m in enumerate(sum(s) for s in sizes):
-        kfacs, rows = [], []
-        X_g = input_factor_rows(sums, g, backend.factor**0.5 / m)
-        for module, G, A, X in zip(modules, sums.output, sums.input, X_g):
-            blocks = module_blocks(module, G[g], None if A is None else A[g], m)
+        kfacs, rows, terms = [], [], []
+        X_g = input_factor_rows(sums, g, backend.factor**0.5)
+        for i, (module, G, A, X) in enumerate(zip(modules, sums.output, sums.input, X_g)):
+            blocks = module_blocks(module, G[g], None, m) if A is None else module_blocks(
+                module, G[g], A[g], sums.mean_divisor(i, g))
+            counts = sums.terms[i][g]  # the counts in the blocks' layout (a mean divides by 1)
+            count_blocks = module_blocks(module, counts[0], None if A is None else counts[1], 1.0)
+            terms.extend([[int(t) for t in b] for b in count_blocks])
             kfacs.extend(blocks)  # input rows only for Linear/Conv2d weight blocks
             rows.extend([None, X] if len(b) == 2 and not is_extra(module) else [None] * len(b) for b in blocks)
         all_rows.append(rows)
+        all_terms.append(terms)
         # the loss factor c scales a block by c: each of two factors by √c (as Kron * c does)
         scaled = [[backend.factor ** (1 / len(F)) * f for f in F] for F in kfacs]
         krons.append([[F[0] * (N / m), *F[1:]] for F in scaled])
-    return sums.loss.sum(), krons, all_rows if keep_rows else None
+    return sums.loss.sum(), krons, all_rows if keep_rows else None, all_terms

@@ -69,7 +69,7 @@ def isotropic_factor(
     Args:
         direction: ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
         magnitude: ``(n, n)`` PSD factor of B̃, same layer and position.
-        terms: samples summed into ``magnitude`` (its round-off tolerance,
+        terms: rank-one terms summed into ``magnitude`` (its round-off tolerance,
             [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
     Returns:
@@ -164,10 +164,9 @@ def debiased_factor_mode(
     Args:
         direction: B's ``(n, n)`` PSD factor.
         magnitude: B̃'s ``(n, n)`` PSD factor, same layer and position.
-        null_space: ``"isotropic"``
-            ([`isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor]) or ``"aligned"``
+        null_space: ``"isotropic"`` ([`isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor]) or ``"aligned"``
             ([`debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor]).
-        terms: The samples summed into ``magnitude`` (its round-off tolerance).
+        terms: The rank-one terms summed into ``magnitude`` (its round-off tolerance).
 
     Returns:
         ``(U, lam)`` as the chosen function returns them.

@@ -138,7 +138,7 @@ def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: in
         direction: ``(d, d)`` PSD factor ``D`` of the batch that chooses the directions.
         magnitude: ``(d, d)`` PSD factor ``M`` of the independent batch that measures them, on
             the same scale as ``D``.
-        terms: samples summed into ``M`` (its round-off tolerance,
+        terms: rank-one terms summed into ``M`` (its round-off tolerance,
             [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
     Returns:
@@ -184,7 +184,7 @@ def corrected_factor(
         m_direction: samples in B (the pooled factor is the samples-weighted mean of the two,
             exactly the factor a single batch B ∪ B̃ gives).
         m_magnitude: samples in B̃.
-        terms: samples summed into either factor (round-off tolerance of the quotients).
+        terms: rank-one terms summed into either factor (round-off tolerance of the quotients).
         n_data: the number ``N`` of training data the batches were drawn from without
             replacement (finite-population scaling); ``None``: an infinite population.
         shrink: shrink the correction on the pooled range by its measured noise (module docstring).
@@ -318,7 +318,7 @@ def corrected_kron(
     magnitude_kfacs: Sequence[Sequence[torch.Tensor]],
     m_direction: int,
     m_magnitude: int,
-    terms: int = 0,
+    terms: int | Sequence[Sequence[int]] = 0,
     n_data: int | None = None,
     rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
     shrink: bool = False,
@@ -338,9 +338,9 @@ def corrected_kron(
         magnitude_kfacs: B̃'s factors, the same blocks.
         m_direction: samples in B.
         m_magnitude: samples in B̃.
-        terms: samples summed into the factors (round-off tolerance).
-        n_data: the training-set size the batches were drawn from
-            ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
+        terms: rank-one terms summed into either factor (round-off tolerance): one count, or one
+            per block and factor.
+        n_data: the training-set size the batches were drawn from ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
         rows: ``None``, or per block and factor ``(B's rows, B̃'s rows)`` (``F = XᵀX``) where known.
         shrink: shrink each factor's correction on its pooled range
             ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
@@ -359,8 +359,9 @@ def corrected_kron(
     vectors, values, records = [], [], []
     for i, (F_dir, F_mag) in enumerate(zip(direction_kfacs, magnitude_kfacs)):
         block_rows = rows[i] if rows is not None else [None] * len(F_dir)
-        block = [_corrected_route(D, M, r, m_direction, m_magnitude, terms, n_data, shrink)
-                 for D, M, r in zip(F_dir, F_mag, block_rows)]
+        block_terms = [terms] * len(F_dir) if isinstance(terms, int) else terms[i]
+        block = [_corrected_route(D, M, r, m_direction, m_magnitude, t, n_data, shrink)
+                 for D, M, r, t in zip(F_dir, F_mag, block_rows, block_terms)]
         vectors.append([b[0] for b in block])
         values.append([b[1] for b in block])
         records.append([b[2] for b in block])

@@ -17,9 +17,24 @@ the convention of laplace-torch's default backend):
   ``(n, d_in)``, the tokens for ``Linear``, ``Conv1D`` and attention projections on
   ``(n, T, d_in)``: [`laplace_debiased.curvature.attention`][laplace_debiased.curvature.attention]).
 
-Both are *sums over the samples of a group*: dividing the input side by the group size gives
-the factor a backend call over that group returns, and sums from disjoint shards of a group
-(other passes, other processes) simply add up.
+Both are *sums over the samples of a group*: dividing the input side by its weight (the group
+size without padded targets, [`GroupKfacSums.input_weight`][laplace_debiased.curvature.kfac.GroupKfacSums.input_weight]) gives the factor a backend call
+over that group returns, and sums from disjoint shards of a group (other passes, other processes)
+simply add up.
+
+Padded targets (class label -100) carry no loss term. Their rows add nothing to the output side;
+on the input side a position ``t`` of sample ``n`` gets the weight ``w_nt`` of
+[`position_weights`][laplace_debiased.curvature.kfac.position_weights] (``1/T`` without padding) and the mean divides by ``Σ_nt w_nt``. Under
+the "expand" convention every output row is a data point, so a token-wise layer's mean input
+factor is ``Σ_{kept (n, t)} a_nt a_ntᵀ / #kept``: that of the kept tokens as a batch without
+padding, and for ``(n, C)`` outputs that of the samples whose label is not -100.
+
+A layer may see ``k`` rows per sample, ``k · n`` rows in a pass over ``n`` samples (laplace-torch's
+reward models flatten each preference pair ``(n, 2, d)`` to ``(2n, d)``): its rows are taken
+sample-major, rows ``k·j … k·j + k - 1`` of sample ``j`` (the layout of ``x.reshape(-1, d)``).
+As in curvlinops (laplace-torch's stock K-FAC), where such a layer's rows are as many inputs of
+the pass, the input side sums them per sample, ``Σ_{n} Σ_{r=1..k} (1/T) Σ_t a_nrt a_nrtᵀ``, and
+the mean divides by the samples.
 
 With ``keep_rows=True`` the input side's rows ``a_nt / √T`` of each group are kept as well,
 while a layer has fewer rows than inputs ``d_in``
@@ -79,16 +94,34 @@ class GroupKfacSums:
         input_rows: per hooked module, ``None`` (rows not kept, or as many rows as inputs
             reached) or per group the list of row chunks ``a_nt / √T`` whose ``XᵀX`` is the group's
             input-side sum.
+        input_weight: per hooked module with an input side, ``(n_groups,)`` sums ``Σ_nt w_nt`` of
+            the position weights ([`position_weights`][laplace_debiased.curvature.kfac.position_weights]; the samples, without padding), else
+            ``None``.
+        terms: per hooked module, ``(n_groups, 2)`` float64 counts of the rank-one terms summed
+            into its output side (samples × positions × backward passes, i.e. loss-Hessian
+            columns) and input side (samples × positions): what the float32 round-off of a factor
+            grows with ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
     """
 
     output: list[torch.Tensor]
     input: list[torch.Tensor | None]
     loss: torch.Tensor
     input_rows: list[list[list[torch.Tensor]] | None] = field(default_factory=list)
+    input_weight: list[torch.Tensor | None] = field(default_factory=list)
+    terms: list[torch.Tensor] = field(default_factory=list)
 
     def tensors(self) -> list[torch.Tensor]:
         """All sums as one flat list (for in-place collectives such as ``all_reduce``)."""
-        return [*self.output, *(A for A in self.input if A is not None), self.loss]
+        inputs = [A for A in self.input if A is not None]
+        weights = [w for w in self.input_weight if w is not None]
+        return [*self.output, *inputs, *weights, *self.terms, self.loss]
+
+    def mean_divisor(self, module: int, group: int) -> float:
+        """What the input-side sum of ``module`` in ``group`` is divided by for its mean: the sum
+        ``Σ_nt w_nt`` of its position weights ([`position_weights`][laplace_debiased.curvature.kfac.position_weights]), the group's samples
+        without padded targets; 1 where that is 0 (a group padded throughout, whose sums are 0)."""
+        w = float(self.input_weight[module][group])
+        return w if w > 0 else 1.0
 
 
 def loss_hessian_sqrt_columns(f: torch.Tensor, likelihood: str) -> Iterator[torch.Tensor]:
@@ -203,10 +236,12 @@ def _install_sum_hooks(
 
     def on_output_grad(grad: torch.Tensor, i: int) -> None:
         if i in x_hats:  # dense block: per-sample affine gradients as one row per sample
-            rows = norm_sample_grads(modules[i], x_hats[i], grad.detach()).unsqueeze(1)
+            rows = norm_sample_grads(modules[i], x_hats[i], grad.detach())
+            rows = rows.reshape(n_rows, -1, rows.shape[-1]).sum(1, keepdim=True)  # a sample's k rows add up
         else:
-            rows = _rows(grad.detach(), modules[i])
+            rows = _per_sample(_rows(grad.detach(), modules[i]), n_rows)
         _segment_sums(rows, segments, into.output[i], 1.0)
+        _count_terms(into.terms[i], 0, segments, rows.shape[1])
 
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
@@ -218,10 +253,17 @@ def _install_sum_hooks(
         if isinstance(module, NORM_LAYERS):
             x_hats[i] = normalised_input(module, x.detach())
         elif isinstance(module, nn.Embedding):
+            k = x.shape[0] // n_rows  # rows per sample, summed (module docstring)
+            x = _per_sample(x, n_rows)
             weights = None if kept is None else position_weights(kept, x[0].numel(), into.input[i].dtype)
-            embedding_input_sums(module, x, segments, into.input[i], weights)
+            if k > 1 and weights is None:
+                weights = torch.full(x.reshape(n_rows, -1).shape, 1.0 / x[0].numel(), dtype=into.input[i].dtype,
+                                     device=x.device)
+            embedding_input_sums(module, x, segments, into.input[i], None if weights is None else k * weights)
+            _count_terms(into.terms[i], 1, segments, x.reshape(n_rows, -1).shape[1])
+            _add_input_weight(into, i, segments, None if kept is None else weights)
         elif into.input[i] is not None:
-            _input_sums(x.detach(), module, segments, into, i, kept)
+            _input_sums(x.detach(), module, segments, into, i, n_rows, kept)
         output.register_hook(partial(on_output_grad, i=i))
         return output
 
@@ -252,11 +294,23 @@ def _shared_ids_per_sample(
     return ids.expand(n_rows, *ids.shape[1:]), output.expand(n_rows, *output.shape[1:])
 
 
+def _per_sample(t: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """``t`` ``(k·n, T, ...)`` of a layer that sees ``k`` rows per sample as ``(n, k·T, ...)``
+    (sample-major rows, module docstring); unchanged for ``k = 1``."""
+    if t.shape[0] == n_rows:
+        return t
+    return t.reshape(n_rows, -1, *t.shape[2:])
+
+
 def _check_batch_first(module: nn.Module, x: torch.Tensor, n_rows: int) -> None:
     """Raise a ``ValueError`` if ``x`` (a layer's input in a pass over ``n_rows`` samples) holds
-    the samples along its second dimension instead of its first (tokens first): the sums are
-    split by sample along the first dimension."""
-    if x.ndim >= 2 and x.shape[0] != n_rows and x.shape[1] == n_rows:
+    the samples along its second dimension instead of its first (tokens first), or has a number
+    of rows that is no multiple ``k · n_rows`` (``k`` rows per sample, module docstring): the sums
+    are split by sample along the first dimension."""
+    if x.ndim < 1 or x.shape[0] == n_rows:
+        return
+    no_multiple = x.shape[0] % n_rows != 0
+    if x.ndim >= 2 and x.shape[1] == n_rows and (x.ndim >= 3 or no_multiple):
         raise ValueError(
             f"a {type(module).__name__} layer receives an input of shape {tuple(x.shape)} for a "
             f"pass over {n_rows} samples (tokens first); debiased_kron/debiased_ekfac need every "
@@ -264,19 +318,51 @@ def _check_batch_first(module: nn.Module, x: torch.Tensor, n_rows: int) -> None:
             "nn.TransformerEncoderLayer: batch_first=True). Use hessian_structure='debiased_full' "
             "or 'debiased_lowrank' otherwise."
         )
+    if no_multiple:
+        raise ValueError(
+            f"a {type(module).__name__} layer receives an input of shape {tuple(x.shape)} for a "
+            f"pass over {n_rows} samples; debiased_kron/debiased_ekfac split its rows by sample and "
+            "need the samples first, each as the same number of rows. Use "
+            "hessian_structure='debiased_full' or 'debiased_lowrank' otherwise."
+        )
 
 
 def _input_sums(
     a: torch.Tensor, module: nn.Module, segments: Sequence[tuple[int, int, int]], into: GroupKfacSums, i: int,
-    kept: torch.Tensor | None = None,
+    n_rows: int, kept: torch.Tensor | None = None,
 ) -> None:
     """Add the input-side sums of module ``i``'s input ``a`` (``(n, ..., d_in)``, conv: the
-    unfolded patches) per segment to ``into.input[i]``, keeping rows where wanted; padded
-    positions (``kept``, ``_position_weighted``) are left out."""
-    a = _position_weighted(_patches(a, module), kept)
-    _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
-    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
+    unfolded patches; ``k · n`` rows for ``k`` rows per sample) in a pass over ``n_rows`` samples
+    per segment to ``into.input[i]``, keeping rows where wanted, and their weights to
+    ``into.input_weight[i]``; padded positions (``kept``, [`position_weights`][laplace_debiased.curvature.kfac.position_weights])
+    are left out."""
+    a = _patches(a, module)
+    k = a.shape[0] // n_rows  # rows per sample, summed (module docstring)
+    a = _per_sample(a, n_rows)
+    weights = None if kept is None else position_weights(kept, a.shape[1], a.dtype)
+    if weights is not None:
+        a = a * (weights > 0).unsqueeze(-1).to(a.dtype)  # w_nt = 1/T at kept positions, else 0
+    _segment_sums(a, segments, into.input[i], k / a.shape[1])
+    _count_terms(into.terms[i], 1, segments, a.shape[1])
+    _add_input_weight(into, i, segments, weights)
+    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a * k**0.5, segments):
         into.input_rows[i] = None
+
+
+def _count_terms(terms: torch.Tensor, side: int, segments: Sequence[tuple[int, int, int]], positions: int) -> None:
+    """``terms[group, side] += (samples of the segment) · positions`` per segment: the rank-one
+    terms one hook call adds to a factor ([`GroupKfacSums.terms`][laplace_debiased.curvature.kfac.GroupKfacSums.terms])."""
+    for start, stop, group in segments:
+        terms[group, side] += (stop - start) * positions
+
+
+def _add_input_weight(
+    into: GroupKfacSums, i: int, segments: Sequence[tuple[int, int, int]], weights: torch.Tensor | None
+) -> None:
+    """``into.input_weight[i][group] += Σ_{n ∈ segment} Σ_t w_nt`` per segment; ``weights``
+    ``(n, T)`` ([`position_weights`][laplace_debiased.curvature.kfac.position_weights]), ``None`` without padding (every sample weighs 1)."""
+    for start, stop, group in segments:
+        into.input_weight[i][group] += stop - start if weights is None else weights[start:stop].sum()
 
 
 def _install_attention_hooks(
@@ -303,7 +389,7 @@ def _install_attention_hooks(
             if i is None:
                 continue
             if into.input[i] is not None:
-                _input_sums(a.detach(), modules[i], segments, into, i, kept)
+                _input_sums(a.detach(), modules[i], segments, into, i, n_rows, kept)
             out.register_hook(partial(on_output_grad, i=i))
         return parts.result
 
@@ -455,27 +541,18 @@ def kept_positions(targets: torch.Tensor, n: int) -> torch.Tensor | None:
 
 def position_weights(kept: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
     """The weight ``w_nt`` ``(n, T)`` of each of a layer's ``T`` positions in its input-side sum
-    ``Σ_n Σ_t w_nt a_nt a_ntᵀ``, from the kept output rows ``kept`` ``(n, K)``.
+    ``Σ_n Σ_t w_nt a_nt a_ntᵀ``, from the kept output rows ``kept`` ``(n, K)``; the mean factor
+    divides that sum by ``Σ_nt w_nt``.
 
     Where the layer's positions are the sample's output rows (``T = K``, a layer applied token by
-    token), the mean over the kept positions: ``w_nt = 1 / #kept_n`` at kept positions, 0 at padded
-    ones, as if the padded positions were cut off. Elsewhere ``w_nt = 1/T`` for a sample with any
-    kept row. A sample without one has no loss term: ``w_nt = 0``. Without padding this is the
-    ``1/T`` of the module docstring."""
+    token), ``w_nt = 1/T`` at kept positions and 0 at padded ones: the mean is over the kept
+    positions, each one data point ("expand"), as if the padded positions were cut off. Elsewhere
+    ``w_nt = 1/T`` for a sample with any kept row. A sample without one has no loss term:
+    ``w_nt = 0``. Without padding this is the ``1/T`` of the module docstring."""
     kept = kept.to(dtype)
     if kept.shape[1] == T:
-        return kept / kept.sum(1, keepdim=True).clamp(min=1.0)
+        return kept / T
     return kept.amax(1, keepdim=True).expand(-1, T) / T
-
-
-def _position_weighted(a: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    """Layer inputs ``a`` ``(n, T, d)`` scaled by ``√(T w_nt)``
-    ([`position_weights`][laplace_debiased.curvature.kfac.position_weights]), so that the ``1/T``-scaled sums
-    and rows of the hooks carry the weights ``w_nt``; unchanged when ``kept`` is ``None`` (no padding)."""
-    if kept is None:
-        return a
-    T = a.shape[1]
-    return a * (T * position_weights(kept, T, a.dtype)).sqrt().unsqueeze(-1)
 
 
 def zero_sums(
@@ -491,8 +568,9 @@ def zero_sums(
             ``nn.Conv2d`` weights (the other layers' blocks are debiased from their sums).
 
     Returns:
-        The sums, all zero: ``output`` ``(n_groups, d_out, d_out)`` and ``input``
-        ``(n_groups, d_in, d_in)`` per module, ``loss`` ``(n_groups,)``.
+        The sums, all zero: ``output`` ``(n_groups, d_out, d_out)``, ``input``
+        ``(n_groups, d_in, d_in)`` and ``input_weight`` ``(n_groups,)`` per module, ``loss``
+        ``(n_groups,)``.
     """
     def z(d: int) -> torch.Tensor:
         return torch.zeros(n_groups, d, d, dtype=like.dtype, device=like.device)
@@ -507,13 +585,17 @@ def zero_sums(
         [[] for _ in range(n_groups)] if keep_rows and A is not None and isinstance(m, (nn.Linear, nn.Conv2d)) else None
         for m, A in zip(modules, inputs)
     ]
-    return GroupKfacSums(output, inputs, loss, rows)
+    weights = [None if A is None else torch.zeros_like(loss) for A in inputs]
+    terms = [torch.zeros(n_groups, 2, dtype=torch.float64, device=like.device) for _ in modules]
+    return GroupKfacSums(output, inputs, loss, rows, weights, terms)
 
 
 def input_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[torch.Tensor | None]:
-    """Per module, the rows ``X`` (n, d_in) of ``group`` with ``XᵀX = scale · (input-side sum)``
-    (``scale = 1/m`` for the group's mean factor; ``None`` where no rows were kept)."""
+    """Per module, the rows ``X`` (n, d_in) of ``group`` with ``XᵀX = scale · (mean input factor)``,
+    the mean dividing the input-side sum by [`GroupKfacSums.mean_divisor`][laplace_debiased.curvature.kfac.GroupKfacSums.mean_divisor] (``None`` where no
+    rows were kept)."""
     return [
-        None if rows is None else torch.cat(rows[group]) * scale**0.5 if rows[group] else None
-        for rows in sums.input_rows
+        None if rows is None or not rows[group]
+        else torch.cat(rows[group]) * (scale / sums.mean_divisor(i, group)) ** 0.5
+        for i, rows in enumerate(sums.input_rows)
     ]

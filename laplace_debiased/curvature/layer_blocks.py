@@ -102,8 +102,9 @@ def named_curvature_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def module_blocks(module: nn.Module, G: Tensor, A: Tensor | None, m: int) -> list[list[Tensor]]:
-    """The curvature blocks of one module from the sums of ``m`` samples, ``G`` (output side)
+def module_blocks(module: nn.Module, G: Tensor, A: Tensor | None, m: float) -> list[list[Tensor]]:
+    """The curvature blocks of one module from the sums of ``m`` samples (the weight of the input
+    side's mean, [`mean_divisor`][laplace_debiased.curvature.kfac.GroupKfacSums.mean_divisor]), ``G`` (output side)
     and ``A`` (input side), in module-docstring order, with the first factor the sum (to be
     scaled to ``N`` points) and the second the mean: ``[G, A/m]`` for a weight, ``[G]`` for a
     bias or a normalisation layer, ``[A, G/m]`` for an embedding or a ``Conv1D`` weight

@@ -52,7 +52,7 @@ __all__ = [
 #: the rows ``(direction_rows (n, d), magnitude_rows (m, d))`` of a factor pair, ``F = XᵀX``
 FactorRows = tuple[torch.Tensor, torch.Tensor]
 #: ``(direction, magnitude) -> (U, lam)``: the debiased decomposition of one dense factor
-FactorRule = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+FactorRule = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 # Negative Rayleigh quotients of a PSD matrix are round-off if they are at most
 # ROUNDOFF_FACTOR * n * eps(dtype of C) * ||C||_F in magnitude.
@@ -81,17 +81,23 @@ def check_square(M: torch.Tensor, name: str) -> None:
 def roundoff_tolerance(C: torch.Tensor, terms: int = 0) -> float:
     """Largest negative Rayleigh quotient of a PSD ``C`` (n, n) attributable to round-off.
 
-    ``ROUNDOFF_FACTOR · n · eps · ‖C‖_F + terms · eps · tr(C)``, with ``eps`` that of the
-    precision ``C`` was *computed* in (a float32 factor is only PSD up to float32 round-off).
+    ``ROUNDOFF_FACTOR · n · eps · ‖C‖_F + terms · eps · tr(C)``, with ``eps = 2u`` (``u`` the
+    unit round-off) of the precision ``C`` was *computed* in (a float32 factor is only PSD up to
+    float32 round-off).
 
     The first term is the eigensolver's backward error. The second bounds the error of
-    *summing* ``C = Σ_k v_k v_kᵀ`` from ``terms`` outer products in that precision: each entry's
-    error is at most ``γ_m Σ_k |v_ki v_kj| ≤ γ_m √(C_ii C_jj)`` (Cauchy–Schwarz; ``γ_m ≈ m · eps``,
-    Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1), so ``‖E‖_2 ≤ ‖E‖_F ≤ γ_m
-    tr(C)``. Measured on a float32 K-FAC output factor with an exact null direction (the
-    softmax's), the error along it grows linearly with the samples: ~0.04 · m · eps · ‖C‖_F.
-    Counts of ranks and degenerate groups use ``terms = 0``; the negativity check of a fit passes
-    its samples, so a full-data fit over 10⁴-10⁵ samples is not refused for round-off.
+    *summing* ``C = Σ_k v_k v_kᵀ`` from ``m = terms`` rank-one terms in that precision, whatever
+    the order: each entry ``C_ij = Σ_k v_ki v_kj`` is a sum of ``m`` products, so its error is at
+    most ``γ_m Σ_k |v_ki v_kj| ≤ γ_m √(C_ii C_jj)`` (Cauchy–Schwarz; ``γ_m = m u / (1 - m u) ≤
+    2 m u = m · eps`` while ``m u ≤ ½``; Higham, *Accuracy and Stability of Numerical
+    Algorithms*, §3.1), so every Rayleigh quotient moves by at most ``‖E‖_2 ≤ ‖E‖_F ≤ γ_m tr(C)``:
+    the factor's scale ``tr(C)`` times ``m`` times ``eps``. A K-FAC factor counts a term per
+    sample, per position (a convolution's output pixels, a token) and, on the output side, per
+    loss-Hessian column ([`terms`][laplace_debiased.curvature.kfac.GroupKfacSums.terms]): the output
+    factor of a 1×1 convolution over 32×32 positions to 10 classes sums ``10,240`` per sample,
+    and along its exact null direction (the softmax's) the float32 sum of 256 samples is negative
+    beyond a tolerance counting only the samples. Counts of ranks and degenerate groups use
+    ``terms = 0``.
     """
     C64 = C.double()
     return frobenius_tolerance(C.shape[0], C.dtype, float(torch.linalg.matrix_norm(C64))) + (
@@ -148,8 +154,8 @@ def remeasure_eigenvalues(
         U: ``(n, k)`` orthonormal directions (e.g. eigenvectors of batch B's curvature).
         C: ``(n, n)`` PSD curvature of the independent batch B̃, same scale convention as wanted for the
             output.
-        terms: outer products (samples) summed into ``C``: widens the round-off tolerance of the
-            negativity check ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
+        terms: rank-one terms summed into ``C`` (samples × positions × loss-Hessian columns):
+            widen the round-off tolerance of the negativity check ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
         dtype: the dtype of the result (computed in float64 either way); default ``C.dtype``.
 
     Returns:
@@ -250,8 +256,7 @@ def debiased_factor(
     Args:
         direction: ``(n, n)`` PSD factor of batch B (only its eigenvectors are used).
         magnitude: ``(n, n)`` PSD factor of batch B̃ (same position in the same layer).
-        terms: samples summed into ``magnitude`` (its round-off tolerance,
-            [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
+        terms: rank-one terms summed into ``magnitude`` (its round-off tolerance, [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
     Returns:
         ``(U, lam)``: ``U (n, n)`` eigenvectors of ``direction``
@@ -275,6 +280,7 @@ def debiased_kron(
     factor: FactorRule | None = None,
     *,
     null_space: str = "aligned",
+    terms: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Debiased eigendecomposition of a layer-wise K-FAC approximation.
 
@@ -290,17 +296,17 @@ def debiased_kron(
         magnitude_kfacs: B̃'s factors, in the same layout.
         rows: ``None``, or per block and factor a pair ``(direction_rows, magnitude_rows)``: the rows of
             B's and B̃'s factor (``F = XᵀX``, same scaling as the dense factors) where known: a factor
-            with rows and ``n + m < d`` is decomposed through them
-            ([`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] with
-            ``null_space``, ``O(d (n + m)²)``), its eigenvectors ``(d, r)`` with one more eigenvalue, that of
-            their complement (the implicit null space); every other factor densely (``factor``).
-        factor: ``(direction, magnitude) -> (U, lam)`` for one dense factor; default
-            [`debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor] (the isotropic null-space
-            treatment is
-            [`laplace_debiased.curvature.completion.isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor]).
-            It must treat B's null space as ``null_space`` does, so that both routes give the same factor.
+            with rows and ``n + m < d`` is decomposed through them ([`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] with
+            ``null_space``, ``O(d (n + m)²)``), its eigenvectors ``(d, r)`` with one more eigenvalue,
+            that of their complement (the implicit null space); every other factor densely (``factor``).
+        factor: ``(direction, magnitude, terms) -> (U, lam)`` for one dense factor; default
+            [`debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor] (the isotropic null-space treatment is
+            [`laplace_debiased.curvature.completion.isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor]). It must treat B's null space
+            as ``null_space`` does, so that both routes give the same factor.
         null_space: ``"aligned"`` or ``"isotropic"``, the null-space treatment of the rows route
             ([`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor]).
+        terms: per block and factor, the rank-one terms summed into B̃'s factor (its round-off
+            tolerance, [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]); ``None``: 0.
 
     Returns:
         ``(eigenvectors, eigenvalues)``, lists of lists: ready for
@@ -320,7 +326,8 @@ def debiased_kron(
     eigenvalues: list[list[torch.Tensor]] = []
     for i, (F_dir, F_mag) in enumerate(zip(direction_kfacs, magnitude_kfacs)):
         block_rows = rows[i] if rows is not None else [None] * len(F_dir)
-        pairs = _debiased_block(i, F_dir, F_mag, block_rows, factor or debiased_factor, null_space)
+        block_terms = terms[i] if terms is not None else [0] * len(F_dir)
+        pairs = _debiased_block(i, F_dir, F_mag, block_rows, factor or debiased_factor, null_space, block_terms)
         eigenvectors.append([p[0] for p in pairs])
         eigenvalues.append([p[1] for p in pairs])
     return eigenvectors, eigenvalues
@@ -333,6 +340,7 @@ def _debiased_block(
     rows: Sequence[FactorRows | None],
     factor: FactorRule,
     null_space: str,
+    terms: Sequence[int],
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(U, lam)`` per factor of block ``i`` (``_debiased_factor_route``); errors name
     the block and factor."""
@@ -342,9 +350,9 @@ def _debiased_block(
             "expected the same number, 1 or 2."
         )
     pairs = []
-    for j, (Hd, Hm, r) in enumerate(zip(F_dir, F_mag, rows)):
+    for j, (Hd, Hm, r, t) in enumerate(zip(F_dir, F_mag, rows, terms)):
         try:
-            pairs.append(_debiased_factor_route(Hd, Hm, r, factor, null_space))
+            pairs.append(_debiased_factor_route(Hd, Hm, r, factor, null_space, t))
         except ValueError as err:
             raise ValueError(f"K-FAC block {i}, factor {j}: {err}") from err
     return pairs
@@ -356,13 +364,13 @@ def _debiased_factor_route(
     rows: FactorRows | None,
     factor: FactorRule,
     null_space: str,
+    terms: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] (with
-    ``null_space``) where [`through_rows`][laplace_debiased.curvature.linalg.through_rows], else ``factor`` on
-    the dense matrices."""
+    """[`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] (with ``null_space``) where [`through_rows`][laplace_debiased.curvature.linalg.through_rows], else
+    ``factor`` on the dense matrices (``terms``: those summed into ``magnitude``)."""
     if through_rows(rows, direction.shape[0]):
         return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space)
-    return factor(direction, magnitude)
+    return factor(direction, magnitude, terms)
 
 
 def through_rows(rows: FactorRows | None, dimension: int) -> bool:

@@ -12,6 +12,8 @@ instead would be a single Gaussian, but ``P₁ + P₂`` is diagonal in no Kronec
   ``f(x)`` and ``½ J (P₁⁻¹ + P₂⁻¹) Jᵀ`` (laplace-torch's ``functional_variance``, and
   [`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive]);
 * ``sample``: exact mixture samples (each sample from a component drawn with probability ½);
+* ``log_prob``: the mixture's log density, ``log(½ N(θ; θ*, P₁⁻¹) + ½ N(θ; θ*, P₂⁻¹))``
+  (logsumexp of the components' log densities);
 * marginal likelihood: the average of the two components' Laplace log evidences
   (``log_det_posterior_precision`` and ``square_norm`` are component averages).
 
@@ -24,13 +26,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import math
+
 import torch
 from torch import Tensor
 
 from laplace_debiased.posterior.jacobians import LayerJacobian
 from laplace_debiased.posterior.kron import KronStructure
 
-__all__ = ["CrossFitDecomposed", "CrossFitStructure", "mixture_samples"]
+__all__ = ["CrossFitDecomposed", "CrossFitStructure", "mixture_log_prob", "mixture_samples"]
 
 
 def _block_shapes(component: Any) -> list[tuple[int, ...]]:
@@ -168,3 +172,28 @@ def mixture_samples(
         P.components[1].bmm(z, exponent=-0.5).reshape(n_samples, -1),
     )
     return mean.reshape(1, n_params) + steps
+
+
+def mixture_log_prob(P: CrossFitDecomposed, delta: Tensor, normalized: bool = True) -> Tensor:
+    """Log density of the mixture of ``N(θ*, P₁⁻¹)`` and ``N(θ*, P₂⁻¹)``, weights ½, at ``θ* + delta``.
+
+    Computed stably with logsumexp::
+
+        log p(θ) = -P/2 log 2π + log ½ + logsumexp_k (½ log det P_k - ½ Δᵀ P_k Δ).
+
+    Args:
+        P: The posterior precision, a mixture of two components ``P₁``, ``P₂``.
+        delta: ``θ - θ*``, ``(P,)``.
+        normalized: ``False`` drops the terms that do not depend on ``θ``, ``-P/2 log 2π`` and the
+            mean of the ``½ log det P_k``, so that equal components give laplace-torch's
+            ``-½ Δᵀ P Δ``.
+
+    Returns:
+        The log density, a scalar.
+    """
+    half_logdets = torch.stack([0.5 * c.logdet() for c in P.components])
+    quads = torch.stack([delta @ c.bmm(delta, exponent=1) for c in P.components])
+    log_p = torch.logsumexp(half_logdets - 0.5 * quads, 0) + math.log(0.5)
+    if not normalized:
+        return log_p - half_logdets.mean()
+    return log_p - 0.5 * len(delta) * math.log(2 * math.pi)

@@ -293,7 +293,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         same = magnitude_batches is direction_batches
         swap = self._cross_fit and not same  # the swapped component needs B̃'s K-FAC too
         both = not same and (swap or any(map(is_extra, modules)))  # extra blocks: B̃'s sums of the shared pass
-        loss, krons, _ = fit_kfacs(
+        loss, krons, _, _ = fit_kfacs(
             self.model, self.backend, [direction_batches, magnitude_batches] if both else [direction_batches], N,
             fisher=fisher, likelihood=self.likelihood, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
             output_shape=self.fit_output_shape, mean=self.mean, dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,

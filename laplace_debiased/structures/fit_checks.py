@@ -16,6 +16,7 @@ __all__ = [
     "LOGIT_CHECK_ROWS",
     "batch_statistics_layers",
     "check_batch_dtypes",
+    "check_materialised",
     "check_model_mode",
     "check_outputs_are_logits",
     "check_override",
@@ -143,7 +144,8 @@ def check_trainable(parameters: Iterable[nn.Parameter], last_layer: bool) -> Non
 
 @torch.no_grad()
 def check_outputs_are_logits(net: nn.Module, X: torch.Tensor | MutableMapping, likelihood: str) -> None:
-    """Refuse, for ``"classification"``, a network whose outputs are probabilities (a final
+    """Refuse a network whose output is not a tensor (a tuple or a dict, as Hugging Face models
+    return), and, for ``"classification"``, one whose outputs are probabilities (a final
     ``nn.Softmax``): laplace-torch's likelihood applies the softmax itself, so the fit and the
     predictive would treat probabilities as logits.
 
@@ -153,17 +155,42 @@ def check_outputs_are_logits(net: nn.Module, X: torch.Tensor | MutableMapping, l
         likelihood: laplace-torch's likelihood; other than ``"classification"`` nothing is checked.
 
     Raises:
-        ValueError: Every output row is a probability vector
-            ([`outputs_are_probabilities`][laplace_debiased.structures.fit_checks.outputs_are_probabilities]).
+        TypeError: The network returns something other than a tensor (a tuple, a dict).
+        ValueError: Every output row is a probability vector ([`outputs_are_probabilities`][laplace_debiased.structures.fit_checks.outputs_are_probabilities]).
     """
-    if likelihood != "classification":
-        return
     f = net(X[:LOGIT_CHECK_ROWS] if isinstance(X, torch.Tensor) else X)
-    if outputs_are_probabilities(f):
+    if not isinstance(f, torch.Tensor):
+        raise TypeError(
+            f"the model returns a {type(f).__name__}, not a tensor: laplace-torch needs model(x) to "
+            "return the outputs (batch, [tokens,] outputs). Hugging Face models return a tuple or a "
+            "dict (ModelOutput); wrap the model in an nn.Module whose forward returns the logits, "
+            "e.g. `return self.model(**x).logits`, and fit the wrapper."
+        )
+    if likelihood == "classification" and outputs_are_probabilities(f):
         raise ValueError(
             "the model's outputs are probabilities (every row is >= 0 and sums to 1): it ends in a "
             "softmax. The 'classification' likelihood expects logits and applies the softmax "
             "itself; remove the final nn.Softmax (for an nn.Sequential, fit model[:-1]) and fit again."
+        )
+
+
+def check_materialised(model: nn.Module) -> None:
+    """Refuse a model whose parameters or buffers are on the meta device (built under
+    ``torch.device("meta")``, e.g. to load a large model): they have shapes but no values.
+
+    Args:
+        model: The network.
+
+    Raises:
+        ValueError: Naming the first such tensor and how to materialise the model.
+    """
+    meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"the model's parameters are on the meta device ({len(meta)} tensor(s), the first "
+            f"'{meta[0]}'): they have no values to fit a Laplace approximation at. Materialise the "
+            "model first: model.to_empty(device=...) and then load its trained weights "
+            "(model.load_state_dict(state)), or load it with weights directly."
         )
 
 

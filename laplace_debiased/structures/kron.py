@@ -241,7 +241,8 @@ def fit_kfacs(
         dict_key_y: Key of the targets in a mapping batch.
 
     Returns:
-        The summed loss, one ``Kron`` per set, and the shared pass's factor rows (``None`` for
+        The summed loss, one ``Kron`` per set, the shared pass's factor rows and per set, block
+        and factor the rank-one terms summed into the factor (both ``None`` for
         [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs]).
 
     Raises:
@@ -256,15 +257,21 @@ def fit_kfacs(
             model, backend, groups, N, asdl_fisher_kwargs=asdl_fisher_kwargs, output_shape=output_shape,
             dict_key_x=dict_key_x, dict_key_y=dict_key_y, device=params.device, dtype=params.dtype,
         )
-        return loss, krons, None
+        return loss, krons, None, None
     modules = curvature_modules(backend._model)
-    loss, kfacs, rows = single_pass_kfacs(
-        model, modules, groups, N, likelihood=likelihood, backend=backend, fisher=fisher,
+    loss, kfacs, rows, terms = single_pass_kfacs(  # reward modelling fits the classification curvature
+        model, modules, groups, N, likelihood="classification" if likelihood == "reward_modeling" else likelihood,
+        backend=backend, fisher=fisher,
         keys=(dict_key_x, dict_key_y), mean=mean, reducer=current_reducer(),
     )
     for blocks in kfacs:
         check_blocks(blocks, modules, backend)
-    return loss, [Kron(blocks) for blocks in kfacs], rows
+    return loss, [Kron(blocks) for blocks in kfacs], rows, terms
+
+
+def _added_terms(old: list | None, new: list) -> list | None:
+    """Rank-one terms per block and factor of two fits combined online (``None``: unknown)."""
+    return None if old is None else [[a + b for a, b in zip(o, n)] for o, n in zip(old, new)]
 
 
 def debiased_kron_curvature(
@@ -279,6 +286,7 @@ def debiased_kron_curvature(
     n_data: int,
     layers: nn.Module,
     damping: bool,
+    terms: tuple[list | None, list | None] = (None, None),
 ) -> tuple[DebiasedKronDecomposed | CrossFitDecomposed, Coverage | None, Correction | None]:
     """The debiased K-FAC curvature of B's and B̃'s factors
     ([`decompose_two_batch`][laplace_debiased.computers.kron.decompose_two_batch]).
@@ -294,6 +302,7 @@ def debiased_kron_curvature(
         n_data: The training data the batches were drawn from.
         layers: The network (laplace-torch's backend model), for the block names and spans.
         damping: laplace-torch's ``damping``.
+        terms: B's and B̃'s rank-one terms per block and factor (``None``: unknown, the samples).
 
     Returns:
         The decomposition ([`kron_decomposed`][laplace_debiased.structures.kron.kron_decomposed], or the
@@ -304,7 +313,7 @@ def debiased_kron_curvature(
     result = decompose_two_batch(
         direction.kfacs, magnitude.kfacs, rows=(rows[0], rows[-1]), null_space=null_space,
         estimator=estimator, cross_fit=cross_fit, sizes=sizes, n_data=n_data,
-        names=block_names(layers, len(direction.kfacs)), reducer=current_reducer(),
+        names=block_names(layers, len(direction.kfacs)), reducer=current_reducer(), terms=terms,
     )
     modules = curvature_modules(layers)
     H = kron_decomposed(result.eigenvectors, result.eigenvalues, damping, modules)
@@ -442,10 +451,11 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         super()._reset_fit_state()
         self.H_facs = self.H_facs_magnitude = self.coverage = self.correction = self._factor_rows = None
         self._fit_sizes = (0, 0)
+        self._factor_terms: tuple[list | None, list | None] = (None, None)
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> torch.Tensor:
         groups = [direction_batches] if magnitude_batches is direction_batches else [direction_batches, magnitude_batches]
-        loss, krons, self._factor_rows = fit_kfacs(
+        loss, krons, self._factor_rows, terms = fit_kfacs(
             self.model, self.backend, groups, N, fisher=self._single_pass_fisher(), likelihood=self.likelihood,
             asdl_fisher_kwargs=self._asdl_fisher_kwargs, output_shape=self.fit_output_shape, mean=self.mean,
             dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
@@ -453,9 +463,12 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         direction, magnitude = krons[0], krons[-1]
         if self.H_facs is not None:  # online: combine with the previous fit(s)
             self._factor_rows = None
+            known = getattr(self, "_factor_terms", (None, None))
+            terms = None if terms is None else [_added_terms(old, new) for old, new in zip(known, terms)]
             direction = Kron(combine_kfacs(self.H_facs.kfacs, direction.kfacs, self.n_data, N))
             magnitude = Kron(combine_kfacs(self.H_facs_magnitude.kfacs, magnitude.kfacs, self.n_data, N))
         self.H_facs, self.H_facs_magnitude = direction, magnitude
+        self._factor_terms = (None, None) if terms is None else (terms[0], terms[-1])
         sizes = [sum(batch_size(b, self.dict_key_x, self.dict_key_y) for b in g) for g in groups]
         self._fit_sizes = (self._fit_sizes[0] + sizes[0], self._fit_sizes[1] + sizes[-1])
         self._decompose(self.n_data + N)
@@ -469,6 +482,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         self.H, self.coverage, self.correction = debiased_kron_curvature(
             self.H_facs, self.H_facs_magnitude, getattr(self, "_factor_rows", None), null_space=self._null_space,
             estimator=self._estimator, cross_fit=self._cross_fit, sizes=self._fit_sizes,
+            terms=getattr(self, "_factor_terms", (None, None)),
             n_data=n_data or self.n_data, layers=self.backend._model, damping=self.damping,
         )
 

@@ -187,6 +187,15 @@ class _PairHead(nn.Module):
         return out.flatten(1) if x.ndim == 3 else out
 
 
+def _pair_features(features: Tensor, n: int) -> Tensor:
+    """A reward model's last-layer features of ``n`` preference pairs as ``(n, 2, D)``: a model
+    that flattens each pair to two rows gives ``(2n, D)``, sample-major (the layout of
+    ``x.reshape(-1, d)`` on ``(n, 2, d)``); features ``(n, 2, D)`` pass unchanged."""
+    if features.ndim == 2 and features.shape[0] == 2 * n:
+        return features.reshape(n, 2, features.shape[-1])
+    return features
+
+
 @torch.no_grad()
 def module_batches(
     model: nn.Module, batches: list[Batch], *, last_layer: bool, dict_key_x: str, dict_key_y: str
@@ -274,7 +283,10 @@ def eigen_fit_inputs(
 
     def local(batches: list[Batch]) -> list[inputs.Batch]:
         shards = local_shards(batches, **keys, rank=reducer.rank, world=reducer.world)
-        return module_batches(model, shards, last_layer=last_layer, **keys)
+        out = module_batches(model, shards, last_layer=last_layer, **keys)
+        if last_layer and likelihood == "reward_modeling":  # pairs flattened to 2n feature rows
+            out = [(_pair_features(X, len(y)), y) for X, y in out]
+        return out
 
     same = magnitude_batches is direction_batches
     return EigenFitInputs(
@@ -387,6 +399,16 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         Q, h = self.curvature_eigenpairs()
         prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         return eigen_log_det(Q, h, self._H_factor, prior).to(self._dtype)
+
+    def square_norm(self, value: Tensor) -> Tensor:
+        """``Δᵀ P Δ`` for ``Δ = value - θ*`` and ``P = s·Q diag(h) Qᵀ + diag(p)``, float64 in the
+        eigenbasis of [`curvature_eigenpairs`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace.curvature_eigenpairs] (``s Σ_i h_i (q_iᵀΔ)² + Σ_j p_j Δ_j²``), in the
+        model dtype; with [`log_det_posterior_precision`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace.log_det_posterior_precision] it gives laplace-torch's ``log_prob``,
+        the log density of ``N(θ*, P⁻¹)``."""
+        Q, h = self.curvature_eigenpairs()
+        delta = (value - self.mean).double()
+        along = (delta @ Q).square() @ h * self._H_factor
+        return (along + (self.prior_precision_diag.double() * delta.square()).sum(-1)).to(self._dtype)
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's

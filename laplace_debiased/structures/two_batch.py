@@ -56,9 +56,10 @@ from laplace_debiased.posterior.links import normal_samples
 from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule, sample_output_shape
 from laplace_debiased.structures.block_priors import block_marglik, prior_spans
 from laplace_debiased.structures.chunked import Output, checked_chunk_size, chunked
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_samples
+from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_log_prob, mixture_samples
 from laplace_debiased.structures.fit_checks import (
     check_batch_dtypes,
+    check_materialised,
     check_model_mode,
     check_outputs_are_logits,
     check_override,
@@ -253,6 +254,7 @@ class TwoBatchLaplace:
         with fail_together(f"{type(self).__name__}.fit"):
             check_override(isinstance(self, LLLaplace), override)
             check_model_mode(self.model)
+            check_materialised(self.model)
             batches = split_batches(
                 train_loader, n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches,
                 magnitude_loader=magnitude_loader, split=split, generator=generator,
@@ -435,6 +437,13 @@ class TwoBatchLaplace:
         fitted last-layer object; laplace-torch's loading would raise "Last layer is already known")."""
         if self.model.last_layer is None:
             super()._find_last_layer(data)
+
+    def log_prob(self, value: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+        """laplace-torch's ``log_prob``; for a cross-fitted ``H`` the log density of the mixture
+        that [`sample`][laplace_debiased.structures.two_batch.TwoBatchLaplace.sample] draws from ([`mixture_log_prob`][laplace_debiased.structures.cross_fit.mixture_log_prob])."""
+        if not isinstance(self.H, CrossFitDecomposed):
+            return super().log_prob(value, normalized)
+        return mixture_log_prob(self.posterior_precision, value - self.mean, normalized)
 
     # ------------------------------------------------------------------ predictive
     def __call__(

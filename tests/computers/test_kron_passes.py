@@ -37,7 +37,7 @@ def test_each_batch_set_equals_stock_kfac_of_its_own_samples():
     batches = list(loader(toy_data(24, (4,), 3, "classification"), 6))
     B, Bt = batches[:2], batches[2:]
     N = 500
-    loss, kfacs, rows = _passes(model, [B, Bt], N)
+    loss, kfacs, rows, _ = _passes(model, [B, Bt], N)
     for got, batch_set in zip(kfacs, (B, Bt)):
         want = _stock(model, batch_set, N)
         for g_block, w_block in zip(got, want):

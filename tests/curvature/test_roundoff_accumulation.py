@@ -74,3 +74,57 @@ def test_a_full_data_fit_over_many_samples_is_not_refused():
     values = [v for block in la.H.eigenvalues for v in block]
     assert all(bool((v >= 0).all()) for v in values)
     assert float(la.H.eigenvalues[2][0].min()) == 0.0  # the softmax's null direction, clamped
+
+
+def _conv_gap_classifier() -> torch.nn.Module:
+    """A 1×1 convolution to 10 classes over 32×32 positions, then global average pooling: the
+    ALL-CNN-C head. Its K-FAC output factor sums 1,024 positions × 10 loss-Hessian columns per
+    sample, and is exactly singular along the all-ones direction (softmax)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    with torch.no_grad():
+        model[0].weight.mul_(20.0)
+    return model
+
+
+def test_a_factor_summed_over_many_positions_counts_every_rank_one_term():
+    """The K-FAC sums count the rank-one terms summed into each factor: samples × positions ×
+    loss-Hessian columns on the output side, samples × positions on the input side."""
+    from laplace_debiased.curvature.kfac import group_kfac_sums
+
+    model = _conv_gap_classifier()
+    X = torch.randn(6, 3, 32, 32)
+    y = torch.randint(0, 10, (6,))
+    sums = group_kfac_sums(model, [model[0]], X, y, [(0, 2, 0), (2, 6, 1)], 2, likelihood="classification",
+                           lossfunc=torch.nn.CrossEntropyLoss(reduction="sum"), factor=1.0)
+    assert sums.terms[0].tolist() == [[2 * 1024 * 10, 2 * 1024], [4 * 1024 * 10, 4 * 1024]]
+
+
+def test_a_stock_equivalent_fit_over_many_positions_is_not_refused():
+    """B̃ = B over 256 samples of the 1×1-conv head: its float32 output factor, summed over
+    256 × 1,024 × 10 rank-one terms, is negative along the softmax's null direction by more than a
+    tolerance that counts only the samples (the fit used to raise); with every summed term counted
+    it is round-off, clamped to 0."""
+    model = _conv_gap_classifier()
+    X = torch.randn(256, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(X, model(X).argmax(-1).detach()), batch_size=256)
+    G = DebiasedKronLaplace(model, "classification")
+    G.fit(loader, magnitude_loader=loader)
+    assert all(bool((v >= 0).all()) for block in G.H.eigenvalues for v in block)
+    factor = G.H_facs.kfacs[0][0]
+    u = torch.ones(10, dtype=torch.float64) / 10**0.5
+    along_null = float(u @ factor.double() @ u)  # 0 in exact arithmetic
+    assert along_null < -roundoff_tolerance(factor, terms=256)  # what the samples alone allow
+    assert abs(along_null) <= roundoff_tolerance(factor, terms=256 * 1024 * 10)
+
+
+@pytest.mark.parametrize("estimator", ["paper", "corrected", "shrunk"])
+def test_a_two_batch_fit_over_many_positions_is_not_refused(estimator):
+    """B ≠ B̃ (256 samples each) of the same head: every estimate remeasures B̃'s float32 output
+    factor along B's eigenvectors, the softmax's null direction among them."""
+    model = _conv_gap_classifier()
+    X = torch.randn(512, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    loader = DataLoader(TensorDataset(X, model(X).argmax(-1).detach()), batch_size=256)
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(loader, estimator=estimator)
+    assert all(bool((v >= 0).all()) for block in la.H.eigenvalues for v in block)

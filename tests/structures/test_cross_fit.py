@@ -161,3 +161,29 @@ def test_kron_online_cross_fit_swaps_the_combined_factors():
     ref.H_facs, ref.H_facs_magnitude = la.H_facs, la.H_facs_magnitude
     ref._decompose()
     torch.testing.assert_close(first.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
+
+
+
+@CASES
+def test_cross_fit_log_prob_is_the_mixture_density(structure, subset):
+    """``log_prob`` is the log density of the mixture ``sample()`` draws from, ``log(½ N(θ; θ*,
+    P₁⁻¹) + ½ N(θ; θ*, P₂⁻¹))`` with the two role-swapped fits' dense precisions, not the mean of
+    the components' log densities; ``normalized=False`` drops the constant ``-P/2 log 2π`` and the
+    mean of the components' ``½ log det P_k``, so it is stock's ``-½ Δᵀ P Δ`` when they coincide."""
+    L1, L2 = _two_loaders()
+    cross = _fit(structure, subset, L1, L2, cross_fit=True)
+    parts = [_fit(structure, subset, a, b) for a, b in ((L1, L2), (L2, L1))]
+    theta = cross.sample(3, generator=torch.Generator().manual_seed(1))
+    precisions = [p.posterior_precision.to_matrix() for p in parts]
+    comps = torch.stack([torch.distributions.MultivariateNormal(cross.mean, precision_matrix=P).log_prob(theta)
+                         for P in precisions])
+    mixture = torch.logsumexp(comps, 0) + torch.tensor(0.5, dtype=torch.float64).log()
+    assert not torch.allclose(mixture, comps.mean(0), rtol=1e-6)  # the two differ here
+    torch.testing.assert_close(torch.stack([cross.log_prob(t) for t in theta]), mixture, rtol=1e-10, atol=0)
+    const = -0.5 * cross.n_params * torch.log(torch.tensor(2 * torch.pi, dtype=torch.float64))
+    mean_half_logdet = 0.25 * sum(P.logdet() for P in precisions)
+    torch.testing.assert_close(torch.stack([cross.log_prob(t, normalized=False) for t in theta]),
+                               mixture - const - mean_half_logdet, rtol=1e-10, atol=0)
+    dl = loader(toy_data(32, (4,), 3, "classification"), 8)
+    same = _fit(structure, subset, dl, dl, cross_fit=True)
+    torch.testing.assert_close(same.log_prob(theta[0], normalized=False), -0.5 * same.square_norm(theta[0]))

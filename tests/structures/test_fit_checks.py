@@ -42,3 +42,32 @@ def test_probability_rows_are_recognised():
     assert not outputs_are_probabilities(p.log())
     assert not outputs_are_probabilities(p * 1.01)
     assert not outputs_are_probabilities(p[:, :1] / p[:, :1])  # one output column is not a class vector
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_a_model_on_the_meta_device_is_refused(structure, subset):
+    """A model built on the meta device (``torch.device("meta")``, as for loading large models) has
+    no parameter values: the fit says so instead of failing inside an operator."""
+    with pytest.raises(ValueError, match=r"meta device.*'(model\.)?0\.weight'.*to_empty.*load"):
+        _fit(nn.Sequential(*tiny_mlp()).to("meta"), structure, subset)
+
+
+class _Wrapped(nn.Module):
+    """Returns the logits inside a tuple or a dict, as Hugging Face models do without a wrapper."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.net, self.kind = nn.Sequential(*tiny_mlp()), kind
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor] | dict[str, torch.Tensor]:
+        f = self.net(x)
+        return (f,) if self.kind == "tuple" else {"logits": f}
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_outputs_other_than_a_tensor_are_refused(structure, subset, kind):
+    with pytest.raises(TypeError, match=rf"returns a {kind}.*wrap.*returns the logits"):
+        _fit(_Wrapped(kind), structure, subset)

@@ -472,3 +472,21 @@ def test_multihead_attention_model_fits_and_matches_dense_formula(structure):
     else:  # U diag(λ̃) Uᵀ + Π G_B̃ Π with U Uᵀ + Π = I keeps the trace of G_B̃
         torch.testing.assert_close(torch.trace(la.H), torch.trace(G_Bt), atol=1e-8, rtol=1e-8)
     assert torch.isfinite(la(X[:3])).all()
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_log_prob_is_the_dense_gaussian_log_density(subset):
+    """``log_prob`` of ``debiased_lowrank`` is that of ``N(θ*, P⁻¹)`` with the dense precision
+    ``P = U diag(s λ) Uᵀ + diag(p)`` (float64), normalised or not (``-½ Δᵀ P Δ``)."""
+    X, y = make_batch(32, "classification", seed=0)
+    la = Laplace(tiny_mlp(), "classification", subset_of_weights=subset, hessian_structure="debiased_lowrank",
+                 prior_precision=0.3)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=8))
+    (U, lam), prior = la.posterior_precision
+    P = (U * lam) @ U.T + torch.diag(prior)
+    theta = la.mean + torch.randn(4, la.n_params, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    dense = torch.distributions.MultivariateNormal(la.mean, precision_matrix=P)
+    torch.testing.assert_close(torch.stack([la.log_prob(t) for t in theta]), dense.log_prob(theta), rtol=1e-10, atol=0)
+    delta = theta - la.mean
+    torch.testing.assert_close(torch.stack([la.log_prob(t, normalized=False) for t in theta]),
+                               -0.5 * ((delta @ P) * delta).sum(-1), rtol=1e-10, atol=0)

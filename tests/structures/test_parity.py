@@ -203,6 +203,92 @@ def test_reward_modelling_workflow(stock, debiased, subset):
     assert_parity(results[stock], results[debiased], debiased)
 
 
+class FlatRewardModel(nn.Module):
+    """laplace-torch's test reward model: pairs ``(n, 2, d)`` flattened to rows ``(2n, d)`` before
+    the network, so every layer sees two rows per sample; ``(n, d)`` → ``(n, 1)`` at predict.
+    ``flatten=False``: the same function on ``(n, 2, d)``, the pair as two positions per sample."""
+
+    def __init__(self, d: int = 3, flatten: bool = True, bias: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(d, 8, bias=bias), nn.Tanh(), nn.Linear(8, 1, bias=bias)).double()
+        self.flatten = flatten
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 2:
+            return self.net(x)
+        if not self.flatten:
+            return self.net(x).squeeze(-1)
+        return self.net(x.reshape(-1, x.shape[-1])).reshape(len(x), 2)
+
+
+def _reward_data(n: int = 12) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 2, 3, dtype=torch.float64, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def _dense(la: Any) -> torch.Tensor:
+    P = la.posterior_precision
+    if isinstance(P, tuple):
+        (U, lam), prior = P
+        return (U * lam) @ U.T + torch.diag(prior.expand(U.shape[0]))
+    return P if isinstance(P, torch.Tensor) else P.to_matrix()
+
+
+def _curvature(la: Any) -> torch.Tensor:
+    """The dense curvature ``H`` (low rank: ``U diag(λ) Uᵀ``)."""
+    if isinstance(la.H, tuple):
+        U, lam = la.H
+        return (U * lam) @ U.T
+    return la.H if isinstance(la.H, torch.Tensor) else la.H.to_matrix()
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("stock, debiased", PAIRS)
+def test_reward_model_on_flattened_pairs_fits_as_stock(stock, debiased, subset):
+    """laplace-torch's reward model (pairs flattened to ``2n`` rows inside the model): with B̃ = B
+    every structure's posterior equals stock's reward-modelling fit (float64)."""
+    one_batch = DataLoader(_reward_data(), batch_size=12)
+    kwargs = {"rank": 10_000} if debiased == "debiased_lowrank" else {}
+    ref = Laplace(FlatRewardModel(), "reward_modeling", subset_of_weights=subset, hessian_structure=stock,
+                  prior_precision=0.5)
+    ref.fit(one_batch)
+    la = Laplace(FlatRewardModel(), "reward_modeling", subset_of_weights=subset, hessian_structure=debiased,
+                 prior_precision=0.5, **kwargs)
+    la.fit(one_batch, magnitude_loader=one_batch)
+    rtol = 1e-10 if debiased == "debiased_kron" else 1e-6  # stock's dense GGN agrees to 6e-8 here
+    torch.testing.assert_close(_dense(la), _dense(ref), rtol=rtol, atol=1e-10)
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for got, want in zip(la(x), ref(x)):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("structure, ratio", [("debiased_kron", 2.0), ("debiased_full", 1.0), ("debiased_lowrank", 1.0)])
+def test_reward_model_on_flattened_pairs_splits_rows_by_sample(structure, ratio, subset):
+    """Two batches (B ≠ B̃, one pass): each flattened row is counted in its own sample's batch.
+    The reference is the same network on ``(n, 2, d)``: the exact GGN (full, low rank) is the
+    same; K-FAC's input factor (stock's convention) sums a flattened sample's two rows where it
+    averages two positions, so without biases the debiased K-FAC curvature is twice as large."""
+    loader = DataLoader(_reward_data(), batch_size=6)
+    H = []
+    for flatten in (True, False):
+        la = Laplace(FlatRewardModel(flatten=flatten, bias=False), "reward_modeling", subset_of_weights=subset,
+                     hessian_structure=structure, prior_precision=0.5)
+        la.fit(loader)
+        H.append(_curvature(la))
+    torch.testing.assert_close(H[0], ratio * H[1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_reward_model_on_flattened_pairs_fits_debiased_ekfac(subset):
+    """EKFAC (no stock counterpart) fits laplace-torch's reward model and predicts as regression."""
+    la = Laplace(FlatRewardModel(), "reward_modeling", subset_of_weights=subset, hessian_structure="debiased_ekfac")
+    la.fit(DataLoader(_reward_data(), batch_size=6))
+    mean, var = la(torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    assert mean.shape == (5, 1) and var.shape == (5, 1, 1) and bool((var > 0).all())
+
+
 # ---------------------------------------------------------------------------- Hugging Face GPT-2
 VOCAB, SEQ, N_LABELS, PAD = 24, 6, 2, 0
 
