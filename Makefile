@@ -7,13 +7,13 @@ PY = $(VENV)/bin/python
 
 # The install is keyed to the interpreter: its version and the hash of its real path. Another
 # python3 (a pyenv switch, an upgrade) recreates the venv instead of reusing a broken one.
-INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
+INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 11); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
 STAMP = $(VENV)/.installed-$(INTERPRETER)
 
 .PHONY: install run test test-latest docs bench examples main-job-doc diagnose-doc clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
-	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
+	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.11+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
 	@if [ "$$(cat $(VENV)/.interpreter 2>/dev/null)" != "$(INTERPRETER)" ]; then \
 	  rm -rf $(VENV); \
 	  echo "creating $(VENV) with $(PYTHON) ($(INTERPRETER))"; \
@@ -47,7 +47,7 @@ test: $(STAMP)
 LATEST_VENV ?= .venv-latest
 LATEST_PIP_ARGS ?=
 test-latest:
-	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; run e.g. 'make test-latest PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
+	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.11+; run e.g. 'make test-latest PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
 	@test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV) || { rm -rf $(LATEST_VENV); \
 	  echo "make: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: 'sudo apt install python3-venv'" >&2; exit 1; }
 	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade $(LATEST_PIP_ARGS) torch laplace-torch curvlinops-for-pytorch -e .
@@ -68,7 +68,7 @@ DOCS_VENV ?= .venv-docs
 DOCS_STAMP = $(DOCS_VENV)/.installed-$(INTERPRETER)
 
 $(DOCS_STAMP): requirements-docs.lock
-	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; run e.g. 'make docs PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
+	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.11+; run e.g. 'make docs PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
 	rm -rf $(DOCS_VENV)
 	$(PYTHON) -m venv $(DOCS_VENV) || { rm -rf $(DOCS_VENV); echo "make: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: 'sudo apt install python3-venv'" >&2; exit 1; }
 	$(DOCS_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-docs.lock
