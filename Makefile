@@ -7,13 +7,13 @@ PY = $(VENV)/bin/python
 
 # The install is keyed to the interpreter: its version and the hash of its real path. Another
 # python3 (a pyenv switch, an upgrade) recreates the venv instead of reusing a broken one.
-INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 10); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
+INTERPRETER := $(shell $(PYTHON) -c 'import hashlib, os, sys; assert sys.version_info >= (3, 11); print(sys.version.split()[0] + "-" + hashlib.sha1(os.path.realpath(sys.executable).encode()).hexdigest()[:10])' 2>/dev/null)
 STAMP = $(VENV)/.installed-$(INTERPRETER)
 
-.PHONY: install run test docs bench outputs examples main-job-doc diagnose-doc clean-venv
+.PHONY: install run test test-latest docs bench outputs examples main-job-doc diagnose-doc clean-venv
 
 $(STAMP): requirements-cpu.lock pyproject.toml
-	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
+	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.11+; install python3 or run e.g. 'make $(MAKECMDGOALS) PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
 	@if [ "$$(cat $(VENV)/.interpreter 2>/dev/null)" != "$(INTERPRETER)" ]; then \
 	  rm -rf $(VENV); \
 	  echo "creating $(VENV) with $(PYTHON) ($(INTERPRETER))"; \
@@ -39,8 +39,26 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
+# The suite against the newest releases of torch, laplace-torch and curvlinops that resolve within
+# pyproject.toml's ranges, in its own venv LATEST_VENV; everything else at the pins of
+# requirements-cpu.lock (--no-deps). torchvision, which laplace-torch declares but never imports, is
+# removed, as in the pinned stack. PyPI's Linux torch wheel is the CUDA build (several GB of NVIDIA
+# libraries; it runs on a CPU too); pip options for that first install go in LATEST_PIP_ARGS.
+LATEST_VENV ?= .venv-latest
+LATEST_PIP_ARGS ?=
+test-latest:
+	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.11+; run e.g. 'make test-latest PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
+	@test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV) || { rm -rf $(LATEST_VENV); \
+	  echo "make: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: 'sudo apt install python3-venv'" >&2; exit 1; }
+	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade $(LATEST_PIP_ARGS) torch laplace-torch curvlinops-for-pytorch -e .
+	grep -vE '^(laplace-torch|curvlinops-for-pytorch)==' requirements-cpu.lock > $(LATEST_VENV)/rest-of-lock.txt
+	$(LATEST_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $(LATEST_VENV)/rest-of-lock.txt
+	$(LATEST_VENV)/bin/python -m pip uninstall -q -y torchvision
+	@$(LATEST_VENV)/bin/python -c 'from importlib.metadata import version; print("testing with", *(f"{p} {version(p)}" for p in ("torch", "laplace-torch", "curvlinops-for-pytorch")), sep="\n  ")'
+	$(LATEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+
 clean-venv:
-	rm -rf $(VENV) $(DOCS_VENV)
+	rm -rf $(VENV) $(DOCS_VENV) $(LATEST_VENV)
 
 # The documentation site (mkdocs-material + mkdocstrings, docs/ and mkdocs.yml) into site/, with
 # --strict: a broken link or anchor, a docstring mkdocstrings cannot parse, or a public name
@@ -50,7 +68,7 @@ DOCS_VENV ?= .venv-docs
 DOCS_STAMP = $(DOCS_VENV)/.installed-$(INTERPRETER)
 
 $(DOCS_STAMP): requirements-docs.lock
-	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.10+; run e.g. 'make docs PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
+	@test -n "$(INTERPRETER)" || { echo "make: '$(PYTHON)' is not a working Python 3.11+; run e.g. 'make docs PYTHON=/usr/bin/python3.11'" >&2; exit 1; }
 	rm -rf $(DOCS_VENV)
 	$(PYTHON) -m venv $(DOCS_VENV) || { rm -rf $(DOCS_VENV); echo "make: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: 'sudo apt install python3-venv'" >&2; exit 1; }
 	$(DOCS_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-docs.lock

@@ -13,8 +13,14 @@ classes, adapters over the computations), [`posterior`][laplace_debiased.posteri
 thread helpers.
 """
 
-__version__ = "0.1.0"
-from laplace_debiased import _register  # noqa: E402
+from importlib.metadata import PackageNotFoundError, version
+
+from laplace_debiased import _register
+
+try:
+    __version__ = version("laplace-debiased")  # pyproject.toml's, as installed
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 # Registers the debiased structures now if laplace-torch is already imported, else right after
 # its import, so that ``python -m laplace_debiased --help`` does not import torch.
