@@ -30,7 +30,7 @@ def test_basicconfig_after_the_imports_shows_the_batch_choice():
     setup = "import laplace_debiased\nfrom laplace import Laplace\nimport logging\nlogging.basicConfig(level=logging.INFO)\n"
     res = _run(setup + FIT)
     assert res.returncode == 0, res.stderr
-    assert "INFO:laplace_debiased.structures.two_batch:DebiasedKronLaplace fit:" in res.stderr, res.stderr
+    assert "INFO:laplace_debiased.two_batch.base:DebiasedKronLaplace fit:" in res.stderr, res.stderr
 
 
 def test_a_mistyped_structure_names_the_valid_keys():

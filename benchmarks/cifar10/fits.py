@@ -37,7 +37,7 @@ from laplace import KronLaplace
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.posterior.from_laplace import posterior_structure
-from laplace_debiased.computers.coverage import numerical_rank
+from laplace_debiased.two_batch.coverage import numerical_rank
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 from laplace_debiased.structures.lowrank import DebiasedLowRankLLLaplace
 

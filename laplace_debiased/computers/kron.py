@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laplace_debiased.computers.coverage import Coverage, coverage_record
+from laplace_debiased.two_batch.coverage import Coverage, coverage_record
 from laplace_debiased.computers.kron_estimators import CORRECTED, Correction, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.completion import debiased_factor_mode
 from laplace_debiased.curvature.linalg import debiased_kron
@@ -53,7 +53,7 @@ class KronDecomposition:
         swapped: the role-swapped decomposition (B̃'s eigenvectors, B's Rayleigh quotients) of a
             cross-fitted estimate, else ``None``.
         coverage: what the first decomposition covers
-            ([`Coverage`][laplace_debiased.computers.coverage.Coverage]).
+            ([`Coverage`][laplace_debiased.two_batch.coverage.Coverage]).
         correction: what the corrected estimate changed, on rank 0 of a corrected fit, else ``None``.
     """
 
@@ -77,7 +77,7 @@ def paired_rows(direction_rows: Rows | None, magnitude_rows: Rows | None
                 ) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None:
     """Per block and factor ``(B's rows, B̃'s rows)`` where both are known (the ``rows`` of
     [`debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron] and
-    [`coverage_record`][laplace_debiased.computers.coverage.coverage_record]), ``None`` without rows."""
+    [`coverage_record`][laplace_debiased.two_batch.coverage.coverage_record]), ``None`` without rows."""
     if direction_rows is None or magnitude_rows is None:
         return None
     return [[None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]

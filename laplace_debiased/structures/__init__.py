@@ -1,13 +1,13 @@
 """The Laplace classes, registered with laplace-torch's ``Laplace(...)`` factory.
 
-* [`two_batch`][laplace_debiased.structures.two_batch] -- ``TwoBatchLaplace``, the one adapter base listed
+* [`two_batch`][laplace_debiased.two_batch.base] -- ``TwoBatchLaplace``, the one adapter base listed
   before laplace-torch's
   class: the two-batch ``fit`` shared by every debiased class and thin overrides calling the
-  functions of [`fit_checks`][laplace_debiased.structures.fit_checks] (input checks),
-  [`chunked`][laplace_debiased.structures.chunked] (the predictive over chunks of the inputs),
-  [`token_outputs`][laplace_debiased.structures.token_outputs] (GLM predictive of token outputs, per-example
-  Jacobians), [`gridsearch`][laplace_debiased.structures.gridsearch] (prior-precision grid search) and
-  [`block_priors`][laplace_debiased.structures.block_priors] (per-block marglik);
+  functions of [`fit_checks`][laplace_debiased.two_batch.checks] (input checks),
+  [`chunked`][laplace_debiased.two_batch.chunked] (the predictive over chunks of the inputs),
+  [`token_outputs`][laplace_debiased.two_batch.token_outputs] (GLM predictive of token outputs, per-example
+  Jacobians), [`gridsearch`][laplace_debiased.two_batch.gridsearch] (prior-precision grid search) and
+  [`block_priors`][laplace_debiased.two_batch.block_priors] (per-block marglik);
 * [`kron`][laplace_debiased.structures.kron] -- ``DebiasedKron(LL)Laplace``
   (``hessian_structure="debiased_kron"``);
 * [`ekfac`][laplace_debiased.structures.ekfac] -- ``DebiasedEKFAC(LL)Laplace``

@@ -14,7 +14,7 @@ eigenvalues of each token position are measured and added up
 
 Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
 B̃, curvature measured on B) and uses the equal-weight mixture of the two Gaussians as the
-posterior ([`laplace_debiased.structures.cross_fit`][laplace_debiased.structures.cross_fit], shared with
+posterior ([`laplace_debiased.two_batch.cross_fit`][laplace_debiased.two_batch.cross_fit], shared with
 ``debiased_kron``).
 
 Under an initialised ``torch.distributed`` group the K-FAC sums come from ``debiased_kron``'s
@@ -44,9 +44,9 @@ from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import local_shards
 from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.posterior.ekfac import EKFACDecomposed, SpannedEKFACDecomposed
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed
+from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
 from laplace_debiased.structures.kron import fit_kfacs, kron_fit_options
-from laplace_debiased.structures.two_batch import TwoBatchLaplace
+from laplace_debiased.two_batch.base import TwoBatchLaplace
 
 __all__ = [
     "DebiasedEKFACLaplace",
@@ -169,7 +169,7 @@ def debiased_ekfac_curvature(
 
     Returns:
         The decomposition, or the
-        [`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed] of it and the swapped
+        [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed] of it and the swapped
         one.
     """
     H = ekfac_curvature(direction, magnitude, measure(batches[1]), modules)
@@ -214,7 +214,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
     [`fit`][laplace_debiased.structures.ekfac.DebiasedEKFACLaplace.fit], ``H_facs`` is B's K-FAC (``Kron``,
     scaled to ``n_data``; cross-fitted, ``H_facs_magnitude`` is B̃'s), and ``H`` an
     [`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] (or, cross-fitted, a
-    [`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed]).
+    [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]).
     Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
     conv weight gradient is summed over positions before it is rotated and squared); embeddings,
     attention projections and GPT-2 ``Conv1D`` get debiased K-FAC blocks, normalisation layers
@@ -255,7 +255,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
 
         Args:
             train_loader: The training data, as in
-                [`TwoBatchLaplace.fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit].
+                [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit].
             override: Must be ``True``: ``False`` raises (the eigenvalues are measured in one
                 basis and cannot be re-measured in a combined basis without the earlier data).
             progress_bar: Unused (laplace-torch compatibility).
@@ -269,7 +269,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
                 used: the eigenvalues are B̃'s exact diagonal in B's basis.
             estimator: ``"paper"`` only (the default).
             cross_fit: Also fit the swapped roles (basis from B̃, curvature from B) and use the
-                equal-weight mixture of the two ([`cross_fit`][laplace_debiased.structures.cross_fit]).
+                equal-weight mixture of the two ([`cross_fit`][laplace_debiased.two_batch.cross_fit]).
         """
         if not override:
             raise ValueError(

@@ -31,7 +31,7 @@ from laplace.utils.matrix import Kron
 from torch import nn
 from torch.utils.data import DataLoader
 
-from laplace_debiased.computers.coverage import Coverage, report_coverage
+from laplace_debiased.two_batch.coverage import Coverage, report_coverage
 from laplace_debiased.computers.kron import combine_kfacs, decompose_two_batch
 from laplace_debiased.computers.kron_estimators import ESTIMATORS, Correction, resolve_estimator
 from laplace_debiased.computers.kron_passes import single_pass_kfacs
@@ -41,14 +41,14 @@ from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed
 from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed
+from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
 from laplace_debiased.structures.kron_layers import (
     block_names,
     check_blocks,
     check_supported,
     trainable_blocks,
 )
-from laplace_debiased.structures.two_batch import TwoBatchLaplace
+from laplace_debiased.two_batch.base import TwoBatchLaplace
 
 __all__ = [
     "DebiasedKronDecomposed",
@@ -369,7 +369,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     [`DebiasedKronDecomposed`][laplace_debiased.structures.kron.DebiasedKronDecomposed]: by default the pooled
     eigenvectors of B ∪ B̃ with corrected eigenvalues, the correction shrunk by its noise; with
     ``estimator="paper"`` B's eigenvectors and B̃'s Rayleigh quotients (cross-fitted: a
-    [`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed]).
+    [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]).
     Layers: [`layer_blocks`][laplace_debiased.curvature.layer_blocks] (beyond Linear/Conv2d only with the
     default Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
     """
@@ -399,14 +399,14 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         """Fit the debiased K-FAC approximation at the current (MAP) parameters.
 
         The arguments up to ``generator`` choose the two batches, as in
-        [`TwoBatchLaplace.fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit]. After the fit
-        ``self.coverage`` ([`Coverage`][laplace_debiased.computers.coverage.Coverage], logged) records what
+        [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit]. After the fit
+        ``self.coverage`` ([`Coverage`][laplace_debiased.two_batch.coverage.Coverage], logged) records what
         the curvature covers, and ``self.correction``
         ([`Correction`][laplace_debiased.computers.kron_estimators.Correction]) what a corrected fit changed.
 
         Args:
             train_loader: The training data, as in
-                [`TwoBatchLaplace.fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit].
+                [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit].
             override: ``False`` accumulates onto a previous fit.
             progress_bar: Unused (laplace-torch compatibility).
             magnitude_loader: Take B̃ from this loader (``train_loader`` itself: B̃ = B).
@@ -432,7 +432,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
                 ``debiased_ekfac``, and the default with ``cross_fit=True`` or ``null_space="aligned"``, its
                 options). B̃ = B gives stock K-FAC either way.
             cross_fit: Also fit the swapped roles (basis from B̃, eigenvalues from B) and use the
-                equal-weight mixture of the two ([`cross_fit`][laplace_debiased.structures.cross_fit]).
+                equal-weight mixture of the two ([`cross_fit`][laplace_debiased.two_batch.cross_fit]).
 
         Raises:
             ValueError: An unknown ``null_space`` or ``estimator``.

@@ -4,7 +4,7 @@ and dense normalisation blocks,
 parameters dropped, refusals for what a backend would get wrong, and which backends the shared K-FAC pass
 reproduces.  Plain functions of the layers, the blocks and laplace-torch's backend, called by
 [`kron`][laplace_debiased.structures.kron], [`ekfac`][laplace_debiased.structures.ekfac] and
-[`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace].
+[`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace].
 """
 
 from __future__ import annotations

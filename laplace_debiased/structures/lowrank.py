@@ -23,7 +23,7 @@ loader of ``N`` samples: ``N / |S|`` times the summed-loss curvature of batch se
   features ⊗ output curvature (no per-parameter autograd).
 
 Fit semantics (B/B̃ selection, rescaled loss, bad-input errors, grid-search fix) are those of
-[`laplace_debiased.structures.two_batch.TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace].
+[`laplace_debiased.two_batch.base.TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace].
 Backends: any exact GGN backend (``CurvlinopsGGN``, the default, ``AsdlGGN``, ``BackPackGGN``) or
 empirical-Fisher backend (``CurvlinopsEF``, ``AsdlEF``, ``BackPackEF``); the curvature is computed by
 [`laplace_debiased.curvature.eigen`][laplace_debiased.curvature.eigen] from the backend's *type* only, so
@@ -77,7 +77,7 @@ from laplace_debiased.structures.eigen_marglik import (
     log_det_prior,
 )
 from laplace_debiased.structures.lazy_curvature import PendingCurvature, formed_curvature
-from laplace_debiased.structures.two_batch import TwoBatchLaplace
+from laplace_debiased.two_batch.base import TwoBatchLaplace
 
 __all__ = [
     "DebiasedFullLaplace",
@@ -351,7 +351,7 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         generator: torch.Generator | None = None,
     ) -> None:
         """Two-batch fit (the arguments of
-        [`TwoBatchLaplace.fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit]);
+        [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit]);
         ``override=False`` is refused because an eigen-representation cannot be updated additively."""
         if not override:
             raise ValueError(

@@ -20,7 +20,7 @@ from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.computers.auto_magnitude import AUTO_MAGNITUDE_CAP, FactorRowCount, auto_magnitude_batches
+from laplace_debiased.two_batch.magnitude_rule import AUTO_MAGNITUDE_CAP, FactorRowCount, auto_magnitude_batches
 
 N_OUT = 3
 

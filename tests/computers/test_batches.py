@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
-from laplace_debiased.computers.batches import split_batches
+from laplace_debiased.two_batch.batches import split_batches
 from laplace_debiased.structures.kron import DebiasedKronLaplace
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from laplace_debiased.curvature.linalg import roundoff_tolerance
-from laplace_debiased.computers.coverage import factor_ranks, numerical_rank
+from laplace_debiased.two_batch.coverage import factor_ranks, numerical_rank
 
 
 def test_an_eigenvalue_between_the_parts_and_the_unions_own_tolerance_counts_in_both():

@@ -143,7 +143,7 @@ def test_optimize_prior_precision_gridsearch_uses_one_pass(structure, monkeypatc
     ``validate`` is never called."""
     from laplace.utils.metrics import RunningNLLMetric
 
-    from laplace_debiased.structures import gridsearch
+    from laplace_debiased.two_batch import gridsearch
 
     la, val = _fit_debiased(structure, "all")
     interval = torch.logspace(-4, 4, 13)

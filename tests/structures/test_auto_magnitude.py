@@ -1,4 +1,4 @@
-"""``n_magnitude_batches="auto"`` on a model (:mod:`laplace_debiased.structures.auto_magnitude`):
+"""``n_magnitude_batches="auto"`` on a model (:mod:`laplace_debiased.two_batch.auto_magnitude`):
 the factor rows B gives each K-FAC factor of convolutions, attention projections and GPT-2
 ``Conv1D`` layers, and the refusal for a last layer; the functions on their own."""
 
@@ -11,7 +11,7 @@ from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule, factor_row_counts, output_columns
+from laplace_debiased.two_batch.auto_magnitude import auto_magnitude_rule, factor_row_counts, output_columns
 from tests.computers.test_auto_magnitude import N_OUT, _data, _fit, _input_factor, _loader, _mlp
 
 

@@ -15,7 +15,7 @@ import torch
 from laplace import Laplace
 
 import laplace_debiased  # noqa: F401
-from laplace_debiased.structures.chunked import MAX_AUTO_CHUNK, auto_chunk_size
+from laplace_debiased.two_batch.chunked import MAX_AUTO_CHUNK, auto_chunk_size
 from tests._models import loader, tiny_cnn, tiny_mlp, toy_data
 
 STRUCTURES = ["debiased_kron", "debiased_ekfac", "debiased_lowrank", "debiased_full"]
@@ -167,7 +167,7 @@ def test_chunked_dict_inputs_equal_one_piece(structure):
 
 
 def test_input_chunks_split_only_batch_sized_tensors():
-    from laplace_debiased.structures.chunked import input_chunks
+    from laplace_debiased.two_batch.chunked import input_chunks
 
     x = {"input_ids": torch.arange(10), "mask": torch.ones(10, 3), "scale": torch.ones(3), "name": "a"}
     chunks = input_chunks(x, 4, "input_ids")

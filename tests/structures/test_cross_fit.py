@@ -12,7 +12,7 @@ from _models import loader, tiny_mlp, toy_data
 from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_jacobians
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed
+from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
 from laplace_debiased.posterior.ekfac import EKFACDecomposed
 from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
 from laplace_debiased.structures.kron import DebiasedKronDecomposed, DebiasedKronLaplace, DebiasedKronLLLaplace

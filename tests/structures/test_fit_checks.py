@@ -9,7 +9,7 @@ from laplace import Laplace
 from torch import nn
 
 import laplace_debiased  # noqa: F401
-from laplace_debiased.structures.fit_checks import outputs_are_probabilities
+from laplace_debiased.two_batch.checks import outputs_are_probabilities
 from tests._models import loader, tiny_mlp, toy_data
 
 STRUCTURES = ["debiased_kron", "debiased_ekfac", "debiased_lowrank", "debiased_full"]

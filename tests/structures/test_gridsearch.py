@@ -14,8 +14,8 @@ from torch import nn
 
 import laplace_debiased  # noqa: F401
 from laplace_debiased.prior_grid import choose_prior_precision
-from laplace_debiased.structures import gridsearch
-from laplace_debiased.structures.gridsearch import lowest_score_point
+from laplace_debiased.two_batch import gridsearch
+from laplace_debiased.two_batch.gridsearch import lowest_score_point
 
 NAN, INF = math.nan, math.inf
 #: prior precisions exact in float32, so that ``la.prior_precision`` reads back as the same key

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.curvature.completion import debiased_factor_mode, isotropic_factor
 from laplace_debiased.curvature.linalg import debiased_factor, roundoff_tolerance
-from laplace_debiased.computers import coverage
-from laplace_debiased.computers.coverage import numerical_rank, report_coverage
+from laplace_debiased.two_batch import coverage
+from laplace_debiased.two_batch.coverage import numerical_rank, report_coverage
 from laplace import KronLaplace
 
 from laplace_debiased.structures.kron import DebiasedKronLaplace

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from _models import loader, tiny_mlp, toy_data
-from laplace_debiased.computers.batches import split_batches
+from laplace_debiased.two_batch.batches import split_batches
 
 
 def _repeated() -> TensorDataset:

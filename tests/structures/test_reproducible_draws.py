@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from _models import tiny_mlp, toy_data
-from laplace_debiased.computers.batches import split_batches
+from laplace_debiased.two_batch.batches import split_batches
 
 DS = toy_data(40, (4,), 3, "classification")
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from _models import tiny_mlp
-from laplace_debiased.structures.saved_state import check_saved_fit, fit_state
+from laplace_debiased.two_batch.saved_state import check_saved_fit, fit_state
 
 STRUCTURES = ("debiased_kron", "debiased_ekfac", "debiased_lowrank", "debiased_full")
 SUBSETS = ("all", "last_layer")

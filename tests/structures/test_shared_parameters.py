@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  (registers the debiased structures)
 from _models import exact_ggn
-from laplace_debiased.structures.shared_parameters import shared_parameters
+from laplace_debiased.two_batch.shared_parameters import shared_parameters
 
 STRUCTURES = ("debiased_kron", "debiased_ekfac", "debiased_lowrank", "debiased_full")
 KFAC = ("debiased_kron", "debiased_ekfac")

@@ -1,8 +1,8 @@
 """``n_magnitude_batches="auto"`` of the debiased K-FAC structures over all weights: the rows the
 direction batches give each K-FAC factor, counted on the model (the rule and its record are in
-[`laplace_debiased.computers.auto_magnitude`][laplace_debiased.computers.auto_magnitude]), and the model's
+[`laplace_debiased.two_batch.magnitude_rule`][laplace_debiased.two_batch.magnitude_rule]), and the model's
 per-sample output shape.  Plain functions of the model, the batches and laplace-torch's backend, called by
-[`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace]."""
+[`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace]."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch
 from laplace.curvature.curvature import CurvatureInterface, EFInterface
 from torch import nn
 
-from laplace_debiased.computers.auto_magnitude import AutoMagnitude, FactorRowCount, auto_magnitude_batches
+from laplace_debiased.two_batch.magnitude_rule import AutoMagnitude, FactorRowCount, auto_magnitude_batches
 from laplace_debiased.curvature.attention import AttentionProjection, is_conv1d
 from laplace_debiased.curvature.dense_blocks import block_dims
 from laplace_debiased.curvature.kfac import layer_positions
 from laplace_debiased.curvature.layer_blocks import named_curvature_modules
 from laplace_debiased.data.batch import Batch, batch_inputs_targets
-from laplace_debiased.structures.fit_checks import check_batch_dtypes
+from laplace_debiased.two_batch.checks import check_batch_dtypes
 
 __all__ = ["auto_magnitude_rule", "factor_row_counts", "output_columns", "sample_output_shape"]
 
@@ -43,7 +43,7 @@ def sample_output_shape(model: nn.Module, batch: Batch, dict_key_x: str, dict_ke
 
 def output_columns(backend: CurvatureInterface, likelihood: str, n_outputs: int, asdl_fisher_kwargs: dict) -> int:
     """Rows each output row adds to an output-side factor
-    ([`laplace_debiased.computers.auto_magnitude`][laplace_debiased.computers.auto_magnitude]).
+    ([`laplace_debiased.two_batch.magnitude_rule`][laplace_debiased.two_batch.magnitude_rule]).
 
     Args:
         backend: laplace-torch's curvature backend.
@@ -82,7 +82,7 @@ def factor_row_counts(
         layers: Its layers with the K-FAC blocks (laplace-torch's backend model).
         direction: The batches of B.
         columns: Rows per output row of an output-side factor, of ``C``
-            ([`output_columns`][laplace_debiased.structures.auto_magnitude.output_columns]).
+            ([`output_columns`][laplace_debiased.two_batch.auto_magnitude.output_columns]).
         dtype: The model's dtype (the batches are checked against it).
         likelihood: laplace-torch's likelihood.
         dict_key_x: Key of the inputs in a mapping batch.
@@ -124,8 +124,8 @@ def auto_magnitude_rule(
     dict_key_y: str,
 ) -> Callable[[list[Batch]], AutoMagnitude]:
     """The rule of ``n_magnitude_batches="auto"``: B's batches to
-    [`auto_magnitude_batches`][laplace_debiased.computers.auto_magnitude.auto_magnitude_batches] of their
-    [`factor_row_counts`][laplace_debiased.structures.auto_magnitude.factor_row_counts].
+    [`auto_magnitude_batches`][laplace_debiased.two_batch.magnitude_rule.auto_magnitude_batches] of their
+    [`factor_row_counts`][laplace_debiased.two_batch.auto_magnitude.factor_row_counts].
 
     Args:
         model: The network.
@@ -141,7 +141,7 @@ def auto_magnitude_rule(
 
     Returns:
         The function of the direction batches that
-        [`split_batches`][laplace_debiased.computers.batches.split_batches] calls.
+        [`split_batches`][laplace_debiased.two_batch.batches.split_batches] calls.
 
     Raises:
         ValueError: ``last_layer``.

@@ -7,9 +7,9 @@ take one prior precision: the posterior precision of the block is ``G + δ I`` o
 ("layerwise") prior then has one free value per *block*, and laplace-torch's marglik loop, which moves every
 tensor's value on its own, would give the two tensors different values.
 
-[`block_marglik`][laplace_debiased.structures.block_priors.block_marglik] runs that loop over the blocks
-instead ([`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace] calls it where
-[`prior_spans`][laplace_debiased.structures.block_priors.prior_spans] has a block of several tensors): it
+[`block_marglik`][laplace_debiased.two_batch.block_priors.block_marglik] runs that loop over the blocks
+instead ([`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace] calls it where
+[`prior_spans`][laplace_debiased.two_batch.block_priors.prior_spans] has a block of several tensors): it
 optimises ``log δ_b``, one per block ``b``, with Adam on ``-log p(D | δ)``, evaluated at the per-tensor vector
 that repeats ``δ_b`` over the tensors of block ``b``. The gradient of a block's value is the sum of its
 tensors' gradients, the derivative of the marginal likelihood along the tied direction. Every
@@ -62,7 +62,7 @@ def block_marglik(
         log_marginal_likelihood: ``log p(D | δ)`` of a per-tensor prior precision vector
             ``(sum(spans),)``, differentiable in it.
         spans: Parameter tensors per block
-            ([`prior_spans`][laplace_debiased.structures.block_priors.prior_spans]).
+            ([`prior_spans`][laplace_debiased.two_batch.block_priors.prior_spans]).
         init_prior_prec: A scalar, one value per block, or one per tensor with equal values
             within each block.
         n_steps: Adam steps.

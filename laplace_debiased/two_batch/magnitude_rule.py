@@ -15,25 +15,25 @@ so a batch with ``r`` rows gives it rank at most ``r``, and B ∪ B̃ at most
   (``diag(p) - ppᵀ`` has rank ``C - 1``), ``C`` for the MSE GGN, ``1`` for the empirical Fisher,
   ``mc_samples`` for the MC Fisher. These rows can span less than ``n · T · c`` dimensions when
   the layer feeds a narrower linear map;
-  [`sample_limited`][laplace_debiased.computers.coverage.FactorCoverage.sample_limited] tells such saturated
+  [`sample_limited`][laplace_debiased.two_batch.coverage.FactorCoverage.sample_limited] tells such saturated
   factors apart after the fit.
 
-The rule ([`auto_magnitude_batches`][laplace_debiased.computers.auto_magnitude.auto_magnitude_batches]): after
+The rule ([`auto_magnitude_batches`][laplace_debiased.two_batch.magnitude_rule.auto_magnitude_batches]): after
 B (``|B| = n_direction_batches`` batches with ``R_f`` rows for factor ``f``) is chosen, each further batch is
 taken to add B's mean ``R_f / |B|`` rows, and ``k`` is the smallest integer ``>= 1`` with
 
 ``R_f + k · R_f / |B| >= d_f``  for every factor with ``d_f > R_f``,
 
 i.e. ``k = max(1, max_f ⌈|B| (d_f - R_f) / R_f⌉)``, capped at
-[`AUTO_MAGNITUDE_CAP`][laplace_debiased.computers.auto_magnitude.AUTO_MAGNITUDE_CAP]. For data in general
+[`AUTO_MAGNITUDE_CAP`][laplace_debiased.two_batch.magnitude_rule.AUTO_MAGNITUDE_CAP]. For data in general
 position ``rank(B ∪ B̃) = min(d_f, R_f + rows(B̃))``, so when B̃'s batches give B's mean rows this ``k`` is
 the fewest batches with which B ∪ B̃ spans every factor, and no debiased eigenvalue is left at zero for lack
 of samples. The fit then applies the rule to B ∪ B̃ itself: where a shorter batch left a factor short it takes
 as many further batches as the rule asks, up to the cap; a factor still short (cap reached, loader exhausted)
-is recorded as [`AutoMagnitude.short`][laplace_debiased.computers.auto_magnitude.AutoMagnitude.short] and
+is recorded as [`AutoMagnitude.short`][laplace_debiased.two_batch.magnitude_rule.AutoMagnitude.short] and
 logged as a warning. Embedding and normalisation blocks are not counted. The limiting factor (the one needing
 most batches), the uncapped need and the batches the loader could give are recorded on the fit's
-[`BatchChoice`][laplace_debiased.computers.batches.BatchChoice] (``la.fit_batches[-1].auto``) and logged with
+[`BatchChoice`][laplace_debiased.two_batch.batches.BatchChoice] (``la.fit_batches[-1].auto``) and logged with
 it.
 
 At equal samples, the even split of B and B̃ measured better than growing B̃ alone
@@ -91,7 +91,7 @@ class AutoMagnitude:
         needed: The rule's ``k`` before the cap (``>= 1``).
         wanted: ``min(needed, cap)``: the batches asked of the loader.
         used: The batches B̃ got (``< wanted`` when the loader had fewer left).
-        cap: [`AUTO_MAGNITUDE_CAP`][laplace_debiased.computers.auto_magnitude.AUTO_MAGNITUDE_CAP] at the time
+        cap: [`AUTO_MAGNITUDE_CAP`][laplace_debiased.two_batch.magnitude_rule.AUTO_MAGNITUDE_CAP] at the time
             of the fit.
         limiting: The factor needing most batches; ``None`` when no factor is wider than B's
             rows.

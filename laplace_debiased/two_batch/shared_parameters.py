@@ -7,7 +7,7 @@ distinct parameters (``named_parameters()`` lists a shared one once), so they ta
 parameter exactly. The K-FAC structures give every layer its own block, so the curvature of a
 shared parameter would be split over two layers' blocks; and a last-layer Laplace holds the
 features fixed, though a last-layer parameter shared with an earlier module moves them too. Both
-are refused ([`check_shared_parameters`][laplace_debiased.structures.shared_parameters.check_shared_parameters]).
+are refused ([`check_shared_parameters`][laplace_debiased.two_batch.shared_parameters.check_shared_parameters]).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def check_shared_parameters(model: nn.Module, structure: str, last_layer: nn.Mod
 
     Raises:
         ValueError: A last-layer parameter is also held by another module, or (all weights) a
-            trainable parameter is shared and ``structure`` is not one of [`EXACT_STRUCTURES`][laplace_debiased.structures.shared_parameters.EXACT_STRUCTURES].
+            trainable parameter is shared and ``structure`` is not one of [`EXACT_STRUCTURES`][laplace_debiased.two_batch.shared_parameters.EXACT_STRUCTURES].
     """
     exact = " or ".join(f"hessian_structure={s!r}" for s in EXACT_STRUCTURES)
     if last_layer is not None:

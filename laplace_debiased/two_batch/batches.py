@@ -4,7 +4,7 @@ A *batch* is whatever the loader yields: a ``(X, y)`` pair of tensors or a
 ``MutableMapping`` holding the input under ``dict_key_x`` and the targets under
 ``dict_key_y`` (laplace-torch's convention for Huggingface-style data).
 
-Selection rules of [`split_batches`][laplace_debiased.computers.batches.split_batches] (the fit semantics of
+Selection rules of [`split_batches`][laplace_debiased.two_batch.batches.split_batches] (the fit semantics of
 every two-batch Laplace class):
 
 ``split="batches"`` (default)
@@ -15,7 +15,7 @@ every two-batch Laplace class):
     With ``generator`` the batches are instead drawn at random
     (without replacement) from one pass over the loader, reproducibly for a fixed seed: the
     loader passes run with torch's global RNG seeded from ``generator``
-    ([`loader_rng_from`][laplace_debiased.computers.batches.loader_rng_from]), so a shuffling loader without a
+    ([`loader_rng_from`][laplace_debiased.two_batch.batches.loader_rng_from]), so a shuffling loader without a
     generator of its own shuffles the same way each time too (and the caller's global RNG is left as it was).
     A loader with its own ``DataLoader(generator=...)`` shuffles with that one, which the caller seeds.
 one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``)
@@ -26,7 +26,7 @@ one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``
     ``2 * MIN_HALF_SIZE`` samples.
 ``n_magnitude_batches="auto"`` (with ``split="batches"``, B̃ ≠ B)
     B as above; then the structure's rule (``magnitude_rule``,
-    [`laplace_debiased.computers.auto_magnitude`][laplace_debiased.computers.auto_magnitude]) maps B to a
+    [`laplace_debiased.two_batch.magnitude_rule`][laplace_debiased.two_batch.magnitude_rule]) maps B to a
     number ``k`` and B̃ is the next ``k`` batches of the same pass (or of the drawn order, or of
     ``magnitude_loader``), exactly the batches of ``n_magnitude_batches=k``; fewer if the loader has fewer
     left, an error if it has none.
@@ -35,7 +35,7 @@ one-batch loader (``split="batches"`` with one batch each, or ``split="halves"``
     ``floor(K/2)`` to B̃ (the paper's "debiased full-batch"); with ``generator`` the batches
     are randomly assigned to the halves. ``n_*_batches`` must not be given.
 
-Every split records its [`BatchChoice`][laplace_debiased.computers.batches.BatchChoice] (positions and sizes
+Every split records its [`BatchChoice`][laplace_debiased.two_batch.batches.BatchChoice] (positions and sizes
 of B and B̃, and how they were chosen); the fit logs it and keeps it as ``la.fit_batches``.
 ``magnitude_loader=other_loader``
     B from ``train_loader`` as above, B̃ = the first (or, with ``generator``, randomly drawn)
@@ -54,7 +54,7 @@ Independence: B and B̃ drawn from one pass of ``train_loader`` (every split abo
 disjoint by the sampler's indices, since a sampler without replacement yields each index once
 per pass. Rows of B̃ whose input and target bytes equal a row of B (hashed, since batches carry
 no sample ids) are then repeated data at other indices, and
-[`repeated_rows`][laplace_debiased.computers.batches.repeated_rows] names them in a ``UserWarning``. B̃ from a
+[`repeated_rows`][laplace_debiased.two_batch.batches.repeated_rows] names them in a ``UserWarning``. B̃ from a
 separate ``magnitude_loader`` has no index in common with B to go by, so there equal rows are refused as
 shared samples.
 """
@@ -75,7 +75,7 @@ from laplace_debiased.curvature.kfac import IGNORE_INDEX
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size, input_tensor, on_device
 
 if TYPE_CHECKING:
-    from laplace_debiased.computers.auto_magnitude import AutoMagnitude, FactorRowCount
+    from laplace_debiased.two_batch.magnitude_rule import AutoMagnitude, FactorRowCount
 
 __all__ = [
     "BatchChoice",
@@ -109,7 +109,7 @@ class BatchChoice:
         sample_split: For a one-batch split, the sample indices (within the batch) forming B
             and B̃; ``None`` otherwise.
         auto: With ``n_magnitude_batches="auto"``, the chosen number of magnitude batches and
-            why ([`AutoMagnitude`][laplace_debiased.computers.auto_magnitude.AutoMagnitude]); ``None``
+            why ([`AutoMagnitude`][laplace_debiased.two_batch.magnitude_rule.AutoMagnitude]); ``None``
             otherwise.
     """
 
@@ -406,13 +406,13 @@ def split_batches(
             for B̃.
         generator: Draws the batches at random instead of taking them in loader order; the
             same seed gives the same B and B̃, with a shuffling loader too
-            ([`loader_rng_from`][laplace_debiased.computers.batches.loader_rng_from]).
+            ([`loader_rng_from`][laplace_debiased.two_batch.batches.loader_rng_from]).
         dict_key_x: The key of the inputs in dict batches.
         dict_key_y: The key of the targets in dict batches.
         device: The model's device: every batch is moved there
             ([`on_device`][laplace_debiased.data.batch.on_device]), as laplace-torch's ``fit`` does.
         magnitude_rule: For ``"auto"``: B's batches (checked, on ``device``) ->
-            [`AutoMagnitude`][laplace_debiased.computers.auto_magnitude.AutoMagnitude].
+            [`AutoMagnitude`][laplace_debiased.two_batch.magnitude_rule.AutoMagnitude].
 
     Returns:
         The batches, with ``choice`` recording which batches (or, for a one-batch loader,
@@ -465,7 +465,7 @@ def _split(
     magnitude_rule: Callable[[list[Batch]], AutoMagnitude] | None,
     n_data: int,
 ) -> BatchSplit:
-    """[`split_batches`][laplace_debiased.computers.batches.split_batches] after its loader checks, dispatched
+    """[`split_batches`][laplace_debiased.two_batch.batches.split_batches] after its loader checks, dispatched
     by ``split`` and ``"auto"``."""
     auto = _check_auto(n_magnitude_batches, magnitude_rule, split, magnitude_loader is train_loader)
     if split == "halves":
@@ -671,7 +671,7 @@ def _finish_one_batch(
     device: torch.device | str | None,
 ) -> BatchSplit:
     """The one-batch split (``_split_samples``) as a checked
-    [`BatchSplit`][laplace_debiased.computers.batches.BatchSplit]."""
+    [`BatchSplit`][laplace_debiased.two_batch.batches.BatchSplit]."""
     B, Bt, sample_split = _split_samples(batch, generator, *keys)
     return _checked(
         [B], [Bt], n_data, keys, device,

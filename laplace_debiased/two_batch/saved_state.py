@@ -4,9 +4,9 @@ predicts like the saved one, and the check that a state fits the object it is lo
 laplace-torch's state holds the MAP estimate, the curvature, the loss and the sizes, and
 ``load_state_dict`` checks the class name, the number of parameters and the likelihood only: a
 state of another network with as many parameters loads silently, and a fit with token outputs
-``(n, tokens, C)`` loses its output shape. [`fit_state`][laplace_debiased.structures.saved_state.fit_state] adds the ``hessian_structure``, the
+``(n, tokens, C)`` loses its output shape. [`fit_state`][laplace_debiased.two_batch.saved_state.fit_state] adds the ``hessian_structure``, the
 ``subset_of_weights``, every approximated parameter's name and shape and the per-sample output
-shape; [`check_saved_fit`][laplace_debiased.structures.saved_state.check_saved_fit] names the first difference between a state and an object, in that
+shape; [`check_saved_fit`][laplace_debiased.two_batch.saved_state.check_saved_fit] names the first difference between a state and an object, in that
 order: structure, subset, parameter name, parameter shape.
 """
 
@@ -29,7 +29,7 @@ def fit_state(structure: str, subset: str, layout: Layout, output_shape: tuple[i
     Args:
         structure: The ``hessian_structure`` (``"debiased_kron"``, ...).
         subset: The ``subset_of_weights`` (``"all"`` or ``"last_layer"``).
-        layout: The approximated parameters ([`Layout`][laplace_debiased.structures.saved_state.Layout]).
+        layout: The approximated parameters ([`Layout`][laplace_debiased.two_batch.saved_state.Layout]).
         output_shape: The per-sample output shape ``([tokens, ...,] C)`` of the fit.
 
     Returns:
@@ -54,7 +54,7 @@ def check_saved_fit(
         state_dict: The state to load.
         structure: The loading object's ``hessian_structure``.
         subset: The loading object's ``subset_of_weights``.
-        layout: The loading object's approximated parameters ([`Layout`][laplace_debiased.structures.saved_state.Layout]), called once the
+        layout: The loading object's approximated parameters ([`Layout`][laplace_debiased.two_batch.saved_state.Layout]), called once the
             structure and subset agree (and so the state's ``parameter_names`` are known).
 
     Raises:

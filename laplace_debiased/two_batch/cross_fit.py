@@ -126,7 +126,7 @@ def _component_structure(component: Any, h_factor: float | Tensor, numels: Seque
 
 
 class CrossFitStructure:
-    """Grid structure of a [`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed]
+    """Grid structure of a [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]
     mixture: ``Σ(δ)`` is the average of the two components' function-space covariances (float64)."""
 
     def __init__(self, H: CrossFitDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:

@@ -1,11 +1,11 @@
 """laplace-torch's GLM predictive for token outputs ``(n, tokens, C)``, and per-example Jacobians
-(functions called by [`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace]).
+(functions called by [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace]).
 
 Token outputs ``(n, tokens, C)`` (``la.fit_output_shape`` has more than one entry), every
 token an output: laplace-torch's GLM predictive takes ``(n, C)`` outputs, so the adapter hands
 it the token rows ``(n·tokens, C)`` with their Jacobians
-([`token_jacobians`][laplace_debiased.structures.token_outputs.token_jacobians]) and gives the results the
-token shape back ([`token_shaped`][laplace_debiased.structures.token_outputs.token_shaped]): ``la(x)``
+([`token_jacobians`][laplace_debiased.two_batch.token_outputs.token_jacobians]) and gives the results the
+token shape back ([`token_shaped`][laplace_debiased.two_batch.token_outputs.token_shaped]): ``la(x)``
 ``(n, tokens, C)`` (regression: mean and covariance ``(n, tokens, C, C)``; ``joint=True`` stays flat over the
 rows), GLM samples ``(S, n, tokens, C)``. Tokens of one input are independent under this predictive only in
 the sense laplace-torch's LLM examples use: each token's marginal ``N(f_t, J_t P⁻¹ J_tᵀ)``. The GLM functional

@@ -7,12 +7,12 @@ it, and a debiased eigenvalue can be exactly zero: then the posterior precision 
 along that Kronecker direction is the prior ``δ`` alone and their variance ``1/δ`` (``1e4`` at
 ``δ = 1e-4``), which turns sampled predictions into noise at small ``δ``.
 
-[`coverage_record`][laplace_debiased.computers.coverage.coverage_record] counts, for every block of a fit:
+[`coverage_record`][laplace_debiased.two_batch.coverage.coverage_record] counts, for every block of a fit:
 
 * per factor: its dimension ``d``; the numerical ranks of B's factor, B̃'s factor and of their
   sum (the span of B ∪ B̃), each the number of eigenvalues above one tolerance, the
   [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] of the sum
-  ([`factor_ranks`][laplace_debiased.computers.coverage.factor_ranks]: so the union's rank is at least each
+  ([`factor_ranks`][laplace_debiased.two_batch.coverage.factor_ranks]: so the union's rank is at least each
   part's); the debiased eigenvalues that are exactly ``0``; the eigenvalues set by the isotropic completion of
   B's null space ([`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion]);
 * per block: the share of its weights whose only curvature is the prior, i.e. of the Kronecker
@@ -45,15 +45,15 @@ and ``rank(B ∪ B̃) = min(|B| + |B̃|, s)``. So:
   such a factor is *sample-limited*.
 
 The record keeps the raw zero count
-([`FactorCoverage.zero_eigenvalues`][laplace_debiased.computers.coverage.FactorCoverage.zero_eigenvalues]) and
+([`FactorCoverage.zero_eigenvalues`][laplace_debiased.two_batch.coverage.FactorCoverage.zero_eigenvalues]) and
 splits it
-([`FactorCoverage.structural_zeros`][laplace_debiased.computers.coverage.FactorCoverage.structural_zeros],
-[`FactorCoverage.sample_limited_zeros`][laplace_debiased.computers.coverage.FactorCoverage.sample_limited_zeros]);
+([`FactorCoverage.structural_zeros`][laplace_debiased.two_batch.coverage.FactorCoverage.structural_zeros],
+[`FactorCoverage.sample_limited_zeros`][laplace_debiased.two_batch.coverage.FactorCoverage.sample_limited_zeros]);
 a block's
-[`BlockCoverage.sample_limited_share`][laplace_debiased.computers.coverage.BlockCoverage.sample_limited_share]
+[`BlockCoverage.sample_limited_share`][laplace_debiased.two_batch.coverage.BlockCoverage.sample_limited_share]
 is the part of its prior-only share that the structural zeros alone do not explain. The fit warns (once,
 naming the layers) about blocks whose sample-limited share is at least
-[`PRIOR_ONLY_WARN_SHARE`][laplace_debiased.computers.coverage.PRIOR_ONLY_WARN_SHARE], and advises what would
+[`PRIOR_ONLY_WARN_SHARE`][laplace_debiased.two_batch.coverage.PRIOR_ONLY_WARN_SHARE], and advises what would
 help (more samples, and the isotropic completion only when the fit does not use it already).
 
 With ``null_space="aligned"`` the zero count of a factor is ``d - rank(B ∪ B̃)`` (B̃'s factor,
@@ -148,7 +148,7 @@ class FactorCoverage:
     @property
     def sample_limited_zeros(self) -> int:
         """The zero eigenvalues more samples would give curvature to: all of them if the factor is
-        [`sample_limited`][laplace_debiased.computers.coverage.FactorCoverage.sample_limited], else none."""
+        [`sample_limited`][laplace_debiased.two_batch.coverage.FactorCoverage.sample_limited], else none."""
         return self.zero_eigenvalues if self.sample_limited else 0
 
     @property
@@ -179,7 +179,7 @@ class BlockCoverage:
     @property
     def sample_limited_share(self) -> float:
         """The part of
-        [`prior_only_share`][laplace_debiased.computers.coverage.BlockCoverage.prior_only_share] that the
+        [`prior_only_share`][laplace_debiased.two_batch.coverage.BlockCoverage.prior_only_share] that the
         structural zeros alone do not explain: ``prior_only_share - (1 - Π (d - structural zeros) / Π d)``
         over the factors."""
         structural = 1.0 - math.prod(f.dimension - f.structural_zeros for f in self.factors) / self.n_weights
@@ -202,7 +202,7 @@ class Coverage:
 
     def flagged(self, share: float = PRIOR_ONLY_WARN_SHARE) -> list[BlockCoverage]:
         """Blocks whose
-        [`BlockCoverage.sample_limited_share`][laplace_debiased.computers.coverage.BlockCoverage.sample_limited_share]
+        [`BlockCoverage.sample_limited_share`][laplace_debiased.two_batch.coverage.BlockCoverage.sample_limited_share]
         is at least ``share``."""
         return [b for b in self.blocks if b.sample_limited_share >= share]
 
@@ -218,7 +218,7 @@ class Coverage:
         ]
 
     def markdown(self) -> str:
-        """A markdown table of [`rows`][laplace_debiased.computers.coverage.Coverage.rows]."""
+        """A markdown table of [`rows`][laplace_debiased.two_batch.coverage.Coverage.rows]."""
         head = ("| layer | parameter | factor | dim. | rank B | rank B̃ | rank B ∪ B̃ | zero eigenvalues "
                 "| isotropically completed | prior-only weights [%] | of which sample-limited [%] |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|")
@@ -233,7 +233,7 @@ class Coverage:
     def advice(self) -> str:
         """The warning text for the flagged blocks ('' if none): per block its sample-limited
         share and factors
-        ([`FactorCoverage.describe`][laplace_debiased.computers.coverage.FactorCoverage.describe]), and what
+        ([`FactorCoverage.describe`][laplace_debiased.two_batch.coverage.FactorCoverage.describe]), and what
         would help. The isotropic completion is advised only when the fit does not use it."""
         bad = self.flagged()
         if not bad:
@@ -257,7 +257,7 @@ class Coverage:
 
 
 def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float) -> int:
-    """[`numerical_rank`][laplace_debiased.computers.coverage.numerical_rank] ``(F, tolerance)``; from the
+    """[`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank] ``(F, tolerance)``; from the
     rows ``X`` (``XᵀX = F``) when they are fewer than ``F``'s dimension
     ([`row_rank`][laplace_debiased.curvature.linalg.row_rank])."""
     if X is not None and len(X) < F.shape[0]:
@@ -290,7 +290,7 @@ def coverage_record(
     direction_size: int,
     magnitude_size: int,
 ) -> Coverage:
-    """The [`Coverage`][laplace_debiased.computers.coverage.Coverage] of a debiased K-FAC decomposition.
+    """The [`Coverage`][laplace_debiased.two_batch.coverage.Coverage] of a debiased K-FAC decomposition.
 
     Every argument but the keywords holds one entry per block (laplace-torch ``Kron.kfacs``
     layout: a weight block has 2 factors, a bias block 1).
@@ -335,8 +335,8 @@ def coverage_record(
 def report_coverage(coverage: Coverage) -> None:
     """Log the coverage (INFO, one line per block) and warn once per fit, naming the layers whose
     sample-limited prior-only share reaches
-    [`PRIOR_ONLY_WARN_SHARE`][laplace_debiased.computers.coverage.PRIOR_ONLY_WARN_SHARE]
-    ([`Coverage.advice`][laplace_debiased.computers.coverage.Coverage.advice])."""
+    [`PRIOR_ONLY_WARN_SHARE`][laplace_debiased.two_batch.coverage.PRIOR_ONLY_WARN_SHARE]
+    ([`Coverage.advice`][laplace_debiased.two_batch.coverage.Coverage.advice])."""
     for b in coverage.blocks:
         dims = " x ".join(f"{f.factor} {f.dimension} (rank B {f.rank_direction}, B̃ {f.rank_magnitude}, "
                           f"B∪B̃ {f.rank_union}, zero {f.zero_eigenvalues}, completed {f.completed})" for f in b.factors)

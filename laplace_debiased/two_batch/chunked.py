@@ -1,6 +1,6 @@
 """Predictive of the two-batch classes over any number of inputs in bounded memory
-([`chunked`][laplace_debiased.structures.chunked.chunked], called by
-[`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace]).
+([`chunked`][laplace_debiased.two_batch.chunked.chunked], called by
+[`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace]).
 
 ``la(x)``, ``la.predictive_samples(x)`` and ``la.functional_samples(x)`` split the inputs ``x``
 (a tensor; or a mapping, Hugging Face style, whose tensors with the leading size of
@@ -18,7 +18,7 @@ and after the call the generators stand where the one-piece call leaves them.
 Default chunk size (``predictive_chunk_size = None``): the largest number of inputs whose
 Jacobians ``(chunk, outputs, P)`` take at most ``PREDICTIVE_CHUNK_BYTES / JACOBIAN_COPIES``
 (the GLM predictive holds a few arrays of that size at once), between 1 and
-``MAX_AUTO_CHUNK``; [`auto_chunk_size`][laplace_debiased.structures.chunked.auto_chunk_size].
+``MAX_AUTO_CHUNK``; [`auto_chunk_size`][laplace_debiased.two_batch.chunked.auto_chunk_size].
 
 Not chunked: the joint regression predictive (``joint=True``, whose ``(n·C)²`` covariance couples
 all inputs).
@@ -39,7 +39,7 @@ PREDICTIVE_CHUNK_BYTES = 2**28
 JACOBIAN_COPIES = 4
 """Arrays of the Jacobians' size the GLM predictive holds at once (Jacobians, their product
 with the posterior covariance factors, temporaries), for
-[`auto_chunk_size`][laplace_debiased.structures.chunked.auto_chunk_size]."""
+[`auto_chunk_size`][laplace_debiased.two_batch.chunked.auto_chunk_size]."""
 MAX_AUTO_CHUNK = 256
 """Largest default chunk (inputs)."""
 
@@ -138,7 +138,7 @@ def concat_chunks(parts: Sequence[Output], dim: int) -> Output:
 
 
 def checked_chunk_size(size: int | None, outputs_per_input: int, n_params: int, dtype: torch.dtype) -> int:
-    """Inputs per chunk: ``size``, or [`auto_chunk_size`][laplace_debiased.structures.chunked.auto_chunk_size]
+    """Inputs per chunk: ``size``, or [`auto_chunk_size`][laplace_debiased.two_batch.chunked.auto_chunk_size]
     where it is ``None``.
 
     Args:
@@ -175,7 +175,7 @@ def chunked(
 
     Args:
         predict: The predictive of one piece of inputs.
-        x: The inputs (tensor or mapping; [`input_chunks`][laplace_debiased.structures.chunked.input_chunks]).
+        x: The inputs (tensor or mapping; [`input_chunks`][laplace_debiased.two_batch.chunked.input_chunks]).
         size: Inputs per chunk.
         dict_key_x: Key of the inputs in a mapping.
         generator: The generator passed to the predictive, rewound with the global ones.

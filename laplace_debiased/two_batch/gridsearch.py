@@ -1,14 +1,14 @@
 """Prior-precision grid search of the two-batch classes
-([`grid_search`][laplace_debiased.structures.gridsearch.grid_search], called by
-[`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace]): one predictive pass for the whole
+([`grid_search`][laplace_debiased.two_batch.gridsearch.grid_search], called by
+[`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace]): one predictive pass for the whole
 grid where [`laplace_debiased.posterior.grid`][laplace_debiased.posterior.grid] can, else laplace-torch's
 ``validate`` per point with the metric reset before each; the lowest score wins by the package's choice rule
 ([`choose_prior_precision`][laplace_debiased.prior_grid.choose_prior_precision], through
-[`lowest_score_point`][laplace_debiased.structures.gridsearch.lowest_score_point]).
+[`lowest_score_point`][laplace_debiased.two_batch.gridsearch.lowest_score_point]).
 
 Regression: the default score is the Gaussian predictive NLL with the object's ``sigma_noise``
-([`GaussianPredictiveNLL`][laplace_debiased.structures.gridsearch.GaussianPredictiveNLL],
-[`regression_grid_loss`][laplace_debiased.structures.gridsearch.regression_grid_loss]), so that δ is chosen
+([`GaussianPredictiveNLL`][laplace_debiased.two_batch.gridsearch.GaussianPredictiveNLL],
+[`regression_grid_loss`][laplace_debiased.two_batch.gridsearch.regression_grid_loss]), so that δ is chosen
 for calibration; laplace-torch's default, the MSE of the predictive mean, does not depend on δ under the GLM
 predictive (the mean is the MAP output), so every grid point would tie and the bottom of the grid would win.
 An MSE passed as ``loss`` with the GLM predictive is refused.
@@ -97,7 +97,7 @@ def regression_grid_loss(
         device: The Laplace object's device.
 
     Returns:
-        ``loss``, or [`GaussianPredictiveNLL`][laplace_debiased.structures.gridsearch.GaussianPredictiveNLL]
+        ``loss``, or [`GaussianPredictiveNLL`][laplace_debiased.two_batch.gridsearch.GaussianPredictiveNLL]
         with ``sigma_noise`` if it is ``None``.
 
     Raises:
@@ -111,7 +111,7 @@ def regression_grid_loss(
             "is the MAP output), so a grid search by MSE picks the bottom of the grid. Pass "
             "loss=None (the default: the Gaussian predictive NLL with la.sigma_noise) or a score "
             "of the predictive variance, e.g. GaussianPredictiveNLL(sigma_noise) from "
-            "laplace_debiased.structures.gridsearch."
+            "laplace_debiased.two_batch.gridsearch."
         )
     return loss
 
@@ -147,7 +147,7 @@ def grid_search(
 
     Returns:
         The chosen element of ``interval``
-        ([`lowest_score_point`][laplace_debiased.structures.gridsearch.lowest_score_point]).
+        ([`lowest_score_point`][laplace_debiased.two_batch.gridsearch.lowest_score_point]).
     """
     if gridsearch_supported(la, pred_type, link_approx):
         try:

@@ -1,6 +1,6 @@
 """Input checks of the two-batch fit: refuse what laplace-torch would fit silently wrong, with a
 message that says what to do.  Plain functions of the model, the batches and the fit's options,
-called by [`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace].
+called by [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace].
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = [
 _STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 LOGIT_CHECK_ROWS = 8
 """Inputs of the first fit batch whose outputs
-[`check_outputs_are_logits`][laplace_debiased.structures.fit_checks.check_outputs_are_logits] inspects."""
+[`check_outputs_are_logits`][laplace_debiased.two_batch.checks.check_outputs_are_logits] inspects."""
 
 
 def outputs_are_probabilities(f: torch.Tensor) -> bool:
@@ -83,7 +83,7 @@ def check_override(last_layer: bool, override: bool) -> None:
 
 def check_model_mode(model: nn.Module) -> None:
     """Refuse Dropout/BatchNorm layers left in train mode, and BatchNorm layers without running
-    statistics ([`batch_statistics_layers`][laplace_debiased.structures.fit_checks.batch_statistics_layers]),
+    statistics ([`batch_statistics_layers`][laplace_debiased.two_batch.checks.batch_statistics_layers]),
     before any forward pass.
 
     The layers' own ``training`` flags decide, not the wrapper's: laplace-torch's last-layer
@@ -156,7 +156,7 @@ def check_outputs_are_logits(net: nn.Module, X: torch.Tensor | MutableMapping, l
 
     Raises:
         TypeError: The network returns something other than a tensor (a tuple, a dict).
-        ValueError: Every output row is a probability vector ([`outputs_are_probabilities`][laplace_debiased.structures.fit_checks.outputs_are_probabilities]).
+        ValueError: Every output row is a probability vector ([`outputs_are_probabilities`][laplace_debiased.two_batch.checks.outputs_are_probabilities]).
     """
     f = net(X[:LOGIT_CHECK_ROWS] if isinstance(X, torch.Tensor) else X)
     if not isinstance(f, torch.Tensor):

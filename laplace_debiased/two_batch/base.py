@@ -1,14 +1,14 @@
 """The adapter base of all two-batch (debiased) Laplace classes: the shared ``fit`` and the
 laplace-torch overrides every structure shares.
 
-A class using [`TwoBatchLaplace`][laplace_debiased.structures.two_batch.TwoBatchLaplace] lists it *before* its
+A class using [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace] lists it *before* its
 laplace-torch base (``class X(TwoBatchLaplace, KronLaplace)``) and implements the hook
 
 ``_fit_two_batch(direction_batches, magnitude_batches, N) -> Tensor``
 
 which computes the curvature of the direction batches B and the magnitude batches B̃,
 each scaled to ``N`` data points exactly like a laplace-torch fit over a loader of ``N``
-samples (summed loss; see [`laplace_debiased.computers.batches`][laplace_debiased.computers.batches] for how B
+samples (summed loss; see [`laplace_debiased.two_batch.batches`][laplace_debiased.two_batch.batches] for how B
 and B̃ are chosen), sets ``self.H`` and returns the summed loss over the distinct batches of B ∪ B̃
 (``_distinct``), unscaled: backends that evaluate it with the curvature return theirs,
 the others call ``_summed_loss``, so no batch is forwarded twice for the loss.  When the hook runs,
@@ -22,12 +22,12 @@ unbiased estimate of the summed training loss, so that ``log_likelihood``,
 ``log_marginal_likelihood`` and marglik prior tuning are on the full-data scale.
 
 The overrides are thin: each calls the plain functions of a sibling module, the input checks
-of [`fit_checks`][laplace_debiased.structures.fit_checks] and [`shared_parameters`][laplace_debiased.structures.shared_parameters], the saved state of [`saved_state`][laplace_debiased.structures.saved_state],
-``n_magnitude_batches="auto"`` of [`auto_magnitude`][laplace_debiased.structures.auto_magnitude], the predictive
-over chunks of the inputs of [`chunked`][laplace_debiased.structures.chunked], the GLM predictive of token outputs and per-example
-Jacobians of [`token_outputs`][laplace_debiased.structures.token_outputs], the mixture samples of a cross-fitted ``H`` of
-[`cross_fit`][laplace_debiased.structures.cross_fit], the grid search of [`gridsearch`][laplace_debiased.structures.gridsearch] and the per-block layerwise marglik of
-[`block_priors`][laplace_debiased.structures.block_priors].
+of [`fit_checks`][laplace_debiased.two_batch.checks] and [`shared_parameters`][laplace_debiased.two_batch.shared_parameters], the saved state of [`saved_state`][laplace_debiased.two_batch.saved_state],
+``n_magnitude_batches="auto"`` of [`auto_magnitude`][laplace_debiased.two_batch.auto_magnitude], the predictive
+over chunks of the inputs of [`chunked`][laplace_debiased.two_batch.chunked], the GLM predictive of token outputs and per-example
+Jacobians of [`token_outputs`][laplace_debiased.two_batch.token_outputs], the mixture samples of a cross-fitted ``H`` of
+[`cross_fit`][laplace_debiased.two_batch.cross_fit], the grid search of [`gridsearch`][laplace_debiased.two_batch.gridsearch] and the per-block layerwise marglik of
+[`block_priors`][laplace_debiased.two_batch.block_priors].
 """
 
 from __future__ import annotations
@@ -46,18 +46,18 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
-from laplace_debiased.computers.batches import BatchChoice, BatchSplit, check_targets, split_batches
+from laplace_debiased.two_batch.batches import BatchChoice, BatchSplit, check_targets, split_batches
 from laplace_debiased.curvature.kfac import output_rows, padded_rows
 from laplace_debiased.curvature.layer_blocks import curvature_modules
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import check_same_fit_inputs, fail_together, local_shards
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
 from laplace_debiased.posterior.links import normal_samples
-from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule, sample_output_shape
-from laplace_debiased.structures.block_priors import block_marglik, prior_spans
-from laplace_debiased.structures.chunked import Output, checked_chunk_size, chunked
-from laplace_debiased.structures.cross_fit import CrossFitDecomposed, mixture_log_prob, mixture_samples
-from laplace_debiased.structures.fit_checks import (
+from laplace_debiased.two_batch.auto_magnitude import auto_magnitude_rule, sample_output_shape
+from laplace_debiased.two_batch.block_priors import block_marglik, prior_spans
+from laplace_debiased.two_batch.chunked import Output, checked_chunk_size, chunked
+from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed, mixture_log_prob, mixture_samples
+from laplace_debiased.two_batch.checks import (
     check_batch_dtypes,
     check_materialised,
     check_model_mode,
@@ -66,11 +66,11 @@ from laplace_debiased.structures.fit_checks import (
     check_padded_targets_supported,
     check_trainable,
 )
-from laplace_debiased.structures.gridsearch import grid_search, regression_grid_loss
+from laplace_debiased.two_batch.gridsearch import grid_search, regression_grid_loss
 from laplace_debiased.structures.kron_layers import single_pass_fisher
-from laplace_debiased.structures.saved_state import Layout, check_saved_fit, fit_state
-from laplace_debiased.structures.shared_parameters import check_shared_parameters
-from laplace_debiased.structures.token_outputs import (
+from laplace_debiased.two_batch.saved_state import Layout, check_saved_fit, fit_state
+from laplace_debiased.two_batch.shared_parameters import check_shared_parameters
+from laplace_debiased.two_batch.token_outputs import (
     per_example_jacobians,
     token_jacobians,
     token_regression_normaliser,
@@ -78,7 +78,7 @@ from laplace_debiased.structures.token_outputs import (
 )
 
 if TYPE_CHECKING:
-    from laplace_debiased.computers.auto_magnitude import AutoMagnitude
+    from laplace_debiased.two_batch.magnitude_rule import AutoMagnitude
 
 __all__ = ["TwoBatchLaplace", "distinct_batches", "map_estimate", "summed_loss"]
 
@@ -171,7 +171,7 @@ def has_padded_targets(
 
     Raises:
         ValueError: Targets that do not fit ``output_shape``
-            ([`check_targets`][laplace_debiased.computers.batches.check_targets]).
+            ([`check_targets`][laplace_debiased.two_batch.batches.check_targets]).
     """
     padded = False
     for i, b in enumerate(batches):
@@ -188,12 +188,12 @@ class TwoBatchLaplace:
 
     Structures whose curvature is laplace-torch's K-FAC blocks (``debiased_kron``,
     ``debiased_ekfac``) set ``_kfac_blocks``; it turns on ``n_magnitude_batches="auto"``
-    ([`auto_magnitude`][laplace_debiased.structures.auto_magnitude]), the shared K-FAC pass's check of padded
-    targets and per-block layerwise priors ([`block_priors`][laplace_debiased.structures.block_priors]).
+    ([`auto_magnitude`][laplace_debiased.two_batch.auto_magnitude]), the shared K-FAC pass's check of padded
+    targets and per-block layerwise priors ([`block_priors`][laplace_debiased.two_batch.block_priors]).
 
     Attributes:
         predictive_chunk_size: Inputs per chunk of the predictive; ``None`` (default) picks
-            [`auto_chunk_size`][laplace_debiased.structures.chunked.auto_chunk_size] from the fit.
+            [`auto_chunk_size`][laplace_debiased.two_batch.chunked.auto_chunk_size] from the fit.
     """
 
     predictive_chunk_size: int | None = None
@@ -226,7 +226,7 @@ class TwoBatchLaplace:
                 with a shuffling loader); a one-batch loader is split into two disjoint halves by a
                 seeded permutation. The choice is logged (INFO, logger ``laplace_debiased``) and
                 recorded in ``self.fit_batches``, one
-                [`BatchChoice`][laplace_debiased.computers.batches.BatchChoice] per fit since the last
+                [`BatchChoice`][laplace_debiased.two_batch.batches.BatchChoice] per fit since the last
                 ``override=True``.
             override: ``False`` accumulates onto a previous fit (online: both batch sets
                 combined, debiased again).
@@ -240,7 +240,7 @@ class TwoBatchLaplace:
                 wider than the rows ``R_f`` B gives it (more after a short batch), at most
                 ``AUTO_MAGNITUDE_CAP = 8``; ``k``, why, and any factor B ∪ B̃ still misses (a
                 warning) are in ``fit_batches[-1].auto``
-                ([`auto_magnitude`][laplace_debiased.computers.auto_magnitude]).
+                ([`auto_magnitude`][laplace_debiased.two_batch.magnitude_rule]).
             split: ``"batches"`` (default), or ``"halves"``: all batches, first half B, second
                 half B̃ ("debiased full-batch").
             generator: Draw the batches at random; one seed, one B and B̃, with a shuffling
@@ -248,7 +248,7 @@ class TwoBatchLaplace:
 
         Raises:
             ValueError: Inputs the fit would get silently wrong
-                ([`fit_checks`][laplace_debiased.structures.fit_checks]).
+                ([`fit_checks`][laplace_debiased.two_batch.checks]).
         """
         del progress_bar
         with fail_together(f"{type(self).__name__}.fit"):
@@ -269,7 +269,7 @@ class TwoBatchLaplace:
 
     def _magnitude_rule(self, n_magnitude_batches: object) -> Callable[[list[Batch]], AutoMagnitude] | None:
         """``None`` unless ``n_magnitude_batches="auto"``, then
-        [`auto_magnitude_rule`][laplace_debiased.structures.auto_magnitude.auto_magnitude_rule] (K-FAC blocks
+        [`auto_magnitude_rule`][laplace_debiased.two_batch.auto_magnitude.auto_magnitude_rule] (K-FAC blocks
         only); another string raises."""
         if not isinstance(n_magnitude_batches, str):
             return None
@@ -293,7 +293,7 @@ class TwoBatchLaplace:
         return single_pass_fisher(self.backend, self._asdl_fisher_kwargs) if self._kfac_blocks else None
 
     def _fit_split(self, batches: BatchSplit, override: bool) -> None:
-        """[`fit`][laplace_debiased.structures.two_batch.TwoBatchLaplace.fit] on the selected B and B̃: the
+        """[`fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit] on the selected B and B̃: the
         inputs checked, the curvature fitted, and this fit's loss (rescaled to ``N``), ``N`` and batch choice
         added to the totals."""
         check_same_fit_inputs(self.model, batches.direction, batches.magnitude)
@@ -313,7 +313,7 @@ class TwoBatchLaplace:
         self.fit_batches = (*getattr(self, "fit_batches", ()), batches.choice)
 
     def _prepare_fit(self, first: Batch, used: list[Batch], override: bool) -> None:
-        """The checks before a fit ([`fit_checks`][laplace_debiased.structures.fit_checks], [`shared_parameters`][laplace_debiased.structures.shared_parameters]), eval mode, the
+        """The checks before a fit ([`fit_checks`][laplace_debiased.two_batch.checks], [`shared_parameters`][laplace_debiased.two_batch.shared_parameters]), eval mode, the
         last layer (last-layer classes, first fit), earlier fits forgotten when ``override``, and the output shape."""
         keys = (self.dict_key_x, self.dict_key_y)
         last_layer = isinstance(self, LLLaplace)
@@ -337,11 +337,11 @@ class TwoBatchLaplace:
 
     @staticmethod
     def _distinct(direction_batches: list[Batch], magnitude_batches: list[Batch]) -> list[Batch]:
-        """[`distinct_batches`][laplace_debiased.structures.two_batch.distinct_batches]."""
+        """[`distinct_batches`][laplace_debiased.two_batch.base.distinct_batches]."""
         return distinct_batches(direction_batches, magnitude_batches)
 
     def _summed_loss(self, batches: list[Batch]) -> torch.Tensor:
-        """[`summed_loss`][laplace_debiased.structures.two_batch.summed_loss] of ``batches`` under the current
+        """[`summed_loss`][laplace_debiased.two_batch.base.summed_loss] of ``batches`` under the current
         reducer."""
         return summed_loss(
             self.model, self.backend, batches, dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
@@ -368,7 +368,7 @@ class TwoBatchLaplace:
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> torch.Tensor:
         """Posterior samples ``(n_samples, n_params)``; a cross-fitted ``H``
-        ([`CrossFitDecomposed`][laplace_debiased.structures.cross_fit.CrossFitDecomposed]): exact mixture samples.
+        ([`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]): exact mixture samples.
         Without ``generator``, inside ``la(x, generator=g)``: drawn from ``g``."""
         if generator is None:
             generator = self._call_generator
@@ -399,7 +399,7 @@ class TwoBatchLaplace:
 
     def state_dict(self) -> dict[str, Any]:
         """laplace-torch's state with the structure, the subset, every approximated parameter's
-        name and shape, and the output shape ([`fit_state`][laplace_debiased.structures.saved_state.fit_state]).
+        name and shape, and the output shape ([`fit_state`][laplace_debiased.two_batch.saved_state.fit_state]).
 
         Raises:
             AttributeError: Not fitted (nor loaded) yet.
@@ -411,7 +411,7 @@ class TwoBatchLaplace:
         return {**super().state_dict(), **fit_state(self._key[1], self._key[0], self.parameter_layout(), self.fit_output_shape)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by [`state_dict`][laplace_debiased.structures.two_batch.TwoBatchLaplace.state_dict], checked first (``_check_loadable``).
+        """Load a state saved by [`state_dict`][laplace_debiased.two_batch.base.TwoBatchLaplace.state_dict], checked first (``_check_loadable``).
 
         Raises:
             ValueError: The state does not fit this object; the message names the first difference.
@@ -422,7 +422,7 @@ class TwoBatchLaplace:
         self.fit_batches = ()
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
-        """[`check_saved_fit`][laplace_debiased.structures.saved_state.check_saved_fit]; a last-layer object
+        """[`check_saved_fit`][laplace_debiased.two_batch.saved_state.check_saved_fit]; a last-layer object
         whose last layer is not found yet compares the module the state names (no forward pass).
         Structures with more settings extend this."""
 
@@ -440,7 +440,7 @@ class TwoBatchLaplace:
 
     def log_prob(self, value: torch.Tensor, normalized: bool = True) -> torch.Tensor:
         """laplace-torch's ``log_prob``; for a cross-fitted ``H`` the log density of the mixture
-        that [`sample`][laplace_debiased.structures.two_batch.TwoBatchLaplace.sample] draws from ([`mixture_log_prob`][laplace_debiased.structures.cross_fit.mixture_log_prob])."""
+        that [`sample`][laplace_debiased.two_batch.base.TwoBatchLaplace.sample] draws from ([`mixture_log_prob`][laplace_debiased.two_batch.cross_fit.mixture_log_prob])."""
         if not isinstance(self.H, CrossFitDecomposed):
             return super().log_prob(value, normalized)
         return mixture_log_prob(self.posterior_precision, value - self.mean, normalized)
@@ -459,10 +459,10 @@ class TwoBatchLaplace:
         **model_kwargs: Any,
     ) -> Output:
         """laplace-torch's ``la(x, ...)`` (same arguments), over chunks of ``x``
-        ([`chunked`][laplace_debiased.structures.chunked]); the joint predictive (``joint=True``) in one piece. ``generator`` is
+        ([`chunked`][laplace_debiased.two_batch.chunked]); the joint predictive (``joint=True``) in one piece. ``generator`` is
         the source of every draw of the call (``link_approx="mc"``, ``pred_type="nn"``), which
         laplace-torch 0.3 does not pass on: it is held as ``_call_generator`` for the call
-        ([`sample`][laplace_debiased.structures.two_batch.TwoBatchLaplace.sample], ``_glm_functional_samples``)."""
+        ([`sample`][laplace_debiased.two_batch.base.TwoBatchLaplace.sample], ``_glm_functional_samples``)."""
 
         def predict(chunk: Any) -> Output:
             return super(TwoBatchLaplace, self).__call__(
@@ -501,13 +501,13 @@ class TwoBatchLaplace:
 
     def chunk_size(self) -> int:
         """Inputs per chunk: ``predictive_chunk_size``, or
-        [`auto_chunk_size`][laplace_debiased.structures.chunked.auto_chunk_size] where it is ``None``."""
+        [`auto_chunk_size`][laplace_debiased.two_batch.chunked.auto_chunk_size] where it is ``None``."""
         outputs = math.prod(getattr(self, "fit_output_shape", (self.n_outputs or 1,)))
         return checked_chunk_size(self.predictive_chunk_size, outputs, self.n_params, self._dtype)
 
     def _chunked(self, predict: Callable[[Any], Output], x: Any, generator: torch.Generator | None, dim: int) -> Output:
-        """[`chunked`][laplace_debiased.structures.chunked.chunked] at
-        [`chunk_size`][laplace_debiased.structures.two_batch.TwoBatchLaplace.chunk_size]."""
+        """[`chunked`][laplace_debiased.two_batch.chunked.chunked] at
+        [`chunk_size`][laplace_debiased.two_batch.base.TwoBatchLaplace.chunk_size]."""
         return chunked(
             predict, x, self.chunk_size(), dict_key_x=self.dict_key_x, generator=generator, device=self._device, dim=dim
         )
@@ -519,7 +519,7 @@ class TwoBatchLaplace:
     def log_likelihood(self) -> torch.Tensor:
         """laplace-torch's log likelihood; for token outputs in regression its Gaussian normaliser
         counts all ``n_data · tokens · C`` outputs
-        ([`token_regression_normaliser`][laplace_debiased.structures.token_outputs.token_regression_normaliser])."""
+        ([`token_regression_normaliser`][laplace_debiased.two_batch.token_outputs.token_regression_normaliser])."""
         ll = super().log_likelihood
         if self.likelihood == "regression" and self._has_token_outputs():
             sigma = torch.as_tensor(self.sigma_noise, device=self._device, dtype=self._dtype)
@@ -621,10 +621,10 @@ class TwoBatchLaplace:
 
         ``method="marglik"`` with ``prior_structure="layerwise"`` on a curvature whose blocks span
         several parameter tensors optimises one value per block
-        ([`block_marglik`][laplace_debiased.structures.block_priors.block_marglik]); ``init_prior_prec`` is
+        ([`block_marglik`][laplace_debiased.two_batch.block_priors.block_marglik]); ``init_prior_prec`` is
         then a scalar, one value per block, or one per tensor with equal values within each block.
         ``method="gridsearch"`` with ``likelihood="regression"`` scores by
-        [`regression_grid_loss`][laplace_debiased.structures.gridsearch.regression_grid_loss] (default: the
+        [`regression_grid_loss`][laplace_debiased.two_batch.gridsearch.regression_grid_loss] (default: the
         Gaussian predictive NLL with ``self.sigma_noise``; an MSE ``loss`` with ``pred_type="glm"`` raises
         ``ValueError``).
         """
@@ -660,5 +660,5 @@ class TwoBatchLaplace:
         progress_bar: bool = False,
     ) -> torch.Tensor:
         """laplace-torch's grid search hook:
-        [`grid_search`][laplace_debiased.structures.gridsearch.grid_search]."""
+        [`grid_search`][laplace_debiased.two_batch.gridsearch.grid_search]."""
         return grid_search(self, loss, interval, val_loader, pred_type, link_approx, n_samples, progress_bar)
