@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader, Dataset
 
 import laplace_debiased  # noqa: F401  registers hessian_structure="debiased_kron"
 from laplace_debiased.two_batch.coverage import BlockCoverage, Coverage, numerical_rank
-from laplace_debiased.computers.kron_estimators import ESTIMATORS, resolve_estimator
+from laplace_debiased.kron.estimators import ESTIMATORS, resolve_estimator
 from laplace_debiased.curvature.linalg import roundoff_tolerance, symmetric_eigh64, tied_groups
 from laplace_debiased.evaluation.training import default_digits_model
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 HERE = Path(__file__).resolve().parent
 LAYER = "6"  # digits_cnn's Linear(256, 32): its input is the pooled features model[:6], its ReLU model[7]

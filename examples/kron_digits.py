@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import laplace_debiased  # noqa: F401  registers 'debiased_kron'
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 from laplace_debiased.evaluation.metrics import ece, nll
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.evaluation.training import default_digits_model

@@ -37,7 +37,7 @@ from typing import Any
 
 def register() -> None:
     """Define (and so register) every debiased Laplace class, and wrap the factory."""
-    importlib.import_module("laplace_debiased.structures.kron")  # "debiased_kron"
+    importlib.import_module("laplace_debiased.kron.laplace")  # "debiased_kron"
     importlib.import_module("laplace_debiased.structures.lowrank")  # "debiased_lowrank", "debiased_full"
     importlib.import_module("laplace_debiased.structures.ekfac")  # "debiased_ekfac"
     wrap_factory()
@@ -102,7 +102,7 @@ def wrap_factory() -> None:
 def _structures_initialising() -> bool:
     """Whether ``laplace`` is being imported by a submodule of [`laplace_debiased`][laplace_debiased] that is
     still executing (defining the classes now would meet that partly executed module, e.g.
-    ``posterior.implicit_kron``, the base of the K-FAC posterior). The classes are then defined
+    ``kron.posterior``, the base of the K-FAC posterior). The classes are then defined
     when [`laplace_debiased.structures`][laplace_debiased.structures] is imported: its ``__init__`` imports
     them all."""
     for name, module in list(sys.modules.items()):

@@ -39,9 +39,9 @@ def test_no_merge_conflict_markers_are_committed():
 
 @pytest.mark.slow
 def test_a_posterior_module_imported_first_does_not_meet_a_partly_imported_one():
-    """``posterior.implicit_kron`` imports laplace-torch, whose import registers the structures,
+    """``kron.posterior`` imports laplace-torch, whose import registers the structures,
     which subclass ``implicit_kron``'s class: the registration must wait for ``structures``."""
-    code = ("import laplace_debiased.posterior.implicit_kron\n"
+    code = ("import laplace_debiased.kron.posterior\n"
             "import laplace_debiased.structures\n"
             "import torch\nfrom laplace import Laplace\n"
             "la = Laplace(torch.nn.Linear(3, 2), 'classification', subset_of_weights='all',\n"

@@ -54,7 +54,7 @@ def test_valid_keys_still_build_the_same_classes():
     import torch
     from laplace import KronLaplace
 
-    from laplace_debiased.structures.kron import DebiasedKronLaplace
+    from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     assert type(laplace.Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron")) is KronLaplace

@@ -39,7 +39,7 @@ START_HERE = [
      "Import `laplace_debiased` and ask laplace-torch's `Laplace(...)` for `hessian_structure="
      "\"debiased_kron\"` (or `\"debiased_ekfac\"`, `\"debiased_lowrank\"`, `\"debiased_full\"`); "
      "`subset_of_weights=\"last_layer\"` gives the `…LLLaplace` twin of each.",
-     ["laplace_debiased.structures.kron.DebiasedKronLaplace",
+     ["laplace_debiased.kron.laplace.DebiasedKronLaplace",
       "laplace_debiased.structures.ekfac.DebiasedEKFACLaplace",
       "laplace_debiased.structures.lowrank.DebiasedLowRankLaplace",
       "laplace_debiased.structures.lowrank.DebiasedFullLaplace"]),

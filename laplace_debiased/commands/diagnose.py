@@ -140,7 +140,7 @@ def _two_batch_kron(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likeliho
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from laplace_debiased.structures.kron import DebiasedKronLaplace
+    from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
     loader = DataLoader(TensorDataset(X, y), batch_size=max(batch_size // 2, 2), shuffle=True,
                         generator=torch.Generator().manual_seed(seed))

@@ -16,7 +16,7 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
   (B chooses the eigenvectors, B̃ measures the eigenvalues);
 * ``kron_corrected``: the same two batches, ``fit(estimator="corrected")``: the eigenvectors of
   B ∪ B̃ with eigenvalues less the regression-to-the-mean gap the batches measure against each
-  other ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]);
+  other ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]);
 * ``kron_shrunk``: the same two batches, ``fit(estimator="shrunk")`` (the default of ``fit``): the
   corrected estimate with each factor's correction shrunk by its noise;
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
@@ -204,7 +204,7 @@ def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, 
     """Method ``name`` at batch size ``b`` (``None``: the first of ``opts["batch_size"]``; unused
     by the full-batch methods), its rows named ``key`` (default ``name``)."""
     from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
-    from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+    from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
     from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
 
     ll = opts["subset"] == "last_layer"

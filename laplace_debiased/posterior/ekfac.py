@@ -16,8 +16,8 @@ from laplace.utils.utils import _is_valid_scalar
 from torch import Tensor
 
 from laplace_debiased.curvature.ekfac import ekfac_to_dense
-from laplace_debiased.posterior.kron import KronStructure
-from laplace_debiased.posterior.spanned import Spanned, SpannedStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
+from laplace_debiased.kron.spanned import Spanned, SpannedStructure
 
 __all__ = ["EKFACDecomposed", "EKFACStructure", "SpannedEKFACDecomposed", "SpannedEKFACStructure"]
 
@@ -211,7 +211,7 @@ class EKFACStructure(KronStructure):
     """[`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive] structure of an
     [`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] curvature: same eigenbasis rotation
     as K-FAC, eigenvalues per basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held
-    and computed in float64 like [`KronStructure`][laplace_debiased.posterior.kron.KronStructure] (round-off
+    and computed in float64 like [`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure] (round-off
     negative eigenvalues clamped to 0).
 
     Args:

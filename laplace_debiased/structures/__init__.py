@@ -8,7 +8,7 @@
   [`token_outputs`][laplace_debiased.two_batch.token_outputs] (GLM predictive of token outputs, per-example
   Jacobians), [`gridsearch`][laplace_debiased.two_batch.gridsearch] (prior-precision grid search) and
   [`block_priors`][laplace_debiased.two_batch.block_priors] (per-block marglik);
-* [`kron`][laplace_debiased.structures.kron] -- ``DebiasedKron(LL)Laplace``
+* [`kron`][laplace_debiased.kron.laplace] -- ``DebiasedKron(LL)Laplace``
   (``hessian_structure="debiased_kron"``);
 * [`ekfac`][laplace_debiased.structures.ekfac] -- ``DebiasedEKFAC(LL)Laplace``
   (``hessian_structure="debiased_ekfac"``);
@@ -20,4 +20,5 @@ The choice of B and B̃ and the K-FAC computations are in
 """
 
 # Importing any submodule defines (and so registers) every debiased class.
-from laplace_debiased.structures import ekfac, kron, lowrank  # noqa: E402,F401
+import laplace_debiased.kron.laplace  # noqa: E402,F401
+from laplace_debiased.structures import ekfac, lowrank  # noqa: E402,F401

@@ -45,7 +45,7 @@ from laplace_debiased.parallel.distributed import local_shards
 from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.posterior.ekfac import EKFACDecomposed, SpannedEKFACDecomposed
 from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
-from laplace_debiased.structures.kron import fit_kfacs, kron_fit_options
+from laplace_debiased.kron.laplace import fit_kfacs, kron_fit_options
 from laplace_debiased.two_batch.base import TwoBatchLaplace
 
 __all__ = [
@@ -265,7 +265,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
             split: ``"batches"`` (default) or ``"halves"``.
             generator: Draw the batches at random.
             null_space: Checked as in
-                [`DebiasedKronLaplace.fit`][laplace_debiased.structures.kron.DebiasedKronLaplace.fit] but not
+                [`DebiasedKronLaplace.fit`][laplace_debiased.kron.laplace.DebiasedKronLaplace.fit] but not
                 used: the eigenvalues are B̃'s exact diagonal in B's basis.
             estimator: ``"paper"`` only (the default).
             cross_fit: Also fit the swapped roles (basis from B̃, curvature from B) and use the

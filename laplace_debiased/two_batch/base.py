@@ -67,7 +67,7 @@ from laplace_debiased.two_batch.checks import (
     check_trainable,
 )
 from laplace_debiased.two_batch.gridsearch import grid_search, regression_grid_loss
-from laplace_debiased.structures.kron_layers import single_pass_fisher
+from laplace_debiased.kron.layers import single_pass_fisher
 from laplace_debiased.two_batch.saved_state import Layout, check_saved_fit, fit_state
 from laplace_debiased.two_batch.shared_parameters import check_shared_parameters
 from laplace_debiased.two_batch.token_outputs import (
@@ -288,7 +288,7 @@ class TwoBatchLaplace:
         )
 
     def _single_pass_fisher(self) -> str | None:
-        """[`single_pass_fisher`][laplace_debiased.structures.kron_layers.single_pass_fisher] of the backend
+        """[`single_pass_fisher`][laplace_debiased.kron.layers.single_pass_fisher] of the backend
         (K-FAC blocks only; ``None`` otherwise)."""
         return single_pass_fisher(self.backend, self._asdl_fisher_kwargs) if self._kfac_blocks else None
 

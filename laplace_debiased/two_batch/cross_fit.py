@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
 
 __all__ = ["CrossFitDecomposed", "CrossFitStructure", "mixture_log_prob", "mixture_samples"]
 
@@ -119,7 +119,7 @@ class CrossFitDecomposed:
 
 def _component_structure(component: Any, h_factor: float | Tensor, numels: Sequence[int]) -> Any:
     """The grid structure of one component: its own (EKFAC) or
-    [`KronStructure`][laplace_debiased.posterior.kron.KronStructure]."""
+    [`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure]."""
     if callable(getattr(component, "grid_structure", None)):
         return component.grid_structure(h_factor, numels)
     return KronStructure(component, h_factor, numels)

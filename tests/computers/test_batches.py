@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
 from laplace_debiased.two_batch.batches import split_batches
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 
 def _ids(batches):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from laplace_debiased.computers.kron import combine_kfacs, decompose_two_batch, paired_rows
+from laplace_debiased.kron.decompose import combine_kfacs, decompose_two_batch, paired_rows
 from laplace_debiased.parallel.reducer import Reducer
 
 EPS64 = torch.finfo(torch.float64).eps

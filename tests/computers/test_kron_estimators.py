@@ -1,5 +1,5 @@
 """fit(estimator="corrected") of debiased_kron against dense formulas, its reductions and its
-refusals (laplace_debiased.computers.kron_estimators)."""
+refusals (laplace_debiased.kron.estimators)."""
 
 import logging
 
@@ -8,9 +8,9 @@ import torch
 from laplace import KronLaplace
 
 from _models import dense_kfac, kfac_to_dense, loader, tiny_cnn, tiny_mlp, toy_data
-from laplace_debiased.curvature.corrected import corrected_kron
+from laplace_debiased.kron.corrected import corrected_kron
 from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 MODELS = {"mlp": (tiny_mlp, (4,)), "cnn": (tiny_cnn, (1, 5, 5))}
 

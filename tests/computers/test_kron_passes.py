@@ -6,7 +6,7 @@ from laplace.curvature import CurvlinopsGGN
 from torch.nn.utils import parameters_to_vector
 
 from tests._models import loader, tiny_mlp, toy_data
-from laplace_debiased.computers.kron_passes import single_pass_kfacs
+from laplace_debiased.kron.passes import single_pass_kfacs
 from laplace_debiased.curvature.layer_blocks import curvature_modules
 from laplace_debiased.parallel.reducer import Reducer
 

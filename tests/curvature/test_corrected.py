@@ -1,4 +1,4 @@
-"""The corrected two-batch estimate of a curvature factor (laplace_debiased.curvature.corrected):
+"""The corrected two-batch estimate of a curvature factor (laplace_debiased.kron.corrected):
 its bias against a known truth, its reductions, and its symmetries."""
 
 import math
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laplace_debiased.curvature.corrected import (
+from laplace_debiased.kron.corrected import (
     corrected_factor,
     corrected_factor_rows,
     corrected_kron,

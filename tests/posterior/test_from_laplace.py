@@ -12,7 +12,7 @@ from torch import nn
 
 from laplace_debiased.posterior.eigen import EigenStructure
 from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
 
 
 def test_parameters_are_all_or_the_last_layers():

@@ -26,10 +26,10 @@ from laplace_debiased.curvature.linalg import (
     row_rank,
 )
 from laplace_debiased.posterior.grid import GridPredictive
-from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed, complete_basis
+from laplace_debiased.kron.posterior import ImplicitKronDecomposed, complete_basis
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.kron import KronStructure
-from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+from laplace_debiased.posterior.kron_structure import KronStructure
+from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
 from _models import loader, toy_data
 
 F64 = dict(rtol=1e-10, atol=1e-12)

@@ -1,4 +1,4 @@
-"""K-FAC structures (:mod:`laplace_debiased.posterior.kron`): covariances over a prior grid against
+"""K-FAC structures (:mod:`laplace_debiased.posterior.kron_structure`): covariances over a prior grid against
 the dense Kronecker blocks, and variances (projected or not) without forming Σ."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
 from laplace_debiased.posterior.links import project_logits
 
 

@@ -7,7 +7,7 @@ from laplace import Laplace
 from torch import nn
 
 from tests._models import loader, toy_data
-from laplace_debiased.posterior.spanned import Spanned
+from laplace_debiased.kron.spanned import Spanned
 
 
 def _fit():

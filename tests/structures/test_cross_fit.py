@@ -15,7 +15,7 @@ from laplace_debiased.posterior.jacobians import logit_jacobians
 from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
 from laplace_debiased.posterior.ekfac import EKFACDecomposed
 from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
-from laplace_debiased.structures.kron import DebiasedKronDecomposed, DebiasedKronLaplace, DebiasedKronLLLaplace
+from laplace_debiased.kron.laplace import DebiasedKronDecomposed, DebiasedKronLaplace, DebiasedKronLLLaplace
 
 CLASSES = {
     ("kron", "all"): DebiasedKronLaplace,

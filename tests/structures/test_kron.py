@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _models import DictData, DictModel, loader, tiny_mlp, toy_data
-from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
 from laplace_debiased.curvature.linalg import debiased_kron
 
 CLASSES = [DebiasedKronLaplace, DebiasedKronLLLaplace]

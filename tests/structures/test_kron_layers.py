@@ -1,4 +1,4 @@
-"""The layer and block functions of the debiased K-FAC (structures/kron_layers.py): frozen
+"""The layer and block functions of the debiased K-FAC (kron/layers.py): frozen
 parameters' blocks are dropped, blocks are named per layer and parameter, and a block list that
 misses a trainable parameter is refused."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from laplace_debiased.curvature.layer_blocks import curvature_modules, expected_block_shapes
-from laplace_debiased.structures.kron_layers import block_names, check_blocks, trainable_blocks
+from laplace_debiased.kron.layers import block_names, check_blocks, trainable_blocks
 
 
 def _mlp_with_frozen_first_bias() -> nn.Sequential:

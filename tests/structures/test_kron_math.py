@@ -15,7 +15,7 @@ from _models import (
     tiny_mlp,
     toy_data,
 )
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 MODELS = {"mlp": (tiny_mlp, (4,)), "cnn": (tiny_cnn, (1, 5, 5))}
 

@@ -22,7 +22,7 @@ from _models import exact_ggn, loader
 from laplace_debiased.curvature.dense_blocks import embedding_input_sums, norm_sample_grads, normalised_input
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.links import probit
-from laplace_debiased.posterior.spanned import SpannedStructure
+from laplace_debiased.kron.spanned import SpannedStructure
 
 RTOL = 1e-10
 STRUCTURES = ("debiased_kron", "debiased_ekfac", "debiased_full", "debiased_lowrank")

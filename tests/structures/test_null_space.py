@@ -19,7 +19,7 @@ from laplace_debiased.two_batch import coverage
 from laplace_debiased.two_batch.coverage import numerical_rank, report_coverage
 from laplace import KronLaplace
 
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 from laplace_debiased.curvature.completion import extended_spectrum  # after structures (registration)
 
 EPS64 = torch.finfo(torch.float64).eps

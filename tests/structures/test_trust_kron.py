@@ -6,7 +6,7 @@ from laplace import KronLaplace
 from laplace.curvature import AsdlGGN, CurvlinopsGGN
 
 from _models import DictData, DictModel, loader, tiny_mlp, toy_data
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 
 def _mlp5(seed=0):

@@ -6,7 +6,7 @@ A K-FAC factor of a batch narrower than the layer (``d`` inputs, ``n < d`` rows)
 returns its debiased eigenpairs as ``Q`` (d, r) orthonormal and ``λ`` (r + 1,): ``λ[:r]`` along ``Q`` and
 ``ν = λ[r]`` on the whole complement ``N = I - QQᵀ`` (0 for B's null space compressed onto B̃, the "aligned"
 treatment; a mean Rayleigh quotient for the "isotropic" one).
-[`ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed] is laplace-torch's
+[`ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed] is laplace-torch's
 ``KronDecomposed`` for such factors, never forming a ``d × d`` basis except in ``to_matrix``:
 
 * a factor is ``Σ_k λ_k q_k q_kᵀ + ν N``: the *extended* spectrum ``[λ_1, ..., λ_r, ν]`` with
@@ -38,7 +38,7 @@ from torch import Tensor
 from laplace_debiased.curvature.completion import extended_spectrum
 from laplace_debiased.posterior.grams import jacobian_float64
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
 
 __all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
 
@@ -107,7 +107,7 @@ class ImplicitKronDecomposed(KronDecomposed):
     complement (else 0; module docstring). All of laplace-torch's uses
     (``logdet``, ``bmm``, ``inv_square_form``, ``diag``; ``to_matrix`` completes the bases) and
     the grid predictive
-    ([`grid_structure`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed.grid_structure]) keep
+    ([`grid_structure`][laplace_debiased.kron.posterior.ImplicitKronDecomposed.grid_structure]) keep
     the null space implicit."""
 
     def __add__(self, deltas: Tensor) -> ImplicitKronDecomposed:
@@ -161,7 +161,7 @@ class ImplicitKronDecomposed(KronDecomposed):
 
     def completed(self) -> KronDecomposed:
         """laplace-torch's ``KronDecomposed`` of the same matrix, every basis completed
-        ([`complete_basis`][laplace_debiased.posterior.implicit_kron.complete_basis], ``O(d² r)`` per implicit
+        ([`complete_basis`][laplace_debiased.kron.posterior.complete_basis], ``O(d² r)`` per implicit
         factor)."""
         blocks = [[complete_basis(Q, l) for Q, l in zip(Qs, ls)] for Qs, ls in zip(self.eigenvectors, self.eigenvalues)]
         return KronDecomposed(
@@ -173,16 +173,16 @@ class ImplicitKronDecomposed(KronDecomposed):
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> KronStructure:
         """The grid predictive's structure:
-        [`ImplicitKronStructure`][laplace_debiased.posterior.implicit_kron.ImplicitKronStructure] if a factor
-        is implicit, else [`KronStructure`][laplace_debiased.posterior.kron.KronStructure]."""
+        [`ImplicitKronStructure`][laplace_debiased.kron.posterior.ImplicitKronStructure] if a factor
+        is implicit, else [`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure]."""
         if all(Q.shape[0] == Q.shape[1] for Qs in self.eigenvectors for Q in Qs):
             return KronStructure(self, h_factor, numels)
         return ImplicitKronStructure(self, h_factor, numels)
 
 
 class ImplicitKronStructure(KronStructure):
-    """[`KronStructure`][laplace_debiased.posterior.kron.KronStructure] of an
-    [`ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed] whose
+    """[`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure] of an
+    [`ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed] whose
     input-side factors may be implicit (``Q_A`` (d, r)).
 
     For such a block the complement ``N`` of ``Q_A`` is one more eigen-direction of the input
@@ -192,7 +192,7 @@ class ImplicitKronStructure(KronStructure):
     ``a - Q_A Q_Aᵀ a``, no cancellation); a dense one ``J`` to ``[Q_Gᵀ J Q_A, Q_Gᵀ J N]`` (``d``
     columns sharing the null weight, so the cross terms of the covariance stay exact). Blocks
     with an implicit output-side or single factor get completed bases
-    ([`complete_basis`][laplace_debiased.posterior.implicit_kron.complete_basis]).
+    ([`complete_basis`][laplace_debiased.kron.posterior.complete_basis]).
     """
 
     def __init__(self, H: ImplicitKronDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
@@ -218,7 +218,7 @@ class ImplicitKronStructure(KronStructure):
             )
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
-        """[`KronStructure.rotate`][laplace_debiased.posterior.kron.KronStructure.rotate], with the null-space
+        """[`KronStructure.rotate`][laplace_debiased.posterior.kron_structure.KronStructure.rotate], with the null-space
         column(s) of implicit blocks."""
         out = super().rotate(jacs)
         for k in (k for k, implicit in enumerate(self.implicit) if implicit):

@@ -32,17 +32,17 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace_debiased.two_batch.coverage import Coverage, report_coverage
-from laplace_debiased.computers.kron import combine_kfacs, decompose_two_batch
-from laplace_debiased.computers.kron_estimators import ESTIMATORS, Correction, resolve_estimator
-from laplace_debiased.computers.kron_passes import single_pass_kfacs
+from laplace_debiased.kron.decompose import combine_kfacs, decompose_two_batch
+from laplace_debiased.kron.estimators import ESTIMATORS, Correction, resolve_estimator
+from laplace_debiased.kron.passes import single_pass_kfacs
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES
 from laplace_debiased.curvature.layer_blocks import block_spans, curvature_modules
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.reducer import current_reducer
-from laplace_debiased.posterior.implicit_kron import ImplicitKronDecomposed
-from laplace_debiased.posterior.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
+from laplace_debiased.kron.posterior import ImplicitKronDecomposed
+from laplace_debiased.kron.spanned import Spanned, SpannedImplicitKronStructure, SpannedKronStructure
 from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
-from laplace_debiased.structures.kron_layers import (
+from laplace_debiased.kron.layers import (
     block_names,
     check_blocks,
     check_supported,
@@ -68,11 +68,11 @@ class DebiasedKronDecomposed(ImplicitKronDecomposed):
     """``KronDecomposed`` whose ``+`` (prior precision) and ``*`` (likelihood factor) keep
     ``damping`` (laplace-torch 0.3 silently drops it in both operations) and whose input-side
     factors may keep their null space implicit
-    ([`ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed])."""
+    ([`ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed])."""
 
 
 class SpannedKronDecomposed(Spanned, DebiasedKronDecomposed):
-    """[`DebiasedKronDecomposed`][laplace_debiased.structures.kron.DebiasedKronDecomposed] whose blocks may
+    """[`DebiasedKronDecomposed`][laplace_debiased.kron.laplace.DebiasedKronDecomposed] whose blocks may
     span several parameter tensors (a normalisation layer's dense block;
     [`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks])."""
 
@@ -96,9 +96,9 @@ def kron_decomposed(
         modules: The layers of the blocks, in block order.
 
     Returns:
-        A [`SpannedKronDecomposed`][laplace_debiased.structures.kron.SpannedKronDecomposed] where a dense
+        A [`SpannedKronDecomposed`][laplace_debiased.kron.laplace.SpannedKronDecomposed] where a dense
         normalisation block spans several parameter tensors, else a
-        [`DebiasedKronDecomposed`][laplace_debiased.structures.kron.DebiasedKronDecomposed].
+        [`DebiasedKronDecomposed`][laplace_debiased.kron.laplace.DebiasedKronDecomposed].
     """
     spans = block_spans(modules)
     if any(span > 1 for span in spans):
@@ -121,7 +121,7 @@ def kron_fit_options(
 
     Returns:
         The estimator the fit uses
-        ([`resolve_estimator`][laplace_debiased.computers.kron_estimators.resolve_estimator]).
+        ([`resolve_estimator`][laplace_debiased.kron.estimators.resolve_estimator]).
 
     Raises:
         ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` / ``"shrunk"``
@@ -149,7 +149,7 @@ def backend_kfacs(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, list[Kron]]:
     """K-FAC of each batch set by one backend call per batch (backends that
-    [`single_pass_fisher`][laplace_debiased.structures.kron_layers.single_pass_fisher] does not reproduce),
+    [`single_pass_fisher`][laplace_debiased.kron.layers.single_pass_fisher] does not reproduce),
     scaled to ``N`` points (module docstring convention), with the blocks of frozen parameters
     dropped and the rest checked.
 
@@ -221,9 +221,9 @@ def fit_kfacs(
     dict_key_y: str,
 ) -> tuple[torch.Tensor, list[Kron], list | None]:
     """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of them: one
-    shared pass ([`single_pass_kfacs`][laplace_debiased.computers.kron_passes.single_pass_kfacs]) where the
-    backend allows, else [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs]; the layers and the
-    first set checked first ([`check_supported`][laplace_debiased.structures.kron_layers.check_supported]),
+    shared pass ([`single_pass_kfacs`][laplace_debiased.kron.passes.single_pass_kfacs]) where the
+    backend allows, else [`backend_kfacs`][laplace_debiased.kron.laplace.backend_kfacs]; the layers and the
+    first set checked first ([`check_supported`][laplace_debiased.kron.layers.check_supported]),
     the blocks checked against the trainable parameters.
 
     Args:
@@ -231,8 +231,8 @@ def fit_kfacs(
         backend: laplace-torch's curvature backend.
         groups: The batch sets (B, and B̃ unless it is B).
         N: Training samples the factors are scaled to.
-        fisher: [`single_pass_fisher`][laplace_debiased.structures.kron_layers.single_pass_fisher] of the
-            backend (``None``: [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs]).
+        fisher: [`single_pass_fisher`][laplace_debiased.kron.layers.single_pass_fisher] of the
+            backend (``None``: [`backend_kfacs`][laplace_debiased.kron.laplace.backend_kfacs]).
         likelihood: laplace-torch's likelihood.
         asdl_fisher_kwargs: laplace-torch's ``asdl_fisher_kwargs``.
         output_shape: The per-sample output shape ``([tokens, ...,] C)``.
@@ -243,12 +243,12 @@ def fit_kfacs(
     Returns:
         The summed loss, one ``Kron`` per set, the shared pass's factor rows and per set, block
         and factor the rank-one terms summed into the factor (both ``None`` for
-        [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs]).
+        [`backend_kfacs`][laplace_debiased.kron.laplace.backend_kfacs]).
 
     Raises:
         ValueError: What the backend would get wrong for these layers and batches
-            ([`check_supported`][laplace_debiased.structures.kron_layers.check_supported]), or what
-            [`backend_kfacs`][laplace_debiased.structures.kron.backend_kfacs] refuses.
+            ([`check_supported`][laplace_debiased.kron.layers.check_supported]), or what
+            [`backend_kfacs`][laplace_debiased.kron.laplace.backend_kfacs] refuses.
     """
     check_supported(backend, backend._model, groups[0], fisher, output_shape)
     params = next(model.parameters())
@@ -289,7 +289,7 @@ def debiased_kron_curvature(
     terms: tuple[list | None, list | None] = (None, None),
 ) -> tuple[DebiasedKronDecomposed | CrossFitDecomposed, Coverage | None, Correction | None]:
     """The debiased K-FAC curvature of B's and B̃'s factors
-    ([`decompose_two_batch`][laplace_debiased.computers.kron.decompose_two_batch]).
+    ([`decompose_two_batch`][laplace_debiased.kron.decompose.decompose_two_batch]).
 
     Args:
         direction: B's K-FAC, scaled to ``n_data``.
@@ -305,7 +305,7 @@ def debiased_kron_curvature(
         terms: B's and B̃'s rank-one terms per block and factor (``None``: unknown, the samples).
 
     Returns:
-        The decomposition ([`kron_decomposed`][laplace_debiased.structures.kron.kron_decomposed], or the
+        The decomposition ([`kron_decomposed`][laplace_debiased.kron.laplace.kron_decomposed], or the
         mixture of it and the swapped one), the coverage record and the correction record (``None`` where not
         computed).
     """
@@ -342,16 +342,16 @@ def kron_state(H: DebiasedKronDecomposed | CrossFitDecomposed) -> dict[str, Any]
 def kron_from_state(
     state_dict: dict[str, Any], damping: bool, modules: list[nn.Module]
 ) -> DebiasedKronDecomposed | CrossFitDecomposed:
-    """The decomposition [`kron_state`][laplace_debiased.structures.kron.kron_state] saved.
+    """The decomposition [`kron_state`][laplace_debiased.kron.laplace.kron_state] saved.
 
     Args:
-        state_dict: A ``state_dict`` with [`kron_state`][laplace_debiased.structures.kron.kron_state]'s
+        state_dict: A ``state_dict`` with [`kron_state`][laplace_debiased.kron.laplace.kron_state]'s
             entries.
         damping: laplace-torch's ``damping``.
         modules: The layers of the blocks, in block order.
 
     Returns:
-        The decomposition ([`kron_decomposed`][laplace_debiased.structures.kron.kron_decomposed]), or the
+        The decomposition ([`kron_decomposed`][laplace_debiased.kron.laplace.kron_decomposed]), or the
         mixture of it and the swapped one.
     """
     H = kron_decomposed(state_dict["H_eigenvectors"], state_dict["H_eigenvalues"], damping, modules)
@@ -364,9 +364,9 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 
-    After [`fit`][laplace_debiased.structures.kron.DebiasedKronLaplace.fit], ``H_facs`` / ``H_facs_magnitude``
+    After [`fit`][laplace_debiased.kron.laplace.DebiasedKronLaplace.fit], ``H_facs`` / ``H_facs_magnitude``
     are the ``Kron`` factors of B and B̃ (scaled to ``n_data``) and ``H`` a
-    [`DebiasedKronDecomposed`][laplace_debiased.structures.kron.DebiasedKronDecomposed]: by default the pooled
+    [`DebiasedKronDecomposed`][laplace_debiased.kron.laplace.DebiasedKronDecomposed]: by default the pooled
     eigenvectors of B ∪ B̃ with corrected eigenvalues, the correction shrunk by its noise; with
     ``estimator="paper"`` B's eigenvectors and B̃'s Rayleigh quotients (cross-fitted: a
     [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]).
@@ -402,7 +402,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit]. After the fit
         ``self.coverage`` ([`Coverage`][laplace_debiased.two_batch.coverage.Coverage], logged) records what
         the curvature covers, and ``self.correction``
-        ([`Correction`][laplace_debiased.computers.kron_estimators.Correction]) what a corrected fit changed.
+        ([`Correction`][laplace_debiased.kron.estimators.Correction]) what a corrected fit changed.
 
         Args:
             train_loader: The training data, as in
@@ -427,7 +427,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
                 batches measure against each other, that correction shrunk per factor by its noise
                 (the two orders' disagreement; the pooled null space keeps all of it);
                 ``"corrected"``: the same unshrunk
-                ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]); or
+                ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]); or
                 ``"paper"`` (Tatzel et al.: B's eigenvectors, B̃'s Rayleigh quotients; the only one of
                 ``debiased_ekfac``, and the default with ``cross_fit=True`` or ``null_space="aligned"``, its
                 options). B̃ = B gives stock K-FAC either way.
@@ -477,7 +477,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
 
     def _decompose(self, n_data: int | None = None) -> None:
         """``H``, ``coverage`` and ``correction`` from ``H_facs`` and ``H_facs_magnitude``
-        ([`debiased_kron_curvature`][laplace_debiased.structures.kron.debiased_kron_curvature]), scaled to
+        ([`debiased_kron_curvature`][laplace_debiased.kron.laplace.debiased_kron_curvature]), scaled to
         ``n_data`` data points (by default ``self.n_data``)."""
         self.H, self.coverage, self.correction = debiased_kron_curvature(
             self.H_facs, self.H_facs_magnitude, getattr(self, "_factor_rows", None), null_space=self._null_space,
@@ -487,7 +487,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """KronLaplace's state, B̃'s factors, the decomposition ([`kron_state`][laplace_debiased.structures.kron.kron_state]), and the
+        """KronLaplace's state, B̃'s factors, the decomposition ([`kron_state`][laplace_debiased.kron.laplace.kron_state]), and the
         samples in B and B̃ and the estimator's settings, which an online fit continues from."""
         return {
             **super().state_dict(), "H_magnitude": self.H_facs_magnitude.kfacs, **kron_state(self.H),
@@ -509,7 +509,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
 class DebiasedKronLLLaplace(DebiasedKronLaplace, KronLLLaplace):
     """Last-layer two-batch debiased K-FAC Laplace (``Laplace(..., "last_layer",
     hessian_structure="debiased_kron")``), a ``KronLLLaplace`` with the debiased fit of
-    [`DebiasedKronLaplace`][laplace_debiased.structures.kron.DebiasedKronLaplace]. ``override=False`` is not
+    [`DebiasedKronLaplace`][laplace_debiased.kron.laplace.DebiasedKronLaplace]. ``override=False`` is not
     supported (as in laplace-torch)."""
 
     _key = ("last_layer", "debiased_kron")

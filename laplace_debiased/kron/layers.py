@@ -3,7 +3,7 @@ and dense normalisation blocks,
 [`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks]), the blocks of frozen
 parameters dropped, refusals for what a backend would get wrong, and which backends the shared K-FAC pass
 reproduces.  Plain functions of the layers, the blocks and laplace-torch's backend, called by
-[`kron`][laplace_debiased.structures.kron], [`ekfac`][laplace_debiased.structures.ekfac] and
+[`kron`][laplace_debiased.kron.laplace], [`ekfac`][laplace_debiased.structures.ekfac] and
 [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace].
 """
 
@@ -65,7 +65,7 @@ def trainable_blocks(layers: nn.Module, kfacs: list[list[torch.Tensor]]) -> list
 
     Returns:
         The blocks of trainable parameters; blocks in any other layout unchanged, for
-        [`check_blocks`][laplace_debiased.structures.kron_layers.check_blocks] to verify.
+        [`check_blocks`][laplace_debiased.kron.layers.check_blocks] to verify.
     """
     owners = [
         p
@@ -162,7 +162,7 @@ def check_blocks(kfacs: list[list[torch.Tensor]], modules: list[nn.Module], back
 
 def single_pass_fisher(backend: CurvatureInterface, asdl_fisher_kwargs: dict) -> str | None:
     """The curvature type of ``backend`` if the shared K-FAC pass
-    ([`single_pass_kfacs`][laplace_debiased.computers.kron_passes.single_pass_kfacs]) reproduces it exactly.
+    ([`single_pass_kfacs`][laplace_debiased.kron.passes.single_pass_kfacs]) reproduces it exactly.
 
     Args:
         backend: laplace-torch's curvature backend.

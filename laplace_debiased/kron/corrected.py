@@ -192,7 +192,7 @@ def corrected_factor(
     Returns:
         ``(U, lam, record)``: ``U (d, d)`` orthonormal eigenvectors of the pooled factor
         (ascending), ``lam (d,)`` the corrected eigenvalues, both in ``direction.dtype``, and
-        the [`FactorCorrection`][laplace_debiased.curvature.corrected.FactorCorrection].
+        the [`FactorCorrection`][laplace_debiased.kron.corrected.FactorCorrection].
     """
     if direction.shape != magnitude.shape:
         raise ValueError(
@@ -215,7 +215,7 @@ def corrected_factor(
 
 def _gaps_from_rows(direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, int]:
-    """[`same_minus_cross`][laplace_debiased.curvature.corrected.same_minus_cross] of ``D = XdᵀXd`` and
+    """[`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross] of ``D = XdᵀXd`` and
     ``M = XmᵀXm`` from their rows, without a ``d × d`` matrix:
     ``(gaps (d,) float64 ascending, size of D's null group)``.
 
@@ -245,7 +245,7 @@ def corrected_factor_rows(
     direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, m_direction: int, m_magnitude: int,
     dtype: torch.dtype, n_data: int | None = None, shrink: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection] | None:
-    """[`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor] of a factor wider than its
+    """[`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] of a factor wider than its
     rows, through the rows (``O(d n²)``).
 
     Args:
@@ -255,16 +255,16 @@ def corrected_factor_rows(
         m_magnitude: samples in B̃.
         dtype: the dtype of the dense factors (round-off tolerances, the results).
         n_data: the training-set size (finite-population scaling,
-            [`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
+            [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
         shrink: shrink the correction on the pooled range
-            ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
+            ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
 
     Returns:
         ``(Q, lam, record)``: ``Q (d, r)`` orthonormal eigenvectors of the pooled factor
         outside its null space (ascending), ``lam (r + 1,)`` their corrected eigenvalues and
         last the one of the implicit complement ``I - QQᵀ``, and the
-        [`FactorCorrection`][laplace_debiased.curvature.corrected.FactorCorrection]; equal to
-        [`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor] on the dense factors to
+        [`FactorCorrection`][laplace_debiased.kron.corrected.FactorCorrection]; equal to
+        [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors to
         round-off. ``None`` if the pooled null space reaches beyond a half's null run (then the complement
         would not be isotropic; use the dense route).
     """
@@ -323,13 +323,13 @@ def corrected_kron(
     rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
     shrink: bool = False,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[FactorCorrection]]]:
-    """[`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor] for every factor of a
+    """[`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] for every factor of a
     layer-wise K-FAC approximation.
 
     A block's Kronecker eigenvalues are the products of its factors' corrected eigenvalues
     (each factor is corrected on its own). A factor whose rows are known and fewer than its
     dimension goes through them
-    ([`corrected_factor_rows`][laplace_debiased.curvature.corrected.corrected_factor_rows]): its eigenvectors
+    ([`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows]): its eigenvectors
     are then ``(d, r)`` with one more eigenvalue, that of the implicit complement.
 
     Args:
@@ -340,15 +340,15 @@ def corrected_kron(
         m_magnitude: samples in B̃.
         terms: rank-one terms summed into either factor (round-off tolerance): one count, or one
             per block and factor.
-        n_data: the training-set size the batches were drawn from ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
+        n_data: the training-set size the batches were drawn from ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
         rows: ``None``, or per block and factor ``(B's rows, B̃'s rows)`` (``F = XᵀX``) where known.
         shrink: shrink each factor's correction on its pooled range
-            ([`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor]).
+            ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
 
     Returns:
         ``(eigenvectors, eigenvalues, records)``, lists of lists per block and factor, the
         first two ready for
-        [`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed]
+        [`laplace_debiased.kron.posterior.ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed]
         (for ``laplace.utils.matrix.KronDecomposed`` when every eigenvector matrix is square).
     """
     if len(direction_kfacs) != len(magnitude_kfacs):
@@ -372,9 +372,9 @@ def _corrected_route(
     direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
     m_direction: int, m_magnitude: int, terms: int, n_data: int | None, shrink: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
-    """[`corrected_factor_rows`][laplace_debiased.curvature.corrected.corrected_factor_rows] where
+    """[`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows] where
     [`through_rows`][laplace_debiased.curvature.linalg.through_rows] (and it applies), else
-    [`corrected_factor`][laplace_debiased.curvature.corrected.corrected_factor] on the dense factors."""
+    [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors."""
     if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")

@@ -17,8 +17,8 @@ from torch import Tensor
 
 from laplace_debiased.curvature.layer_blocks import block_deltas
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.implicit_kron import ImplicitKronStructure
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.kron.posterior import ImplicitKronStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
 
 __all__ = ["Spanned", "SpannedImplicitKronStructure", "SpannedKronStructure", "SpannedStructure"]
 
@@ -46,7 +46,7 @@ class Spanned:
 
     def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> Any:
         """The grid predictive's structure
-        ([`SpannedStructure`][laplace_debiased.posterior.spanned.SpannedStructure]): ``_implicit_structure``
+        ([`SpannedStructure`][laplace_debiased.kron.spanned.SpannedStructure]): ``_implicit_structure``
         when a factor keeps its null space implicit (``(d, r)`` eigenvectors, ``r < d``)."""
         implicit = any(Q.shape[0] != Q.shape[1] for Qs in self.eigenvectors for Q in Qs)
         structure = getattr(self, "_implicit_structure", None) if implicit else self._structure
@@ -94,9 +94,9 @@ class SpannedStructure:
 
 
 class SpannedKronStructure(SpannedStructure, KronStructure):
-    """[`KronStructure`][laplace_debiased.posterior.kron.KronStructure] over spanning blocks."""
+    """[`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure] over spanning blocks."""
 
 
 class SpannedImplicitKronStructure(SpannedStructure, ImplicitKronStructure):
-    """[`ImplicitKronStructure`][laplace_debiased.posterior.implicit_kron.ImplicitKronStructure] over spanning
+    """[`ImplicitKronStructure`][laplace_debiased.kron.posterior.ImplicitKronStructure] over spanning
     blocks: dense normalisation blocks beside K-FAC input factors whose null space is implicit."""

@@ -40,7 +40,7 @@ class KronStructure:
     def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
         """Prior-independent work: Jacobians (float64) in the eigenbasis of each block. A
         Jacobian that is a sum over positions (``Conv2d``) is rotated factor by factor where
-        that is cheaper ([`rotate_positions`][laplace_debiased.posterior.kron.rotate_positions])."""
+        that is cheaper ([`rotate_positions`][laplace_debiased.posterior.kron_structure.rotate_positions])."""
         out = []
         for jac, Qs in zip(jacs, self.Qs):
             if len(Qs) == 2 and jac.positions is not None and positions_cheaper(jac.positions):
@@ -95,7 +95,7 @@ class KronStructure:
 
     def covariance(self, rotated, delta: float | Tensor) -> Tensor:
         """``Σ(δ)`` of shape ``(n, C, C)``:
-        [`covariances`][laplace_debiased.posterior.kron.KronStructure.covariances] at one prior precision."""
+        [`covariances`][laplace_debiased.posterior.kron_structure.KronStructure.covariances] at one prior precision."""
         return self.covariances(rotated, [delta])[0]
 
     def variances(self, rotated, prior_precisions: Sequence[float | Tensor], project: bool = False) -> Tensor:
@@ -116,7 +116,7 @@ class KronStructure:
 
 
 def positions_cheaper(positions: tuple[Tensor, Tensor]) -> bool:
-    """Whether [`rotate_positions`][laplace_debiased.posterior.kron.rotate_positions] costs fewer
+    """Whether [`rotate_positions`][laplace_debiased.posterior.kron_structure.rotate_positions] costs fewer
     multiply-adds than rotating the dense
     Jacobian: ``T k² + C T o² + C o T k`` against ``C o k (o + k)`` per input (``o`` outputs,
     ``k`` unfolded inputs, ``T`` positions, ``C`` classes)."""

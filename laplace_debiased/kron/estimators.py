@@ -1,10 +1,10 @@
 """Choosing and computing the two-batch K-FAC estimate of ``fit(estimator=...)`` for the
-debiased K-FAC Laplace classes ([`laplace_debiased.structures.kron`][laplace_debiased.structures.kron]).
+debiased K-FAC Laplace classes ([`laplace_debiased.kron.laplace`][laplace_debiased.kron.laplace]).
 
 ``"paper"``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al., ICLR 2025), with the
 null-space completion of [`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion].
 ``"corrected"``: the eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches
-measure against each other ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]).
+measure against each other ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]).
 ``"shrunk"``: the same, with each factor's correction kept in the measure that its bias, not its noise,
 dominates the single batch's error (the two orders' disagreement measures that noise; the default).
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laplace_debiased.curvature.corrected import FactorCorrection, corrected_kron
+from laplace_debiased.kron.corrected import FactorCorrection, corrected_kron
 from laplace_debiased.parallel.reducer import Reducer
 
 __all__ = ["CORRECTED", "ESTIMATORS", "Correction", "corrected_decomposition", "on_rank0", "resolve_estimator"]
@@ -28,7 +28,7 @@ logger = logging.getLogger("laplace_debiased")
 ESTIMATORS = ("paper", "corrected", "shrunk")
 
 #: the estimates on the eigenvectors of B ∪ B̃
-#: ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected])
+#: ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected])
 CORRECTED = ("corrected", "shrunk")
 
 
@@ -42,13 +42,13 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
             estimate in docs/benchmarks.md), except that ``cross_fit=True`` or ``null_space="aligned"``
             (options of the paper's estimate) select ``"paper"``; ``"paper"`` elsewhere.
         offered: the estimates the structure offers
-            ([`ESTIMATORS`][laplace_debiased.computers.kron_estimators.ESTIMATORS] for ``debiased_kron``).
+            ([`ESTIMATORS`][laplace_debiased.kron.estimators.ESTIMATORS] for ``debiased_kron``).
         structure: the structure's name, for the error message.
         cross_fit: whether the fit also swaps the roles of B and B̃.
         null_space: the fit's null-space treatment (``"isotropic"`` or ``"aligned"``).
 
     Returns:
-        One of [`ESTIMATORS`][laplace_debiased.computers.kron_estimators.ESTIMATORS].
+        One of [`ESTIMATORS`][laplace_debiased.kron.estimators.ESTIMATORS].
 
     Raises:
         ValueError: ``estimator`` is not one of ``offered``, or ``"corrected"`` or ``"shrunk"`` is combined with
@@ -88,7 +88,7 @@ class Correction:
 
     Attributes:
         names: ``(layer, parameter)`` per block, in ``Kron`` block order.
-        factors: per block, one [`FactorCorrection`][laplace_debiased.curvature.corrected.FactorCorrection]
+        factors: per block, one [`FactorCorrection`][laplace_debiased.kron.corrected.FactorCorrection]
             per factor (output factor first, then input; one for a single-factor block).
     """
 
@@ -104,7 +104,7 @@ class Correction:
                 for (layer, parameter), fs in zip(self.names, self.factors) for i, f in enumerate(fs)]
 
     def markdown(self) -> str:
-        """A Markdown table of [`rows`][laplace_debiased.computers.kron_estimators.Correction.rows] in
+        """A Markdown table of [`rows`][laplace_debiased.kron.estimators.Correction.rows] in
         percent."""
         lines = ["| layer | parameter | factor | change of the single-batch spectrum [%] | ± s.e. [%] "
                  "| correction kept on the range [%] |",
@@ -137,12 +137,12 @@ def corrected_decomposition(
     shrink: bool = False,
     terms: list[list[int]] | None = None,
 ) -> tuple[list, list, Correction | None]:
-    """[`corrected_kron`][laplace_debiased.curvature.corrected.corrected_kron] of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
+    """[`corrected_kron`][laplace_debiased.kron.corrected.corrected_kron] of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
     ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known;
     ``shrink``: the ``"shrunk"`` estimate; ``terms`` per block and factor the rank-one terms summed
     into either factor, default the samples ``max(sizes)``), on rank 0
-    and broadcast ([`on_rank0`][laplace_debiased.computers.kron_estimators.on_rank0]); returns ``(eigenvectors, eigenvalues, correction)`` with
-    rank 0's [`Correction`][laplace_debiased.computers.kron_estimators.Correction] (``None`` on the other ranks), logged per block (``names``)."""
+    and broadcast ([`on_rank0`][laplace_debiased.kron.estimators.on_rank0]); returns ``(eigenvectors, eigenvalues, correction)`` with
+    rank 0's [`Correction`][laplace_debiased.kron.estimators.Correction] (``None`` on the other ranks), logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from laplace_debiased.two_batch.coverage import Coverage, coverage_record
-from laplace_debiased.computers.kron_estimators import CORRECTED, Correction, corrected_decomposition, on_rank0
+from laplace_debiased.kron.estimators import CORRECTED, Correction, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.completion import debiased_factor_mode
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.parallel.reducer import Reducer
@@ -122,7 +122,7 @@ def decompose_two_batch(
             wider than its rows is decomposed through them, with an implicit null space.
         null_space: ``"isotropic"`` or ``"aligned"``, the treatment of B's null space.
         estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients), ``"corrected"`` or
-            ``"shrunk"`` ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]; B̃ =
+            ``"shrunk"`` ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]; B̃ =
             B falls back to the paper's, which is then stock K-FAC).
         cross_fit: also the role-swapped decomposition (``"paper"`` only).
         sizes: samples summed into B's and B̃'s factors.
@@ -133,7 +133,7 @@ def decompose_two_batch(
             columns; their round-off tolerance); ``None``: the samples ``max(sizes)``.
 
     Returns:
-        The [`KronDecomposition`][laplace_debiased.computers.kron.KronDecomposition].
+        The [`KronDecomposition`][laplace_debiased.kron.decompose.KronDecomposition].
     """
     same = magnitude is direction
     correction = None
