@@ -39,7 +39,7 @@ def register() -> None:
     """Define (and so register) every debiased Laplace class, and wrap the factory."""
     importlib.import_module("laplace_debiased.kron.laplace")  # "debiased_kron"
     importlib.import_module("laplace_debiased.structures.lowrank")  # "debiased_lowrank", "debiased_full"
-    importlib.import_module("laplace_debiased.structures.ekfac")  # "debiased_ekfac"
+    importlib.import_module("laplace_debiased.ekfac.laplace")  # "debiased_ekfac"
     wrap_factory()
 
 

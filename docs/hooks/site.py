@@ -40,7 +40,7 @@ START_HERE = [
      "\"debiased_kron\"` (or `\"debiased_ekfac\"`, `\"debiased_lowrank\"`, `\"debiased_full\"`); "
      "`subset_of_weights=\"last_layer\"` gives the `…LLLaplace` twin of each.",
      ["laplace_debiased.kron.laplace.DebiasedKronLaplace",
-      "laplace_debiased.structures.ekfac.DebiasedEKFACLaplace",
+      "laplace_debiased.ekfac.laplace.DebiasedEKFACLaplace",
       "laplace_debiased.structures.lowrank.DebiasedLowRankLaplace",
       "laplace_debiased.structures.lowrank.DebiasedFullLaplace"]),
     ("Predicting over a prior-precision grid", "",

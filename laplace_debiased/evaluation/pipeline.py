@@ -25,7 +25,7 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
   ([`laplace_debiased.structures.lowrank`][laplace_debiased.structures.lowrank]);
 * ``ekfac_single`` / ``ekfac_debiased`` / ``ekfac_full``: as the ``kron_*`` methods with
   ``hessian_structure='debiased_ekfac'`` (K-FAC eigenbasis of B, the exact curvature along it
-  measured on B̃; [`laplace_debiased.structures.ekfac`][laplace_debiased.structures.ekfac]).  Opt-in, like low
+  measured on B̃; [`laplace_debiased.ekfac.laplace`][laplace_debiased.ekfac.laplace]).  Opt-in, like low
   rank.
 
 Each repeat draws fresh batches (seeded).  Digits evaluation sets: the validation split (for
@@ -203,7 +203,7 @@ def fit_rows(opts: dict, n: int, rank: int, world: int) -> list[int]:
 def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, key: str | None = None) -> Method:
     """Method ``name`` at batch size ``b`` (``None``: the first of ``opts["batch_size"]``; unused
     by the full-batch methods), its rows named ``key`` (default ``name``)."""
-    from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
+    from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
     from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
     from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
 

@@ -3,7 +3,7 @@ and dense normalisation blocks,
 [`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks]), the blocks of frozen
 parameters dropped, refusals for what a backend would get wrong, and which backends the shared K-FAC pass
 reproduces.  Plain functions of the layers, the blocks and laplace-torch's backend, called by
-[`kron`][laplace_debiased.kron.laplace], [`ekfac`][laplace_debiased.structures.ekfac] and
+[`kron`][laplace_debiased.kron.laplace], [`ekfac`][laplace_debiased.ekfac.laplace] and
 [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace].
 """
 

@@ -10,7 +10,7 @@
   [`block_priors`][laplace_debiased.two_batch.block_priors] (per-block marglik);
 * [`kron`][laplace_debiased.kron.laplace] -- ``DebiasedKron(LL)Laplace``
   (``hessian_structure="debiased_kron"``);
-* [`ekfac`][laplace_debiased.structures.ekfac] -- ``DebiasedEKFAC(LL)Laplace``
+* [`ekfac`][laplace_debiased.ekfac.laplace] -- ``DebiasedEKFAC(LL)Laplace``
   (``hessian_structure="debiased_ekfac"``);
 * [`lowrank`][laplace_debiased.structures.lowrank] -- ``DebiasedLowRank(LL)Laplace`` and
   ``DebiasedFull(LL)Laplace``.
@@ -21,4 +21,5 @@ The choice of B and B̃ and the K-FAC computations are in
 
 # Importing any submodule defines (and so registers) every debiased class.
 import laplace_debiased.kron.laplace  # noqa: E402,F401
-from laplace_debiased.structures import ekfac, lowrank  # noqa: E402,F401
+import laplace_debiased.ekfac.laplace  # noqa: E402,F401
+from laplace_debiased.structures import lowrank  # noqa: E402,F401

@@ -18,7 +18,7 @@ instead would be a single Gaussian, but ``P₁ + P₂`` is diagonal in no Kronec
   (``log_det_posterior_precision`` and ``square_norm`` are component averages).
 
 The components are laplace-torch ``KronDecomposed`` (debiased K-FAC) or
-[`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] (debiased EKFAC) objects.
+[`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] (debiased EKFAC) objects.
 """
 
 from __future__ import annotations

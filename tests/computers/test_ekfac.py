@@ -7,7 +7,7 @@ from torch import nn
 
 from _models import exact_ggn
 from _ranks import over_two_ranks
-from laplace_debiased.computers.ekfac import EKFACMeasurement, decompose_ekfac, kron_basis_on_rank0
+from laplace_debiased.ekfac.decompose import EKFACMeasurement, decompose_ekfac, kron_basis_on_rank0
 from laplace_debiased.parallel.reducer import Reducer
 
 N_DATA, ROWS = 500, 7

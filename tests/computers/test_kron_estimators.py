@@ -9,7 +9,7 @@ from laplace import KronLaplace
 
 from _models import dense_kfac, kfac_to_dense, loader, tiny_cnn, tiny_mlp, toy_data
 from laplace_debiased.kron.corrected import corrected_kron
-from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace
+from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace
 from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 MODELS = {"mlp": (tiny_mlp, (4,)), "cnn": (tiny_cnn, (1, 5, 5))}

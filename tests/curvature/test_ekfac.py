@@ -1,4 +1,4 @@
-"""EKFAC bases and dense blocks (:mod:`laplace_debiased.curvature.ekfac`): the Kronecker
+"""EKFAC bases and dense blocks (:mod:`laplace_debiased.ekfac.passes`): the Kronecker
 eigenbasis diagonalises each factor, dense blocks equal ``Q diag((λ + δ)^e) Qᵀ``, and malformed
 factors are refused."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laplace_debiased.curvature.ekfac import ekfac_block_dense, ekfac_to_dense, kron_eigenbasis
+from laplace_debiased.ekfac.passes import ekfac_block_dense, ekfac_to_dense, kron_eigenbasis
 
 
 def _psd(n: int, seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The debiased EKFAC posterior (:mod:`laplace_debiased.posterior.ekfac`) against dense matrices."""
+"""The debiased EKFAC posterior (:mod:`laplace_debiased.ekfac.posterior`) against dense matrices."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from _models import loader, tiny_mlp, toy_data
-from laplace_debiased.posterior.ekfac import EKFACDecomposed, EKFACStructure, SpannedEKFACDecomposed, SpannedEKFACStructure
+from laplace_debiased.ekfac.posterior import EKFACDecomposed, EKFACStructure, SpannedEKFACDecomposed, SpannedEKFACStructure
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
+from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
 
 CLASSES = {"all": DebiasedEKFACLaplace, "last_layer": DebiasedEKFACLLLaplace}
 

@@ -13,8 +13,8 @@ from laplace_debiased.posterior.from_laplace import laplace_params, posterior_st
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import logit_jacobians
 from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
-from laplace_debiased.posterior.ekfac import EKFACDecomposed
-from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
+from laplace_debiased.ekfac.posterior import EKFACDecomposed
+from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
 from laplace_debiased.kron.laplace import DebiasedKronDecomposed, DebiasedKronLaplace, DebiasedKronLLLaplace
 
 CLASSES = {

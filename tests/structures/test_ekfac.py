@@ -15,10 +15,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from _models import dense_kfac, exact_ggn, kfac_to_dense, loader, tiny_cnn, tiny_mlp, toy_data
-from laplace_debiased.curvature.ekfac import ekfac_to_dense, kron_eigenbasis, measure_ekfac_eigenvalues
+from laplace_debiased.ekfac.passes import ekfac_to_dense, kron_eigenbasis, measure_ekfac_eigenvalues
 from laplace_debiased.posterior.grid import GridPredictive
-from laplace_debiased.posterior.ekfac import EKFACDecomposed
-from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
+from laplace_debiased.ekfac.posterior import EKFACDecomposed
+from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
 
 MODELS = {"mlp": (tiny_mlp, (4,)), "cnn": (tiny_cnn, (1, 5, 5))}
 CLASSES = {"all": DebiasedEKFACLaplace, "last_layer": DebiasedEKFACLLLaplace}

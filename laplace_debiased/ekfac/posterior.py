@@ -15,7 +15,7 @@ import torch
 from laplace.utils.utils import _is_valid_scalar
 from torch import Tensor
 
-from laplace_debiased.curvature.ekfac import ekfac_to_dense
+from laplace_debiased.ekfac.passes import ekfac_to_dense
 from laplace_debiased.posterior.kron_structure import KronStructure
 from laplace_debiased.kron.spanned import Spanned, SpannedStructure
 
@@ -201,7 +201,7 @@ class EKFACDecomposed:
             numels: The sizes of the Laplace object's parameter tensors.
 
         Returns:
-            An [`EKFACStructure`][laplace_debiased.posterior.ekfac.EKFACStructure] of this curvature without
+            An [`EKFACStructure`][laplace_debiased.ekfac.posterior.EKFACStructure] of this curvature without
             its ``deltas``.
         """
         return EKFACStructure(self, h_factor, numels)
@@ -209,7 +209,7 @@ class EKFACDecomposed:
 
 class EKFACStructure(KronStructure):
     """[`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive] structure of an
-    [`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] curvature: same eigenbasis rotation
+    [`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] curvature: same eigenbasis rotation
     as K-FAC, eigenvalues per basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held
     and computed in float64 like [`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure] (round-off
     negative eigenvalues clamped to 0).
@@ -240,12 +240,12 @@ class EKFACStructure(KronStructure):
 
 
 class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
-    """[`EKFACStructure`][laplace_debiased.posterior.ekfac.EKFACStructure] over blocks spanning several
+    """[`EKFACStructure`][laplace_debiased.ekfac.posterior.EKFACStructure] over blocks spanning several
     parameter tensors."""
 
 
 class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
-    """[`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] whose blocks may span several
+    """[`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] whose blocks may span several
     parameter tensors (a normalisation layer's dense block;
     [`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks])."""
 

@@ -3,7 +3,7 @@ the measured batch set, and a reducer.
 
 Per Linear/Conv2d block the eigenbasis ``Q = Q_G ⊗ Q_A`` is that of B's K-FAC factors and the
 eigenvalues ``Λ = diag(Qᵀ C_B̃ Q)`` are B̃'s exact GGN / empirical-Fisher curvature along it
-([`measure_ekfac_eigenvalues`][laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues]), scaled to ``N``
+([`measure_ekfac_eigenvalues`][laplace_debiased.ekfac.passes.measure_ekfac_eigenvalues]), scaled to ``N``
 data
 points: ``N/|B̃|`` times the sum over B̃ (times the loss factor). The other blocks (embeddings,
 normalisation layers' dense blocks) get the debiased K-FAC blocks of B's and B̃'s factors
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from laplace_debiased.curvature.ekfac import kron_eigenbasis, measure_ekfac_eigenvalues
+from laplace_debiased.ekfac.passes import kron_eigenbasis, measure_ekfac_eigenvalues
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.parallel.reducer import Reducer
 
@@ -76,7 +76,7 @@ class EKFACDecomposition:
 
 def kron_basis_on_rank0(kfacs: Kfacs, reducer: Reducer) -> Kfacs:
     """The eigenvectors of every factor
-    ([`kron_eigenbasis`][laplace_debiased.curvature.ekfac.kron_eigenbasis]), computed on rank 0 and sent to
+    ([`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]), computed on rank 0 and sent to
     every rank.
 
     Args:
@@ -133,7 +133,7 @@ def decompose_ekfac(
         reducer: the ranks' collectives.
 
     Returns:
-        The [`EKFACDecomposition`][laplace_debiased.computers.ekfac.EKFACDecomposition], blocks in
+        The [`EKFACDecomposition`][laplace_debiased.ekfac.decompose.EKFACDecomposition], blocks in
         ``direction``'s order.
     """
     pick = lambda blocks, want: [b for b, e in zip(blocks, extra) if e == want]  # noqa: E731

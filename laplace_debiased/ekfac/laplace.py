@@ -4,13 +4,13 @@ Per parameter block the posterior precision is ``s · Q diag(vec Λ) Qᵀ + δ``
 ``Q = Q_G ⊗ Q_A`` the eigenvectors of B's K-FAC factors and ``Λ = diag(Qᵀ C_B̃ Q)`` the exact
 GGN / empirical-Fisher curvature of the independent batch B̃ along them, scaled to ``N`` data
 points like every debiased structure (``N/|B̃|`` times the sum over B̃; maths in
-[`laplace_debiased.curvature.ekfac`][laplace_debiased.curvature.ekfac]).  With B̃ = B this is plain EKFAC on
+[`laplace_debiased.ekfac.passes`][laplace_debiased.ekfac.passes]).  With B̃ = B this is plain EKFAC on
 B.
 
 Outputs may be ``(n, tokens, C)``, every token an output with its own loss term (targets
 ``(n, tokens)``): the K-FAC basis comes from ``debiased_kron``'s shared pass, and the
 eigenvalues of each token position are measured and added up
-([`measure_ekfac_eigenvalues`][laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues]).
+([`measure_ekfac_eigenvalues`][laplace_debiased.ekfac.passes.measure_ekfac_eigenvalues]).
 
 Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
 B̃, curvature measured on B) and uses the equal-weight mixture of the two Gaussians as the
@@ -20,7 +20,7 @@ posterior ([`laplace_debiased.two_batch.cross_fit`][laplace_debiased.two_batch.c
 Under an initialised ``torch.distributed`` group the K-FAC sums come from ``debiased_kron``'s
 sharded pass, rank 0 broadcasts their eigenbasis, every rank measures the eigenvalue sums on its
 rows of B̃ and the sums are all-reduced
-([`laplace_debiased.computers.ekfac`][laplace_debiased.computers.ekfac], through the reducer of
+([`laplace_debiased.ekfac.decompose`][laplace_debiased.ekfac.decompose], through the reducer of
 [`current_reducer`][laplace_debiased.parallel.reducer.current_reducer]).
 """
 
@@ -38,12 +38,12 @@ from laplace.lllaplace import KronLLLaplace
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace_debiased.computers.ekfac import EKFACMeasurement, decompose_ekfac
+from laplace_debiased.ekfac.decompose import EKFACMeasurement, decompose_ekfac
 from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, curvature_modules, is_extra
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import local_shards
 from laplace_debiased.parallel.reducer import current_reducer
-from laplace_debiased.posterior.ekfac import EKFACDecomposed, SpannedEKFACDecomposed
+from laplace_debiased.ekfac.posterior import EKFACDecomposed, SpannedEKFACDecomposed
 from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
 from laplace_debiased.kron.laplace import fit_kfacs, kron_fit_options
 from laplace_debiased.two_batch.base import TwoBatchLaplace
@@ -98,7 +98,7 @@ def ekfac_measurement(
         dtype: The model's dtype.
 
     Returns:
-        The [`EKFACMeasurement`][laplace_debiased.computers.ekfac.EKFACMeasurement].
+        The [`EKFACMeasurement`][laplace_debiased.ekfac.decompose.EKFACMeasurement].
     """
     reducer = current_reducer()
     n_rows = sum(batch_size(b, dict_key_x, dict_key_y) for b in batches)
@@ -118,8 +118,8 @@ def ekfac_measurement(
 
 
 def _ekfac_decomposed(eigenvectors: list, eigenvalues: list[Tensor], modules: list[nn.Module]) -> EKFACDecomposed:
-    """[`SpannedEKFACDecomposed`][laplace_debiased.posterior.ekfac.SpannedEKFACDecomposed] where a block spans
-    several parameter tensors, else [`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed]."""
+    """[`SpannedEKFACDecomposed`][laplace_debiased.ekfac.posterior.SpannedEKFACDecomposed] where a block spans
+    several parameter tensors, else [`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed]."""
     spans = block_spans(modules)
     if any(span > 1 for span in spans):
         return SpannedEKFACDecomposed(eigenvectors, eigenvalues, spans)
@@ -128,14 +128,14 @@ def _ekfac_decomposed(eigenvectors: list, eigenvalues: list[Tensor], modules: li
 
 def ekfac_curvature(basis: list, measured: list, measurement: EKFACMeasurement, modules: list[nn.Module]) -> EKFACDecomposed:
     """EKFAC with the eigenbasis of one batch set's K-FAC and the curvature of another
-    ([`decompose_ekfac`][laplace_debiased.computers.ekfac.decompose_ekfac]).
+    ([`decompose_ekfac`][laplace_debiased.ekfac.decompose.decompose_ekfac]).
 
     Args:
         basis: The K-FAC blocks (``Kron.kfacs``) whose eigenbasis is kept, scaled to ``N``.
         measured: The K-FAC blocks of the measured batch set, scaled to ``N`` (for the
             embedding and normalisation blocks).
         measurement: The measured batch set
-            ([`ekfac_measurement`][laplace_debiased.structures.ekfac.ekfac_measurement]).
+            ([`ekfac_measurement`][laplace_debiased.ekfac.laplace.ekfac_measurement]).
         modules: The layers of the blocks, in block order.
 
     Returns:
@@ -155,7 +155,7 @@ def debiased_ekfac_curvature(
     swap: bool,
 ) -> EKFACDecomposed | CrossFitDecomposed:
     """The debiased EKFAC curvature of a fit: B's eigenbasis, B̃'s curvature along it
-    ([`ekfac_curvature`][laplace_debiased.structures.ekfac.ekfac_curvature]), and with ``swap`` the mixture
+    ([`ekfac_curvature`][laplace_debiased.ekfac.laplace.ekfac_curvature]), and with ``swap`` the mixture
     with the swapped roles.
 
     Args:
@@ -163,7 +163,7 @@ def debiased_ekfac_curvature(
         magnitude: B̃'s K-FAC blocks, scaled to ``N`` (B's where B̃'s are not needed).
         batches: B and B̃.
         measure: The measurement of a batch set's curvature
-            ([`ekfac_measurement`][laplace_debiased.structures.ekfac.ekfac_measurement]).
+            ([`ekfac_measurement`][laplace_debiased.ekfac.laplace.ekfac_measurement]).
         modules: The layers of the blocks, in block order.
         swap: Also decompose the swapped roles (basis from B̃, curvature from B).
 
@@ -192,10 +192,10 @@ def ekfac_state(H: EKFACDecomposed | CrossFitDecomposed) -> dict[str, Any]:
 
 
 def ekfac_from_state(state_dict: dict[str, Any], modules: list[nn.Module]) -> EKFACDecomposed | CrossFitDecomposed:
-    """The decomposition [`ekfac_state`][laplace_debiased.structures.ekfac.ekfac_state] saved.
+    """The decomposition [`ekfac_state`][laplace_debiased.ekfac.laplace.ekfac_state] saved.
 
     Args:
-        state_dict: A ``state_dict`` with [`ekfac_state`][laplace_debiased.structures.ekfac.ekfac_state]'s
+        state_dict: A ``state_dict`` with [`ekfac_state`][laplace_debiased.ekfac.laplace.ekfac_state]'s
             entry.
         modules: The layers of the blocks, in block order.
 
@@ -211,9 +211,9 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
     subset_of_weights="all", hessian_structure="debiased_ekfac")``).
 
     Same interface as ``KronLaplace``. After
-    [`fit`][laplace_debiased.structures.ekfac.DebiasedEKFACLaplace.fit], ``H_facs`` is B's K-FAC (``Kron``,
+    [`fit`][laplace_debiased.ekfac.laplace.DebiasedEKFACLaplace.fit], ``H_facs`` is B's K-FAC (``Kron``,
     scaled to ``n_data``; cross-fitted, ``H_facs_magnitude`` is B̃'s), and ``H`` an
-    [`EKFACDecomposed`][laplace_debiased.posterior.ekfac.EKFACDecomposed] (or, cross-fitted, a
+    [`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] (or, cross-fitted, a
     [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]).
     Layers: ``nn.Linear`` and ``nn.Conv2d`` (weight sharing handled exactly: per sample, the
     conv weight gradient is summed over positions before it is rotated and squared); embeddings,
@@ -313,11 +313,11 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
 
     def state_dict(self) -> dict[str, Any]:
         """KronLaplace's state (``"H"``: B's K-FAC) and the decomposition
-        ([`ekfac_state`][laplace_debiased.structures.ekfac.ekfac_state])."""
+        ([`ekfac_state`][laplace_debiased.ekfac.laplace.ekfac_state])."""
         return {**super().state_dict(), **ekfac_state(self.H)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a saved fit ([`ekfac_from_state`][laplace_debiased.structures.ekfac.ekfac_from_state])."""
+        """Restore a saved fit ([`ekfac_from_state`][laplace_debiased.ekfac.laplace.ekfac_from_state])."""
         super().load_state_dict(state_dict)
         self.H_facs_magnitude = None
         self.H = ekfac_from_state(state_dict, curvature_modules(self.backend._model))

@@ -30,7 +30,7 @@ The conventions are those of [`laplace_debiased.curvature.linalg`][laplace_debia
 
 The per-sample rotation and squaring is curvlinops' EKFAC eigenvalue correction
 (``curvlinops.EKFACLinearOperator``);
-[`measure_ekfac_eigenvalues`][laplace_debiased.curvature.ekfac.measure_ekfac_eigenvalues] runs it on B̃ with
+[`measure_ekfac_eigenvalues`][laplace_debiased.ekfac.passes.measure_ekfac_eigenvalues] runs it on B̃ with
 B's eigenvectors installed instead of the ones curvlinops would compute from B̃.
 """
 
@@ -137,7 +137,7 @@ def measure_ekfac_eigenvalues(
             model consumes); outputs ``(n, C)``, or ``(n, tokens, C)`` with every token a loss term
             (module docstring).
         eigenvectors: per parameter a list of blocks ``[[Q_G, Q_A], [Q_G], ...]`` (see
-            [`kron_eigenbasis`][laplace_debiased.curvature.ekfac.kron_eigenbasis]), e.g. from B.
+            [`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]), e.g. from B.
         fisher_type: a ``curvlinops.FisherType``: ``TYPE2`` (exact GGN), ``MC`` (sampled Fisher) or
             ``EMPIRICAL`` (empirical Fisher).
         mc_samples: samples per input for ``fisher_type=MC``.
