@@ -38,7 +38,7 @@ from typing import Any
 def register() -> None:
     """Define (and so register) every debiased Laplace class, and wrap the factory."""
     importlib.import_module("laplace_debiased.kron.laplace")  # "debiased_kron"
-    importlib.import_module("laplace_debiased.structures.lowrank")  # "debiased_lowrank", "debiased_full"
+    importlib.import_module("laplace_debiased.eigen.laplace")  # "debiased_lowrank", "debiased_full"
     importlib.import_module("laplace_debiased.ekfac.laplace")  # "debiased_ekfac"
     wrap_factory()
 

@@ -22,7 +22,7 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
 * ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
   from B (B̃ = B) or re-measured on B̃
-  ([`laplace_debiased.structures.lowrank`][laplace_debiased.structures.lowrank]);
+  ([`laplace_debiased.eigen.laplace`][laplace_debiased.eigen.laplace]);
 * ``ekfac_single`` / ``ekfac_debiased`` / ``ekfac_full``: as the ``kron_*`` methods with
   ``hessian_structure='debiased_ekfac'`` (K-FAC eigenbasis of B, the exact curvature along it
   measured on B̃; [`laplace_debiased.ekfac.laplace`][laplace_debiased.ekfac.laplace]).  Opt-in, like low
@@ -205,7 +205,7 @@ def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, 
     by the full-batch methods), its rows named ``key`` (default ``name``)."""
     from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
     from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
-    from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
+    from laplace_debiased.eigen.laplace import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
 
     ll = opts["subset"] == "last_layer"
 

@@ -12,7 +12,7 @@
   (``hessian_structure="debiased_kron"``);
 * [`ekfac`][laplace_debiased.ekfac.laplace] -- ``DebiasedEKFAC(LL)Laplace``
   (``hessian_structure="debiased_ekfac"``);
-* [`lowrank`][laplace_debiased.structures.lowrank] -- ``DebiasedLowRank(LL)Laplace`` and
+* [`lowrank`][laplace_debiased.eigen.laplace] -- ``DebiasedLowRank(LL)Laplace`` and
   ``DebiasedFull(LL)Laplace``.
 
 The choice of B and B̃ and the K-FAC computations are in
@@ -22,4 +22,4 @@ The choice of B and B̃ and the K-FAC computations are in
 # Importing any submodule defines (and so registers) every debiased class.
 import laplace_debiased.kron.laplace  # noqa: E402,F401
 import laplace_debiased.ekfac.laplace  # noqa: E402,F401
-from laplace_debiased.structures import lowrank  # noqa: E402,F401
+import laplace_debiased.eigen.laplace  # noqa: E402,F401

@@ -6,7 +6,7 @@ import torch
 
 from _models import exact_ggn, tiny_mlp
 from _ranks import Rank0, Rank1, over_two_ranks
-from laplace_debiased.computers.lowrank import (
+from laplace_debiased.eigen.decompose import (
     CurvatureSource,
     debiased_full,
     debiased_lowrank,

@@ -1,4 +1,4 @@
-"""Eigen structures (:mod:`laplace_debiased.posterior.eigen`): a low-rank structure's covariance
+"""Eigen structures (:mod:`laplace_debiased.posterior.eigen_structure`): a low-rank structure's covariance
 equals the dense formula; re-orthonormalised eigenpairs are orthonormal to float64 round-off, the same matrix, both for a
 nearly orthonormal basis (Cholesky QR) and a far from orthonormal one (Householder QR)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from _models import fit_tiny_conv
 
-from laplace_debiased.posterior.eigen import EigenStructure, orthonormal_eigenpairs, orthonormal_factor
+from laplace_debiased.posterior.eigen_structure import EigenStructure, orthonormal_eigenpairs, orthonormal_factor
 from laplace_debiased.posterior.from_laplace import laplace_params
 from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians
 from laplace_debiased.posterior.links import project_logits

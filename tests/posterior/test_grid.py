@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.posterior.eigen import EigenStructure
+from laplace_debiased.posterior.eigen_structure import EigenStructure
 from laplace_debiased.posterior.from_laplace import laplace_params
 from laplace_debiased.posterior.grid import GridPredictive, grid_validation_scores
 from laplace_debiased.posterior.jacobians import logit_jacobians

@@ -1,4 +1,4 @@
-"""The low-rank functional covariance (:mod:`laplace_debiased.posterior.lowrank`) against a dense
+"""The low-rank functional covariance (:mod:`laplace_debiased.eigen.posterior`) against a dense
 float64 inverse, marginal and joint, and without cancellation at a tiny prior."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laplace_debiased.posterior.lowrank import lowrank_functional_covariance
+from laplace_debiased.eigen.posterior import lowrank_functional_covariance
 
 
 def _dense_reference(J: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, prior: torch.Tensor):

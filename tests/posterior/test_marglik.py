@@ -1,4 +1,4 @@
-"""Eigenbasis log-determinant and functional covariance (:mod:`laplace_debiased.posterior.marglik`)
+"""Eigenbasis log-determinant and functional covariance (:mod:`laplace_debiased.eigen.marglik`)
 against dense float64 formulas, for a scalar and a per-parameter prior, both covariance routes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laplace_debiased.posterior.marglik import eigen_functional_covariance, eigen_log_det, gram_residual_is_exact
+from laplace_debiased.eigen.marglik import eigen_functional_covariance, eigen_log_det, gram_residual_is_exact
 
 
 def _basis(P: int = 9, r: int = 4, seed: int = 0):

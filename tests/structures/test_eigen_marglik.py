@@ -14,8 +14,8 @@ from laplace.curvature import BackPackGGN
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the structures
-from laplace_debiased.posterior.marglik import eigen_functional_covariance, eigen_log_det
-from laplace_debiased.structures.eigen_marglik import (
+from laplace_debiased.eigen.marglik import eigen_functional_covariance, eigen_log_det
+from laplace_debiased.eigen.eigenpairs import (
     current_eigenpairs,
     eigenpairs_from_state,
     eigenpairs_state,
@@ -207,7 +207,7 @@ def test_full_glm_predictive_with_scalar_prior_equals_dense_inverse():
 def test_float32_eigen_functional_covariance_is_the_dense_one(r, h_max):
     """A float32 result, conditioned (Gram form) or ill-conditioned (explicit residual), is the
     float64 dense one to float32 accuracy relative to the largest variance."""
-    from laplace_debiased.posterior.marglik import gram_residual_is_exact
+    from laplace_debiased.eigen.marglik import gram_residual_is_exact
 
     g = torch.Generator().manual_seed(r)
     P, n, C = 8, 5, 3

@@ -1,12 +1,12 @@
 """The dense ``la.H`` of ``debiased_full`` formed on first read
-(:mod:`laplace_debiased.structures.lazy_curvature`)."""
+(:mod:`laplace_debiased.eigen.lazy`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from laplace_debiased.structures.lazy_curvature import PendingCurvature, formed_curvature
+from laplace_debiased.eigen.lazy import PendingCurvature, formed_curvature
 from test_lowrank import data_loader, make_la, reference_parts
 from tests.curvature.test_eigen import explicit_curvature, tiny_mlp
 
@@ -15,7 +15,7 @@ from tests.curvature.test_eigen import explicit_curvature, tiny_mlp
 def test_debiased_full_forms_H_only_when_read(subset, monkeypatch):
     """fit + marglik tuning + GLM probit predictive never form the dense ``la.H``; reading it
     forms it once, as the dense formula, without invalidating the fitted eigenpairs."""
-    from laplace_debiased.structures import lazy_curvature
+    from laplace_debiased.eigen import lazy as lazy_curvature
 
     formed = []
     original = lazy_curvature.symmetric_outer

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the structures
-from laplace_debiased.structures.lowrank import (
+from laplace_debiased.eigen.laplace import (
     DebiasedFullLaplace,
     DebiasedFullLLLaplace,
     DebiasedLowRankLaplace,

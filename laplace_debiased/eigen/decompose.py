@@ -5,12 +5,12 @@ Both keep the eigenvectors ``U`` of the direction batch's curvature ``G_B`` and 
 eigenvalues on the independent magnitude batch B̃ as the Rayleigh quotients
 ``λ̃_i = u_iᵀ G_B̃ u_i``:
 
-- low rank ([`debiased_lowrank`][laplace_debiased.computers.lowrank.debiased_lowrank]): the top-``k``
+- low rank ([`debiased_lowrank`][laplace_debiased.eigen.decompose.debiased_lowrank]): the top-``k``
   eigenpairs of ``G_B``, the directions whose ``λ̃`` is at most ``remeasured_rtol · max λ̃`` left out;
-- full ([`debiased_full`][laplace_debiased.computers.lowrank.debiased_full]): every eigenvector of ``G_B``
+- full ([`debiased_full`][laplace_debiased.eigen.decompose.debiased_full]): every eigenvector of ``G_B``
   with non-zero eigenvalue and, on ``G_B``'s null space (projector ``Π = I − U Uᵀ``), the compression
   ``Π G_B̃ Π``: ``H = U diag(λ̃) Uᵀ + Π G_B̃ Π``
-  ([`decompose_debiased_full`][laplace_debiased.computers.lowrank.decompose_debiased_full]).
+  ([`decompose_debiased_full`][laplace_debiased.eigen.decompose.decompose_debiased_full]).
 
 Scale convention (that of a laplace-torch fit over ``N`` data): a batch set of ``m`` samples
 contributes ``N/m`` times the curvature of its summed loss. B̃ = B (``magnitude_batches=None``)
@@ -20,7 +20,7 @@ Every batch list here holds this rank's rows only (all rows in one process); the
 and products of the ranks are added through the reducer, and what is decomposed is decomposed
 on rank 0 and sent to every rank, so every rank holds the same result. The dense curvature
 ``G_B`` summed over the ranks is at most
-[`MAX_DISTRIBUTED_DENSE_BYTES`][laplace_debiased.computers.lowrank.MAX_DISTRIBUTED_DENSE_BYTES]; beyond that,
+[`MAX_DISTRIBUTED_DENSE_BYTES`][laplace_debiased.eigen.decompose.MAX_DISTRIBUTED_DENSE_BYTES]; beyond that,
 or with ``method="lanczos"``, the low-rank route runs Lanczos on rank 0 with every product ``G_B v`` summed
 over the ranks.
 """
@@ -165,7 +165,7 @@ def direction_eigenpairs(
     In one process: [`top_eigenpairs`][laplace_debiased.curvature.eigen.top_eigenpairs] by ``method``. Over
     several ranks: the dense route on ``G_B`` summed over the ranks, decomposed on rank 0, or
     (``method="lanczos"``, or ``"auto"`` when the dense ``G_B`` exceeds
-    [`MAX_DISTRIBUTED_DENSE_BYTES`][laplace_debiased.computers.lowrank.MAX_DISTRIBUTED_DENSE_BYTES]) Lanczos
+    [`MAX_DISTRIBUTED_DENSE_BYTES`][laplace_debiased.eigen.decompose.MAX_DISTRIBUTED_DENSE_BYTES]) Lanczos
     on rank 0 with every product ``G_B v`` summed over the ranks.
 
     Args:
@@ -251,14 +251,14 @@ def debiased_lowrank(
         n_data: ``N``, the training data the curvature is scaled to.
         rank: the number ``k`` of eigenpairs of ``G_B`` asked for.
         method: the route to them
-            ([`direction_eigenpairs`][laplace_debiased.computers.lowrank.direction_eigenpairs]).
+            ([`direction_eigenpairs`][laplace_debiased.eigen.decompose.direction_eigenpairs]).
         eigval_rtol: B's eigenpairs with eigenvalue ``≤ eigval_rtol · λ_max`` are not selected.
         remeasured_rtol: directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are
             left out.
         reducer: the ranks' collectives.
 
     Returns:
-        The [`LowRankDecomposition`][laplace_debiased.computers.lowrank.LowRankDecomposition], scaled to
+        The [`LowRankDecomposition`][laplace_debiased.eigen.decompose.LowRankDecomposition], scaled to
         ``n_data`` (``N/|B|`` and ``N/|B̃|``).
     """
     pairs = direction_eigenpairs(
@@ -292,7 +292,7 @@ def decompose_debiased_full(
         scale_B: ``N/|B|``, the scale of B's eigenvalues.
 
     Returns:
-        The [`FullDecomposition`][laplace_debiased.computers.lowrank.FullDecomposition].
+        The [`FullDecomposition`][laplace_debiased.eigen.decompose.FullDecomposition].
     """
     U = pairs.vectors.double()
     values = pairs.values.double() * scale_B
@@ -323,7 +323,7 @@ def symmetric_outer(Q: Tensor, h: Tensor) -> Tensor:
 
 def _dense_debiased_full(pairs: EigenPairs, G_magnitude: Tensor | None, scale_B: float) -> list[Tensor]:
     """``[B's eigenvalues, λ̃, H]`` of
-    [`decompose_debiased_full`][laplace_debiased.computers.lowrank.decompose_debiased_full] with ``H`` always
+    [`decompose_debiased_full`][laplace_debiased.eigen.decompose.decompose_debiased_full] with ``H`` always
     dense."""
     result = decompose_debiased_full(pairs, G_magnitude, scale_B)
     H = result.dense if result.dense is not None else symmetric_outer(*result.eigenpairs)
@@ -352,7 +352,7 @@ def debiased_full(
     reducer: Reducer,
 ) -> FullDecomposition:
     """The debiased dense curvature
-    ([`decompose_debiased_full`][laplace_debiased.computers.lowrank.decompose_debiased_full]) of B and B̃.
+    ([`decompose_debiased_full`][laplace_debiased.eigen.decompose.decompose_debiased_full]) of B and B̃.
 
     In one process B's range eigenpairs come from ``VᵀV`` when ``|B|·C < P``
     ([`range_eigenpairs`][laplace_debiased.curvature.eigen.range_eigenpairs]) and B̃ enters through its factor
@@ -368,7 +368,7 @@ def debiased_full(
         reducer: the ranks' collectives.
 
     Returns:
-        The [`FullDecomposition`][laplace_debiased.computers.lowrank.FullDecomposition], scaled to ``n_data``.
+        The [`FullDecomposition`][laplace_debiased.eigen.decompose.FullDecomposition], scaled to ``n_data``.
     """
     scale_B, scale_mag = n_data / sizes[0], n_data / sizes[1]
     G_mag = None if magnitude_batches is None else _magnitude_curvature(source, magnitude_batches, scale_mag, reducer)

@@ -44,7 +44,7 @@ B̃'s directional curvatures), the shares are added with ``all_reduce``, and ran
 broadcasts, so every rank holds the identical posterior. ``debiased_lowrank`` then takes the dense route on
 the ``P × P`` sum, or (``method="lanczos"``, or ``"auto"`` above 1 GiB) Lanczos on rank 0 with every product
 ``G_B v`` summed over the ranks. The computations are those of
-[`laplace_debiased.computers.lowrank`][laplace_debiased.computers.lowrank], through the reducer of
+[`laplace_debiased.eigen.decompose`][laplace_debiased.eigen.decompose], through the reducer of
 [`current_reducer`][laplace_debiased.parallel.reducer.current_reducer].
 """
 
@@ -60,23 +60,23 @@ from laplace.lllaplace import FullLLLaplace, LLLaplace
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace_debiased.computers.lowrank import CurvatureSource, debiased_full, debiased_lowrank, symmetric_outer
+from laplace_debiased.eigen.decompose import CurvatureSource, debiased_full, debiased_lowrank, symmetric_outer
 from laplace_debiased.curvature import eigen, inputs
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import local_shards
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
-from laplace_debiased.posterior.eigen import orthonormal_eigenpairs
-from laplace_debiased.posterior.lowrank import dense_posterior_scale, lowrank_functional_covariance
-from laplace_debiased.posterior.marglik import eigen_functional_covariance, eigen_log_det
-from laplace_debiased.structures.eigen_marglik import (
+from laplace_debiased.posterior.eigen_structure import orthonormal_eigenpairs
+from laplace_debiased.eigen.posterior import dense_posterior_scale, lowrank_functional_covariance
+from laplace_debiased.eigen.marglik import eigen_functional_covariance, eigen_log_det
+from laplace_debiased.eigen.eigenpairs import (
     KnownEigenpairs,
     current_eigenpairs,
     eigenpairs_from_state,
     eigenpairs_state,
     log_det_prior,
 )
-from laplace_debiased.structures.lazy_curvature import PendingCurvature, formed_curvature
+from laplace_debiased.eigen.lazy import PendingCurvature, formed_curvature
 from laplace_debiased.two_batch.base import TwoBatchLaplace
 
 __all__ = [
@@ -136,7 +136,7 @@ class EigenConfig:
 
         Args:
             state_dict: A loaded ``state_dict``
-                ([`state`][laplace_debiased.structures.lowrank.EigenConfig.state]'s entries).
+                ([`state`][laplace_debiased.eigen.laplace.EigenConfig.state]'s entries).
 
         Raises:
             ValueError: The saved settings differ from these.
@@ -224,7 +224,7 @@ def module_batches(
 
 @dataclass(frozen=True)
 class EigenFitInputs:
-    """What [`laplace_debiased.computers.lowrank`][laplace_debiased.computers.lowrank] computes a two-batch
+    """What [`laplace_debiased.eigen.decompose`][laplace_debiased.eigen.decompose] computes a two-batch
     fit from.
 
     Attributes:
@@ -258,7 +258,7 @@ def eigen_fit_inputs(
     Args:
         model: laplace-torch's ``la.model`` (a ``FeatureExtractor`` for a last layer).
         backend: laplace-torch's curvature backend
-            ([`curvature_type`][laplace_debiased.structures.lowrank.curvature_type]).
+            ([`curvature_type`][laplace_debiased.eigen.laplace.curvature_type]).
         direction_batches: B.
         magnitude_batches: B̃ (the same list object for B̃ = B).
         likelihood: laplace-torch's likelihood; ``"reward_modeling"`` fits as classification.
@@ -269,7 +269,7 @@ def eigen_fit_inputs(
         reducer: The ranks' collectives (this rank keeps its shard of every batch).
 
     Returns:
-        The [`EigenFitInputs`][laplace_debiased.structures.lowrank.EigenFitInputs].
+        The [`EigenFitInputs`][laplace_debiased.eigen.laplace.EigenFitInputs].
 
     Raises:
         ValueError: The backend is not an exact GGN or empirical-Fisher backend.
@@ -305,12 +305,12 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         model: The network, as for laplace-torch's ``ParametricLaplace``.
         likelihood: laplace-torch's likelihood.
         rank: Number ``k`` of top eigenvectors of ``G_B``.
-        method: Route to B's eigenpairs ([`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig],
+        method: Route to B's eigenpairs ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig],
             which holds the four settings as ``eigen_config``).
         eigval_rtol: Floor on B's eigenvalues, relative to the largest
-            ([`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig]).
+            ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
         remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest
-            ([`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig]).
+            ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
         **kwargs: laplace-torch's ``ParametricLaplace`` arguments.
 
     After ``fit``: ``H = (U (P, r), λ̃ (r,))`` in the model dtype with ``r ≤ rank``;
@@ -366,7 +366,7 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         """B's top eigenvectors and B̃'s Rayleigh quotients
-        ([`debiased_lowrank`][laplace_debiased.computers.lowrank.debiased_lowrank])."""
+        ([`debiased_lowrank`][laplace_debiased.eigen.decompose.debiased_lowrank])."""
         reducer = current_reducer()
         fit = eigen_fit_inputs(
             self.model, self.backend, direction_batches, magnitude_batches, likelihood=self.likelihood,
@@ -385,7 +385,7 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
     def curvature_eigenpairs(self) -> tuple[Tensor, Tensor]:
         """``(Q (P, r), h (r,))`` float64, ``H = Q diag(h) Qᵀ`` (unscaled by ``_H_factor``): ``H``
         re-orthonormalised
-        ([`orthonormal_eigenpairs`][laplace_debiased.posterior.eigen.orthonormal_eigenpairs], ``O(P r²)``)
+        ([`orthonormal_eigenpairs`][laplace_debiased.posterior.eigen_structure.orthonormal_eigenpairs], ``O(P r²)``)
         once per ``H`` object."""
         self._check_H_init()
         known = current_eigenpairs(getattr(self, "_known_eigenpairs", None), self.H, lambda: orthonormal_eigenpairs(*self.H))
@@ -395,15 +395,15 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
     @property
     def log_det_posterior_precision(self) -> Tensor:
         """``log det(s·H + P₀)`` in the model dtype, float64 from
-        [`curvature_eigenpairs`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace.curvature_eigenpairs]."""
+        [`curvature_eigenpairs`][laplace_debiased.eigen.laplace.DebiasedLowRankLaplace.curvature_eigenpairs]."""
         Q, h = self.curvature_eigenpairs()
         prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         return eigen_log_det(Q, h, self._H_factor, prior).to(self._dtype)
 
     def square_norm(self, value: Tensor) -> Tensor:
         """``Δᵀ P Δ`` for ``Δ = value - θ*`` and ``P = s·Q diag(h) Qᵀ + diag(p)``, float64 in the
-        eigenbasis of [`curvature_eigenpairs`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace.curvature_eigenpairs] (``s Σ_i h_i (q_iᵀΔ)² + Σ_j p_j Δ_j²``), in the
-        model dtype; with [`log_det_posterior_precision`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace.log_det_posterior_precision] it gives laplace-torch's ``log_prob``,
+        eigenbasis of [`curvature_eigenpairs`][laplace_debiased.eigen.laplace.DebiasedLowRankLaplace.curvature_eigenpairs] (``s Σ_i h_i (q_iᵀΔ)² + Σ_j p_j Δ_j²``), in the
+        model dtype; with [`log_det_posterior_precision`][laplace_debiased.eigen.laplace.DebiasedLowRankLaplace.log_det_posterior_precision] it gives laplace-torch's ``log_prob``,
         the log density of ``N(θ*, P⁻¹)``."""
         Q, h = self.curvature_eigenpairs()
         delta = (value - self.mean).double()
@@ -413,13 +413,13 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` for ``Js`` ``(n, C, P)``, in float64 without laplace-torch's
         "prior term minus low-rank correction" cancellation
-        ([`laplace_debiased.posterior.lowrank.lowrank_functional_covariance`][laplace_debiased.posterior.lowrank.lowrank_functional_covariance])."""
+        ([`laplace_debiased.eigen.posterior.lowrank_functional_covariance`][laplace_debiased.eigen.posterior.lowrank_functional_covariance])."""
         (U, lam), prior = self.posterior_precision
         return lowrank_functional_covariance(Js, U, lam, prior)
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
         """Joint ``(n·C, n·C)`` covariance; its diagonal blocks are
-        [`functional_variance`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace.functional_variance]."""
+        [`functional_variance`][laplace_debiased.eigen.laplace.DebiasedLowRankLaplace.functional_variance]."""
         n, C, P = Js.shape
         return self.functional_variance(Js.reshape(1, n * C, P))[0]
 
@@ -433,12 +433,12 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         }
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
-        """The checks of every structure, then the [`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig] settings."""
+        """The checks of every structure, then the [`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig] settings."""
         super()._check_loadable(state_dict)
         self.eigen_config.check_state(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a saved fit (refused if saved with other [`EigenConfig`][laplace_debiased.structures.lowrank.EigenConfig] settings)."""
+        """Restore a saved fit (refused if saved with other [`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig] settings)."""
         super().load_state_dict(state_dict)
         self._known_eigenpairs = eigenpairs_from_state(state_dict, self.H)
         self.direction_eigenvalues = state_dict["direction_eigenvalues"]
@@ -447,7 +447,7 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
 
 class DebiasedLowRankLLLaplace(DebiasedLowRankLaplace, LLLaplace):
     """Last-layer two-batch debiased low-rank Laplace (``Laplace(..., "last_layer",
-    hessian_structure="debiased_lowrank")``): [`DebiasedLowRankLaplace`][laplace_debiased.structures.lowrank.DebiasedLowRankLaplace] on the last
+    hessian_structure="debiased_lowrank")``): [`DebiasedLowRankLaplace`][laplace_debiased.eigen.laplace.DebiasedLowRankLaplace] on the last
     ``nn.Linear``, fed with its input features (laplace-torch's ``FeatureExtractor``)."""
 
     _key = ("last_layer", "debiased_lowrank")
@@ -467,9 +467,9 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
     ([`laplace_debiased.curvature.eigen.factored_null_space_compression`][laplace_debiased.curvature.eigen.factored_null_space_compression]),
     so the cost is that of ``min(P, |B|·C)`` and ``|B̃|·C`` eigenproblems plus a few ``P × P`` products; the
     resulting eigenpairs of ``H`` are kept
-    ([`curvature_eigenpairs`][laplace_debiased.structures.lowrank.DebiasedFullLaplace.curvature_eigenpairs])
+    ([`curvature_eigenpairs`][laplace_debiased.eigen.laplace.DebiasedFullLaplace.curvature_eigenpairs])
     for the marginal likelihood and the scalar-prior predictive, and where they are known the dense ``H`` is
-    formed only when read ([`lazy_curvature`][laplace_debiased.structures.lazy_curvature]).
+    formed only when read ([`lazy_curvature`][laplace_debiased.eigen.lazy]).
     ``direction_eigenvalues`` and ``eigenvalues`` hold B's non-zero eigenvalues and their ``λ̃`` (descending
     in B's order, scaled to ``n_data``). ``override=False`` adds the new debiased ``H`` to the previous one,
     as ``FullLaplace`` adds curvature.
@@ -480,7 +480,7 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
     @property
     def H(self) -> Tensor | None:
         """The dense curvature ``(P, P)`` in the model dtype
-        ([`formed_curvature`][laplace_debiased.structures.lazy_curvature.formed_curvature] on first read)."""
+        ([`formed_curvature`][laplace_debiased.eigen.lazy.formed_curvature] on first read)."""
         self._H_stored = formed_curvature(self._H_stored, self._device, self._dtype)  # before any: AttributeError
         return self._H_stored
 
@@ -495,7 +495,7 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         """Debiased dense curvature and its float64 eigenpairs
-        ([`debiased_full`][laplace_debiased.computers.lowrank.debiased_full]), added to ``H``: a first fit
+        ([`debiased_full`][laplace_debiased.eigen.decompose.debiased_full]), added to ``H``: a first fit
         keeps the eigenpairs (re-orthonormalised) and leaves ``H`` pending; a later one (``override=False``)
         and a fit over several ranks (no eigenpairs) add densely."""
         reducer = current_reducer()
@@ -532,7 +532,7 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
     @property
     def log_det_posterior_precision(self) -> Tensor:
         """``log det(s·H + P₀)`` in the model dtype, float64 from
-        [`curvature_eigenpairs`][laplace_debiased.structures.lowrank.DebiasedFullLaplace.curvature_eigenpairs]."""
+        [`curvature_eigenpairs`][laplace_debiased.eigen.laplace.DebiasedFullLaplace.curvature_eigenpairs]."""
         Q, h = self.curvature_eigenpairs()
         prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         return eigen_log_det(Q, h, self._H_factor, prior).to(self._dtype)
@@ -540,8 +540,8 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
     def _compute_scale(self) -> None:
         """Posterior scale from a float64 eigendecomposition (laplace-torch's Cholesky fails or
         turns non-finite in float32 at small prior precision); the float64 scale is kept for
-        [`functional_variance`][laplace_debiased.structures.lowrank.DebiasedFullLaplace.functional_variance]
-        ([`laplace_debiased.posterior.lowrank.dense_posterior_scale`][laplace_debiased.posterior.lowrank.dense_posterior_scale])."""
+        [`functional_variance`][laplace_debiased.eigen.laplace.DebiasedFullLaplace.functional_variance]
+        ([`laplace_debiased.eigen.posterior.dense_posterior_scale`][laplace_debiased.eigen.posterior.dense_posterior_scale])."""
         self._check_H_init()
         self._posterior_scale64 = dense_posterior_scale(self.H, self._H_factor, self.prior_precision_diag)
         self._posterior_scale = self._posterior_scale64.to(self._dtype)
@@ -549,7 +549,7 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` ``(n, C, C)`` in ``Js.dtype``, float64 inside. A scalar prior ``δ`` shares
         the curvature's eigenbasis
-        ([`eigen_functional_covariance`][laplace_debiased.posterior.marglik.eigen_functional_covariance], no
+        ([`eigen_functional_covariance`][laplace_debiased.eigen.marglik.eigen_functional_covariance], no
         factorisation per ``δ``); another prior uses the float64 scale ``S Sᵀ = P⁻¹``."""
         prior = log_det_prior(self.prior_precision, lambda: self.prior_precision_diag)
         if prior.numel() == 1:
@@ -562,7 +562,7 @@ class DebiasedFullLaplace(TwoBatchLaplace, FullLaplace):
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
         """Joint ``(n·C, n·C)`` covariance; its diagonal blocks are
-        [`functional_variance`][laplace_debiased.structures.lowrank.DebiasedFullLaplace.functional_variance]."""
+        [`functional_variance`][laplace_debiased.eigen.laplace.DebiasedFullLaplace.functional_variance]."""
         n, C, P = Js.shape
         return self.functional_variance(Js.reshape(1, n * C, P))[0]
 

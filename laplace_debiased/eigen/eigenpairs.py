@@ -5,9 +5,9 @@ laplace-torch's ``log_marginal_likelihood`` is ``log_likelihood − ½ (log det 
 scatter)`` with ``P = s·H + P₀`` (``s = 1/σ²/T``) and the MAP's prior term ``scatter =
 (θ* − μ₀)ᵀ P₀ (θ* − μ₀)``; only ``log det P`` depends on the curvature.  The classes compute it
 from float64 eigenpairs ``H = Q diag(h) Qᵀ``
-([`laplace_debiased.posterior.marglik.eigen_log_det`][laplace_debiased.posterior.marglik.eigen_log_det]) that
+([`laplace_debiased.eigen.marglik.eigen_log_det`][laplace_debiased.eigen.marglik.eigen_log_det]) that
 they keep per version of ``la.H``
-([`KnownEigenpairs`][laplace_debiased.structures.eigen_marglik.KnownEigenpairs], decomposed at most once per
+([`KnownEigenpairs`][laplace_debiased.eigen.eigenpairs.KnownEigenpairs], decomposed at most once per
 fit), so that every evaluation, its gradient in the prior precision and ``σ``, and every step of
 ``optimize_prior_precision(method="marglik")`` or ``marglik_training`` cost ``O(r)`` for a scalar
 prior: no new factorisation per step.  A layer-wise or diagonal prior breaks the shared
@@ -81,7 +81,7 @@ def eigenpairs_state(known: KnownEigenpairs | None, version: object) -> dict[str
 
 
 def eigenpairs_from_state(state_dict: dict[str, Any], version: object) -> KnownEigenpairs | None:
-    """The eigenpairs [`eigenpairs_state`][laplace_debiased.structures.eigen_marglik.eigenpairs_state] saved.
+    """The eigenpairs [`eigenpairs_state`][laplace_debiased.eigen.eigenpairs.eigenpairs_state] saved.
 
     Args:
         state_dict: A loaded ``state_dict``.
@@ -96,7 +96,7 @@ def eigenpairs_from_state(state_dict: dict[str, Any], version: object) -> KnownE
 
 
 def log_det_prior(prior_precision: Tensor | float, diagonal: Callable[[], Tensor]) -> Tensor:
-    """The prior precision as [`eigen_log_det`][laplace_debiased.posterior.marglik.eigen_log_det] takes it.
+    """The prior precision as [`eigen_log_det`][laplace_debiased.eigen.marglik.eigen_log_det] takes it.
 
     Args:
         prior_precision: laplace-torch's ``prior_precision``.

@@ -4,8 +4,8 @@ laplace-torch's ``FullLaplace`` keeps the dense ``P × P`` curvature ``H``. ``de
 knows it after the fit as float64 eigenpairs ``H = Q diag(h) Qᵀ``, from which the marginal
 likelihood and the scalar-prior predictive are computed; forming the dense matrix costs
 ``O(P² r)``. ``DebiasedFullLaplace`` stores a
-[`PendingCurvature`][laplace_debiased.structures.lazy_curvature.PendingCurvature] in their place and forms
-``H`` ([`formed_curvature`][laplace_debiased.structures.lazy_curvature.formed_curvature]) when something reads
+[`PendingCurvature`][laplace_debiased.eigen.lazy.PendingCurvature] in their place and forms
+``H`` ([`formed_curvature`][laplace_debiased.eigen.lazy.formed_curvature]) when something reads
 ``la.H`` (a layer-wise or diagonal prior's posterior scale, ``posterior_precision``, ``state_dict``, a user),
 so every laplace-torch path that reads it still works and sees the same value.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from laplace_debiased.computers.lowrank import symmetric_outer
+from laplace_debiased.eigen.decompose import symmetric_outer
 
 __all__ = ["PendingCurvature", "formed_curvature"]
 
@@ -42,14 +42,14 @@ def formed_curvature(
 
     Args:
         stored: A dense ``(P, P)`` tensor, a
-            [`PendingCurvature`][laplace_debiased.structures.lazy_curvature.PendingCurvature], or ``None``
+            [`PendingCurvature`][laplace_debiased.eigen.lazy.PendingCurvature], or ``None``
             (not fitted).
         device: The model's device.
         dtype: The model's dtype.
 
     Returns:
         ``stored`` itself unless it is pending; a pending curvature formed now
-        ([`symmetric_outer`][laplace_debiased.computers.lowrank.symmetric_outer], exactly symmetric), on
+        ([`symmetric_outer`][laplace_debiased.eigen.decompose.symmetric_outer], exactly symmetric), on
         ``device`` in ``dtype``.
     """
     if isinstance(stored, PendingCurvature):

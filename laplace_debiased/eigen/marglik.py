@@ -55,7 +55,7 @@ def eigen_functional_covariance(J: Tensor, Q: Tensor, h_scaled: Tensor, delta: f
     ``(JQ) diag(1/(h̃ + δ)) (JQ)ᵀ + J (I − QQᵀ) Jᵀ/δ``; the residual term is absent when
     ``r = P``. It is formed as ``(JJᵀ − (JQ)(JQ)ᵀ)/δ`` (one ``n C P r`` product, that of ``JQ``)
     where that difference's float64 cancellation stays below the rounding of ``J.dtype``
-    ([`gram_residual_is_exact`][laplace_debiased.posterior.marglik.gram_residual_is_exact]), else as
+    ([`gram_residual_is_exact`][laplace_debiased.eigen.marglik.gram_residual_is_exact]), else as
     ``R Rᵀ/δ`` with ``R = J − (JQ)Qᵀ`` (a second ``n C P r`` product, PSD for every ``δ > 0`` whatever the
     round-off)."""
     d = _float64(delta).reshape(())

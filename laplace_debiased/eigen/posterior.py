@@ -1,5 +1,5 @@
 """Functional (co)variances for laplace-torch's own predictive paths, float64,
-cancellation-free (used by [`laplace_debiased.structures.lowrank`][laplace_debiased.structures.lowrank]).
+cancellation-free (used by [`laplace_debiased.eigen.laplace`][laplace_debiased.eigen.laplace]).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class EigenStructure:
     precision ``δ``: ``Σ(δ) = JU diag(1/(sλ+δ)) (JU)ᵀ + R Rᵀ/δ`` with the residual
     ``R = J - (JU)Uᵀ`` (a Gram of the residual, not the cancelling ``JJᵀ - JU(JU)ᵀ``).
     ``U`` and ``λ`` are re-orthonormalised and re-diagonalised in float64
-    ([`orthonormal_eigenpairs`][laplace_debiased.posterior.eigen.orthonormal_eigenpairs]), round-off negative
+    ([`orthonormal_eigenpairs`][laplace_debiased.posterior.eigen_structure.orthonormal_eigenpairs]), round-off negative
     eigenvalues clamped to 0 (``H`` is PSD: a negative ``sλ + δ`` at small ``δ`` is what made float32
     predictives non-finite); everything computed is float64.
     """
@@ -65,7 +65,7 @@ class EigenStructure:
 
     def covariance(self, rotated, delta: float | Tensor) -> Tensor:
         """``Σ(δ)`` of shape ``(n, C, C)``:
-        [`covariances`][laplace_debiased.posterior.eigen.EigenStructure.covariances] at one prior
+        [`covariances`][laplace_debiased.posterior.eigen_structure.EigenStructure.covariances] at one prior
         precision."""
         return self.covariances(rotated, [delta])[0]
 
@@ -92,7 +92,7 @@ def orthonormal_eigenpairs(U: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tens
     """``(Q, μ)`` in float64 with ``QᵀQ = I`` to float64 round-off and ``Q diag(μ) Qᵀ =
     U diag(λ) Uᵀ`` (``U`` ``(P, k)`` orthonormal only to its own dtype's round-off).
 
-    ``U = Q₀R`` ([`orthonormal_factor`][laplace_debiased.posterior.eigen.orthonormal_factor]),
+    ``U = Q₀R`` ([`orthonormal_factor`][laplace_debiased.posterior.eigen_structure.orthonormal_factor]),
     ``R diag(λ) Rᵀ = V diag(μ) Vᵀ`` (eigh), ``Q = Q₀V``; negative ``μ`` clamped to 0 (a float32 ``U`` makes
     complement formulas like ``I - UUᵀ`` wrong by ``1e-7``, which ``1/δ`` amplifies)."""
     Q0, R = orthonormal_factor(U.double())
