@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from laplace_debiased.diagnostics.concentration import batch_coverage, softmax_ggn_traces, top_shares
+from benchmarks.concentration import batch_coverage, softmax_ggn_traces, top_shares
 
 
 def test_traces_equal_the_dense_ggn_trace():
