@@ -5,7 +5,7 @@ Trains (or loads from the cache) a MAP ``digits_cnn``, then fits over all weight
 * ``kron (single batch)``: K-FAC of one mini-batch of ``--batch-size`` samples, scaled to N:
   ``DebiasedKronLaplace`` with ``magnitude_loader=train_loader`` (B̃ = B), which is
   laplace-torch's ``KronLaplace`` fitted on that batch times N / batch size (tested in
-  ``tests/structures/test_kron_math.py``), so its prior precision lives on the same scale;
+  ``tests/kron/test_kron_math.py``), so its prior precision lives on the same scale;
 * ``debiased_kron``: two disjoint batches of half that size, B chooses the eigenvectors,
   B̃ measures the eigenvalues (Tatzel et al., ICLR 2025, same number of samples);
 * ``kron (full batch)``: K-FAC over all N training points (one batch, B̃ = B: exactly

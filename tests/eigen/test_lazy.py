@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from laplace_debiased.eigen.lazy import PendingCurvature, formed_curvature
-from test_lowrank import data_loader, make_la, reference_parts
+from tests.eigen.test_laplace import data_loader, make_la, reference_parts
 from tests.curvature.test_eigen import explicit_curvature, tiny_mlp
 
 

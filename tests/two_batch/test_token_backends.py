@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _models import DictData, loader, tiny_mlp
-from test_token_outputs import T, _fit_both, _precision, _tokens
+from tests.two_batch.test_token_outputs import T, _fit_both, _precision, _tokens
 import laplace_debiased  # noqa: F401  registers the debiased structures
 
 B, L, D = 4, 6, 8

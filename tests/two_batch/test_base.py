@@ -94,7 +94,7 @@ def test_regression_output_target_shape_mismatch_refused(structure, subset):
 @pytest.mark.parametrize("label", [-3, 3])
 def test_label_outside_classes_refused(structure, subset, label):
     """Labels outside ``[0, C)`` are refused; -100, CrossEntropyLoss's ignore_index, marks a
-    padded position, which the fit leaves out (tests/structures/test_padding.py)."""
+    padded position, which the fit leaves out (tests/two_batch/test_padding.py)."""
     X, y = toy_data(16, (4,), 3, "classification").tensors
     y = y.clone()
     y[3] = label

@@ -62,7 +62,7 @@ def test_explicit_magnitude_loader_and_same_batch_opt_in(ds):
 
 def test_overlap_and_equal_batches_raise(ds):
     """A separate magnitude_loader sharing samples with B is refused; within one pass of
-    train_loader equal bytes are repeated rows at different indices (tests/structures/test_repeated_rows.py)."""
+    train_loader equal bytes are repeated rows at different indices (tests/two_batch/test_repeated_rows.py)."""
     dl = loader(ds, 8)
     with pytest.raises(ValueError, match="also occur in the direction batch"):
         split_batches(dl, magnitude_loader=loader(ds, 8))  # B̃ == B by accident
