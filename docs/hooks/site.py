@@ -32,7 +32,7 @@ PACKAGE = "laplace_debiased"
 REFERENCE = "reference"
 REPO_PREFIX = "repo"
 #: the subpackages that implement the others and that a user rarely calls: listed last
-INTERNALS = ("computers", "curvature", "parallel")
+INTERNALS = ("two_batch", "curvature", "parallel")
 #: the public API, in the order a user meets it: (section, intro, objects)
 START_HERE = [
     ("The Laplace classes",
