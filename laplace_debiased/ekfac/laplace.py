@@ -46,6 +46,7 @@ from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.ekfac.posterior import EKFACDecomposed, SpannedEKFACDecomposed
 from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
 from laplace_debiased.kron.laplace import fit_kfacs, kron_fit_options
+from laplace_debiased.kron.layers import single_pass_fisher
 from laplace_debiased.two_batch.base import TwoBatchLaplace
 
 __all__ = [
@@ -226,6 +227,11 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
 
     _key = ("all", "debiased_ekfac")
     _kfac_blocks = True
+
+    def _single_pass_fisher(self) -> str | None:
+        """[`single_pass_fisher`][laplace_debiased.kron.layers.single_pass_fisher] of the backend."""
+        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
+
     _cross_fit: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

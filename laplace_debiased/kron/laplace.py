@@ -46,6 +46,7 @@ from laplace_debiased.kron.layers import (
     block_names,
     check_blocks,
     check_supported,
+    single_pass_fisher,
     trainable_blocks,
 )
 from laplace_debiased.two_batch.base import TwoBatchLaplace
@@ -376,6 +377,11 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
 
     _key = ("all", "debiased_kron")
     _kfac_blocks = True
+
+    def _single_pass_fisher(self) -> str | None:
+        """[`single_pass_fisher`][laplace_debiased.kron.layers.single_pass_fisher] of the backend."""
+        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
+
     _null_space: str = "isotropic"
     _estimator: str = "shrunk"
     _estimators: tuple[str, ...] = ESTIMATORS

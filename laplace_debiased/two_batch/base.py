@@ -67,7 +67,6 @@ from laplace_debiased.two_batch.checks import (
     check_trainable,
 )
 from laplace_debiased.two_batch.gridsearch import grid_search, regression_grid_loss
-from laplace_debiased.kron.layers import single_pass_fisher
 from laplace_debiased.two_batch.saved_state import Layout, check_saved_fit, fit_state
 from laplace_debiased.two_batch.shared_parameters import check_shared_parameters
 from laplace_debiased.two_batch.token_outputs import (
@@ -288,9 +287,9 @@ class TwoBatchLaplace:
         )
 
     def _single_pass_fisher(self) -> str | None:
-        """[`single_pass_fisher`][laplace_debiased.kron.layers.single_pass_fisher] of the backend
-        (K-FAC blocks only; ``None`` otherwise)."""
-        return single_pass_fisher(self.backend, self._asdl_fisher_kwargs) if self._kfac_blocks else None
+        """The curvature type that the structure's own pass over B ∪ B̃ reproduces exactly for
+        this backend; ``None`` here, set by the K-FAC structures."""
+        return None
 
     def _fit_split(self, batches: BatchSplit, override: bool) -> None:
         """[`fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit] on the selected B and B̃: the
