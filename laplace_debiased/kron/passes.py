@@ -17,6 +17,7 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
+from laplace.curvature.curvature import CurvatureInterface
 from torch import nn
 
 from laplace_debiased.curvature.kfac import GroupKfacSums, group_kfac_sums, input_factor_rows, zero_sums
@@ -69,7 +70,7 @@ def _stack(
 
 def _group_sums(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], sizes: list[list[int]],
-    *, likelihood: str, backend: Any, fisher: str, keys: tuple[str, str], keep_rows: bool, mean: Any,
+    *, likelihood: str, backend: CurvatureInterface, fisher: str, keys: tuple[str, str], keep_rows: bool, mean: Any,
     reducer: Reducer,
 ) -> GroupKfacSums:
     """The factor sums of every batch set over this rank's rows, added over the ranks."""
@@ -93,7 +94,7 @@ def _group_sums(
 
 def single_pass_kfacs(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], N: int,
-    *, likelihood: str, backend: Any, fisher: str, keys: tuple[str, str], mean: Any, reducer: Reducer,
+    *, likelihood: str, backend: CurvatureInterface, fisher: str, keys: tuple[str, str], mean: Any, reducer: Reducer,
 ) -> tuple[torch.Tensor, list[list[list[torch.Tensor]]], FactorRows | None, FactorTerms]:
     """K-FAC of each batch set in ``groups``, scaled to ``N`` points (module docstring).
 
@@ -103,7 +104,7 @@ def single_pass_kfacs(
         groups: the batch sets (B, B̃, ...), each a list of loader batches.
         N: the number of training data the factors are scaled to.
         likelihood: the Laplace class's likelihood.
-        backend: its curvature backend (``lossfunc`` and ``factor`` are read).
+        backend: laplace-torch's curvature backend (``lossfunc`` and ``factor`` are read).
         fisher: the curvature type (``"type2"`` exact GGN or ``"empirical"``).
         keys: ``(dict_key_x, dict_key_y)`` of dict batches.
         mean: the model output's reduction over token positions (``zero_sums``).
