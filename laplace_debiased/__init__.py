@@ -45,7 +45,11 @@ _PUBLIC = {
     "write_report": "laplace_debiased.evaluation.report",
     "diagnose_bias": "laplace_debiased.diagnostics.bias",
 }
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "DebiasedEKFACLLLaplace", "DebiasedEKFACLaplace", "DebiasedFullLLLaplace", "DebiasedFullLaplace",
+    "DebiasedKronLLLaplace", "DebiasedKronLaplace", "DebiasedLowRankLLLaplace", "DebiasedLowRankLaplace",
+    "EvalSet", "GridPredictive", "Method", "diagnose_bias", "run_pipeline", "run_sweep", "write_report",
+]
 
 
 def __getattr__(name: str) -> Any:

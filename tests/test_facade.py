@@ -21,6 +21,10 @@ def test_every_public_name_resolves_to_the_object_of_its_module(name):
     assert name in dir(ld)
 
 
+def test_all_names_each_public_name_once():
+    assert len(set(ld.__all__)) == len(ld.__all__) >= 15
+
+
 def test_an_unknown_name_raises_attribute_error():
     with pytest.raises(AttributeError, match="no_such_name"):
         ld.no_such_name  # noqa: B018

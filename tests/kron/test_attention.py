@@ -620,7 +620,7 @@ def test_transformers_gpt2_fits_over_all_weights(structure):
     projections, LayerNorms, left-padded ``BatchEncoding`` batches) over all 1,144 weights: one
     block per parameter tensor, a finite marginal likelihood and a predictive that sums to one."""
     pytest.importorskip("transformers")
-    from tests.structures.test_parity import SequenceClassifier, hf_loaders, tiny_gpt2
+    from tests.two_batch.test_parity import SequenceClassifier, hf_loaders, tiny_gpt2
 
     model = SequenceClassifier(tiny_gpt2()).eval()
     train, x_test = hf_loaders()

@@ -12,7 +12,7 @@ from laplace_debiased.posterior.eigen_structure import EigenStructure, orthonorm
 from laplace_debiased.posterior.from_laplace import laplace_params
 from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians
 from laplace_debiased.posterior.links import project_logits
-from tests.posterior.test_lowrank import _dense_reference
+from tests.eigen.test_posterior import _dense_reference
 
 EPS64 = torch.finfo(torch.float64).eps
 

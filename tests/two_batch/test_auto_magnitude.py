@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.two_batch.auto_magnitude import auto_magnitude_rule, factor_row_counts, output_columns
-from tests.computers.test_auto_magnitude import N_OUT, _data, _fit, _input_factor, _loader, _mlp
+from tests.two_batch.test_magnitude_rule import N_OUT, _data, _fit, _input_factor, _loader, _mlp
 
 
 def _cnn(size: int, padding: int) -> nn.Module:
