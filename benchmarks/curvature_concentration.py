@@ -5,7 +5,7 @@
 For the converged CIFAR-10 MAP of the headline benchmark (``cifar_cnn``, 60 epochs on the seeded
 10k training subset, loaded from its cache; trained first if missing) this computes, for every
 training point, the trace of its GGN ``tr(J_nᵀ Λ_n J_n)`` over all 56,714 weights
-(:func:`laplace_debiased.diagnostics.concentration.softmax_ggn_traces`; exact per-sample logit
+(:func:`benchmarks.concentration.softmax_ggn_traces`; exact per-sample logit
 Jacobians of the predictive, in float64), then
 
 * the share of the full-batch GGN trace held by the top 0.1 / 1 / 5 / 10 % of the points;
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cifar10.data import load_data  # noqa: E402
 from benchmarks.cifar10.train import MapConfig, train  # noqa: E402
-from laplace_debiased.diagnostics.concentration import batch_coverage, softmax_ggn_traces, top_shares  # noqa: E402
+from benchmarks.concentration import batch_coverage, softmax_ggn_traces, top_shares  # noqa: E402
 from laplace_debiased.posterior.jacobians import logit_jacobians  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

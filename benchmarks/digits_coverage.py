@@ -11,8 +11,8 @@ all 300 training images, stock K-FAC). For the layer's output factor ``G`` (32) 
 ``A`` (256), per factor of B, B̃, B ∪ B̃ (their sum, as ``la.coverage`` holds it) and all 300
 images: the round-off tolerance (:func:`~laplace_debiased.curvature.linalg.roundoff_tolerance`),
 the largest eigenvalue, the rank at the factor's own tolerance
-(:func:`~laplace_debiased.computers.coverage.numerical_rank`) and the rank the coverage record
-gives (B, B̃, B ∪ B̃ all at the union's tolerance, :func:`~laplace_debiased.computers.coverage.factor_ranks`).
+(:func:`~laplace_debiased.two_batch.coverage.numerical_rank`) and the rank the coverage record
+gives (B, B̃, B ∪ B̃ all at the union's tolerance, :func:`~laplace_debiased.two_batch.coverage.factor_ranks`).
 Then B's null group of ``A`` (:func:`~laplace_debiased.curvature.linalg.tied_groups` of B's
 spectrum, zeros and Gram eigenvalues of its rows, at B's tolerance), the completion's value on
 it, and each fit's zero counts and prior-only shares (``la.coverage``).
@@ -31,11 +31,11 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, Dataset
 
 import laplace_debiased  # noqa: F401  registers hessian_structure="debiased_kron"
-from laplace_debiased.computers.coverage import BlockCoverage, Coverage, numerical_rank
-from laplace_debiased.computers.kron_estimators import ESTIMATORS, resolve_estimator
+from laplace_debiased.two_batch.coverage import BlockCoverage, Coverage, numerical_rank
+from laplace_debiased.kron.estimators import ESTIMATORS, resolve_estimator
 from laplace_debiased.curvature.linalg import roundoff_tolerance, symmetric_eigh64, tied_groups
 from laplace_debiased.evaluation.training import default_digits_model
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 HERE = Path(__file__).resolve().parent
 LAYER = "6"  # digits_cnn's Linear(256, 32): its input is the pooled features model[:6], its ReLU model[7]

@@ -59,7 +59,7 @@ from laplace_debiased.evaluation.report import mean_stderr_text, save_signed_gap
 from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
 from laplace_debiased.evaluation.tracking import curves_from_json, curves_to_json, gap_curves, largest_gaps, where_largest
 from laplace_debiased.evaluation.training import default_digits_model
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 HERE = Path(__file__).resolve().parent
 LINK = "probit_projected"

@@ -7,7 +7,7 @@ random basis; B and B̃ of m Gaussian samples each. Candidates, all from the sam
 
 * ``single``: the eigendecomposition of the pooled factor of B ∪ B̃ (a single batch of 2m);
 * ``paper``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al.);
-* ``corrected``: :func:`laplace_debiased.curvature.corrected.corrected_factor` (pooled eigenvectors,
+* ``corrected``: :func:`laplace_debiased.kron.corrected.corrected_factor` (pooled eigenvectors,
   eigenvalues less the bias the two orders measure);
 * ``shrunk``: ``corrected_factor(..., shrink=True)``, the package's default: the corrected shift on
   the pooled range scaled by the positive-part James–Stein weight ``max(0, 1 - Σ e_i² / Σ x_i²)``
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from laplace_debiased.curvature.corrected import corrected_factor, same_minus_cross, shrinkage_weight
+from laplace_debiased.kron.corrected import corrected_factor, same_minus_cross, shrinkage_weight
 from laplace_debiased.curvature.linalg import frobenius_tolerance, remeasure_eigenvalues, symmetric_eigh64
 
 HERE = Path(__file__).resolve().parent

@@ -67,10 +67,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torch import nn
 
-from laplace_debiased.computers.kron import paired_rows
+from laplace_debiased.kron.decompose import paired_rows
 from laplace_debiased.curvature.linalg import symmetric_eigh64, through_rows
 from laplace_debiased.evaluation.models import cifar_cnn
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ["debiased", "debiased_per_batch", "corrected", "shrunk", "single", "single_same_code"]

@@ -62,8 +62,8 @@ from laplace_debiased.posterior.jacobians import logit_jacobians
 from laplace_debiased.posterior.links import probit_from_variances
 from laplace_debiased.evaluation.tracking import mean_stderr
 from laplace_debiased.evaluation.training import default_digits_model
-from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 DIGITS_GRID = [float(x) for x in np.logspace(-2, 4, 13)]
 KS = (1, 2, 4, 8)

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.second_order_gaps [--batch-sizes 32 64 128 256] [--draws 8]
 
-The corrected and shrunk estimates (:mod:`laplace_debiased.curvature.corrected`) decompose every
+The corrected and shrunk estimates (:mod:`laplace_debiased.kron.corrected`) decompose every
 factor three times in float64: the pooled factor ``P`` of B ∪ B̃ for its eigenvectors, and B's
 ``D`` and B̃'s ``M`` for the two orders' gaps ``g_{B,i} = λ_i(D) - u_iᵀ M u_i`` and
 ``g_{B̃,i} = λ_i(M) - v_iᵀ D v_i``. The paper's fit decomposes once, so on a model whose
@@ -22,7 +22,7 @@ is accurate enough on real factors: the digits main job's trained model and trai
 factors of dimension at least 8, and ``--draws`` seeded pairs of disjoint halves of ``b / 2``
 images each. Per factor it compares, on the pooled range (the pooled null space left out),
 the bias estimate ``x = g_B + g_B̃`` and the shrinkage weight ``w = max(0, 1 - Σ e² / Σ x²)``
-(``e = g_B - g_B̃``; :func:`~laplace_debiased.curvature.corrected.shrinkage_weight`) computed
+(``e = g_B - g_B̃``; :func:`~laplace_debiased.kron.corrected.shrinkage_weight`) computed
 exactly and to second order. Pairs closer than the pooled factor's round-off tolerance are left
 out of ``S_i`` (the null space's ties). Writes ``results/second_order_gaps.{json,md}``.
 """
@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import Dataset
 
 from benchmarks.normalisation import single_fit
-from laplace_debiased.curvature.corrected import same_minus_cross, shrinkage_weight
+from laplace_debiased.kron.corrected import same_minus_cross, shrinkage_weight
 from laplace_debiased.curvature.linalg import frobenius_tolerance, symmetric_eigh64
 from laplace_debiased.evaluation.options import DEFAULTS
 from laplace_debiased.evaluation.training import default_digits_model
@@ -76,7 +76,7 @@ def second_order_gaps(direction: torch.Tensor, magnitude: torch.Tensor, m_direct
 
 
 def compare(direction: torch.Tensor, magnitude: torch.Tensor, m: int) -> dict[str, float]:
-    """Exact (:func:`~laplace_debiased.curvature.corrected.same_minus_cross`, matched by sorted
+    """Exact (:func:`~laplace_debiased.kron.corrected.same_minus_cross`, matched by sorted
     position) against second-order gaps of two halves of ``m`` samples each, on the pooled range:
     the relative error of ``x = g_B + g_B̃`` and both shrinkage weights."""
     approx_b, approx_t, null = second_order_gaps(direction, magnitude, m, m)

@@ -26,11 +26,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from benchmarks.cifar10.data import load_data
 from benchmarks.cifar10.train import MapConfig, map_dir
 from laplace_debiased.evaluation.models import cifar_cnn
-from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronDecomposed
+from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronDecomposed
 from laplace_debiased.curvature.completion import debiased_factor_mode, nested_factor
 from laplace_debiased.posterior.from_laplace import laplace_params
 from laplace_debiased.posterior.jacobians import logit_jacobians
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
 from laplace_debiased.posterior.links import probit_from_variances
 
 p = argparse.ArgumentParser()

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 import laplace_debiased  # noqa: F401  registers the debiased structures
 from laplace_debiased.evaluation.metrics import nll
 from laplace_debiased.posterior.grid import GridPredictive
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 from laplace_debiased.evaluation.training import default_digits_model
 
 

@@ -35,11 +35,24 @@ from types import ModuleType
 from typing import Any
 
 
+#: The structure packages. Each defines (and so registers) its Laplace classes in its ``laplace``
+#: module; a new structure is one more line here.
+STRUCTURES = (
+    "kron",  # "debiased_kron"
+    "ekfac",  # "debiased_ekfac"
+    "eigen",  # "debiased_lowrank", "debiased_full"
+)
+
+
+def define_structures() -> None:
+    """Import every structure's ``laplace`` module, which defines its classes."""
+    for name in STRUCTURES:
+        importlib.import_module(f"laplace_debiased.{name}.laplace")
+
+
 def register() -> None:
     """Define (and so register) every debiased Laplace class, and wrap the factory."""
-    importlib.import_module("laplace_debiased.structures.kron")  # "debiased_kron"
-    importlib.import_module("laplace_debiased.structures.lowrank")  # "debiased_lowrank", "debiased_full"
-    importlib.import_module("laplace_debiased.structures.ekfac")  # "debiased_ekfac"
+    define_structures()
     wrap_factory()
 
 
@@ -61,11 +74,13 @@ def unknown_key_message(subset_of_weights: object, hessian_structure: object, ke
 
 
 def explain_unknown_keys(factory: Callable[..., Any], keys: Callable[[], Iterable[tuple]]) -> Callable[..., Any]:
-    """``factory`` (laplace-torch's ``Laplace``), whose "Unsupported Laplace combination" error
-    is replaced by ``unknown_key_message`` over the registered ``keys()``."""
+    """``factory`` (laplace-torch's ``Laplace``), which first defines the debiased classes
+    (``define_structures``) and whose "Unsupported Laplace combination" error is replaced by
+    ``unknown_key_message`` over the registered ``keys()``."""
 
     @functools.wraps(factory)
     def laplace_factory(model, likelihood, subset_of_weights="last_layer", hessian_structure="kron", *args, **kwargs):
+        define_structures()
         try:
             return factory(model, likelihood, subset_of_weights, hessian_structure, *args, **kwargs)
         except ValueError as err:
@@ -102,9 +117,8 @@ def wrap_factory() -> None:
 def _structures_initialising() -> bool:
     """Whether ``laplace`` is being imported by a submodule of [`laplace_debiased`][laplace_debiased] that is
     still executing (defining the classes now would meet that partly executed module, e.g.
-    ``posterior.implicit_kron``, the base of the K-FAC posterior). The classes are then defined
-    when [`laplace_debiased.structures`][laplace_debiased.structures] is imported: its ``__init__`` imports
-    them all."""
+    ``kron.posterior``, the base of the K-FAC posterior). The classes are then defined by the
+    factory's first call (``explain_unknown_keys``)."""
     for name, module in list(sys.modules.items()):
         if name.startswith("laplace_debiased."):
             if getattr(getattr(module, "__spec__", None), "_initializing", False):
@@ -130,7 +144,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             for handler in [h for h in root.handlers if h not in handlers]:  # laplace-torch's basicConfig()
                 root.removeHandler(handler)
-            if _structures_initialising():  # the structures package defines the classes itself
+            if _structures_initialising():  # the factory's first call defines the classes
                 wrap_factory()
             else:
                 register()

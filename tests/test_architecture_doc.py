@@ -4,7 +4,7 @@ Convention checked here: the section "Modules, package layer by package layer" o
 docs/architecture.md has one heading (``### ...``) per package layer, whose backticked names are
 the layer's members (``computers/`` for a subpackage, ``prior_grid.py`` for a top-level module),
 and under it one bullet per module file, ``- `PATH`: one line``, with ``PATH`` relative to
-``laplace_debiased/`` (``computers/kron.py``). Every module file of the package except
+``laplace_debiased/`` (``kron/decompose.py``). Every module file of the package except
 ``__init__.py`` and ``__main__.py`` has exactly one such bullet, under the heading of its own
 member, and every path named in the section is a file of the package. The table under "Package
 layers" has one row per layer of the import-linter ``layers`` contract of pyproject.toml,
@@ -60,13 +60,13 @@ def _module_bullets() -> list[tuple[str, set[str]]]:
 
 
 def _owner(path: str) -> str:
-    """The layer member a module belongs to: ``computers/kron.py`` -> ``computers/``."""
+    """The layer member a module belongs to: ``kron/decompose.py`` -> ``computers/``."""
     head, sep, _ = path.partition("/")
     return f"{head}/" if sep else head
 
 
 def test_the_parsers_see_the_package_and_the_contract():
-    assert len(_package_modules()) > 50 and "computers/kron.py" in _package_modules()
+    assert len(_package_modules()) > 50 and "kron/decompose.py" in _package_modules()
     assert len(_contract_layers()) >= 8 and ["cli.py"] in _contract_layers()
     assert len(_module_bullets()) > 50
 

@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from _models import dense_kfac, kfac_to_dense, tiny_mlp, toy_data
 from benchmarks.cifar10.fits import _loader, coverage_rows, equal_sample_draws, fit_kron
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 N, B = 60, 12
 

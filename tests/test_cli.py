@@ -86,8 +86,8 @@ def test_cli_and_every_help_import_no_torch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first", ["laplace_debiased", "laplace_debiased.structures.two_batch",
-                                   "laplace_debiased.structures.lowrank"])
+@pytest.mark.parametrize("first", ["laplace_debiased", "laplace_debiased.two_batch.base",
+                                   "laplace_debiased.eigen.laplace"])
 def test_import_registers_the_debiased_structures_after_a_later_laplace_import(first):
     """A submodule that imports laplace itself (two_batch) used to meet a partly executed module."""
     lazy = "assert 'torch' not in sys.modules\n" if first == "laplace_debiased" else ""

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.eigenvalue_oracles import (cross_validated_eigenpairs, kronecker_eigenvalues, mean_bias,
                                            oracle_eigenpairs, true_curvature, with_eigenpairs)
-from laplace_debiased.curvature.corrected import same_minus_cross
+from laplace_debiased.kron.corrected import same_minus_cross
 from benchmarks.normalisation import kron_fit
 from laplace_debiased.posterior.from_laplace import posterior_structure
 from laplace_debiased.posterior.jacobians import logit_jacobians

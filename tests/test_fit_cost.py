@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.fit_cost import dense_factor_pairs
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 
 def _fit(estimator: str) -> DebiasedKronLaplace:

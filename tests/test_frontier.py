@@ -18,7 +18,7 @@ from benchmarks.frontier import cifar10_setting, main, probit_nlls
 from laplace_debiased.evaluation.metrics import nll
 from laplace_debiased.posterior.from_laplace import posterior_structure
 from laplace_debiased.posterior.grid import GridPredictive
-from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace
+from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace
 from tests.test_benchmark_smoke import write_cifar10_bin
 
 

@@ -39,13 +39,14 @@ def test_no_merge_conflict_markers_are_committed():
 
 @pytest.mark.slow
 def test_a_posterior_module_imported_first_does_not_meet_a_partly_imported_one():
-    """``posterior.implicit_kron`` imports laplace-torch, whose import registers the structures,
-    which subclass ``implicit_kron``'s class: the registration must wait for ``structures``."""
-    code = ("import laplace_debiased.posterior.implicit_kron\n"
-            "import laplace_debiased.structures\n"
+    """``kron.posterior`` imports laplace-torch, whose import registers the structures,
+    which subclass its class: the registration must wait for the factory's first call."""
+    code = ("import laplace_debiased.kron.posterior\n"
             "import torch\nfrom laplace import Laplace\n"
             "la = Laplace(torch.nn.Linear(3, 2), 'classification', subset_of_weights='all',\n"
             "             hessian_structure='debiased_kron')\n"
-            "print(type(la).__name__)\n")
+            "print(type(la).__name__)\n"
+            "print(type(Laplace(torch.nn.Linear(3, 2), 'classification', subset_of_weights='all',\n"
+            "                   hessian_structure='debiased_ekfac')).__name__)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
-    assert res.returncode == 0 and res.stdout.split() == ["DebiasedKronLaplace"], res.stderr
+    assert res.returncode == 0 and res.stdout.split() == ["DebiasedKronLaplace", "DebiasedEKFACLaplace"], res.stderr

@@ -146,7 +146,7 @@ def test_the_private_modules_by_design_and_public_names_pass():
         "import laplace_debiased._register\n"
         "from laplace_debiased.curvature.linalg import __doc__, debiased_kron\n"
         "from torch import _C\n"
-        "from laplace_debiased.posterior.kron import KronStructure\n"
+        "from laplace_debiased.posterior.kron_structure import KronStructure\n"
         "x = KronStructure._private_is_not_a_module_name\n"
     )
     assert _violations_of(source) == []

@@ -30,7 +30,7 @@ def test_basicconfig_after_the_imports_shows_the_batch_choice():
     setup = "import laplace_debiased\nfrom laplace import Laplace\nimport logging\nlogging.basicConfig(level=logging.INFO)\n"
     res = _run(setup + FIT)
     assert res.returncode == 0, res.stderr
-    assert "INFO:laplace_debiased.structures.two_batch:DebiasedKronLaplace fit:" in res.stderr, res.stderr
+    assert "INFO:laplace_debiased.two_batch.base:DebiasedKronLaplace fit:" in res.stderr, res.stderr
 
 
 def test_a_mistyped_structure_names_the_valid_keys():
@@ -54,7 +54,7 @@ def test_valid_keys_still_build_the_same_classes():
     import torch
     from laplace import KronLaplace
 
-    from laplace_debiased.structures.kron import DebiasedKronLaplace
+    from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     assert type(laplace.Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron")) is KronLaplace

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.second_order_gaps import second_order_gaps
-from laplace_debiased.curvature.corrected import same_minus_cross
+from laplace_debiased.kron.corrected import same_minus_cross
 
 
 def _pair(eps: float, m_direction: int, m_magnitude: int, d: int = 12) -> tuple[torch.Tensor, torch.Tensor]:

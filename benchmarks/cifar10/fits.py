@@ -37,9 +37,9 @@ from laplace import KronLaplace
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.posterior.from_laplace import posterior_structure
-from laplace_debiased.computers.coverage import numerical_rank
-from laplace_debiased.structures.kron import DebiasedKronLaplace
-from laplace_debiased.structures.lowrank import DebiasedLowRankLLLaplace
+from laplace_debiased.two_batch.coverage import numerical_rank
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
+from laplace_debiased.eigen.laplace import DebiasedLowRankLLLaplace
 
 from .config import WIDE_GRID, Config
 

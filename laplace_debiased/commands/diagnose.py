@@ -140,7 +140,7 @@ def _two_batch_kron(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likeliho
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from laplace_debiased.structures.kron import DebiasedKronLaplace
+    from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
     loader = DataLoader(TensorDataset(X, y), batch_size=max(batch_size // 2, 2), shuffle=True,
                         generator=torch.Generator().manual_seed(seed))
@@ -172,7 +172,7 @@ def correction_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likel
 def coverage_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likelihood: str, batch_size: int,
                      seed: int) -> str:
     """Markdown: the coverage record
-    ([`laplace_debiased.computers.coverage`][laplace_debiased.computers.coverage]) of a debiased K-FAC fit at
+    ([`laplace_debiased.two_batch.coverage`][laplace_debiased.two_batch.coverage]) of a debiased K-FAC fit at
     2 × b/2 with each null-space treatment, or why there is none."""
     lines = ["", "## Curvature coverage of a debiased K-FAC fit", "",
              f"B and B̃: two disjoint random batches of {max(batch_size // 2, 2)} samples. Per layer and "

@@ -312,7 +312,7 @@ def debiased_kron(
         ``(eigenvectors, eigenvalues)``, lists of lists: ready for
             ``laplace.utils.matrix.KronDecomposed(eigenvectors, eigenvalues)`` when every eigenvector
             matrix is square, else for
-            [`laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed`][laplace_debiased.posterior.implicit_kron.ImplicitKronDecomposed].
+            [`laplace_debiased.kron.posterior.ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed].
 
     Raises:
         ValueError: if the two factor lists do not describe the same blocks (no layer is dropped).

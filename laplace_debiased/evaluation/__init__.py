@@ -1,7 +1,7 @@
 """The predictive and its evaluation, and the main-job pipeline.
 
-* [`predictive`][laplace_debiased.evaluation.predictive] -- ``GridPredictive``: the linearized predictive over
-  a prior-precision grid;
+* [`predictive`][laplace_debiased.evaluation.predictive] -- the sampled linearized predictive (Eq. 18) for
+  posteriors without a cheap eigenbasis (the grid predictive is ``posterior.grid.GridPredictive``);
 * [`metrics`][laplace_debiased.evaluation.metrics] -- accuracy, NLL, ECE, Brier, OOD scores;
 * [`sweep`][laplace_debiased.evaluation.sweep] -- the resumable prior-precision sweep;
 * [`report`][laplace_debiased.evaluation.report] -- Markdown and HTML calibration reports;

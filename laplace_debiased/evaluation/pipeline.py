@@ -16,16 +16,16 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
   (B chooses the eigenvectors, B̃ measures the eigenvalues);
 * ``kron_corrected``: the same two batches, ``fit(estimator="corrected")``: the eigenvectors of
   B ∪ B̃ with eigenvalues less the regression-to-the-mean gap the batches measure against each
-  other ([`laplace_debiased.curvature.corrected`][laplace_debiased.curvature.corrected]);
+  other ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]);
 * ``kron_shrunk``: the same two batches, ``fit(estimator="shrunk")`` (the default of ``fit``): the
   corrected estimate with each factor's correction shrunk by its noise;
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
 * ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
   from B (B̃ = B) or re-measured on B̃
-  ([`laplace_debiased.structures.lowrank`][laplace_debiased.structures.lowrank]);
+  ([`laplace_debiased.eigen.laplace`][laplace_debiased.eigen.laplace]);
 * ``ekfac_single`` / ``ekfac_debiased`` / ``ekfac_full``: as the ``kron_*`` methods with
   ``hessian_structure='debiased_ekfac'`` (K-FAC eigenbasis of B, the exact curvature along it
-  measured on B̃; [`laplace_debiased.structures.ekfac`][laplace_debiased.structures.ekfac]).  Opt-in, like low
+  measured on B̃; [`laplace_debiased.ekfac.laplace`][laplace_debiased.ekfac.laplace]).  Opt-in, like low
   rank.
 
 Each repeat draws fresh batches (seeded).  Digits evaluation sets: the validation split (for
@@ -203,9 +203,9 @@ def fit_rows(opts: dict, n: int, rank: int, world: int) -> list[int]:
 def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, key: str | None = None) -> Method:
     """Method ``name`` at batch size ``b`` (``None``: the first of ``opts["batch_size"]``; unused
     by the full-batch methods), its rows named ``key`` (default ``name``)."""
-    from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
-    from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
-    from laplace_debiased.structures.lowrank import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
+    from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
+    from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
+    from laplace_debiased.eigen.laplace import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
 
     ll = opts["subset"] == "last_layer"
 

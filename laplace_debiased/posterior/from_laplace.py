@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from laplace_debiased.posterior.eigen import EigenStructure
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.eigen_structure import EigenStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
 
 if TYPE_CHECKING:
     from laplace.baselaplace import ParametricLaplace
@@ -78,10 +78,10 @@ def curvature_kind(la: ParametricLaplace) -> str | None:
 def posterior_structure(la) -> KronStructure | EigenStructure:
     """Read the curvature ``la.H`` of a fitted laplace-torch ``ParametricLaplace``.
 
-    ``KronDecomposed`` -> [`KronStructure`][laplace_debiased.posterior.kron.KronStructure]; a dense ``(P, P)``
-    tensor -> [`EigenStructure`][laplace_debiased.posterior.eigen.EigenStructure] (full; from
+    ``KronDecomposed`` -> [`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure]; a dense ``(P, P)``
+    tensor -> [`EigenStructure`][laplace_debiased.posterior.eigen_structure.EigenStructure] (full; from
     ``la.curvature_eigenpairs()`` ``(Q, h)`` where the object has them, low rank when ``H`` has rank ``< P``);
-    a pair ``(U, λ)`` -> [`EigenStructure`][laplace_debiased.posterior.eigen.EigenStructure] (low rank).
+    a pair ``(U, λ)`` -> [`EigenStructure`][laplace_debiased.posterior.eigen_structure.EigenStructure] (low rank).
     """
     kind, H, s = curvature_kind(la), getattr(la, "H", None), la._H_factor
     if kind == "own":  # a curvature that knows its basis (debiased EKFAC)

@@ -23,7 +23,7 @@ samples parameters instead, for posteriors without a cheap eigenbasis.
 Supported posteriors (read from a fitted laplace-torch object, see
 [`posterior_structure`][laplace_debiased.posterior.from_laplace.posterior_structure]): ``KronDecomposed``
 ``H`` (laplace's K-FAC and the debiased K-FAC of
-[`laplace_debiased.structures.kron`][laplace_debiased.structures.kron]), dense ``H`` (full), and a low-rank
+[`laplace_debiased.kron.laplace`][laplace_debiased.kron.laplace]), dense ``H`` (full), and a low-rank
 eigen pair ``(U, λ)`` (prior ``δ`` on the complement of ``U``). Per-example Jacobians are closed-form for
 ``nn.Linear``/``nn.Conv2d`` parameters (captured input activations and output gradients, one batched backward
 pass per class) and come from ``torch.func`` (``vmap`` over ``jacrev``) otherwise.

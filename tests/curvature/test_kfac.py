@@ -8,7 +8,7 @@ from torch import nn
 
 from _models import loader, tiny_cnn, tiny_mlp, toy_data
 from laplace_debiased.curvature.kfac import group_kfac_sums, loss_hessian_sqrt
-from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
 
 MODELS = {"mlp": (tiny_mlp, (4,)), "cnn": (tiny_cnn, (1, 5, 5))}
 

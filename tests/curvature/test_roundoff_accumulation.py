@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.curvature.kfac import loss_hessian_sqrt_columns
 from laplace_debiased.curvature.linalg import clamp_roundoff_negatives, remeasure_eigenvalues, roundoff_tolerance
-from laplace_debiased.structures.kron import DebiasedKronLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 EPS32 = torch.finfo(torch.float32).eps
 

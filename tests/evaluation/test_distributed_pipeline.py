@@ -22,7 +22,7 @@ from _env import assert_every_rank_equals, pythonpath, spawn_ranks
 from _models import loader, tiny_mlp, toy_data
 from laplace_debiased import cli
 from laplace_debiased.evaluation.sweep import output_lock, row_key
-from laplace_debiased.structures.kron import DebiasedKronLaplace, DebiasedKronLLLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
 
 WORLD = 2
 ROOT = Path(__file__).resolve().parents[2]

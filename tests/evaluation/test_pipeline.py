@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 from laplace_debiased import cli
 from laplace_debiased.evaluation.options import DEFAULTS, METHODS
 from laplace_debiased.evaluation.pipeline import _method, check_settings, describe_method
-from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
+from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
 
 EKFAC = ["ekfac_single", "ekfac_debiased", "ekfac_full"]
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians
-from laplace_debiased.posterior.kron import positions_cheaper, rotate_positions
+from laplace_debiased.posterior.kron_structure import positions_cheaper, rotate_positions
 
 
 def wide_kernel_cnn() -> nn.Module:

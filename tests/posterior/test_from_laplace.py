@@ -10,9 +10,9 @@ from _models import fit_tiny_conv
 from laplace import Laplace
 from torch import nn
 
-from laplace_debiased.posterior.eigen import EigenStructure
+from laplace_debiased.posterior.eigen_structure import EigenStructure
 from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.kron_structure import KronStructure
 
 
 def test_parameters_are_all_or_the_last_layers():

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.posterior.eigen import EigenStructure
+from laplace_debiased.posterior.eigen_structure import EigenStructure
 from laplace_debiased.posterior.from_laplace import laplace_params
 from laplace_debiased.posterior.grid import GridPredictive, grid_validation_scores
 from laplace_debiased.posterior.jacobians import logit_jacobians
@@ -143,7 +143,7 @@ def test_optimize_prior_precision_gridsearch_uses_one_pass(structure, monkeypatc
     ``validate`` is never called."""
     from laplace.utils.metrics import RunningNLLMetric
 
-    from laplace_debiased.structures import gridsearch
+    from laplace_debiased.two_batch import gridsearch
 
     la, val = _fit_debiased(structure, "all")
     interval = torch.logspace(-4, 4, 13)

@@ -1,0 +1,256 @@
+"""The debiased EKFAC posterior: per parameter block ``Q diag(vec Λ + δ) Qᵀ`` with ``Q = Q_G ⊗ Q_A``
+(laplace-torch's ``KronDecomposed`` interface), and its grid structure.
+
+``EKFACDecomposed`` is the ``la.H`` of a ``debiased_ekfac`` fit, ``SpannedEKFACDecomposed`` the same
+where a block spans several parameter tensors; ``EKFACStructure`` / ``SpannedEKFACStructure`` rotate
+Jacobians once into their eigenbasis for the grid predictive
+([`laplace_debiased.posterior.grid`][laplace_debiased.posterior.grid]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from laplace.utils.utils import _is_valid_scalar
+from torch import Tensor
+
+from laplace_debiased.ekfac.passes import ekfac_to_dense
+from laplace_debiased.posterior.kron_structure import KronStructure
+from laplace_debiased.kron.spanned import Spanned, SpannedStructure
+
+__all__ = ["EKFACDecomposed", "EKFACStructure", "SpannedEKFACDecomposed", "SpannedEKFACStructure"]
+
+
+class EKFACDecomposed:
+    """Block-diagonal ``Q diag(vec Λ + δ) Qᵀ`` per parameter block (``Q = Q_G ⊗ Q_A`` or ``Q_G``).
+
+    Same interface as laplace-torch's ``KronDecomposed`` (``+`` adds prior precisions, scalar or
+    one per block; ``*`` scales the curvature; ``logdet``, ``bmm``, ``inv_square_form``, ``diag``,
+    ``to_matrix``), but the eigenvalues ``Λ`` of a weight block are a full ``(d_out, d_in)``
+    array instead of an outer product.  Powers are evaluated in float64 and cast back.
+
+    Args:
+        eigenvectors: Per block ``[Q_G (d_out, d_out), Q_A (d_in, d_in)]`` or ``[Q (d, d)]``,
+            orthonormal.
+        eigenvalues: Per block ``Λ`` of shape ``(d_out, d_in)`` or ``(d,)``.
+        deltas: The added prior precisions, a scalar or one per block (default 0).
+
+    Raises:
+        ValueError: Blocks of eigenvectors and eigenvalues that do not match, or ``deltas`` of
+            another shape.
+    """
+
+    def __init__(
+        self,
+        eigenvectors: Sequence[Sequence[Tensor]],
+        eigenvalues: Sequence[Tensor],
+        deltas: Tensor | None = None,
+    ) -> None:
+        if len(eigenvectors) != len(eigenvalues):
+            raise ValueError(
+                f"{len(eigenvectors)} eigenvector blocks but {len(eigenvalues)} eigenvalue blocks."
+            )
+        for i, (Qs, lam) in enumerate(zip(eigenvectors, eigenvalues)):
+            shape = tuple(len(Q) for Q in Qs)
+            if tuple(lam.shape) != shape:
+                raise ValueError(
+                    f"block {i}: eigenvalues of shape {tuple(lam.shape)} do not match the "
+                    f"eigenbasis {shape}."
+                )
+        self.eigenvectors = [list(Qs) for Qs in eigenvectors]
+        self.eigenvalues = list(eigenvalues)
+        ref = self.eigenvectors[0][0]
+        if deltas is None:
+            deltas = torch.zeros(len(self), device=ref.device, dtype=ref.dtype)
+        self._check_deltas(deltas)
+        self.deltas = deltas * torch.ones(len(self), device=ref.device, dtype=ref.dtype)
+
+    def __len__(self) -> int:
+        return len(self.eigenvalues)
+
+    def _check_deltas(self, deltas: Tensor) -> None:
+        if not isinstance(deltas, Tensor):
+            raise ValueError("Can only add a torch.Tensor (prior precision) to EKFACDecomposed.")
+        if not (deltas.ndim == 0 or (deltas.ndim == 1 and len(deltas) in (1, len(self)))):
+            raise ValueError(
+                f"prior precision of shape {tuple(deltas.shape)}: give a scalar or one value "
+                f"per parameter block ({len(self)})."
+            )
+
+    def detach(self) -> EKFACDecomposed:
+        self.deltas = self.deltas.detach()
+        return self
+
+    def __add__(self, deltas: Tensor) -> EKFACDecomposed:
+        self._check_deltas(deltas)
+        return EKFACDecomposed(self.eigenvectors, self.eigenvalues, self.deltas + deltas)
+
+    def __mul__(self, scalar: Tensor | float) -> EKFACDecomposed:
+        if not _is_valid_scalar(scalar):
+            raise ValueError("Invalid argument, can only multiply EKFACDecomposed with a scalar.")
+        return EKFACDecomposed(
+            self.eigenvectors, [scalar * lam for lam in self.eigenvalues], self.deltas
+        )
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def _powered(self, k: int, exponent: float) -> Tensor:
+        """``(Λ_k + δ_k)^exponent`` in the shape of ``Λ_k`` (float64 inside)."""
+        lam = self.eigenvalues[k]
+        return torch.pow(lam.double() + self.deltas[k].double(), exponent).to(lam.dtype)
+
+    def logdet(self) -> Tensor:
+        """``log det`` of the whole block-diagonal matrix (with the added ``deltas``)."""
+        total = sum(
+            torch.log(lam.double() + d.double()).sum() for lam, d in zip(self.eigenvalues, self.deltas)
+        )
+        return total.to(self.eigenvalues[0].dtype)
+
+    def _bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        """``self^exponent @ W`` for ``W`` of shape ``(batch, classes, params)``."""
+        B, K, P = W.shape
+        W = W.reshape(B * K, P)
+        out, start = [], 0
+        for k, Qs in enumerate(self.eigenvectors):
+            power = self._powered(k, exponent)
+            p = power.numel()
+            Wk = W[:, start : start + p]
+            if len(Qs) == 2:
+                Q_G, Q_A = Qs
+                Wk = Wk.reshape(B * K, *power.shape)
+                Wk = Q_G @ ((Q_G.T @ Wk @ Q_A) * power) @ Q_A.T
+            else:
+                Q = Qs[0]
+                Wk = ((Wk @ Q) * power) @ Q.T
+            out.append(Wk.reshape(B * K, p))
+            start += p
+        if start != P:
+            raise ValueError(f"W has {P} parameters but the blocks have {start}.")
+        return torch.cat(out, dim=1).reshape(B, K, P)
+
+    def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        """``self^exponent`` applied to ``W`` (laplace-torch's ``KronDecomposed.bmm`` convention).
+
+        Args:
+            W: ``(params,)``, ``(batch, params)`` or ``(batch, classes, params)``.
+            exponent: The power of the matrix (``-1``: its inverse).
+
+        Returns:
+            ``W`` times ``self^exponent``, with size-1 dimensions squeezed for 1-D and 2-D ``W``.
+
+        Raises:
+            ValueError: ``W`` of another number of dimensions or parameters.
+        """
+        if W.ndim == 1:
+            return self._bmm(W[None, None], exponent).squeeze()
+        if W.ndim == 2:
+            return self._bmm(W.unsqueeze(1), exponent).squeeze()
+        if W.ndim == 3:
+            return self._bmm(W, exponent)
+        raise ValueError(f"Invalid shape for W: {tuple(W.shape)}")
+
+    def inv_square_form(self, W: Tensor) -> Tensor:
+        """``W self⁻¹ Wᵀ``.
+
+        Args:
+            W: ``(batch, classes, params)``.
+
+        Returns:
+            ``(batch, classes, classes)``.
+        """
+        return torch.bmm(W, self._bmm(W, exponent=-1).transpose(1, 2))
+
+    def diag(self, exponent: float = 1) -> Tensor:
+        """Diagonal of ``self^exponent``.
+
+        Args:
+            exponent: The power of the matrix.
+
+        Returns:
+            ``(params,)``.
+        """
+        diags = []
+        for k, Qs in enumerate(self.eigenvectors):
+            power = self._powered(k, exponent)
+            if len(Qs) == 2:
+                Q_G, Q_A = Qs
+                diags.append(torch.einsum("ap,bq,pq->ab", Q_G.square(), Q_A.square(), power).flatten())
+            else:
+                diags.append(Qs[0].square() @ power)
+        return torch.cat(diags)
+
+    def to_matrix(self, exponent: float = 1) -> Tensor:
+        """Dense ``self^exponent`` ``(params, params)`` (tests and tiny models only).
+
+        Args:
+            exponent: The power of the matrix.
+        """
+        return ekfac_to_dense(
+            self.eigenvectors,
+            [self._powered(k, 1.0) for k in range(len(self))],
+            exponent=exponent,
+        )
+
+    def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> EKFACStructure:
+        """The [`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive] structure.
+
+        Args:
+            h_factor: The curvature scale ``s`` (laplace-torch's ``_H_factor``).
+            numels: The sizes of the Laplace object's parameter tensors.
+
+        Returns:
+            An [`EKFACStructure`][laplace_debiased.ekfac.posterior.EKFACStructure] of this curvature without
+            its ``deltas``.
+        """
+        return EKFACStructure(self, h_factor, numels)
+
+
+class EKFACStructure(KronStructure):
+    """[`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive] structure of an
+    [`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] curvature: same eigenbasis rotation
+    as K-FAC, eigenvalues per basis direction, ``Σ(δ) = Σ_k J̃_k diag(1 / (s vec Λ_k + δ_k)) J̃_kᵀ``.  Held
+    and computed in float64 like [`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure] (round-off
+    negative eigenvalues clamped to 0).
+
+    Args:
+        H: The curvature.
+        h_factor: The curvature scale ``s``.
+        numels: The sizes of the parameter tensors, one per block.
+
+    Raises:
+        ValueError: Block sizes other than ``numels``.
+    """
+
+    def __init__(self, H: EKFACDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
+        self.Qs = [[q.double() for q in qs] for qs in H.eigenvectors]
+        self.ls = [lam.double().clamp_min(0.0) for lam in H.eigenvalues]
+        self.damping = False
+        self.s = float(h_factor)
+        sizes = [lam.numel() for lam in self.ls]
+        if sizes != list(numels):
+            raise ValueError(
+                f"EKFAC blocks have sizes {sizes} but the Laplace parameters have "
+                f"{list(numels)}; the posterior and the model do not match"
+            )
+
+    def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
+        return 1.0 / (self.s * self.ls[k] + delta)
+
+
+class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
+    """[`EKFACStructure`][laplace_debiased.ekfac.posterior.EKFACStructure] over blocks spanning several
+    parameter tensors."""
+
+
+class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
+    """[`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] whose blocks may span several
+    parameter tensors (a normalisation layer's dense block;
+    [`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks])."""
+
+    _structure = SpannedEKFACStructure
+
+    def __init__(self, eigenvectors, eigenvalues, spans: Sequence[int], deltas: Tensor | None = None) -> None:
+        super().__init__(eigenvectors, eigenvalues, deltas)
+        self.spans = list(spans)

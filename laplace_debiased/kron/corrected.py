@@ -1,0 +1,384 @@
+"""The ``"corrected"`` two-batch estimate of a curvature factor: the eigenbasis of both batches
+pooled, and its eigenvalues corrected by the regression-to-the-mean gap that the two batches
+measure against each other.
+
+The theory, for one PSD factor ``F`` (a K-FAC factor or a dense block) estimated from ``m``
+independent samples as ``F̂ = F + E`` (``E`` zero-mean, ``E[E_ij²] = s_ij / m``), with an
+independent estimate ``F̃`` of the same ``F``. Second-order perturbation theory of the
+eigenpairs ``(λ_i, u_i)`` of ``F`` (distinct eigenvalues) gives, for the eigenpairs
+``(λ̂_i, û_i)`` of ``F̂``:
+
+.. math::
+
+    E[λ̂_i] = λ_i + β_i / m, \\qquad E[û_iᵀ F̃ û_i] = λ_i - β_i / m, \\qquad
+    β_i = \\sum_{j ≠ i} s_{ij} / (λ_i - λ_j) + O(m^{-1}).
+
+The same-batch eigenvalue over-states the top of the spectrum and under-states the bottom
+(``β_i`` has the sign of the top/bottom position), and the cross-batch value of the paper
+(Tatzel et al., ICLR 2025, Sec. 3.2.2: B chooses, B̃ measures) errs by the same amount the
+other way: the gap ``g_i = λ̂_i - û_iᵀ F̃ û_i`` estimates ``2 β_i / m``.
+
+A single batch of ``n = m_B + m_B̃`` samples (B ∪ B̃, the pooled factor ``F_P``) has better
+directions than either half, but its eigenvalues carry the bias ``β_i / n``. Along its own
+eigenvectors ``u_{P,i}`` the curvature of ``F`` (the target: ``U_P diag(u_{P,i}ᵀ F u_{P,i})
+U_Pᵀ`` is the matrix closest to ``F`` in Frobenius norm among those diagonal in ``U_P``) is
+``λ_{P,i} - 2 β_i / n``. Each order of the two batches estimates ``β_i`` (``m_B g_{B,i} / 2``
+with B choosing, ``m_B̃ g_{B̃,i} / 2`` with B̃ choosing); their mean gives
+
+.. math::
+
+    \\hat λ_i = λ_{P,i} - (m_B g_{B,i} + m_{B̃} g_{B̃,i}) / (2 n),
+
+clamped at 0 (a curvature). Batches drawn without replacement from ``N`` training data (the
+target is then the full-batch factor ``F_N``) have the finite-population variance
+``s_ij (1/m - 1/N)`` (up to ``N/(N-1)``), so an ``m``-batch's eigenvalue is biased against
+``u_iᵀ F_N u_i`` by ``2 β_i (1/m - 1/N)`` and the pooled one by ``2 β_i (1/n - 1/N)``. B̃, disjoint
+from B, is drawn from the ``N - m_B`` data outside it: ``E[F_B̃ | B] = (N F_N - m_B F_B) / (N - m_B)``,
+so the gap of the order B chooses measures ``N / (N - m_B)`` times B's bias. Each order's gap is
+therefore scaled by
+
+.. math::
+
+    \\frac{N - m}{N} \\cdot \\frac{1/n - 1/N}{1/m - 1/N} = \\frac{m}{n} \\Bigl(1 - \\frac{n}{N}\\Bigr)
+
+(``m`` the size of the batch that chooses; ``m / n`` for ``N → ∞``), and a pooled batch of all
+``N`` data is left uncorrected: it is the full batch. The bias left is of third order,
+``O(n^{-2})``; the noise added is that of the gaps, which shrink like ``1/m`` with the bias they
+measure, so for large batches the estimate tends to the single batch of ``n`` samples, and for
+small ones it removes the bias the single batch has. Eigenvalues are matched by position in the
+sorted spectra; inside a tied run of a half (its null space above all, where the eigenvectors are
+an arbitrary basis) the gaps are averaged, so the result does not depend on the basis ``eigh``
+returns there.
+
+With B̃ = B every gap is zero in exact arithmetic and the estimate is the single batch's
+eigendecomposition (to round-off; the Laplace class takes its exact stock path then).
+
+**Shrinkage** (``shrink=True``, the ``"shrunk"`` estimate). Removing the bias pays only where
+the bias is a large part of the single batch's error; elsewhere that error is mostly sampling
+noise, which no correction removes, and the correction's own noise is added to it. Write
+``x_i = s_{B,i} + s_{B̃,i}`` for the correction of the ``i``-th eigenvalue of the pooled range
+(``s`` the two orders' shifts above) and ``e_i = s_{B,i} - s_{B̃,i}``. With the half difference
+``Δ = (F̂_B - F̂_B̃) / 2`` in the pooled eigenbasis, second-order perturbation theory gives each
+order's shift as ``±Δ_ii / 2 + g_i`` (``g_i = Σ_{j≠i} Δ_ij² / (λ_{P,i} - λ_{P,j})`` at the order
+weight ``1/2``, second order): the first-order parts cancel in ``x_i = 2 g_i``, the estimate of the
+bias ``2 c_i``, and remain in ``e_i = Δ_ii``. For independent halves ``Δ`` has the covariance of
+the pooled error ``E_P = (E_B + E_B̃) / 2``, so ``E[e_i²]`` is, to first order, the variance of the
+pooled eigenvalue ``λ_{P,i}``: the single batch's own noise (it is *not* the noise of ``x_i``,
+which is of second order and smaller by a factor growing like ``m``). The weight
+
+.. math::
+
+    w = \\max\\bigl(0,\\; 1 - Σ_i e_i² / Σ_i x_i²\\bigr)
+
+(of the positive-part James–Stein form) therefore compares, over one factor's range, the single
+batch's noise with its squared bias plus the correction's noise: it is near 1 where the bias
+dominates the single batch's error (small batches, flat spectra), and falls to 0 as the batch
+grows, since the bias shrinks like ``1/m`` and the noise like ``1/√m``. It is more conservative
+than the weight minimising ``E Σ_i (w x_i - 2 c_i)²`` (``Σ 4c_i² / (Σ 4c_i² + Σ Var x_i)``, which
+needs the second-order ``Var x_i`` that two batches do not measure), and gives up only a small
+share of the bias there: one that is small against the noise it leaves. The eigenvalues are
+``(λ_{P,i} - w x_i)⁺`` on the pooled range. The pooled null space (where the single batch has no
+curvature at all, and any positive value is closer to the truth) keeps the whole correction.
+``w`` is near 1 where the two orders agree on a large correction (small batches) and near 0 where
+they disagree as much as they correct (their disagreement being the single batch's noise), so the
+estimate moves between the corrected one and the single batch by what the two batches measure.
+With B̃ = B every ``x_i`` is zero (to round-off), and so is the correction, whatever ``w``: the
+single batch again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from laplace_debiased.curvature.completion import group_means
+from laplace_debiased.curvature.linalg import (
+    frobenius_tolerance,
+    gram_eigenpairs,
+    remeasure_eigenvalues,
+    roundoff_tolerance,
+    symmetric_eigh64,
+    through_rows,
+    tied_groups,
+)
+
+__all__ = ["FactorCorrection", "corrected_factor", "corrected_factor_rows", "corrected_kron", "same_minus_cross",
+           "shrinkage_weight"]
+
+
+@dataclass(frozen=True)
+class FactorCorrection:
+    """What the correction did to one factor.
+
+    Attributes:
+        change: ``‖λ̂ - λ_P‖₂ / ‖λ_P‖₂``, the relative change of the pooled (single-batch)
+            spectrum; 0 where nothing was corrected.
+        change_b: the same change from one order alone (B choosing the directions), an
+            estimate of ``change`` of its own.
+        change_b_tilde: the same with B̃ choosing.
+        stderr: ``|change_b - change_b_tilde| / 2``, the standard error of ``change`` from the
+            two orders (one degree of freedom: a rough scale, not a confidence bound).
+        kept: the share ``w`` of the correction kept on the pooled range (module docstring:
+            1 without shrinkage, ``[0, 1]`` with it).
+    """
+
+    change: float
+    change_b: float
+    change_b_tilde: float
+    stderr: float
+    kept: float = 1.0
+
+
+def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: int = 0) -> torch.Tensor:
+    """Gaps ``g_i = λ_i(D) - u_iᵀ M u_i`` (float64, ascending order of ``D``'s eigenvalues).
+
+    Args:
+        direction: ``(d, d)`` PSD factor ``D`` of the batch that chooses the directions.
+        magnitude: ``(d, d)`` PSD factor ``M`` of the independent batch that measures them, on
+            the same scale as ``D``.
+        terms: rank-one terms summed into ``M`` (its round-off tolerance,
+            [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
+
+    Returns:
+        ``(d,)`` float64 gaps, averaged over each tied run of ``D``'s eigenvalues.
+    """
+    check_finite(direction, "the direction batch")
+    L, U = symmetric_eigh64(direction)
+    # diag(Uᵀ M U) in float64, at the round-off tolerance of M's own precision
+    cross = remeasure_eigenvalues(U, magnitude, terms, dtype=torch.float64)
+    return group_means(L - cross, tied_groups(L, roundoff_tolerance(direction)))
+
+
+def check_finite(F: torch.Tensor, batch: str) -> None:
+    if not torch.isfinite(F).all():
+        raise ValueError(f"the curvature factor of {batch} contains NaN or Inf; check the inputs and the model output on that batch.")
+
+
+def _change(values: torch.Tensor, pooled: torch.Tensor) -> float:
+    scale = float(torch.linalg.vector_norm(pooled))
+    return float(torch.linalg.vector_norm(values - pooled)) / scale if scale > 0 else 0.0
+
+
+def _order_weight(m: int, n: int, n_data: int | None) -> float:
+    """``(m / n)(1 - n / N)``: the bias of the pooled batch of ``n`` over the gap measured by the
+    order whose batch of ``m`` chooses, all drawn without replacement from ``N = n_data`` (module
+    docstring; ``m / n`` for ``n_data=None``, an infinite population)."""
+    if n_data is None:
+        return m / n
+    if n > n_data:
+        raise ValueError(f"B ∪ B̃ has {n} samples but the data only {n_data}; pass the training-set size as n_data.")
+    return m / n * (1 - n / n_data)
+
+
+def corrected_factor(
+    direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0,
+    n_data: int | None = None, shrink: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
+    """Pooled eigenvectors and corrected eigenvalues of one factor (module docstring).
+
+    Args:
+        direction: ``(d, d)`` PSD factor of B, scaled as an estimate of the full-data factor.
+        magnitude: ``(d, d)`` PSD factor of B̃, same layer, position and scale.
+        m_direction: samples in B (the pooled factor is the samples-weighted mean of the two,
+            exactly the factor a single batch B ∪ B̃ gives).
+        m_magnitude: samples in B̃.
+        terms: rank-one terms summed into either factor (round-off tolerance of the quotients).
+        n_data: the number ``N`` of training data the batches were drawn from without
+            replacement (finite-population scaling); ``None``: an infinite population.
+        shrink: shrink the correction on the pooled range by its measured noise (module docstring).
+
+    Returns:
+        ``(U, lam, record)``: ``U (d, d)`` orthonormal eigenvectors of the pooled factor
+        (ascending), ``lam (d,)`` the corrected eigenvalues, both in ``direction.dtype``, and
+        the [`FactorCorrection`][laplace_debiased.kron.corrected.FactorCorrection].
+    """
+    if direction.shape != magnitude.shape:
+        raise ValueError(
+            f"direction factor {tuple(direction.shape)} and magnitude factor "
+            f"{tuple(magnitude.shape)} differ in shape."
+        )
+    if m_direction < 1 or m_magnitude < 1:
+        raise ValueError(f"both batches need samples, got {m_direction} and {m_magnitude}.")
+    check_finite(direction, "B")
+    check_finite(magnitude, "B̃")
+    n = m_direction + m_magnitude
+    pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
+    L, U = symmetric_eigh64(pooled)
+    shift_b = _order_weight(m_direction, n, n_data) * same_minus_cross(direction, magnitude, terms) / 2
+    shift_t = _order_weight(m_magnitude, n, n_data) * same_minus_cross(magnitude, direction, terms) / 2
+    null = int((L <= frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(pooled)))).sum())
+    lam, record = _corrected_values(L, shift_b, shift_t, null, shrink)
+    return U.to(direction.dtype), lam.to(direction.dtype), record
+
+
+def _gaps_from_rows(direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, int]:
+    """[`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross] of ``D = XdᵀXd`` and
+    ``M = XmᵀXm`` from their rows, without a ``d × d`` matrix:
+    ``(gaps (d,) float64 ascending, size of D's null group)``.
+
+    ``D``'s spectrum is its Gram eigenvalues
+    ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]) below ``d - k`` zeros; on the
+    tied run holding the zeros (dimension ``s``, the complement ``P`` of the eigenvectors ``Q`` outside it)
+    the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s`` with ``‖Xm P‖_F² = ‖Xm‖_F² - ‖Xm Q‖_F²``, so its basis is
+    never formed."""
+    d = direction_rows.shape[1]
+    Xd, Xm = direction_rows.double(), magnitude_rows.double()
+    L, E = gram_eigenpairs(Xd)
+    zeros = d - L.numel()
+    full = torch.cat([L.new_zeros(zeros), L])
+    groups = tied_groups(full, frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T))))
+    null = groups[0].stop if zeros else 0
+    Q = E[:, null - zeros:]
+    cross = (Xm @ Q).square().sum(0)
+    gaps = full.clone()
+    gaps[null:] -= cross
+    if null:
+        outside = float(Xm.square().sum()) - float(cross.sum())
+        gaps[:null] = (float(full[:null].sum()) - outside) / null
+    return group_means(gaps, [g for g in groups if g.start >= null]), null
+
+
+def corrected_factor_rows(
+    direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, m_direction: int, m_magnitude: int,
+    dtype: torch.dtype, n_data: int | None = None, shrink: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection] | None:
+    """[`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] of a factor wider than its
+    rows, through the rows (``O(d n²)``).
+
+    Args:
+        direction_rows: ``(n_B, d)`` rows of B's factor ``D = XdᵀXd`` (its scaling).
+        magnitude_rows: ``(n_B̃, d)`` rows of B̃'s factor ``M = XmᵀXm``.
+        m_direction: samples in B.
+        m_magnitude: samples in B̃.
+        dtype: the dtype of the dense factors (round-off tolerances, the results).
+        n_data: the training-set size (finite-population scaling,
+            [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+        shrink: shrink the correction on the pooled range
+            ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+
+    Returns:
+        ``(Q, lam, record)``: ``Q (d, r)`` orthonormal eigenvectors of the pooled factor
+        outside its null space (ascending), ``lam (r + 1,)`` their corrected eigenvalues and
+        last the one of the implicit complement ``I - QQᵀ``, and the
+        [`FactorCorrection`][laplace_debiased.kron.corrected.FactorCorrection]; equal to
+        [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors to
+        round-off. ``None`` if the pooled null space reaches beyond a half's null run (then the complement
+        would not be isotropic; use the dense route).
+    """
+    n = m_direction + m_magnitude
+    pooled_rows = torch.cat([direction_rows.double() * (m_direction / n) ** 0.5,
+                             magnitude_rows.double() * (m_magnitude / n) ** 0.5])
+    L, Q = gram_eigenpairs(pooled_rows)
+    d, r = pooled_rows.shape[1], L.numel()
+    gaps_b, null_b = _gaps_from_rows(direction_rows, magnitude_rows, dtype)
+    gaps_t, null_t = _gaps_from_rows(magnitude_rows, direction_rows, dtype)
+    if d - r > min(null_b, null_t):
+        return None
+    full = torch.cat([L.new_zeros(d - r), L])
+    shift_b = _order_weight(m_direction, n, n_data) * gaps_b / 2
+    shift_t = _order_weight(m_magnitude, n, n_data) * gaps_t / 2
+    lam, record = _corrected_values(full, shift_b, shift_t, d - r, shrink)
+    values = torch.cat([lam[d - r:], lam[:1]]) if r < d else lam
+    return Q.to(dtype), values.to(dtype), record
+
+
+def shrinkage_weight(shift_b: torch.Tensor, shift_t: torch.Tensor) -> float:
+    """The positive-part James–Stein weight ``max(0, 1 - Σ e_i² / Σ x_i²)`` of the correction
+    ``x = shift_b + shift_t`` (both ``(k,)``, one per pooled range direction), with the orders'
+    difference ``e = shift_b - shift_t`` measuring the pooled eigenvalues' noise (module
+    docstring); 0 where ``x`` is zero."""
+    total = float((shift_b + shift_t).square().sum())
+    if total == 0.0:
+        return 0.0
+    return max(0.0, 1.0 - float((shift_b - shift_t).square().sum()) / total)
+
+
+def _corrected_values(L: torch.Tensor, shift_b: torch.Tensor, shift_t: torch.Tensor, null: int, shrink: bool
+                      ) -> tuple[torch.Tensor, FactorCorrection]:
+    """The corrected eigenvalues ``(L - w (shift_b + shift_t))⁺`` (all ``(d,)``, ascending; ``w = 1``
+    on the first ``null`` entries, the pooled null space, and without ``shrink``) and the record of
+    what each order and both changed."""
+    kept = shrinkage_weight(shift_b[null:], shift_t[null:]) if shrink else 1.0
+    weight = torch.full_like(L, kept)
+    weight[:null] = 1.0
+    lam = (L - weight * (shift_b + shift_t)).clamp(min=0.0)
+    L0 = L.clamp(min=0.0)
+    one_b, one_t = (L - 2 * weight * shift_b).clamp(min=0.0), (L - 2 * weight * shift_t).clamp(min=0.0)
+    change_b, change_t = _change(one_b, L0), _change(one_t, L0)
+    record = FactorCorrection(change=_change(lam, L0), change_b=change_b, change_b_tilde=change_t,
+                              stderr=abs(change_b - change_t) / 2, kept=kept)
+    return lam, record
+
+
+def corrected_kron(
+    direction_kfacs: Sequence[Sequence[torch.Tensor]],
+    magnitude_kfacs: Sequence[Sequence[torch.Tensor]],
+    m_direction: int,
+    m_magnitude: int,
+    terms: int | Sequence[Sequence[int]] = 0,
+    n_data: int | None = None,
+    rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
+    shrink: bool = False,
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[FactorCorrection]]]:
+    """[`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] for every factor of a
+    layer-wise K-FAC approximation.
+
+    A block's Kronecker eigenvalues are the products of its factors' corrected eigenvalues
+    (each factor is corrected on its own). A factor whose rows are known and fewer than its
+    dimension goes through them
+    ([`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows]): its eigenvectors
+    are then ``(d, r)`` with one more eigenvalue, that of the implicit complement.
+
+    Args:
+        direction_kfacs: B's factors, one entry per parameter block in laplace-torch
+            ``Kron.kfacs`` order, each a list of one or two dense square factors.
+        magnitude_kfacs: B̃'s factors, the same blocks.
+        m_direction: samples in B.
+        m_magnitude: samples in B̃.
+        terms: rank-one terms summed into either factor (round-off tolerance): one count, or one
+            per block and factor.
+        n_data: the training-set size the batches were drawn from ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+        rows: ``None``, or per block and factor ``(B's rows, B̃'s rows)`` (``F = XᵀX``) where known.
+        shrink: shrink each factor's correction on its pooled range
+            ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+
+    Returns:
+        ``(eigenvectors, eigenvalues, records)``, lists of lists per block and factor, the
+        first two ready for
+        [`laplace_debiased.kron.posterior.ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed]
+        (for ``laplace.utils.matrix.KronDecomposed`` when every eigenvector matrix is square).
+    """
+    if len(direction_kfacs) != len(magnitude_kfacs):
+        raise ValueError(
+            f"B has {len(direction_kfacs)} K-FAC blocks but B̃ has {len(magnitude_kfacs)}; "
+            "both must come from the same parameters."
+        )
+    vectors, values, records = [], [], []
+    for i, (F_dir, F_mag) in enumerate(zip(direction_kfacs, magnitude_kfacs)):
+        block_rows = rows[i] if rows is not None else [None] * len(F_dir)
+        block_terms = [terms] * len(F_dir) if isinstance(terms, int) else terms[i]
+        block = [_corrected_route(D, M, r, m_direction, m_magnitude, t, n_data, shrink)
+                 for D, M, r, t in zip(F_dir, F_mag, block_rows, block_terms)]
+        vectors.append([b[0] for b in block])
+        values.append([b[1] for b in block])
+        records.append([b[2] for b in block])
+    return vectors, values, records
+
+
+def _corrected_route(
+    direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
+    m_direction: int, m_magnitude: int, terms: int, n_data: int | None, shrink: bool,
+) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
+    """[`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows] where
+    [`through_rows`][laplace_debiased.curvature.linalg.through_rows] (and it applies), else
+    [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors."""
+    if through_rows(rows, direction.shape[0]):
+        check_finite(direction, "B")
+        check_finite(magnitude, "B̃")
+        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, shrink)
+        if result is not None:
+            return result
+    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, shrink)

@@ -1,0 +1,242 @@
+"""Decomposed K-FAC whose factors may keep their null space implicit.
+
+A K-FAC factor of a batch narrower than the layer (``d`` inputs, ``n < d`` rows) has rank
+``≤ n``.
+[`laplace_debiased.curvature.linalg.lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor]
+returns its debiased eigenpairs as ``Q`` (d, r) orthonormal and ``λ`` (r + 1,): ``λ[:r]`` along ``Q`` and
+``ν = λ[r]`` on the whole complement ``N = I - QQᵀ`` (0 for B's null space compressed onto B̃, the "aligned"
+treatment; a mean Rayleigh quotient for the "isotropic" one).
+[`ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed] is laplace-torch's
+``KronDecomposed`` for such factors, never forming a ``d × d`` basis except in ``to_matrix``:
+
+* a factor is ``Σ_k λ_k q_k q_kᵀ + ν N``: the *extended* spectrum ``[λ_1, ..., λ_r, ν]`` with
+  multiplicities ``[1, ..., 1, d - r]`` (``r`` eigenvalues only: ``ν = 0``; ``Q`` square: no
+  null space, laplace-torch's layout);
+* a block ``F_1 ⊗ F_2`` plus prior ``δ`` has, on ``range(P_a ⊗ P_b)`` for the eigenprojections
+  ``P_a`` of ``F_1`` and ``P_b`` of ``F_2`` (the ``q q ᵀ`` and ``N``), the eigenvalue
+  ``g(l_a, l_b) = l_a l_b + δ`` (laplace-torch's ``damping=True``: ``(l_a + √δ)(l_b + √δ)``).
+  On the null space of ``F_2`` that is ``l_a ν + δ`` (``δ`` for ``ν = 0``; damped
+  ``(l_a + √δ)(ν + √δ)``), exactly what the dense route gives those eigenvalues;
+* so ``(F + δ)^e W = Σ_ab g(l_a, l_b)^e P_a W P_b`` with ``W`` (d_1, d_2) the block of a
+  parameter vector, ``log det = Σ_ab mult_a mult_b log g(l_a, l_b)`` and
+  ``diag = Σ_ab g^e diag(P_a) ⊗ diag(P_b)`` (``diag N = 1 - Σ_k q_k²``).
+
+With every factor square (``r = d``) each method reduces to laplace-torch's. ``+`` and ``*``
+keep ``damping`` (laplace-torch 0.3 drops it in both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from laplace.utils.matrix import KronDecomposed
+from laplace.utils.utils import _is_valid_scalar
+from torch import Tensor
+
+from laplace_debiased.curvature.completion import extended_spectrum
+from laplace_debiased.posterior.grams import jacobian_float64
+from laplace_debiased.posterior.jacobians import LayerJacobian
+from laplace_debiased.posterior.kron_structure import KronStructure
+
+__all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
+
+
+def complete_basis(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
+    """``(Q_full (d, d), [λ_1, ..., λ_r, ν, ..., ν])``: ``Q`` (d, r) completed to an orthonormal
+    basis by a complete QR (``O(d² r)``; the complement's basis is arbitrary), the null
+    eigenvalue ``ν`` (module docstring) repeated ``d - r`` times."""
+    r, d = Q.shape[1], Q.shape[0]
+    if r == d:
+        return Q, eigenvalues
+    ext, _ = extended_spectrum(Q, eigenvalues)
+    full = torch.linalg.qr(Q.double(), mode="complete").Q
+    full = torch.cat([Q.double(), full[:, r:]], dim=1).to(Q.dtype)
+    return full, torch.cat([ext[:r], ext[r:].expand(d - r)])
+
+
+def _block_eigenvalues(ls: Sequence[Tensor], delta: Tensor, damping: bool) -> Tensor:
+    """``g(l_a, l_b)`` of module docstring on the extended spectra, ``(a,)`` or ``(a, b)``."""
+    if len(ls) == 1:
+        return ls[0] + delta
+    if damping:
+        return torch.outer(ls[0] + delta.sqrt(), ls[1] + delta.sqrt())
+    return torch.outer(ls[0], ls[1]) + delta
+
+
+def _apply_one(W: Tensor, Q: Tensor, f: Tensor) -> Tensor:
+    """``Σ_a f_a P_a`` applied to the rows of ``W`` (m, d) for one factor (extended ``f``)."""
+    r = Q.shape[1]
+    WQ = W @ Q
+    out = (WQ * f[:r]) @ Q.T
+    if len(f) > r:
+        out = out + f[r] * (W - WQ @ Q.T)
+    return out
+
+
+def _apply_two(W: Tensor, Q1: Tensor, Q2: Tensor, F: Tensor) -> Tensor:
+    """``Σ_ab F_ab P_a W P_b`` for ``W`` (m, d_1, d_2), extended ``F`` (module docstring)."""
+    r1, r2 = Q1.shape[1], Q2.shape[1]
+    WQ2 = W @ Q2
+    A = Q1.T @ WQ2
+    left = Q1 @ (F[:r1, :r2] * A)
+    if F.shape[0] > r1:
+        left = left + (WQ2 - Q1 @ A) * F[r1, :r2]
+    out = left @ Q2.T
+    if F.shape[1] > r2:
+        WN2 = W - WQ2 @ Q2.T
+        Cn = Q1.T @ WN2
+        out = out + Q1 @ (F[:r1, r2:] * Cn)
+        if F.shape[0] > r1:
+            out = out + F[r1, r2] * (WN2 - Q1 @ Cn)
+    return out
+
+
+def _diag_weights(Q: Tensor) -> Tensor:
+    """``(d, r[+1])``: ``diag(q_k q_kᵀ) = q_k²`` and, with a null space, ``diag N``."""
+    Q2 = Q.square()
+    if Q.shape[1] == Q.shape[0]:
+        return Q2
+    return torch.cat([Q2, (1.0 - Q2.sum(1, keepdim=True)).clamp_min(0.0)], dim=1)
+
+
+class ImplicitKronDecomposed(KronDecomposed):
+    """laplace-torch ``KronDecomposed`` whose eigenvector matrices may be ``(d, r)``, ``r ≤ d``,
+    with ``r`` or ``r + 1`` eigenvalues, the last then the factor's eigenvalue on the whole
+    complement (else 0; module docstring). All of laplace-torch's uses
+    (``logdet``, ``bmm``, ``inv_square_form``, ``diag``; ``to_matrix`` completes the bases) and
+    the grid predictive
+    ([`grid_structure`][laplace_debiased.kron.posterior.ImplicitKronDecomposed.grid_structure]) keep
+    the null space implicit."""
+
+    def __add__(self, deltas: Tensor) -> ImplicitKronDecomposed:
+        self._check_deltas(deltas)
+        return type(self)(self.eigenvectors, self.eigenvalues, self.deltas + deltas, damping=self.damping)
+
+    def __mul__(self, scalar: Tensor | float) -> ImplicitKronDecomposed:
+        if not _is_valid_scalar(scalar):
+            raise ValueError("Invalid argument, can only multiply Kron with scalar.")
+        eigenvalues = [[pow(scalar, 1 / len(ls)) * l for l in ls] for ls in self.eigenvalues]
+        return type(self)(self.eigenvectors, eigenvalues, self.deltas, damping=self.damping)
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def _blocks(self):
+        """Per block: eigenvectors, extended spectra, multiplicities and the prior."""
+        for Qs, ls, delta in zip(self.eigenvectors, self.eigenvalues, self.deltas):
+            ext = [extended_spectrum(Q, l) for Q, l in zip(Qs, ls)]
+            yield Qs, [e[0] for e in ext], [e[1] for e in ext], delta
+
+    def logdet(self) -> Tensor:
+        total = 0
+        for _, ls, mults, delta in self._blocks():
+            mult = mults[0] if len(ls) == 1 else torch.outer(mults[0], mults[1])
+            total = total + (mult * torch.log(_block_eigenvalues(ls, delta, self.damping))).sum()
+        return total
+
+    def _bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        B, K, P = W.shape
+        W = W.reshape(B * K, P)
+        out, start = [], 0
+        for Qs, ls, _, delta in self._blocks():
+            F = torch.pow(_block_eigenvalues(ls, delta, self.damping), exponent)
+            sizes = [Q.shape[0] for Q in Qs]
+            Wp = W[:, start : start + math.prod(sizes)]
+            if len(Qs) == 1:
+                out.append(_apply_one(Wp, Qs[0], F))
+            else:
+                out.append(_apply_two(Wp.reshape(-1, *sizes), *Qs, F).flatten(1))
+            start += math.prod(sizes)
+        return torch.cat(out, dim=1).reshape(B, K, P)
+
+    def diag(self, exponent: float = 1) -> Tensor:
+        diags = []
+        for Qs, ls, _, delta in self._blocks():
+            F = torch.pow(_block_eigenvalues(ls, delta, self.damping), exponent)
+            E = [_diag_weights(Q) for Q in Qs]
+            diags.append(E[0] @ F if len(Qs) == 1 else (E[0] @ F @ E[1].T).flatten())
+        return torch.cat(diags)
+
+    def completed(self) -> KronDecomposed:
+        """laplace-torch's ``KronDecomposed`` of the same matrix, every basis completed
+        ([`complete_basis`][laplace_debiased.kron.posterior.complete_basis], ``O(d² r)`` per implicit
+        factor)."""
+        blocks = [[complete_basis(Q, l) for Q, l in zip(Qs, ls)] for Qs, ls in zip(self.eigenvectors, self.eigenvalues)]
+        return KronDecomposed(
+            [[b[0] for b in bl] for bl in blocks], [[b[1] for b in bl] for bl in blocks], self.deltas, damping=self.damping
+        )
+
+    def to_matrix(self, exponent: float = 1) -> Tensor:
+        return self.completed().to_matrix(exponent)
+
+    def grid_structure(self, h_factor: float | Tensor, numels: Sequence[int]) -> KronStructure:
+        """The grid predictive's structure:
+        [`ImplicitKronStructure`][laplace_debiased.kron.posterior.ImplicitKronStructure] if a factor
+        is implicit, else [`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure]."""
+        if all(Q.shape[0] == Q.shape[1] for Qs in self.eigenvectors for Q in Qs):
+            return KronStructure(self, h_factor, numels)
+        return ImplicitKronStructure(self, h_factor, numels)
+
+
+class ImplicitKronStructure(KronStructure):
+    """[`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure] of an
+    [`ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed] whose
+    input-side factors may be implicit (``Q_A`` (d, r)).
+
+    For such a block the complement ``N`` of ``Q_A`` is one more eigen-direction of the input
+    factor, with its eigenvalue ``ν`` (weights ``1/(s λ_G ν + δ)``, damped
+    ``1/((√s λ_G + √δ)(√s ν + √δ))``):
+    a factored Jacobian ``g ⊗ a`` rotates to ``(Q_Gᵀ g) ⊗ [(Q_Aᵀ a)², ‖N a‖²]`` (``‖N a‖²`` from
+    ``a - Q_A Q_Aᵀ a``, no cancellation); a dense one ``J`` to ``[Q_Gᵀ J Q_A, Q_Gᵀ J N]`` (``d``
+    columns sharing the null weight, so the cross terms of the covariance stay exact). Blocks
+    with an implicit output-side or single factor get completed bases
+    ([`complete_basis`][laplace_debiased.kron.posterior.complete_basis]).
+    """
+
+    def __init__(self, H: ImplicitKronDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
+        self.Qs, self.ls, self.implicit = [], [], []
+        for Qs, ls in zip(H.eigenvectors, H.eigenvalues):
+            implicit = len(Qs) == 2 and Qs[0].shape[0] == Qs[0].shape[1] and Qs[1].shape[1] < Qs[1].shape[0]
+            if not implicit:
+                Qs, ls = zip(*[complete_basis(Q, l) for Q, l in zip(Qs, ls)])
+            if implicit:
+                ls = [ls[0], extended_spectrum(Qs[1], ls[1])[0]]
+            ls = [l.double().clamp_min(0.0) for l in ls]
+            self.Qs.append([Q.double() for Q in Qs])
+            self.ls.append(ls)
+            self.implicit.append(implicit)
+        self.damping = bool(getattr(H, "damping", False))
+        self.s = float(h_factor)
+        self._null_columns = [1] * len(self.Qs)
+        sizes = [math.prod(Q.shape[0] for Q in Qs) for Qs in self.Qs]
+        if sizes != list(numels):
+            raise ValueError(
+                f"K-FAC blocks have sizes {sizes} but the Laplace parameters have {list(numels)}; "
+                "the posterior and the model do not match"
+            )
+
+    def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
+        """[`KronStructure.rotate`][laplace_debiased.posterior.kron_structure.KronStructure.rotate], with the null-space
+        column(s) of implicit blocks."""
+        out = super().rotate(jacs)
+        for k in (k for k, implicit in enumerate(self.implicit) if implicit):
+            jac, (QG, QA) = jacobian_float64(jacs[k]), self.Qs[k]
+            if jac.dense is None:
+                null = (jac.a - (jac.a @ QA) @ QA.T).square().sum(-1, keepdim=True)
+                out[k] = ("factored", out[k][1], torch.cat([out[k][2], null], dim=-1))
+                self._null_columns[k] = 1
+            else:
+                n, C, _ = jac.dense.shape
+                J = QG.T @ jac.dense.reshape(n, C, QG.shape[0], QA.shape[0])
+                JQ = J @ QA
+                out[k] = ("dense", torch.cat([JQ, J - JQ @ QA.T], dim=-1).flatten(2), None)
+                self._null_columns[k] = QA.shape[0]
+        return out
+
+    def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
+        w = super()._inverse_eigenvalues(k, delta)
+        if not self.implicit[k] or self._null_columns[k] == 1:
+            return w
+        return torch.cat([w[:, :-1], w[:, -1:].expand(-1, self._null_columns[k])], dim=1)

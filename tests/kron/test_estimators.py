@@ -1,0 +1,142 @@
+"""fit(estimator="corrected") of debiased_kron against dense formulas, its reductions and its
+refusals (laplace_debiased.kron.estimators)."""
+
+import logging
+
+import pytest
+import torch
+from laplace import KronLaplace
+
+from _models import dense_kfac, kfac_to_dense, loader, tiny_cnn, tiny_mlp, toy_data
+from laplace_debiased.kron.corrected import corrected_kron
+from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
+
+MODELS = {"mlp": (tiny_mlp, (4,)), "cnn": (tiny_cnn, (1, 5, 5))}
+
+
+def _dense(vecs, vals):
+    blocks = []
+    for Us, ls in zip(vecs, vals):
+        mats = [U @ torch.diag(lam) @ U.T for U, lam in zip(Us, ls)]
+        blocks.append(torch.kron(mats[0], mats[1]) if len(mats) == 2 else mats[0])
+    return torch.block_diag(*blocks)
+
+
+@pytest.mark.parametrize("estimator", ["corrected", "shrunk"])
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_corrected_fit_equals_the_dense_formula(name, likelihood, estimator, caplog):
+    make, shape = MODELS[name]
+    model = make()
+    N, m = 72, 24
+    ds = toy_data(N, shape, 3, likelihood)
+    X = ds.tensors[0]
+    la = DebiasedKronLaplace(model, likelihood)
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la.fit(loader(ds, m), estimator=estimator)
+    ref_B = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[:m], likelihood)]
+    ref_Bt = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[m:2 * m], likelihood)]
+    vecs, vals, _ = corrected_kron(ref_B, ref_Bt, m, m, n_data=N, shrink=estimator == "shrunk")
+    torch.testing.assert_close(la.H.to_matrix(), _dense(vecs, vals), atol=1e-9, rtol=1e-8)
+    # it is neither the paper's estimate nor the single batch B ∪ B̃
+    pooled = [[(a + b) / 2 for a, b in zip(FB, FM)] for FB, FM in zip(ref_B, ref_Bt)]
+    assert not torch.allclose(la.H.to_matrix(), kfac_to_dense(pooled), atol=1e-6)
+    paper = DebiasedKronLaplace(model, likelihood)
+    paper.fit(loader(ds, m), estimator="paper")
+    assert not torch.allclose(la.H.to_matrix(), paper.H.to_matrix(), atol=1e-6)
+    assert len(la.correction.factors) == len(la.H_facs.kfacs)
+    rows = la.correction.rows()
+    assert len(rows) == sum(len(b) for b in la.H_facs.kfacs)
+    assert all(0 <= r["change"] and r["stderr"] >= 0 and 0 <= r["kept"] <= 1 for r in rows)
+    assert all(r["kept"] == 1 for r in rows) == (estimator == "corrected")
+    assert la.correction.markdown().count("\n") == len(rows) + 1
+    assert any("corrected" in r.getMessage() and "changed by" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("estimator", ["corrected", "shrunk"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_corrected_with_the_same_batch_is_kron_laplace(name, estimator):
+    make, shape = MODELS[name]
+    model = make()
+    dl = loader(toy_data(8, shape, 3, "classification"), 8)
+    la = DebiasedKronLaplace(model, "classification", prior_precision=0.7)
+    la.fit(dl, magnitude_loader=dl, estimator=estimator)
+    ref = KronLaplace(model, "classification", prior_precision=0.7)
+    ref.fit(dl)
+    torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
+
+
+def test_the_default_is_the_shrunk_estimate_unless_a_paper_option_is_asked_for():
+    ds = toy_data(16, (4,), 3, "classification")
+    for options, expected in (({}, "shrunk"), ({"cross_fit": True}, "paper"), ({"null_space": "aligned"}, "paper")):
+        la = DebiasedKronLaplace(tiny_mlp(), "classification")
+        la.fit(loader(ds, 8), **options)
+        assert la._estimator == expected
+    shrunk = DebiasedKronLaplace(tiny_mlp(), "classification")
+    shrunk.fit(loader(ds, 8), estimator="shrunk")
+    default = DebiasedKronLaplace(tiny_mlp(), "classification")
+    default.fit(loader(ds, 8))
+    torch.testing.assert_close(default.H.to_matrix(), shrunk.H.to_matrix(), atol=0, rtol=0)
+
+
+def test_refusals_say_what_to_pass():
+    ds = toy_data(16, (4,), 3, "classification")
+    la = DebiasedKronLaplace(tiny_mlp(), "classification")
+    with pytest.raises(ValueError, match=r"offers estimator in \('paper', 'corrected', 'shrunk'\)"):
+        la.fit(loader(ds, 8), estimator="median")
+    for estimator in ("corrected", "shrunk"):
+        with pytest.raises(ValueError, match="drop cross_fit=True"):
+            la.fit(loader(ds, 8), estimator=estimator, cross_fit=True)
+        with pytest.raises(ValueError, match="Pass estimator='paper'"):
+            la.fit(loader(ds, 8), estimator=estimator, null_space="aligned")
+    ek = DebiasedEKFACLaplace(tiny_mlp(), "classification")
+    with pytest.raises(ValueError, match=r"debiased_ekfac offers estimator in \('paper',\)"):
+        ek.fit(loader(ds, 8), estimator="corrected")
+
+
+def test_coverage_log_says_how_many_directions_the_completion_filled(caplog):
+    """A Linear(12, ...) layer fitted on 2 × 4 samples: B's input factor has rank ≤ 4, so the
+    isotropic completion fills at least 8 of its 12 directions, and the log line says how many."""
+    ds = toy_data(8, (12,), 3, "classification")
+    la = DebiasedKronLaplace(tiny_mlp(n_in=12), "classification")
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la.fit(loader(ds, 4))
+    first = la.coverage.blocks[0].factors
+    completed = [f.completed for f in first]
+    assert max(completed) >= 8
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("coverage"))
+    assert all(f"completed {c}" in line for c in completed)
+
+
+def _wide_model_data():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(32, 24, generator=g), torch.randint(0, 3, (32,), generator=g)
+
+
+def test_diagnose_says_what_debiasing_changes_per_layer():
+    from laplace_debiased.commands.diagnose import correction_section
+
+    model, X, y = _wide_model_data()
+    text = correction_section(model, X, y, "classification", 8, 0)
+    assert "## What debiasing changes at this batch size" in text
+    # one row per block and factor: two weight blocks (output, input) and two bias blocks
+    assert text.count("| 0 | weight | ") == 2 and text.count("| 2 | bias | factor |") == 1
+
+
+def test_report_has_the_correction_table(tmp_path):
+    from laplace_debiased.evaluation.report import write_report
+
+    model, X, y = _wide_model_data()
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(loader(torch.utils.data.TensorDataset(X, y), 8), estimator="corrected")
+    metrics = {"nll": 1.0, "ece": 0.1, "accuracy": 0.5, "brier": 0.5, "n": 32}
+    rows = [{"method": "kron_corrected", "repeat": 0, "prior_precision": d, "eval_set": "test", "kind": "test",
+             "severity": None, "link": "probit_projected", "full_batch": False, **metrics,
+             **({"correction": la.correction.rows()} if d == 0.1 else {})} for d in (0.1, 1.0)]
+    text = write_report(rows, tmp_path / "rep").read_text()
+    assert "## What the corrected estimate changed" in text
+    first = la.correction.rows()[0]
+    assert f"| {first['layer']} | weight | output | {100 * first['change']:.1f} | {100 * first['stderr']:.1f} |" in text

@@ -1,0 +1,225 @@
+"""Trust items of the shared two-batch fit (every debiased class): model mode, input
+validation, which batches are used, one-batch loaders."""
+
+import logging
+
+import pytest
+import torch
+from laplace import KronLLLaplace, Laplace
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from _models import loader, tiny_mlp, toy_data
+import laplace_debiased  # noqa: F401  registers the debiased structures
+
+STRUCTURES = ["debiased_kron", "debiased_lowrank", "debiased_full"]
+
+
+def _net_with(layer: nn.Module, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 5), layer, nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def _bn_trained(model: nn.Module) -> nn.Module:
+    """Give BatchNorm non-trivial running statistics, then switch to eval mode."""
+    model.train()
+    with torch.no_grad():
+        for s in range(3):
+            model(3 * toy_data(16, (4,), 3, "classification", seed=50 + s).tensors[0] + 1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("layer", ["batchnorm", "dropout"])
+def test_last_layer_fits_eval_mode_model_with_batchnorm_or_dropout(structure, layer):
+    make = (lambda: nn.BatchNorm1d(5)) if layer == "batchnorm" else (lambda: nn.Dropout(0.5))
+    model = _bn_trained(_net_with(make()))
+    dl = loader(toy_data(16, (4,), 3, "classification"), 8)
+    la = Laplace(model, "classification", hessian_structure=structure)
+    la.fit(dl)
+    assert not any(m.training for m in model.modules())
+    X = toy_data(3, (4,), 3, "classification", seed=9).tensors[0]
+    p1, p2 = la(X), la(X)
+    torch.testing.assert_close(p1.sum(-1), torch.ones(3, dtype=p1.dtype))
+    assert torch.equal(p1, p2)  # deterministic: eval-mode layers stay in eval mode
+
+
+@pytest.mark.parametrize("layer", ["batchnorm", "dropout"])
+def test_eval_mode_last_layer_kron_same_batch_equals_stock(layer):
+    make = (lambda: nn.BatchNorm1d(5)) if layer == "batchnorm" else (lambda: nn.Dropout(0.5))
+    model = _bn_trained(_net_with(make()))
+    dl = loader(toy_data(8, (4,), 3, "classification"), 8)
+    la = Laplace(model, "classification", hessian_structure="debiased_kron")
+    la.fit(dl, magnitude_loader=dl)
+    ref = KronLLLaplace(model, "classification")
+    ref.fit(dl)
+    torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_train_mode_model_with_dropout_is_refused(structure):
+    model = _net_with(nn.Dropout(0.5)).train()
+    la = Laplace(model, "classification", hessian_structure=structure)
+    with pytest.raises(ValueError, match=r"model.eval\(\)"):
+        la.fit(loader(toy_data(16, (4,), 3, "classification"), 8))
+
+
+SUBSETS = ["all", "last_layer"]
+
+
+def _curvature(la) -> torch.Tensor:
+    """The fitted curvature as one tensor (low-rank: the re-measured eigenvalues)."""
+    H = la.H
+    if isinstance(H, tuple):
+        return H[1]
+    return H if isinstance(H, torch.Tensor) else H.to_matrix()
+
+
+def _la(structure, subset, model=None, likelihood="classification"):
+    return Laplace(model if model is not None else tiny_mlp(), likelihood, subset, structure)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_regression_output_target_shape_mismatch_refused(structure, subset):
+    X = torch.randn(16, 4, dtype=torch.float64)
+    y = torch.randn(16, 1, dtype=torch.float64)
+    la = _la(structure, subset, tiny_mlp(n_out=2), "regression")
+    with pytest.raises(ValueError, match=r"\(2,\).*\(1,\)"):
+        la.fit(loader(TensorDataset(X, y), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+@pytest.mark.parametrize("label", [-3, 3])
+def test_label_outside_classes_refused(structure, subset, label):
+    """Labels outside ``[0, C)`` are refused; -100, CrossEntropyLoss's ignore_index, marks a
+    padded position, which the fit leaves out (tests/two_batch/test_padding.py)."""
+    X, y = toy_data(16, (4,), 3, "classification").tensors
+    y = y.clone()
+    y[3] = label
+    with pytest.raises(ValueError, match="range"):
+        _la(structure, subset).fit(loader(TensorDataset(X, y), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_inputs_whose_squares_overflow_refused(structure, subset):
+    X, y = toy_data(16, (4,), 3, "classification").tensors
+    la = _la(structure, subset, tiny_mlp().float())
+    with pytest.raises(ValueError, match="overflow"):
+        la.fit(loader(TensorDataset(X.float() * 1e38, y), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_infinite_loss_refused(structure, subset):
+    X, y = toy_data(16, (4,), 3, "regression").tensors
+    la = _la(structure, subset, tiny_mlp().float(), "regression")
+    with pytest.raises(ValueError, match="loss"):
+        la.fit(loader(TensorDataset(X.float(), y.float() * 1e30), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_all_parameters_frozen_refused(structure, subset):
+    model = tiny_mlp()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    la = _la(structure, subset, model)
+    with pytest.raises(ValueError, match="requires_grad"):
+        la.fit(loader(toy_data(16, (4,), 3, "classification"), 8))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_fit_logs_and_records_which_batches(structure, caplog):
+    ds = toy_data(24, (4,), 3, "classification")
+    la = _la(structure, "all")
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la.fit(loader(ds, 8))
+    (choice,) = la.fit_batches
+    assert (choice.direction, choice.magnitude, choice.how) == ((0,), (1,), "loader order")
+    assert (choice.direction_size, choice.magnitude_size, choice.n_data) == (8, 8, 24)
+    assert any(choice.describe() in r.getMessage() for r in caplog.records)
+    la.fit(loader(ds, 8), generator=torch.Generator().manual_seed(0))
+    assert la.fit_batches[0].how == "random draw" and len(la.fit_batches) == 1
+
+
+def test_online_fits_record_every_fit():
+    ds = toy_data(24, (4,), 3, "classification")
+    la = _la("debiased_kron", "all")
+    la.fit(loader(ds, 8))
+    la.fit(loader(ds, 8), override=False)
+    assert len(la.fit_batches) == 2
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("subset", SUBSETS)
+def test_one_batch_loader_fits_on_disjoint_halves(structure, subset, caplog):
+    ds = toy_data(20, (4,), 3, "classification")
+    la = _la(structure, subset)
+    with caplog.at_level(logging.INFO, logger="laplace_debiased"):
+        la.fit(loader(ds, 20))
+    (choice,) = la.fit_batches
+    assert choice.how == "one-batch split" and la.n_data == 20
+    assert any("one-batch split" in r.getMessage() for r in caplog.records)
+    idx_B, idx_Bt = choice.sample_split
+    same = _la(structure, subset)
+    X, y = ds.tensors
+    order = list(idx_B) + list(idx_Bt)
+    same.fit(loader(TensorDataset(X[order], y[order]), 10))  # B, B̃ as two explicit batches
+    torch.testing.assert_close(_curvature(la), _curvature(same))
+    torch.testing.assert_close(la.loss, same.loss)
+
+
+def test_marglik_training_with_one_batch_loader():
+    from laplace.marglik_training import marglik_training
+
+    torch.manual_seed(0)
+    X = torch.linspace(-2, 2, 30, dtype=torch.float64).unsqueeze(-1)
+    y = torch.sin(2 * X) + 0.1 * torch.randn_like(X)
+    model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    la, model, margliks, _ = marglik_training(
+        model, DataLoader(TensorDataset(X, y), batch_size=30), "regression",
+        hessian_structure="debiased_kron", n_epochs=6,  # laplace-torch's default backend
+        n_epochs_burnin=2, n_hypersteps=3,
+    )
+    assert la.fit_batches[0].how == "one-batch split"
+    assert all(torch.isfinite(torch.as_tensor(m)) for m in margliks) and len(margliks) > 0
+
+
+class _Squeezed(nn.Module):
+    """Regression model with one scalar output per sample, shape (n,)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_mlp(n_out=1)
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def test_scalar_regression_output_against_column_targets_refused():
+    X = torch.randn(16, 4, dtype=torch.float64)
+    la = _la("debiased_kron", "all", _Squeezed(), "regression")
+    with pytest.raises(ValueError, match=r"\(\).*\(1,\)"):
+        la.fit(loader(TensorDataset(X, torch.randn(16, 1, dtype=torch.float64)), 8))
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("structure", [*STRUCTURES, "debiased_ekfac"])
+@pytest.mark.parametrize("pred_type", ["glm", "nn"])
+def test_mc_predictive_draws_from_the_generator_passed(structure, subset, pred_type):
+    """``la(x, link_approx="mc", generator=g)`` draws from ``g`` only (laplace-torch 0.3 ignores it
+    and draws from the global generator): the same seed gives the same result whatever the global
+    generator holds, another seed another result."""
+    la = Laplace(tiny_mlp(), "classification", subset_of_weights=subset, hessian_structure=structure)
+    la.fit(loader(toy_data(16, (4,), 3, "classification"), 8))
+    X = toy_data(5, (4,), 3, "classification", seed=3).tensors[0]
+
+    def draw(seed: int, global_seed: int) -> torch.Tensor:
+        torch.manual_seed(global_seed)
+        return la(X, pred_type=pred_type, link_approx="mc", n_samples=6, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(draw(0, global_seed=1), draw(0, global_seed=2))
+    assert not torch.allclose(draw(0, global_seed=1), draw(1, global_seed=1))

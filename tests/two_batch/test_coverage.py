@@ -1,0 +1,114 @@
+"""The ranks of the coverage record: the union B ∪ B̃ reaches at least as far as each batch.
+
+Every rank of a factor's coverage (B, B̃ and their union) is counted at one tolerance, that of the
+union: by Weyl's inequality ``λ_i(F_B + F_B̃) ≥ λ_i(F_B)`` for a PSD ``F_B̃``, so the union's count
+cannot fall below a part's. Counting each matrix at its own norm-relative tolerance could.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laplace_debiased.curvature.linalg import roundoff_tolerance
+from laplace_debiased.two_batch.coverage import factor_ranks, numerical_rank
+
+
+def test_an_eigenvalue_between_the_parts_and_the_unions_own_tolerance_counts_in_both():
+    """``F_B = diag(1, t, 0)``, ``F_B̃ = diag(1, 0, 0)`` in float32 with ``t`` above ``F_B``'s own
+    tolerance and below that of ``F_B + F_B̃`` (whose norm is twice as large): rank B is 2 at its
+    own tolerance, the union 1 at its own; at the common tolerance B has rank 1 as well."""
+    tol_b = roundoff_tolerance(torch.diag(torch.tensor([1.0, 0.0, 0.0])))
+    t = 1.5 * tol_b
+    Fd = torch.diag(torch.tensor([1.0, t, 0.0]))
+    Fm = torch.diag(torch.tensor([1.0, 0.0, 0.0]))
+    assert numerical_rank(Fd) == 2 and numerical_rank(Fd + Fm) == 1  # the inconsistency
+    assert factor_ranks(Fd, Fm) == (1, 1, 1)
+    t = 3 * tol_b  # above the union's tolerance too: counted in B and in the union
+    Fd = torch.diag(torch.tensor([1.0, t, 0.0]))
+    assert factor_ranks(Fd, Fm) == (2, 1, 2)
+
+
+@st.composite
+def two_batches(draw):
+    """Rows of two batches in ``d`` dims, float32, ReLU-like: a dominant mean direction plus
+    components whose scales fall over up to eight decades (so that eigenvalues lie on both
+    sides of every tolerance)."""
+    d = draw(st.integers(2, 24))
+    n, m = draw(st.integers(1, 2 * d)), draw(st.integers(1, 2 * d))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    decades = draw(st.floats(0.0, 8.0))
+    scales = torch.logspace(0.0, -decades, d, dtype=torch.float64)
+    mean = draw(st.floats(0.0, 1e3)) * torch.rand(d, generator=g, dtype=torch.float64)
+
+    def rows(k):
+        Z = torch.randn(k, d, generator=g, dtype=torch.float64) * scales
+        Z[:, draw(st.integers(0, d - 1)):] = 0.0  # a support narrower than d
+        return (mean + Z).float()
+
+    return rows(n), rows(m)
+
+
+@settings(max_examples=100, deadline=None)
+@given(two_batches(), st.booleans())
+def test_the_union_has_at_least_the_rank_of_each_batch(batches, from_rows):
+    Xd, Xm = batches
+    Fd, Fm = Xd.T @ Xd, Xm.T @ Xm
+    rd, rm, ru = factor_ranks(Fd, Fm, (Xd, Xm) if from_rows else None)
+    assert ru >= max(rd, rm)
+    assert ru <= min(len(Xd) + len(Xm), Fd.shape[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(two_batches(), st.booleans())
+def test_a_batch_united_with_itself_keeps_its_own_rank(batches, from_rows):
+    Xd, _ = batches
+    Fd = Xd.T @ Xd
+    own = numerical_rank(Fd)
+    assert factor_ranks(Fd, Fd, (Xd, Xd) if from_rows else None) == (own, own, own)
+
+
+def test_a_factor_that_underflows_float32_keeps_the_rank_of_its_rows():
+    """Found by hypothesis: one float32 row of size ~1e-21 gives a factor of ~1e-42, below float32's
+    smallest normal number, whose entries carry absolute round-off (gradual underflow) and whose
+    dense eigenvalues then show spurious ~1e-46 values; counted densely or from the rows, the rank
+    is 1 (the union of a batch with itself too)."""
+    X = torch.tensor([[1.2527e-21, 9.1405e-22, 5.9323e-22, 1.1890e-21]])
+    F = X.T @ X
+    assert factor_ranks(F, F.clone()) == (1, 1, 1)
+    assert factor_ranks(F, F.clone(), (X, X)) == (1, 1, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 24), st.integers(0, 2**31 - 1), st.floats(-6.0, -2.0), st.floats(-4.0, 0.0), st.booleans(),
+       st.integers(0, 23))
+def test_the_rank_counts_the_eigenvalues_above_the_tolerance(d, seed, log_tol, log_margin, above, below):
+    """``F = Q diag(λ) Qᵀ`` (float64, ``‖F‖₂ = 1``) with its smallest eigenvalue a relative margin of
+    ``10^log_margin`` above or below the tolerance, and ``below`` further eigenvalues well under it:
+    the rank, counted by inertia, is the number of eigenvalues above the tolerance. The margin,
+    ``≥ 1e-10`` in absolute terms, lies far above the float64 backward error (``d² eps₆₄ ≈ 1e-13``)."""
+    g = torch.Generator().manual_seed(seed)
+    tol = 10.0**log_tol
+    lam = torch.rand(d, generator=g, dtype=torch.float64) * (1 - 2 * tol) + 2 * tol
+    lam[0] = 1.0
+    lam[-1] = tol * (1 + 10.0**log_margin if above else 1 - 10.0**log_margin)
+    k = min(below, d - 1)
+    lam[d - 1 - k:d - 1] = 0.5 * tol * torch.rand(k, generator=g, dtype=torch.float64)
+    Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q
+    F = Q @ torch.diag(lam) @ Q.T
+    assert numerical_rank(F, tol) == int((lam > tol).sum())
+
+
+def test_a_rank_is_counted_without_an_eigendecomposition(monkeypatch):
+    """The ranks come from the inertia of ``F - tol I``, not from ``F``'s eigenvalues: a factor of
+    full rank and one of rank 5 (5 rows) are counted with ``eigvalsh`` and ``eigh`` refused."""
+    X = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eigendecomposition was called to count a rank")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", refuse)
+    monkeypatch.setattr(torch.linalg, "eigh", refuse)
+    assert numerical_rank(X.T @ X) == 16
+    assert numerical_rank(X[:5].T @ X[:5]) == 5
