@@ -133,12 +133,10 @@ def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int, n_test: in
         loader = _loader(b, b, seed, device)
         la, kw = DebiasedKronLaplace(model, "classification"), {"magnitude_loader": loader}
     else:
-        la, loader, kw = (DebiasedKronLaplace(model, "classification"), _loader(b, b // 2, seed, device),
-                          {"estimator": "paper"})
+        estimator = method if method in ("corrected", "shrunk") else "paper"
+        la, loader, kw = DebiasedKronLaplace(model, "classification", estimator=estimator), _loader(b, b // 2, seed, device), {}
         if method == "debiased_per_batch":
             la._single_pass_fisher = lambda: None
-    if method in ("corrected", "shrunk"):
-        kw = {"estimator": method}
     _sync(device)
     t0 = time.perf_counter()
     la.fit(loader, **kw)
@@ -152,8 +150,8 @@ def _time_decomposition(model: torch.nn.Module, b: int, seed: int, estimator: st
     """A fit of ``estimator`` and the time of its decomposition alone (``_decompose``, the
     eigendecompositions and the coverage record), redone on the fitted factors."""
     device = next(model.parameters()).device
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(_loader(b, b // 2, seed, device), estimator=estimator)
+    la = DebiasedKronLaplace(model, "classification", estimator=estimator)
+    la.fit(_loader(b, b // 2, seed, device))
     _sync(device)
     t0 = time.perf_counter()
     la._decompose()

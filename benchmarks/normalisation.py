@@ -90,10 +90,10 @@ def index_loader(train: TensorDataset, idx: np.ndarray, batch: int) -> DataLoade
     return DataLoader(train, batch_size=batch, sampler=idx.tolist(), shuffle=False)
 
 
-def kron_fit(model, loader: DataLoader, **kw):
-    """``Laplace(model, "classification", "all", "debiased_kron")`` fitted on ``loader``."""
-    la = Laplace(model, "classification", "all", "debiased_kron")
-    la.fit(loader, **kw)
+def kron_fit(model, loader: DataLoader, magnitude_loader: DataLoader | None = None, **options):
+    """``Laplace(model, "classification", "all", "debiased_kron", **options)`` fitted on ``loader``."""
+    la = Laplace(model, "classification", "all", "debiased_kron", **options)
+    la.fit(loader, magnitude_loader=magnitude_loader)
     return la
 
 
