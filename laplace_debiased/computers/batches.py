@@ -160,11 +160,6 @@ class BatchSplit:
     n_data: int
     choice: BatchChoice
 
-    @property
-    def same_batches(self) -> bool:
-        """True for the explicit reduction B̃ = B (``magnitude_loader=train_loader``)."""
-        return self.magnitude is self.direction
-
 
 def _check_batch(batch: Batch, where: str, dict_key_x: str, dict_key_y: str) -> None:
     X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
