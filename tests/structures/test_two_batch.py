@@ -373,3 +373,25 @@ def test_marglik_training_uses_a_non_default_estimate():
         del PaperKron
         la = None
         gc.collect()  # the test's structure key leaves the factory's registry
+
+
+def test_no_package_example_or_benchmark_code_passes_options_to_fit():
+    """No ``.fit(...)`` call of the package, the examples and the benchmarks names a structure option
+    (a deprecated keyword); calls the suite runs are caught at run time too (pytest turns the
+    package's deprecations into errors)."""
+    import ast
+    from pathlib import Path
+
+    from laplace_debiased.structures.ekfac import DebiasedEKFACLaplace
+    from laplace_debiased.structures.kron import DebiasedKronLaplace
+
+    options = {*DebiasedKronLaplace._options, *DebiasedEKFACLaplace._options, "null_space"}
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for folder in ("laplace_debiased", "examples", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fit":
+                    if {k.arg for k in node.keywords} & options:
+                        offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, offenders
