@@ -32,6 +32,7 @@ Jacobians of [`token_outputs`][laplace_debiased.structures.token_outputs], the m
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import warnings
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torchmetrics
 from laplace.lllaplace import LLLaplace
-from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod
+from laplace.utils.enums import LinkApprox, PredType
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
@@ -449,6 +450,9 @@ class TwoBatchLaplace:
     @torch.no_grad()
     def _setup_last_layer(self, batch: Batch) -> None:
         """Find the last layer on the first batch, as ``LLLaplace.fit`` does."""
+        # Follows laplace-torch 0.3 lllaplace.py, LLLaplace.fit (its `if self.model.last_layer is
+        # None:` block): that block is inline in LLLaplace.fit, which then fits the curvature over
+        # all of train_loader, so it cannot be called alone; here it runs on B's first batch.
         self.data = batch
         self._find_last_layer(batch)
         self.n_params = sum(p.numel() for p in self.model.last_layer.parameters())
@@ -637,6 +641,9 @@ class TwoBatchLaplace:
             Js, f_mu = per_example_jacobians(self.model, self.params, X)
         else:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
+        # Follows the tail of laplace-torch 0.3's ParametricLaplace._glm_predictive_distribution
+        # (baselaplace.py, after its Jacobians): it computes the Jacobians itself, with no hook to
+        # pass these in.
         if joint:
             f_mu, f_var = f_mu.flatten(), self.functional_covariance(Js)
         else:
@@ -686,26 +693,9 @@ class TwoBatchLaplace:
         return token_shaped(out, shape)
 
     # ------------------------------------------------------------------ prior precision
-    def optimize_prior_precision(
-        self,
-        pred_type: PredType | str = PredType.GLM,
-        method: TuningMethod | str = TuningMethod.MARGLIK,
-        n_steps: int = 100,
-        lr: float = 1e-1,
-        init_prior_prec: float | torch.Tensor = 1.0,
-        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
-        val_loader: DataLoader | None = None,
-        loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float] | None = None,
-        log_prior_prec_min: float = -4,
-        log_prior_prec_max: float = 4,
-        grid_size: int = 100,
-        link_approx: LinkApprox | str | None = None,
-        n_samples: int = 100,
-        verbose: bool = False,
-        progress_bar: bool = False,
-        log_prior_prec_base: float = 10.0,
-    ) -> None:
-        """laplace-torch's ``optimize_prior_precision`` (same arguments), with three changes.
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """laplace-torch's ``optimize_prior_precision`` (same arguments, passed on by keyword), with three
+        changes.
 
         ``link_approx`` left out means ``"probit"``, and laplace-torch's reminder of that default
         is warned; a call that passes ``link_approx`` is not reminded.
@@ -719,26 +709,30 @@ class TwoBatchLaplace:
         Gaussian predictive NLL with ``self.sigma_noise``; an MSE ``loss`` with ``pred_type="glm"`` raises
         ``ValueError``).
         """
+        parent = super().optimize_prior_precision
+        call = inspect.signature(parent).bind(*args, **kwargs)
+        passed_link = call.arguments.get("link_approx") is not None
+        call.apply_defaults()
+        if call.arguments["link_approx"] is None:
+            call.arguments["link_approx"] = LinkApprox.PROBIT
+        options = call.arguments
+        method, prior_structure = options["method"], options["prior_structure"]
         spans = [1]
         if method == "marglik" and prior_structure == "layerwise":
             blocks = self._kfac_blocks and not isinstance(self, LLLaplace)
             spans = prior_spans(curvature_modules(self.backend._model) if blocks else None, self.n_layers)
         if any(span > 1 for span in spans):
             self.prior_precision = block_marglik(
-                lambda delta: self.log_marginal_likelihood(prior_precision=delta), spans, init_prior_prec,
-                n_steps, lr, device=self._device, dtype=self._dtype,
+                lambda delta: self.log_marginal_likelihood(prior_precision=delta), spans, options["init_prior_prec"],
+                options["n_steps"], options["lr"], device=self._device, dtype=self._dtype,
             )
             return
         if method == "gridsearch" and self.likelihood == "regression":
-            loss = regression_grid_loss(loss, pred_type, self.sigma_noise, self._device)
+            options["loss"] = regression_grid_loss(options["loss"], options["pred_type"], self.sigma_noise, self._device)
         with warnings.catch_warnings():
-            if link_approx is not None:
+            if passed_link:
                 warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`", category=UserWarning)
-            super().optimize_prior_precision(
-                pred_type, method, n_steps, lr, init_prior_prec, prior_structure, val_loader, loss,
-                log_prior_prec_min, log_prior_prec_max, grid_size, link_approx or LinkApprox.PROBIT, n_samples,
-                verbose, progress_bar, log_prior_prec_base,
-            )
+            parent(**options)
 
     def _gridsearch(
         self,
