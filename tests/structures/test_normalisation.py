@@ -278,7 +278,7 @@ def test_state_dict_round_trip_keeps_the_mixed_blocks():
     buf = io.BytesIO()
     torch.save(la.state_dict(), buf)
     buf.seek(0)
-    other = Laplace(model, "classification", "all", "debiased_kron")
+    other = Laplace(model, "classification", "all", "debiased_kron", **_paper("debiased_kron"))
     other.load_state_dict(torch.load(buf, weights_only=False))
     X = data.tensors[0][:4]
     _close(GridPredictive(other).grid(X, [1.0])["probit_projected"], GridPredictive(la).grid(X, [1.0])["probit_projected"])
