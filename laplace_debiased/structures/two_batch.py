@@ -15,6 +15,12 @@ the others call ``_summed_loss``, so no batch is forwarded twice for the loss.  
 ``self.n_data`` still holds the number of data points of earlier fits (0 unless ``override=False``), so online
 fits can combine them. Subclasses that keep extra state per fit extend ``_reset_fit_state``.
 
+A structure's options are constructor keywords, checked at construction (the batch choice here,
+[`BatchOptions`][laplace_debiased.structures.two_batch.BatchOptions]; a structure's own in its
+constructor, listed in ``_options`` and set again by its ``_update_options``), so laplace-torch's
+``Laplace(...)`` factory passes them. ``fit`` keeps laplace-torch's signature plus
+``magnitude_loader``; an option passed to ``fit`` is deprecated and sets it as the constructor would.
+
 After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.fit_batches``
 (which batches formed B and B̃, and how they were chosen), ``self.n_data += N`` and
 ``self.loss += N / n_used * (summed loss over the n_used distinct samples of B ∪ B̃)``, an
