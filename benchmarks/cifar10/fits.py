@@ -224,7 +224,6 @@ def fit_lowrank_ll(model, train, idx, rank: int, debiased: bool):
     if debiased:
         la.fit(_loader(train, idx, len(idx) // 2))
     else:
-        la = DebiasedKronLaplace(model, "classification")
         loader = _loader(train, idx, len(idx))
         la.fit(loader, magnitude_loader=loader)
     return la
