@@ -395,3 +395,22 @@ def test_no_package_example_or_benchmark_code_passes_options_to_fit():
                     if {k.arg for k in node.keywords} & options:
                         offenders.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_optimize_prior_precision_takes_laplace_torchs_arguments_by_position_or_keyword():
+    """The override passes laplace-torch's arguments on by name: a positional call and a keyword
+    call tune to the same prior precision, and an unknown argument is refused as laplace-torch's."""
+    data = loader(toy_data(32, (4,), 3, "classification"), 8)
+    tuned = []
+    for positional in (True, False):
+        la = Laplace(tiny_mlp(), "classification", "all", "debiased_kron")
+        la.fit(data)
+        if positional:
+            la.optimize_prior_precision("glm", "marglik", 20, 0.1, 2.0, "layerwise")
+        else:
+            la.optimize_prior_precision(method="marglik", n_steps=20, lr=0.1, init_prior_prec=2.0,
+                                        prior_structure="layerwise")
+        tuned.append(la.prior_precision)
+    assert tuned[0].shape == (4,) and torch.equal(tuned[0], tuned[1])
+    with pytest.raises(TypeError, match="n_step"):
+        la.optimize_prior_precision(n_step=3)
