@@ -6,7 +6,7 @@ than one batch on ResNet-20?
 
 On the BatchNorm ResNet-20 of :mod:`benchmarks.normalisation` (its trained MAP, its batch draws
 and test images per seed), the single batch of ``b`` images (B̃ = B), the paper's split of the
-same images (B: the first ``b/2``, B̃: the second; ``fit(estimator="paper")``), the same split
+same images (B: the first ``b/2``, B̃: the second; ``estimator="paper"``), the same split
 with the halves' roles swapped, its cross-fit (``cross_fit=True``: the mean of both orders'
 predictive covariances) and the shrunk default are compared with *hybrids*: the single batch's
 posterior with one kind of block (the BatchNorm blocks, the convolutions' K-FAC blocks, or the

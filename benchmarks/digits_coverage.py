@@ -45,8 +45,8 @@ BATCH = 32
 def laplace_fit(model: torch.nn.Module, loader: DataLoader, magnitude_loader: DataLoader | None = None,
                 estimator: str | None = None) -> DebiasedKronLaplace:
     """The quick start's ``Laplace(...)`` and ``fit`` (``estimator=None``: the default)."""
-    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="debiased_kron")
-    la.fit(loader, magnitude_loader=magnitude_loader, estimator=estimator)
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="debiased_kron", estimator=estimator)
+    la.fit(loader, magnitude_loader=magnitude_loader)
     return la
 
 

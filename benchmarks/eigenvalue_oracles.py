@@ -187,8 +187,8 @@ class Fits:
         return la
 
     def shrunk(self, b: int, repeat: int) -> DebiasedKronLaplace:
-        la = self._laplace()
-        la.fit(self.loader(b // 2, repeat), estimator="shrunk")
+        la = self._laplace(estimator="shrunk")
+        la.fit(self.loader(b // 2, repeat))
         return la
 
     def cross_validated(self, b: int, repeat: int) -> DebiasedKronLaplace:
@@ -214,8 +214,8 @@ class Fits:
         return with_eigenpairs(single, *oracle_eigenpairs(single.H_facs.kfacs, self.full().H_facs.kfacs,
                                                           self.bias(b) if with_bias else None, len(self.train)))
 
-    def _laplace(self) -> DebiasedKronLaplace:
-        return DebiasedKronLaplace(self.model, "classification")
+    def _laplace(self, **options: str) -> DebiasedKronLaplace:
+        return DebiasedKronLaplace(self.model, "classification", **options)
 
 
 def methods(fits: Fits, sizes: list[int], repeats: int) -> list[Method]:

@@ -5,14 +5,14 @@ Measured in one run (``OMP_NUM_THREADS=1 nice python benchmarks/fit_cost.py``), 
 timed in interleaved repeats (the order of the methods rotates every repeat) and the median
 over repeats is reported:
 
-* ``debiased``: ``DebiasedKronLaplace.fit(estimator="paper")`` with B and B̃ one loader batch of
+* ``debiased``: ``DebiasedKronLaplace(estimator="paper")`` with B and B̃ one loader batch of
   b/2 each (the single forward/backward pass over B ∪ B̃);
 * ``debiased_per_batch``: the same fit with one backend call per batch (the path before the
   single pass; kept for backends the single pass does not reproduce);
-* ``corrected``: ``DebiasedKronLaplace.fit(estimator="corrected")`` on the same two
+* ``corrected``: ``DebiasedKronLaplace(estimator="corrected")`` on the same two
   batches (three float64 eigendecompositions per factor: B ∪ B̃'s and, for the gaps, B's and
   B̃'s; through the rows' Gram matrices for a factor wider than B ∪ B̃);
-* ``shrunk``: ``fit(estimator="shrunk")`` (the default), the same computation and one weight per factor;
+* ``shrunk``: ``estimator="shrunk"`` (the default), the same computation and one weight per factor;
 * ``single``: laplace-torch's ``KronLaplace.fit`` on one batch of b (the reference of the
   target ``debiased / single <= 1.05``);
 * ``single_same_code``: ``DebiasedKronLaplace.fit`` with B̃ = B, one batch of b;
@@ -133,12 +133,10 @@ def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int, n_test: in
         loader = _loader(b, b, seed, device)
         la, kw = DebiasedKronLaplace(model, "classification"), {"magnitude_loader": loader}
     else:
-        la, loader, kw = (DebiasedKronLaplace(model, "classification"), _loader(b, b // 2, seed, device),
-                          {"estimator": "paper"})
+        estimator = method if method in ("corrected", "shrunk") else "paper"
+        la, loader, kw = DebiasedKronLaplace(model, "classification", estimator=estimator), _loader(b, b // 2, seed, device), {}
         if method == "debiased_per_batch":
             la._single_pass_fisher = lambda: None
-    if method in ("corrected", "shrunk"):
-        kw = {"estimator": method}
     _sync(device)
     t0 = time.perf_counter()
     la.fit(loader, **kw)
@@ -152,8 +150,8 @@ def _time_decomposition(model: torch.nn.Module, b: int, seed: int, estimator: st
     """A fit of ``estimator`` and the time of its decomposition alone (``_decompose``, the
     eigendecompositions and the coverage record), redone on the fitted factors."""
     device = next(model.parameters()).device
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(_loader(b, b // 2, seed, device), estimator=estimator)
+    la = DebiasedKronLaplace(model, "classification", estimator=estimator)
+    la.fit(_loader(b, b // 2, seed, device))
     _sync(device)
     t0 = time.perf_counter()
     la._decompose()

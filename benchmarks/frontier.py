@@ -159,9 +159,9 @@ def fit_references(s: Setting, log: Callable[[str], None]) -> tuple[dict, dict]:
     ref_kfac = KronLaplace(s.model, "classification")
     costs = {"kfac": {"seconds": _timed_fit(ref_kfac, full), "touched": N}}
     log(f"full-batch K-FAC: {costs['kfac']['seconds']:.1f} s")
-    ref_ekfac = DebiasedEKFACLaplace(s.model, "classification")
-    costs["ekfac"] = {"seconds": _timed_fit(ref_ekfac, full, magnitude_loader=full, n_direction_batches=n_batches,
-                                            n_magnitude_batches=n_batches), "touched": N}
+    ref_ekfac = DebiasedEKFACLaplace(s.model, "classification", n_direction_batches=n_batches,
+                                     n_magnitude_batches=n_batches)
+    costs["ekfac"] = {"seconds": _timed_fit(ref_ekfac, full, magnitude_loader=full), "touched": N}
     log(f"full-batch EKFAC: {costs['ekfac']['seconds']:.1f} s")
     return {"kfac": posterior_structure(ref_kfac), "ekfac": posterior_structure(ref_ekfac)}, costs
 
@@ -172,13 +172,14 @@ def fit_draw(s: Setting, batch: int, draw: int, log: Callable[[str], None]) -> t
     loader = DataLoader(s.train, batch_size=batch, shuffle=False, drop_last=True)
     structures, costs = {}, {}
     for m in _methods(batch):
-        la = m["cls"](s.model, "classification")
         gen = torch.Generator().manual_seed(1000 + draw)
         if m["k"] == 0:  # B̃ = B: one random batch used twice, scaled to N by the fit
-            secs = _timed_fit(la, loader, magnitude_loader=loader, generator=gen)
+            la = m["cls"](s.model, "classification", generator=gen)
+            secs = _timed_fit(la, loader, magnitude_loader=loader)
             touched = batch
         else:
-            secs = _timed_fit(la, loader, n_magnitude_batches=m["k"], generator=gen, **m["kw"])
+            la = m["cls"](s.model, "classification", n_magnitude_batches=m["k"], generator=gen, **m["kw"])
+            secs = _timed_fit(la, loader)
             touched = batch * (1 + m["k"])
         structures[m["name"]] = posterior_structure(la)
         costs[m["name"]] = {"seconds": secs, "touched": touched}

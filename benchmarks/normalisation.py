@@ -15,9 +15,9 @@ Methods, all over every weight except the last row (K-FAC blocks for the convolu
 linear head, one exact dense GGN block per BatchNorm layer, ``Laplace(..., "all",
 "debiased_kron")``), predicted with the linearized network and a shared prior-precision grid:
 
-* ``shrunk``: the same two halves, ``fit(estimator="shrunk")`` (the package's default: the
+* ``shrunk``: the same two halves, ``estimator="shrunk"`` (the package's default: the
   corrected estimate with each factor's correction shrunk by its noise);
-* ``corrected``: the same two halves, ``fit(estimator="corrected")`` (the eigenvectors of B ∪ B̃,
+* ``corrected``: the same two halves, ``estimator="corrected"`` (the eigenvectors of B ∪ B̃,
   eigenvalues less the regression-to-the-mean bias the halves measure);
 * ``debiased``: B, B̃ two disjoint halves of ``b`` random training images (directions from B,
   magnitudes on B̃);
@@ -90,10 +90,10 @@ def index_loader(train: TensorDataset, idx: np.ndarray, batch: int) -> DataLoade
     return DataLoader(train, batch_size=batch, sampler=idx.tolist(), shuffle=False)
 
 
-def kron_fit(model, loader: DataLoader, **kw):
-    """``Laplace(model, "classification", "all", "debiased_kron")`` fitted on ``loader``."""
-    la = Laplace(model, "classification", "all", "debiased_kron")
-    la.fit(loader, **kw)
+def kron_fit(model, loader: DataLoader, magnitude_loader: DataLoader | None = None, **options):
+    """``Laplace(model, "classification", "all", "debiased_kron", **options)`` fitted on ``loader``."""
+    la = Laplace(model, "classification", "all", "debiased_kron", **options)
+    la.fit(loader, magnitude_loader=magnitude_loader)
     return la
 
 

@@ -69,15 +69,15 @@ def kfac(idx, batch=None):
         from laplace import KronLaplace
         la = KronLaplace(model, "classification"); la.fit(loader)
         return [[F for F in blk] for blk in la.H_facs.kfacs], la
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(loader, magnitude_loader=loader, n_direction_batches=len(loader), n_magnitude_batches=len(loader))
+    la = DebiasedKronLaplace(model, "classification", n_direction_batches=len(loader), n_magnitude_batches=len(loader))
+    la.fit(loader, magnitude_loader=loader)
     return [[F for F in blk] for blk in la.H_facs.kfacs], la
 
 def auto_fit(perm):
-    """``fit(n_magnitude_batches="auto")`` on batches of 256 in the order ``perm``: (B, B̃) factors, the choice."""
+    """``n_magnitude_batches="auto"`` on batches of 256 in the order ``perm``: (B, B̃) factors, the choice."""
     loader = DataLoader(train, batch_size=256, sampler=list(perm), shuffle=False)
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(loader, n_magnitude_batches="auto")
+    la = DebiasedKronLaplace(model, "classification", n_magnitude_batches="auto")
+    la.fit(loader)
     return la.H_facs.kfacs, la.H_facs_magnitude.kfacs, la.fit_batches[-1].auto
 
 def avg(facs):

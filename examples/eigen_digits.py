@@ -99,7 +99,8 @@ def main() -> None:
         for name, subset, structure, mode, la_kwargs in methods:
             if mode == "same":  # one batch set of 2b samples, B̃ = B
                 loader = data["fit_loader"](seed)
-                fit_kwargs = {"n_direction_batches": 2, "n_magnitude_batches": 2, "magnitude_loader": loader}
+                fit_kwargs = {"magnitude_loader": loader}
+                la_kwargs = {**la_kwargs, "n_direction_batches": 2, "n_magnitude_batches": 2}
                 data_seeded = {**data, "fit_loader": lambda _s, loader=loader: loader}
             else:
                 fit_kwargs, data_seeded = {}, data

@@ -69,8 +69,8 @@ def test_debiased_kron_with_k_magnitude_batches_is_b_then_the_rest_as_one_batch(
     idx = np.random.default_rng(1).choice(N, size=20, replace=False)
     model = tiny_mlp()
     la = fit_kron(model, train, idx, debiased=True, magnitude_batches=4)
-    ref = DebiasedKronLaplace(model, "classification")
-    ref.fit(_loader(train, idx[:4], 4), magnitude_loader=_loader(train, idx[4:], 16), estimator="paper")
+    ref = DebiasedKronLaplace(model, "classification", estimator="paper")
+    ref.fit(_loader(train, idx[:4], 4), magnitude_loader=_loader(train, idx[4:], 16))
     choice = la.fit_batches[-1]
     assert (choice.direction_size, choice.magnitude_size, choice.n_data) == (4, 16, N)
     torch.testing.assert_close(la.posterior_precision.to_matrix(), ref.posterior_precision.to_matrix(),

@@ -23,10 +23,10 @@ def _fit(estimator: str) -> DebiasedKronLaplace:
                           nn.Linear(8, 3)).eval()
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
-    la = DebiasedKronLaplace(model, "classification")
+    la = DebiasedKronLaplace(model, "classification", estimator=estimator)
     with warnings.catch_warnings():  # the corrected estimates leave wide inputs' weights prior-only: the coverage warning
         warnings.simplefilter("ignore", UserWarning)
-        la.fit(DataLoader(data, batch_size=4), estimator=estimator)
+        la.fit(DataLoader(data, batch_size=4))
     return la
 
 

@@ -40,8 +40,8 @@ def test_shared_jacobian_nll_matches_grid_predictive(tiny_cifar):
     loader = DataLoader(s.train, batch_size=8, shuffle=False)
     kron = KronLaplace(s.model, "classification")
     kron.fit(DataLoader(s.train, batch_size=len(s.train)))
-    cross = DebiasedEKFACLaplace(s.model, "classification")
-    cross.fit(loader, n_magnitude_batches=2, generator=torch.Generator().manual_seed(0), cross_fit=True)
+    cross = DebiasedEKFACLaplace(s.model, "classification", n_magnitude_batches=2, generator=torch.Generator().manual_seed(0), cross_fit=True)
+    cross.fit(loader)
     got = probit_nlls(s.model, {"kron": posterior_structure(kron), "cross": posterior_structure(cross)},
                       s.X, s.y, grid, chunk_size=7)
     for name, la in (("kron", kron), ("cross", cross)):

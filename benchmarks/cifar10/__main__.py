@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="fit (and cache) but do not evaluate these mini-batch methods, e.g. kron-2304 "
                              "debiased_kron-2304: a shorter run whose cached fits a later run without the flag reuses")
     parser.add_argument("--estimators", nargs="+", default=None, choices=("paper", "corrected", "shrunk"),
-                        help="debiased K-FAC rows by fit(estimator=...): 'paper' is always fitted; "
+                        help="debiased K-FAC rows by estimator=...: 'paper' is always fitted; "
                              "'corrected' and 'shrunk' add those estimates of the same samples (default: all three)")
     parser.add_argument("--fresh", action="store_true", help="discard the cached fits and predictions of this configuration")
     args = parser.parse_args(argv)

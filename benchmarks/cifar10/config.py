@@ -46,8 +46,8 @@ class Config:
     #: per b: debiased K-FAC at b/2 + k x b/2 for each k (k = 1: the paper's 2 x b/2), each next
     #: to single-batch K-FAC of the same (1 + k) b/2 samples (the draws are nested prefixes)
     magnitude_batches: tuple[int, ...] = (1, 4, 8)
-    null_space: str = "isotropic"  # DebiasedKronLaplace.fit(null_space=...), the package default
-    #: the debiased K-FAC rows, by fit(estimator=...): "paper" always, "corrected" and "shrunk" next to it
+    null_space: str = "isotropic"  # DebiasedKronLaplace(null_space=...), the package default
+    #: the debiased K-FAC rows, by estimator=...: "paper" always, "corrected" and "shrunk" next to it
     estimators: tuple[str, ...] = ("paper", "corrected", "shrunk")
     repeats: int = 5
     lowrank_batch_sizes: tuple[int, ...] = (512,)

@@ -187,16 +187,17 @@ def fit_kron(model, train, idx, debiased: bool, magnitude_batches: int = 1, null
              estimator: str = "paper"):
     """Debiased K-FAC on ``idx``: B = its first ``|idx| / (1 + k)`` samples, B̃ = the other
     ``k`` x that many (``k = magnitude_batches`` loader batches; ``k = 1``: halves, the paper's
-    2 x b/2) with ``fit(estimator=...)``, B's null space treated by ``null_space``; or single-batch K-FAC on all of ``idx``
+    2 x b/2) with ``estimator``, B's null space treated by ``null_space``; or single-batch K-FAC on all of ``idx``
     (B̃ = B). Both scaled to ``N = len(train)``."""
-    la = DebiasedKronLaplace(model, "classification")
     if debiased:
         size, rest = divmod(len(idx), 1 + magnitude_batches)
         if rest or not size:
             raise ValueError(f"{len(idx)} samples do not split into 1 + {magnitude_batches} equal batches.")
-        la.fit(_loader(train, idx, size), n_magnitude_batches=magnitude_batches, null_space=null_space,
-               estimator=estimator)
+        la = DebiasedKronLaplace(model, "classification", n_magnitude_batches=magnitude_batches,
+                                 null_space=null_space, estimator=estimator)
+        la.fit(_loader(train, idx, size))
     else:
+        la = DebiasedKronLaplace(model, "classification")
         loader = _loader(train, idx, len(idx))
         la.fit(loader, magnitude_loader=loader)
     return la

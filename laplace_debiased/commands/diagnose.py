@@ -144,10 +144,10 @@ def _two_batch_kron(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likeliho
 
     loader = DataLoader(TensorDataset(X, y), batch_size=max(batch_size // 2, 2), shuffle=True,
                         generator=torch.Generator().manual_seed(seed))
-    la = DebiasedKronLaplace(model, likelihood)
+    la = DebiasedKronLaplace(model, likelihood, generator=torch.Generator().manual_seed(seed), **fit_options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        la.fit(loader, generator=torch.Generator().manual_seed(seed), **fit_options)
+        la.fit(loader)
     return la
 
 

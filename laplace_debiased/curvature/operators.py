@@ -71,11 +71,6 @@ class CountingOperator:
         self.device = torch.device(device)
         self.n_products = 0
 
-    @classmethod
-    def from_matrix(cls, A: Tensor) -> CountingOperator:
-        """Counting operator of a dense symmetric ``[D, D]`` matrix (for tests)."""
-        return cls(A.__matmul__, A.shape[0], A.dtype, A.device)
-
     def __call__(self, v: Tensor) -> Tensor:
         """Return ``A v`` for ``v`` of shape ``[D]`` or ``[D, K]``."""
         if v.shape[0] != self.dim or v.ndim not in (1, 2):
@@ -87,11 +82,6 @@ class CountingOperator:
         return self._matvec(v)
 
     __matmul__ = __call__
-
-    def to_dense(self) -> Tensor:
-        """Dense ``[D, D]`` matrix (``D`` products; for tests and tiny models only)."""
-        eye = torch.eye(self.dim, dtype=self.dtype, device=self.device)
-        return self(eye)
 
 
 class CurvatureOperator(CountingOperator):
@@ -207,30 +197,6 @@ def curvature_operator(
     [`curvature_linop`][laplace_debiased.curvature.operators.curvature_linop]."""
     linop = curvature_linop(model, loss_func, data, curvature, params, num_data)
     return CurvatureOperator(linop, beta)
-
-
-def loss_and_gradient(
-    model: nn.Module,
-    loss_func: nn.Module,
-    data: Data,
-    beta: float = 0.0,
-    params: Sequence[nn.Parameter] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``q(θ; B)`` (scalar) and ``∇q(θ; B) = ∇L_B(θ) + βθ`` (flat ``[D]``), both detached.
-
-    Args:
-        model: the network at θ.
-        loss_func: its loss with mean reduction.
-        data: the batch B as ``(X, y)`` batches or a loader; ``L_B`` is the mean loss over all
-            its data points (batches weighted by size).
-        beta: the weight decay ``β``.
-        params: the parameters θ; default: the trainable ones.
-
-    Returns:
-        ``(q, g)``: the scalar ``q(θ; B) = L_B(θ) + β/2 ‖θ‖²`` and the flat ``(D,)`` gradient.
-    """
-    value, gradient, _ = _loss_gradient_count(model, loss_func, data, beta, params)
-    return value, gradient
 
 
 def _loss_gradient_count(model, loss_func, data, beta, params) -> tuple[Tensor, Tensor, int]:

@@ -23,23 +23,6 @@ CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
 
-def channel_stats(images: np.ndarray, chunk: int = 5000) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and standard deviation of uint8 ``(N, H, W, 3)`` images, in [0, 1] units.
-
-    Computed in float64 chunks so that memory-mapped sets are never loaded whole.
-    """
-    total = np.zeros(3)
-    total_sq = np.zeros(3)
-    count = 0
-    for start in range(0, len(images), chunk):
-        block = np.asarray(images[start : start + chunk], dtype=np.float64) / 255.0
-        total += block.sum(axis=(0, 1, 2))
-        total_sq += (block**2).sum(axis=(0, 1, 2))
-        count += block.shape[0] * block.shape[1] * block.shape[2]
-    mean = total / count
-    return mean, np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))
-
-
 class ImageDataset(Dataset):
     """uint8 images ``(N, H, W, 3)`` plus int64 labels ``(N,)``, served as normalised tensors.
 

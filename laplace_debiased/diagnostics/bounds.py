@@ -50,22 +50,3 @@ def top_k_chain(batch_matrices: Tensor, k: int = 1) -> Chain:
     return Chain(float(same.mean()), float(torch.linalg.eigvalsh(full)[-k:].sum()), float(cross.mean()))
 
 
-def bottom_chain(batch_matrices: Tensor) -> Chain:
-    """The mirrored statement for the smallest eigenvalue, returned with signs flipped.
-
-    ``mean_m λ_min(H_{B_m}) ≤ λ_min(H_D) ≤ mean_m v^{(m)ᵀ} H_D v^{(m)}``; negating every side
-    turns it into a [`Chain`][laplace_debiased.diagnostics.bounds.Chain] so that ``holds()`` checks it.
-    """
-    neg = top_k_chain(-batch_matrices, k=1)
-    return Chain(neg.same_batch, neg.full_data, neg.cross)
-
-
-def gradient_chain(batch_gradients: Tensor) -> Chain:
-    """Eq. 7 for slopes along the first CG direction ``-g_B/‖g_B‖`` from ``(M, P)`` gradients.
-
-    Sides (as magnitudes): mean_m ‖g_{B_m}‖ ≥ ‖g_D‖ ≥ mean_m |d^{(m)ᵀ} g_D|.
-    """
-    full = batch_gradients.mean(0)
-    norms = torch.linalg.vector_norm(batch_gradients, dim=-1)
-    cross = (batch_gradients @ full).abs() / norms
-    return Chain(float(norms.mean()), float(torch.linalg.vector_norm(full)), float(cross.mean()))

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace_debiased.optim.cg import cg
-from laplace_debiased.diagnostics.directional import cg_step_sizes, partition_average, relative_bias
-from laplace_debiased.diagnostics.directions import top_eigenpairs
+from laplace_debiased.diagnostics.directional import cg_step_sizes, directional_slopes, partition_average, relative_bias
 from laplace_debiased.curvature.operators import MiniBatchQuadratic, mini_batch_quadratic
 
 Batch = tuple[Tensor, Tensor]
@@ -93,8 +92,8 @@ class Restriction:
 
 def restrict(quadratic: MiniBatchQuadratic, directions: Tensor) -> Restriction:
     """Restrict a mini-batch quadratic to the span of ``directions (P, K)`` (K products)."""
-    HD = quadratic.curvature(directions)
-    return Restriction(quadratic.value, directions.T @ quadratic.gradient, directions.T @ HD, quadratic.n_data)
+    slopes = directional_slopes(directions, quadratic.gradient)
+    return Restriction(quadratic.value, slopes, directions.T @ quadratic.curvature(directions), quadratic.n_data)
 
 
 QuadraticFactory = Callable[[Sequence[Batch]], MiniBatchQuadratic]
@@ -235,11 +234,6 @@ def measure_study(
         count_products(products, full)
         residual = eq5_residual(average, direct)
     return DirectionStudy(kind, source, directions, restrictions, average, residual, products)
-
-
-def eigen_directions(quadratic: MiniBatchQuadratic, k: int, seed: int = 0) -> Tensor:
-    """Top-k eigenvectors ``(P, K)`` of ``H_B + βI`` by Lanczos (products counted by the operator)."""
-    return top_eigenpairs(quadratic.curvature, quadratic.gradient.shape[0], k, dtype=quadratic.gradient.dtype, seed=seed).vectors
 
 
 def cg_directions(quadratic: MiniBatchQuadratic, steps: int) -> Tensor:

@@ -16,14 +16,8 @@ def overlap_matrix(U: Tensor, V: Tensor) -> Tensor:
     return (U.T @ V).square()
 
 
-def subspace_overlap(U: Tensor, V: Tensor) -> float:
-    """``‖UᵀV‖_F² / K`` ∈ [0, 1]: the mean fraction of each u_i that lies in span V.
-
-    1 means span U ⊆ span V; for random K-dimensional subspaces of R^P it is about L/P.
-    """
-    return mean_row_mass(overlap_matrix(U, V))
-
-
 def mean_row_mass(omega: Tensor) -> float:
-    """Mean row sum of an overlap matrix ``Ω (K, L)``: ``‖UᵀV‖_F² / K``."""
+    """Mean row sum of an overlap matrix ``Ω (K, L)``: ``‖UᵀV‖_F² / K`` ∈ [0, 1] for orthonormal
+    columns, the mean fraction of each u_i that lies in span V (1: span U ⊆ span V; about L/P for
+    random subspaces of R^P)."""
     return float(omega.sum() / omega.shape[0])

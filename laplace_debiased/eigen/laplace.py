@@ -58,7 +58,6 @@ from laplace.baselaplace import FullLaplace, LowRankLaplace
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.lllaplace import FullLLLaplace, LLLaplace
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from laplace_debiased.eigen.decompose import CurvatureSource, debiased_full, debiased_lowrank, symmetric_outer
 from laplace_debiased.curvature import eigen, inputs
@@ -311,7 +310,9 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
             ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
         remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest
             ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
-        **kwargs: laplace-torch's ``ParametricLaplace`` arguments.
+        **kwargs: The batch options
+            ([`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace.__init__]) and
+            laplace-torch's ``ParametricLaplace`` arguments.
 
     After ``fit``: ``H = (U (P, r), λ̃ (r,))`` in the model dtype with ``r ≤ rank``;
     ``direction_eigenvalues`` (``(r,)``) are B's own (biased) eigenvalues of the kept directions,
@@ -334,35 +335,22 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         self.eigen_config = EigenConfig(rank, method, eigval_rtol, remeasured_rtol)
         self.direction_eigenvalues: Tensor | None = None
         self.eigen_method: str | None = None
-        # Skip LowRankLaplace.__init__: it insists on the old `asdfghjkl` package, which only
-        # its own backend needs; the curvature here comes from laplace_debiased.curvature.eigen.
-        super(LowRankLaplace, self).__init__(model, likelihood, **kwargs)
+        super().__init__(model, likelihood, **kwargs)
 
-    def fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool = False,
-        *,
-        magnitude_loader: DataLoader | None = None,
-        n_direction_batches: int | None = None,
-        n_magnitude_batches: int | None = None,
-        split: str = "batches",
-        generator: torch.Generator | None = None,
-    ) -> None:
-        """Two-batch fit (the arguments of
-        [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit]);
-        ``override=False`` is refused because an eigen-representation cannot be updated additively."""
+    def _laplace_init(self, model: nn.Module, likelihood: str, *args: Any, **kwargs: Any) -> None:
+        """``ParametricLaplace.__init__``: ``LowRankLaplace.__init__`` (laplace-torch 0.3,
+        ``baselaplace.py``, ``LowRankLaplace.__init__``) only raises ``ImportError`` without the old
+        ``asdfghjkl`` package and then calls it with its arguments; only its own backend needs that
+        package, and the curvature here comes from
+        [`laplace_debiased.curvature.eigen`][laplace_debiased.curvature.eigen]."""
+        super(LowRankLaplace, self).__init__(model, likelihood, *args, **kwargs)
+
+    def _check_override(self, override: bool) -> None:
         if not override:
             raise ValueError(
                 "debiased_lowrank cannot be updated (override=False): the eigenpairs of a "
                 "sum are not the union of eigenpairs. Refit on all data instead."
             )
-        super().fit(
-            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
-            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
-            generator=generator,
-        )
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
         """B's top eigenvectors and B̃'s Rayleigh quotients

@@ -12,7 +12,7 @@ Outputs may be ``(n, tokens, C)``, every token an output with its own loss term 
 eigenvalues of each token position are measured and added up
 ([`measure_ekfac_eigenvalues`][laplace_debiased.ekfac.passes.measure_ekfac_eigenvalues]).
 
-Cross-fitting (``fit(..., cross_fit=True)``) also builds the swapped approximation (basis from
+Cross-fitting (``cross_fit=True``) also builds the swapped approximation (basis from
 B̃, curvature measured on B) and uses the equal-weight mixture of the two Gaussians as the
 posterior ([`laplace_debiased.two_batch.cross_fit`][laplace_debiased.two_batch.cross_fit], shared with
 ``debiased_kron``).
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from curvlinops import FisherType
@@ -36,7 +36,6 @@ from laplace.baselaplace import KronLaplace
 from laplace.curvature.curvature import CurvatureInterface, EFInterface
 from laplace.lllaplace import KronLLLaplace
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from laplace_debiased.ekfac.decompose import EKFACMeasurement, decompose_ekfac
 from laplace_debiased.curvature.layer_blocks import block_modules, block_spans, curvature_modules, is_extra
@@ -211,8 +210,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
     """Two-batch debiased EKFAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_ekfac")``).
 
-    Same interface as ``KronLaplace``. After
-    [`fit`][laplace_debiased.ekfac.laplace.DebiasedEKFACLaplace.fit], ``H_facs`` is B's K-FAC (``Kron``,
+    Same interface as ``KronLaplace``. After ``fit``, ``H_facs`` is B's K-FAC (``Kron``,
     scaled to ``n_data``; cross-fitted, ``H_facs_magnitude`` is B̃'s), and ``H`` an
     [`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] (or, cross-fitted, a
     [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]).
@@ -232,63 +230,53 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         """[`single_pass_fisher`][laplace_debiased.kron.layers.single_pass_fisher] of the backend."""
         return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
 
-    _cross_fit: bool = False
+    _options = (*TwoBatchLaplace._options, "estimator", "cross_fit")
+    _ignored_fit_options = ("null_space",)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, model: nn.Module, likelihood: str, *args: Any, estimator: str | None = None, cross_fit: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """laplace-torch's ``KronLaplace`` constructor (without ``damping``), the batch options of
+        [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace.__init__], and the estimate.
+
+        Args:
+            model: The network, as for laplace-torch.
+            likelihood: laplace-torch's likelihood.
+            *args: laplace-torch's positional arguments.
+            estimator: ``"paper"`` only (the default).
+            cross_fit: Also fit the swapped roles (basis from B̃, curvature from B) and use the
+                equal-weight mixture of the two ([`cross_fit`][laplace_debiased.two_batch.cross_fit]).
+            **kwargs: The batch options and laplace-torch's keyword arguments.
+
+        Raises:
+            ValueError: ``damping=True``, or an estimator other than ``"paper"``.
+            TypeError: ``cross_fit`` is not a bool.
+        """
+        self._set_estimate(estimator, cross_fit)
+        super().__init__(model, likelihood, *args, **kwargs)
         if self.damping:
             raise ValueError(
                 "damping=True needs Kronecker-factored eigenvalues; EKFAC has one eigenvalue "
                 "per basis direction. Use hessian_structure='debiased_kron' for damping."
             )
 
-    def fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool = False,
-        *,
-        magnitude_loader: DataLoader | None = None,
-        n_direction_batches: int | None = None,
-        n_magnitude_batches: int | Literal["auto"] | None = None,
-        split: str = "batches",
-        generator: torch.Generator | None = None,
-        null_space: str = "isotropic",
-        estimator: str | None = None,
-        cross_fit: bool = False,
-    ) -> None:
-        """Fit the debiased EKFAC approximation at the current (MAP) parameters.
+    def _set_estimate(self, estimator: str | None, cross_fit: bool) -> None:
+        """Check and keep the estimate's options ([`kron_fit_options`][laplace_debiased.kron.laplace.kron_fit_options])."""
+        kron_fit_options("isotropic", estimator, cross_fit, offered=("paper",), structure=self._key[1])
+        self._estimator, self._cross_fit = estimator, cross_fit
 
-        Args:
-            train_loader: The training data, as in
-                [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit].
-            override: Must be ``True``: ``False`` raises (the eigenvalues are measured in one
-                basis and cannot be re-measured in a combined basis without the earlier data).
-            progress_bar: Unused (laplace-torch compatibility).
-            magnitude_loader: Take B̃ from this loader (``train_loader`` itself: B̃ = B).
-            n_direction_batches: Loader batches in B (default 1).
-            n_magnitude_batches: Loader batches in B̃ (default 1), or ``"auto"``.
-            split: ``"batches"`` (default) or ``"halves"``.
-            generator: Draw the batches at random.
-            null_space: Checked as in
-                [`DebiasedKronLaplace.fit`][laplace_debiased.kron.laplace.DebiasedKronLaplace.fit] but not
-                used: the eigenvalues are B̃'s exact diagonal in B's basis.
-            estimator: ``"paper"`` only (the default).
-            cross_fit: Also fit the swapped roles (basis from B̃, curvature from B) and use the
-                equal-weight mixture of the two ([`cross_fit`][laplace_debiased.two_batch.cross_fit]).
-        """
+    def _update_options(self, options: dict[str, Any]) -> None:
+        if "estimator" in options or "cross_fit" in options:
+            self._set_estimate(options.pop("estimator", self._estimator), options.pop("cross_fit", self._cross_fit))
+        super()._update_options(options)
+
+    def _check_override(self, override: bool) -> None:
         if not override:
             raise ValueError(
                 "debiased EKFAC does not support override=False: refit on all the data with "
                 "override=True."
             )
-        kron_fit_options(null_space, estimator, cross_fit, offered=("paper",), structure=self._key[1])
-        self._cross_fit = cross_fit
-        super().fit(
-            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
-            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
-            generator=generator,
-        )
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()

@@ -235,7 +235,11 @@ def _eigenvalue_correction(
     )
     _check_internals(op)
     out_side, in_side = _module_bases(op._mapping, cast)
-    # install B's basis: curvlinops only computes eigenvectors when none are present
+    # install B's basis: curvlinops only computes eigenvectors when none are present (curvlinops
+    # 3.0.1, ekfac.py, EKFACLinearOperator.compute_eigenvalue_correction). It has no public setter:
+    # its load_state_dict sets the same two attributes, but also reloads the model's parameters and
+    # needs the whole state, so they are set as it sets them; _check_internals refuses a version
+    # without them.
     op._gradient_covariances_eigenvectors = out_side
     op._input_covariances_eigenvectors = in_side
     op.compute_eigenvalue_correction()

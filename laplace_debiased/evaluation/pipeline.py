@@ -209,9 +209,9 @@ def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, 
 
     ll = opts["subset"] == "last_layer"
 
-    def make(kind: str):
+    def make(kind: str, **options: str):
         if kind == "kron":
-            return (DebiasedKronLLLaplace if ll else DebiasedKronLaplace)(model, "classification")
+            return (DebiasedKronLLLaplace if ll else DebiasedKronLaplace)(model, "classification", **options)
         if kind == "ekfac":
             return (DebiasedEKFACLLLaplace if ll else DebiasedEKFACLaplace)(model, "classification")
         return (DebiasedLowRankLLLaplace if ll else DebiasedLowRankLaplace)(
@@ -222,14 +222,15 @@ def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, 
     def fit(repeat: int):
         if repeat in fitted:
             return fitted[repeat]
-        la = make(name.split("_")[0])
-        loader, _ = _fit_loader(name, train, opts, repeat, b)
+        options = {}
         if name == "kron_debiased":  # its first two batches: B and B̃, the paper's estimate
-            la.fit(loader, estimator="paper")
-        elif name.endswith("_debiased"):
-            la.fit(loader)
+            options = {"estimator": "paper"}
         elif name.endswith(("_corrected", "_shrunk")):
-            la.fit(loader, estimator=name.split("_")[1])
+            options = {"estimator": name.split("_")[1]}
+        la = make(name.split("_")[0], **options)
+        loader, _ = _fit_loader(name, train, opts, repeat, b)
+        if name.endswith(("_debiased", "_corrected", "_shrunk")):
+            la.fit(loader)
         else:  # one batch of b, or every training point, B̃ = B
             la.fit(loader, magnitude_loader=loader)
         fitted[repeat] = la

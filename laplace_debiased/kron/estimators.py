@@ -1,4 +1,4 @@
-"""Choosing and computing the two-batch K-FAC estimate of ``fit(estimator=...)`` for the
+"""Choosing and computing the two-batch K-FAC estimate of ``estimator=...`` for the
 debiased K-FAC Laplace classes ([`laplace_debiased.kron.laplace`][laplace_debiased.kron.laplace]).
 
 ``"paper"``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al., ICLR 2025), with the
@@ -24,7 +24,7 @@ __all__ = ["CORRECTED", "ESTIMATORS", "Correction", "corrected_decomposition", "
 
 logger = logging.getLogger("laplace_debiased")
 
-#: the estimates ``fit(estimator=...)`` offers (module docstring)
+#: the estimates ``estimator=...`` offers (module docstring)
 ESTIMATORS = ("paper", "corrected", "shrunk")
 
 #: the estimates on the eigenvectors of B ∪ B̃

@@ -21,7 +21,7 @@ Under an initialised ``torch.distributed`` group the rows are sharded over the r
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from laplace.baselaplace import KronLaplace
@@ -29,7 +29,6 @@ from laplace.curvature.curvature import CurvatureInterface
 from laplace.lllaplace import KronLLLaplace
 from laplace.utils.matrix import Kron
 from torch import nn
-from torch.utils.data import DataLoader
 
 from laplace_debiased.two_batch.coverage import Coverage, report_coverage
 from laplace_debiased.kron.decompose import combine_kfacs, decompose_two_batch
@@ -113,10 +112,10 @@ def kron_fit_options(
     """Check the options of a K-FAC-based fit (``debiased_kron``, ``debiased_ekfac``).
 
     Args:
-        null_space: ``fit(null_space=...)``, one of
+        null_space: The constructor's ``null_space``, one of
             [`NULL_SPACE_MODES`][laplace_debiased.curvature.completion.NULL_SPACE_MODES].
-        estimator: ``fit(estimator=...)``, ``None`` for the default.
-        cross_fit: ``fit(cross_fit=...)``, a bool.
+        estimator: The constructor's ``estimator``, ``None`` for the default.
+        cross_fit: The constructor's ``cross_fit``, a bool.
         offered: The estimators the structure offers.
         structure: The ``hessian_structure`` name (for the message).
 
@@ -365,12 +364,14 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     """Two-batch debiased K-FAC Laplace over all weights (``Laplace(...,
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 
-    After [`fit`][laplace_debiased.kron.laplace.DebiasedKronLaplace.fit], ``H_facs`` / ``H_facs_magnitude``
+    After ``fit``, ``H_facs`` / ``H_facs_magnitude``
     are the ``Kron`` factors of B and B̃ (scaled to ``n_data``) and ``H`` a
     [`DebiasedKronDecomposed`][laplace_debiased.kron.laplace.DebiasedKronDecomposed]: by default the pooled
     eigenvectors of B ∪ B̃ with corrected eigenvalues, the correction shrunk by its noise; with
     ``estimator="paper"`` B's eigenvectors and B̃'s Rayleigh quotients (cross-fitted: a
-    [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]).
+    [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]); ``coverage``
+    ([`Coverage`][laplace_debiased.two_batch.coverage.Coverage], logged) records what the curvature covers and
+    ``correction`` ([`Correction`][laplace_debiased.kron.estimators.Correction]) what a corrected fit changed.
     Layers: [`layer_blocks`][laplace_debiased.curvature.layer_blocks] (beyond Linear/Conv2d only with the
     default Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
     """
@@ -381,77 +382,53 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     def _single_pass_fisher(self) -> str | None:
         """[`single_pass_fisher`][laplace_debiased.kron.layers.single_pass_fisher] of the backend."""
         return single_pass_fisher(self.backend, self._asdl_fisher_kwargs)
-
-    _null_space: str = "isotropic"
-    _estimator: str = "shrunk"
     _estimators: tuple[str, ...] = ESTIMATORS
-    _cross_fit: bool = False
+    _options = (*TwoBatchLaplace._options, "null_space", "estimator", "cross_fit")
 
-    def fit(
+    def __init__(
         self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool = False,
-        *,
-        magnitude_loader: DataLoader | None = None,
-        n_direction_batches: int | None = None,
-        n_magnitude_batches: int | Literal["auto"] | None = None,
-        split: str = "batches",
-        generator: torch.Generator | None = None,
+        model: nn.Module,
+        likelihood: str,
+        *args: Any,
         null_space: str = "isotropic",
         estimator: str | None = None,
         cross_fit: bool = False,
+        **kwargs: Any,
     ) -> None:
-        """Fit the debiased K-FAC approximation at the current (MAP) parameters.
-
-        The arguments up to ``generator`` choose the two batches, as in
-        [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit]. After the fit
-        ``self.coverage`` ([`Coverage`][laplace_debiased.two_batch.coverage.Coverage], logged) records what
-        the curvature covers, and ``self.correction``
-        ([`Correction`][laplace_debiased.kron.estimators.Correction]) what a corrected fit changed.
+        """laplace-torch's ``KronLaplace`` constructor, the batch options of
+        [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace.__init__], and the estimate.
 
         Args:
-            train_loader: The training data, as in
-                [`TwoBatchLaplace.fit`][laplace_debiased.two_batch.base.TwoBatchLaplace.fit].
-            override: ``False`` accumulates onto a previous fit.
-            progress_bar: Unused (laplace-torch compatibility).
-            magnitude_loader: Take B̃ from this loader (``train_loader`` itself: B̃ = B).
-            n_direction_batches: Loader batches in B (default 1).
-            n_magnitude_batches: Loader batches in B̃ (default 1), or ``"auto"``.
-            split: ``"batches"`` (default) or ``"halves"``.
-            generator: Draw the batches at random.
-            null_space: For ``estimator="paper"``: how directions that B's factors do not
-                distinguish (their null space, where a factor is wider than B) get their
-                magnitude. ``"isotropic"``: B̃'s mean
-                curvature over each such eigenspace, ``tr(Pᵀ C_B̃ P) / dim P`` (unbiased);
-                ``"aligned"``: B̃'s own eigenbasis there (same-batch bias, exact zeros where B ∪ B̃
-                does not reach);
-                [`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion]. Unused by
-                ``debiased_ekfac``.
-            estimator: ``"shrunk"`` (the default): the eigenvectors of B ∪ B̃, a single batch of
-                all their samples, with eigenvalues less the regression-to-the-mean gap the two
-                batches measure against each other, that correction shrunk per factor by its noise
-                (the two orders' disagreement; the pooled null space keeps all of it);
-                ``"corrected"``: the same unshrunk
-                ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]); or
-                ``"paper"`` (Tatzel et al.: B's eigenvectors, B̃'s Rayleigh quotients; the only one of
-                ``debiased_ekfac``, and the default with ``cross_fit=True`` or ``null_space="aligned"``, its
-                options). B̃ = B gives stock K-FAC either way.
+            model: The network, as for laplace-torch.
+            likelihood: laplace-torch's likelihood.
+            *args: laplace-torch's positional arguments.
+            null_space: For ``estimator="paper"``, B's null space: ``"isotropic"`` (B̃'s mean curvature
+                there) or ``"aligned"`` (B̃'s eigenbasis there)
+                ([`completion`][laplace_debiased.curvature.completion]).
+            estimator: ``"shrunk"`` (default), ``"corrected"`` or ``"paper"``
+                ([`resolve_estimator`][laplace_debiased.kron.estimators.resolve_estimator]; the maths:
+                [`corrected`][laplace_debiased.kron.corrected]). B̃ = B gives stock K-FAC either way.
             cross_fit: Also fit the swapped roles (basis from B̃, eigenvalues from B) and use the
                 equal-weight mixture of the two ([`cross_fit`][laplace_debiased.two_batch.cross_fit]).
+            **kwargs: The batch options and laplace-torch's keyword arguments.
 
         Raises:
-            ValueError: An unknown ``null_space`` or ``estimator``.
+            ValueError: An unknown ``null_space`` or ``estimator``, or options that do not combine.
             TypeError: ``cross_fit`` is not a bool.
         """
+        self._set_estimate(null_space, estimator, cross_fit)
+        super().__init__(model, likelihood, *args, **kwargs)
+
+    def _set_estimate(self, null_space: str, estimator: str | None, cross_fit: bool) -> None:
+        """Check and keep the estimate's options ([`kron_fit_options`][laplace_debiased.kron.laplace.kron_fit_options])."""
         self._estimator = kron_fit_options(null_space, estimator, cross_fit, offered=self._estimators, structure=self._key[1])
-        self._null_space = null_space
-        self._cross_fit = cross_fit
-        super().fit(
-            train_loader, override=override, progress_bar=progress_bar, magnitude_loader=magnitude_loader,
-            n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches, split=split,
-            generator=generator,
-        )
+        self._requested_estimator, self._null_space, self._cross_fit = estimator, null_space, cross_fit
+
+    def _update_options(self, options: dict[str, Any]) -> None:
+        estimate = {"null_space": self._null_space, "estimator": self._requested_estimator, "cross_fit": self._cross_fit}
+        if any(name in options for name in estimate):
+            self._set_estimate(**{name: options.pop(name, value) for name, value in estimate.items()})
+        super()._update_options(options)
 
     def _reset_fit_state(self) -> None:
         super()._reset_fit_state()
@@ -501,15 +478,26 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
             "kron_null_space": self._null_space, "kron_cross_fit": self._cross_fit,
         }
 
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """The checks of every structure, then the estimate's options: a state fitted with other
+        options is refused (an online fit would continue it with this object's)."""
+        super()._check_loadable(state_dict)
+        mine = {"estimator": self._estimator, "null_space": self._null_space, "cross_fit": self._cross_fit}
+        saved = {name: state_dict.get(f"kron_{name}") for name in mine}
+        if saved != mine:
+            raise ValueError(
+                f"the state was fitted with {saved} but this object has {mine}; construct it with the same "
+                "options, e.g. Laplace(..., estimator=...)."
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a saved fit (``self.coverage`` is not saved: it is ``None`` after loading)."""
+        """Restore a saved fit (``self.coverage`` is not saved: it is ``None`` after loading); a state
+        fitted with other estimate options than the constructor's is refused."""
         super().load_state_dict(state_dict)
         self.coverage = self.correction = self._factor_rows = None
         self.H_facs_magnitude = Kron(state_dict["H_magnitude"])
         self.H = kron_from_state(state_dict, self.damping, curvature_modules(self.backend._model))
         self._fit_sizes = tuple(state_dict["kron_fit_sizes"])
-        self._estimator, self._null_space = state_dict["kron_estimator"], state_dict["kron_null_space"]
-        self._cross_fit = state_dict["kron_cross_fit"]
 
 
 class DebiasedKronLLLaplace(DebiasedKronLaplace, KronLLLaplace):

@@ -15,6 +15,12 @@ the others call ``_summed_loss``, so no batch is forwarded twice for the loss.  
 ``self.n_data`` still holds the number of data points of earlier fits (0 unless ``override=False``), so online
 fits can combine them. Subclasses that keep extra state per fit extend ``_reset_fit_state``.
 
+A structure's options are constructor keywords, checked at construction (the batch choice here,
+[`BatchOptions`][laplace_debiased.two_batch.base.BatchOptions]; a structure's own in its
+constructor, listed in ``_options`` and set again by its ``_update_options``), so laplace-torch's
+``Laplace(...)`` factory passes them. ``fit`` keeps laplace-torch's signature plus
+``magnitude_loader``; an option passed to ``fit`` is deprecated and sets it as the constructor would.
+
 After ``fit``: ``self.mean`` (MAP parameters), ``self.n_outputs``, ``self.fit_batches``
 (which batches formed B and B̃, and how they were chosen), ``self.n_data += N`` and
 ``self.loss += N / n_used * (summed loss over the n_used distinct samples of B ∪ B̃)``, an
@@ -32,16 +38,18 @@ Jacobians of [`token_outputs`][laplace_debiased.two_batch.token_outputs], the mi
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torchmetrics
 from laplace.lllaplace import LLLaplace
-from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod
+from laplace.utils.enums import LinkApprox, PredType
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
@@ -79,10 +87,42 @@ from laplace_debiased.two_batch.token_outputs import (
 if TYPE_CHECKING:
     from laplace_debiased.two_batch.magnitude_rule import AutoMagnitude
 
-__all__ = ["TwoBatchLaplace", "distinct_batches", "map_estimate", "summed_loss"]
+__all__ = ["BatchOptions", "TwoBatchLaplace", "distinct_batches", "map_estimate", "summed_loss"]
 
 logger = logging.getLogger(__name__)
 
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How a fit chooses B and B̃: the constructor options of every two-batch class, as
+    [`split_batches`][laplace_debiased.two_batch.batches.split_batches] takes them.
+
+    Raises:
+        ValueError: A batch count that is not a positive int (nor ``"auto"`` for B̃), an unknown
+            ``split``, or ``split="halves"`` with a batch count.
+        TypeError: ``generator`` is not a ``torch.Generator``.
+    """
+
+    n_direction_batches: int | None = None
+    n_magnitude_batches: int | Literal["auto"] | None = None
+    split: Literal["batches", "halves"] = "batches"
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("n_direction_batches", "n_magnitude_batches"):
+            value = getattr(self, name)
+            if value is None or (name == "n_magnitude_batches" and value == "auto"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                auto = " or 'auto'" if name == "n_magnitude_batches" else ""
+                raise ValueError(f"{name} must be a positive integer{auto}, got {value!r}.")
+        if self.split not in ("batches", "halves"):
+            raise ValueError(f"split must be 'batches' or 'halves', got {self.split!r}.")
+        if self.split == "halves" and (self.n_direction_batches, self.n_magnitude_batches) != (None, None):
+            raise ValueError("split='halves' uses all batches; do not pass n_*_batches.")
+        if self.generator is not None and not isinstance(self.generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(self.generator).__name__}.")
 
 
 def distinct_batches(direction_batches: list[Batch], magnitude_batches: list[Batch]) -> list[Batch]:
@@ -198,6 +238,66 @@ class TwoBatchLaplace:
     predictive_chunk_size: int | None = None
     _kfac_blocks: bool = False
     _call_generator: torch.Generator | None = None
+    #: the constructor options an old ``fit`` keyword may still set (deprecated)
+    _options: tuple[str, ...] = ("n_direction_batches", "n_magnitude_batches", "split", "generator")
+    #: old ``fit`` keywords that have no effect on this structure (deprecated)
+    _ignored_fit_options: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        *args: Any,
+        n_direction_batches: int | None = None,
+        n_magnitude_batches: int | Literal["auto"] | None = None,
+        split: Literal["batches", "halves"] = "batches",
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """laplace-torch's constructor, plus how each fit chooses B and B̃
+        ([`split_batches`][laplace_debiased.two_batch.batches.split_batches]).
+
+        Args:
+            model: The network, as for laplace-torch.
+            likelihood: laplace-torch's likelihood.
+            *args: laplace-torch's positional arguments.
+            n_direction_batches: Loader batches in B (default 1).
+            n_magnitude_batches: Loader batches in B̃ (default 1), or ``"auto"`` (``debiased_kron`` and
+                ``debiased_ekfac`` over all weights): the fewest that cover every K-FAC factor, at most
+                ``AUTO_MAGNITUDE_CAP``, recorded in ``fit_batches[-1].auto``
+                ([`auto_magnitude`][laplace_debiased.two_batch.magnitude_rule]).
+            split: ``"batches"``, or ``"halves"``: every batch, half to B and half to B̃ (without
+                ``n_*_batches``).
+            generator: Draw the batches at random; one seed, one B and B̃, with a shuffling loader too.
+            **kwargs: laplace-torch's keyword arguments.
+
+        Raises:
+            ValueError: An option out of range, or ``"auto"`` without K-FAC factors.
+            TypeError: ``generator`` is not a ``torch.Generator``.
+        """
+        self._batch_options = self._checked_batch_options(
+            BatchOptions(n_direction_batches, n_magnitude_batches, split, generator)
+        )
+        self._laplace_init(model, likelihood, *args, **kwargs)
+
+    def _laplace_init(self, model: nn.Module, likelihood: str, *args: Any, **kwargs: Any) -> None:
+        """The laplace-torch base's constructor."""
+        super().__init__(model, likelihood, *args, **kwargs)
+
+    def _checked_batch_options(self, options: BatchOptions) -> BatchOptions:
+        """``options``, refused if ``"auto"`` and this structure has no K-FAC factors."""
+        if options.n_magnitude_batches == "auto" and not self._kfac_blocks:
+            raise ValueError(
+                f"n_magnitude_batches='auto' counts the rows B gives each K-FAC factor, and {type(self).__name__} "
+                "has no K-FAC factors. Pass an integer n_magnitude_batches (default 1), or use "
+                "hessian_structure='debiased_kron' or 'debiased_ekfac' with subset_of_weights='all'."
+            )
+        return options
+
+    def _update_options(self, options: dict[str, Any]) -> None:
+        """Set constructor options (checked as by the constructor); subclasses take theirs first."""
+        if options:
+            self._batch_options = self._checked_batch_options(replace(self._batch_options, **options))
 
     def fit(
         self,
@@ -206,61 +306,68 @@ class TwoBatchLaplace:
         progress_bar: bool = False,
         *,
         magnitude_loader: DataLoader | None = None,
-        n_direction_batches: int | None = None,
-        n_magnitude_batches: int | Literal["auto"] | None = None,
-        split: str = "batches",
-        generator: torch.Generator | None = None,
+        **deprecated: Any,
     ) -> None:
         """Fit the debiased Laplace approximation at the current (MAP) parameters.
 
-        Under a ``torch.distributed`` group (collective: every rank calls ``fit``) the ranks
-        refuse to fit if their models or selected B and B̃ differ
-        ([`check_same_fit_inputs`][laplace_debiased.parallel.distributed.check_same_fit_inputs]); an error on
-        one rank ends the fit on every rank
-        ([`fail_together`][laplace_debiased.parallel.distributed.fail_together]).
+        B and B̃ are chosen by the constructor's options; the choice is logged (INFO, logger
+        ``laplace_debiased``) and recorded in ``self.fit_batches``, one
+        [`BatchChoice`][laplace_debiased.two_batch.batches.BatchChoice] per fit since the last
+        ``override=True``. Under a ``torch.distributed`` group (every rank calls ``fit``) the ranks
+        refuse to fit if their models or B and B̃ differ
+        ([`check_same_fit_inputs`][laplace_debiased.parallel.distributed.check_same_fit_inputs]), and an error
+        on one rank ends the fit on every rank ([`fail_together`][laplace_debiased.parallel.distributed.fail_together]).
 
         Args:
-            train_loader: Training data; ``N = len(train_loader.dataset)``. B = its first
-                ``n_direction_batches`` batches, B̃ = the next ``n_magnitude_batches`` (a random draw
-                with a shuffling loader); a one-batch loader is split into two disjoint halves by a
-                seeded permutation. The choice is logged (INFO, logger ``laplace_debiased``) and
-                recorded in ``self.fit_batches``, one
-                [`BatchChoice`][laplace_debiased.two_batch.batches.BatchChoice] per fit since the last
-                ``override=True``.
-            override: ``False`` accumulates onto a previous fit (online: both batch sets
-                combined, debiased again).
+            train_loader: Training data; ``N = len(train_loader.dataset)``.
+            override: ``False`` accumulates onto a previous fit (where the structure allows it).
             progress_bar: Unused (laplace-torch compatibility; few batches are touched).
             magnitude_loader: Take B̃ from this loader; ``magnitude_loader=train_loader`` selects
                 B̃ = B, which reduces every debiased structure to its plain single-batch version.
-            n_direction_batches: Loader batches in B (default 1).
-            n_magnitude_batches: Loader batches in B̃ (default 1). ``"auto"`` (debiased_kron/ekfac
-                over all weights): B̃ gets the smallest ``k >= 1`` batches with
-                ``R_f + k · R_f / |B| >= d_f`` for every K-FAC factor ``f`` of dimension ``d_f``
-                wider than the rows ``R_f`` B gives it (more after a short batch), at most
-                ``AUTO_MAGNITUDE_CAP = 8``; ``k``, why, and any factor B ∪ B̃ still misses (a
-                warning) are in ``fit_batches[-1].auto``
-                ([`auto_magnitude`][laplace_debiased.two_batch.magnitude_rule]).
-            split: ``"batches"`` (default), or ``"halves"``: all batches, first half B, second
-                half B̃ ("debiased full-batch").
-            generator: Draw the batches at random; one seed, one B and B̃, with a shuffling
-                loader too.
+            **deprecated: A constructor option passed here (deprecated): set on this object, then fit.
 
         Raises:
             ValueError: Inputs the fit would get silently wrong
                 ([`fit_checks`][laplace_debiased.two_batch.checks]).
+            TypeError: A keyword that is not an option of this structure.
         """
         del progress_bar
+        if deprecated:
+            self._deprecated_fit_options(deprecated)
         with fail_together(f"{type(self).__name__}.fit"):
+            self._check_override(override)
             check_override(isinstance(self, LLLaplace), override)
             check_model_mode(self.model)
             check_materialised(self.model)
+            options = self._batch_options
             batches = split_batches(
-                train_loader, n_direction_batches=n_direction_batches, n_magnitude_batches=n_magnitude_batches,
-                magnitude_loader=magnitude_loader, split=split, generator=generator,
-                magnitude_rule=self._magnitude_rule(n_magnitude_batches),
+                train_loader, n_direction_batches=options.n_direction_batches,
+                n_magnitude_batches=options.n_magnitude_batches, magnitude_loader=magnitude_loader,
+                split=options.split, generator=options.generator,
+                magnitude_rule=self._magnitude_rule(options.n_magnitude_batches),
                 dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y, device=self._device,
             )
             self._fit_split(batches, override)
+
+    def _deprecated_fit_options(self, options: dict[str, Any]) -> None:
+        """Old ``fit`` keywords: each warned (``DeprecationWarning`` naming the constructor keyword),
+        then set as a constructor option would be; an unknown one raises ``TypeError``."""
+        unknown = sorted(set(options) - set(self._options) - set(self._ignored_fit_options))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.fit() got unexpected keyword arguments {unknown}.")
+        for name in options:
+            if name in self._ignored_fit_options:
+                message = f"fit({name}=...) has no effect on {self._key[1]} and will be removed; drop it."
+            else:
+                message = (
+                    f"fit({name}=...) is deprecated and will be removed; pass it to the constructor: "
+                    f"Laplace(model, likelihood, hessian_structure={self._key[1]!r}, {name}=...)."
+                )
+            warnings.warn(message, DeprecationWarning, stacklevel=3)
+        self._update_options({k: v for k, v in options.items() if k not in self._ignored_fit_options})
+
+    def _check_override(self, override: bool) -> None:
+        """Structures that cannot combine fits refuse ``override=False`` here."""
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> torch.Tensor:
         """The structure's hook (module docstring): set ``self.H``, return the summed loss of B ∪ B̃."""
@@ -268,18 +375,9 @@ class TwoBatchLaplace:
 
     def _magnitude_rule(self, n_magnitude_batches: object) -> Callable[[list[Batch]], AutoMagnitude] | None:
         """``None`` unless ``n_magnitude_batches="auto"``, then
-        [`auto_magnitude_rule`][laplace_debiased.two_batch.auto_magnitude.auto_magnitude_rule] (K-FAC blocks
-        only); another string raises."""
-        if not isinstance(n_magnitude_batches, str):
-            return None
+        [`auto_magnitude_rule`][laplace_debiased.two_batch.auto_magnitude.auto_magnitude_rule]."""
         if n_magnitude_batches != "auto":
-            raise ValueError(f"n_magnitude_batches must be a positive integer or 'auto', got {n_magnitude_batches!r}.")
-        if not self._kfac_blocks:
-            raise ValueError(
-                f"n_magnitude_batches='auto' counts the rows B gives each K-FAC factor, and {type(self).__name__} "
-                "has no K-FAC factors. Pass an integer n_magnitude_batches (default 1), or use "
-                "hessian_structure='debiased_kron' or 'debiased_ekfac' with subset_of_weights='all'."
-            )
+            return None
         return auto_magnitude_rule(
             self.model, lambda: self.backend, last_layer=isinstance(self, LLLaplace), owner=type(self).__name__,
             likelihood=self.likelihood, dtype=self._dtype, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
@@ -357,6 +455,9 @@ class TwoBatchLaplace:
     @torch.no_grad()
     def _setup_last_layer(self, batch: Batch) -> None:
         """Find the last layer on the first batch, as ``LLLaplace.fit`` does."""
+        # Follows laplace-torch 0.3 lllaplace.py, LLLaplace.fit (its `if self.model.last_layer is
+        # None:` block): that block is inline in LLLaplace.fit, which then fits the curvature over
+        # all of train_loader, so it cannot be called alone; here it runs on B's first batch.
         self.data = batch
         self._find_last_layer(batch)
         self.n_params = sum(p.numel() for p in self.model.last_layer.parameters())
@@ -545,6 +646,9 @@ class TwoBatchLaplace:
             Js, f_mu = per_example_jacobians(self.model, self.params, X)
         else:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
+        # Follows the tail of laplace-torch 0.3's ParametricLaplace._glm_predictive_distribution
+        # (baselaplace.py, after its Jacobians): it computes the Jacobians itself, with no hook to
+        # pass these in.
         if joint:
             f_mu, f_var = f_mu.flatten(), self.functional_covariance(Js)
         else:
@@ -594,26 +698,9 @@ class TwoBatchLaplace:
         return token_shaped(out, shape)
 
     # ------------------------------------------------------------------ prior precision
-    def optimize_prior_precision(
-        self,
-        pred_type: PredType | str = PredType.GLM,
-        method: TuningMethod | str = TuningMethod.MARGLIK,
-        n_steps: int = 100,
-        lr: float = 1e-1,
-        init_prior_prec: float | torch.Tensor = 1.0,
-        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
-        val_loader: DataLoader | None = None,
-        loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float] | None = None,
-        log_prior_prec_min: float = -4,
-        log_prior_prec_max: float = 4,
-        grid_size: int = 100,
-        link_approx: LinkApprox | str | None = None,
-        n_samples: int = 100,
-        verbose: bool = False,
-        progress_bar: bool = False,
-        log_prior_prec_base: float = 10.0,
-    ) -> None:
-        """laplace-torch's ``optimize_prior_precision`` (same arguments), with three changes.
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """laplace-torch's ``optimize_prior_precision`` (same arguments, passed on by keyword), with three
+        changes.
 
         ``link_approx`` left out means ``"probit"``, and laplace-torch's reminder of that default
         is warned; a call that passes ``link_approx`` is not reminded.
@@ -627,26 +714,30 @@ class TwoBatchLaplace:
         Gaussian predictive NLL with ``self.sigma_noise``; an MSE ``loss`` with ``pred_type="glm"`` raises
         ``ValueError``).
         """
+        parent = super().optimize_prior_precision
+        call = inspect.signature(parent).bind(*args, **kwargs)
+        passed_link = call.arguments.get("link_approx") is not None
+        call.apply_defaults()
+        if call.arguments["link_approx"] is None:
+            call.arguments["link_approx"] = LinkApprox.PROBIT
+        options = call.arguments
+        method, prior_structure = options["method"], options["prior_structure"]
         spans = [1]
         if method == "marglik" and prior_structure == "layerwise":
             blocks = self._kfac_blocks and not isinstance(self, LLLaplace)
             spans = prior_spans(curvature_modules(self.backend._model) if blocks else None, self.n_layers)
         if any(span > 1 for span in spans):
             self.prior_precision = block_marglik(
-                lambda delta: self.log_marginal_likelihood(prior_precision=delta), spans, init_prior_prec,
-                n_steps, lr, device=self._device, dtype=self._dtype,
+                lambda delta: self.log_marginal_likelihood(prior_precision=delta), spans, options["init_prior_prec"],
+                options["n_steps"], options["lr"], device=self._device, dtype=self._dtype,
             )
             return
         if method == "gridsearch" and self.likelihood == "regression":
-            loss = regression_grid_loss(loss, pred_type, self.sigma_noise, self._device)
+            options["loss"] = regression_grid_loss(options["loss"], options["pred_type"], self.sigma_noise, self._device)
         with warnings.catch_warnings():
-            if link_approx is not None:
+            if passed_link:
                 warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`", category=UserWarning)
-            super().optimize_prior_precision(
-                pred_type, method, n_steps, lr, init_prior_prec, prior_structure, val_loader, loss,
-                log_prior_prec_min, log_prior_prec_max, grid_size, link_approx or LinkApprox.PROBIT, n_samples,
-                verbose, progress_bar, log_prior_prec_base,
-            )
+            parent(**options)
 
     def _gridsearch(
         self,

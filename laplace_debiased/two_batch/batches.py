@@ -160,11 +160,6 @@ class BatchSplit:
     n_data: int
     choice: BatchChoice
 
-    @property
-    def same_batches(self) -> bool:
-        """True for the explicit reduction B̃ = B (``magnitude_loader=train_loader``)."""
-        return self.magnitude is self.direction
-
 
 def _check_batch(batch: Batch, where: str, dict_key_x: str, dict_key_y: str) -> None:
     X, y = batch_inputs_targets(batch, dict_key_x, dict_key_y)
@@ -391,38 +386,27 @@ def split_batches(
     device: torch.device | str | None = None,
     magnitude_rule: Callable[[list[Batch]], AutoMagnitude] | None = None,
 ) -> BatchSplit:
-    """Choose the direction batches B and the magnitude batches B̃ (see module docstring).
+    """Choose the direction batches B and the magnitude batches B̃ by the rules and checks of the
+    module docstring; every batch is moved to ``device`` as laplace-torch's ``fit`` does.
 
     Args:
         train_loader: The training data; ``len(train_loader.dataset)`` is N.
-        n_direction_batches: The number of loader batches forming B (default 1; not allowed
-            with ``split="halves"``).
-        n_magnitude_batches: The number of loader batches forming B̃ (default 1; not allowed
-            with ``split="halves"``); ``"auto"``: ``magnitude_rule(B).wanted``
-            (``_choose_auto``).
-        magnitude_loader: A separate source of B̃; ``train_loader`` itself for the reduction
-            B̃ = B.
-        split: ``"batches"``, or ``"halves"``: every batch of one pass, half for B and half
-            for B̃.
-        generator: Draws the batches at random instead of taking them in loader order; the
-            same seed gives the same B and B̃, with a shuffling loader too
-            ([`loader_rng_from`][laplace_debiased.two_batch.batches.loader_rng_from]).
+        n_direction_batches: Loader batches in B (default 1).
+        n_magnitude_batches: Loader batches in B̃ (default 1), or ``"auto"``: ``magnitude_rule(B)``.
+        magnitude_loader: A separate source of B̃; ``train_loader`` itself for B̃ = B.
+        split: ``"batches"`` or ``"halves"``.
+        generator: Draw the batches at random, reproducibly.
         dict_key_x: The key of the inputs in dict batches.
         dict_key_y: The key of the targets in dict batches.
-        device: The model's device: every batch is moved there
-            ([`on_device`][laplace_debiased.data.batch.on_device]), as laplace-torch's ``fit`` does.
-        magnitude_rule: For ``"auto"``: B's batches (checked, on ``device``) ->
+        device: The model's device.
+        magnitude_rule: For ``"auto"``: B's batches ->
             [`AutoMagnitude`][laplace_debiased.two_batch.magnitude_rule.AutoMagnitude].
 
     Returns:
-        The batches, with ``choice`` recording which batches (or, for a one-batch loader,
-        which samples) form B and B̃.
+        The batches, with ``choice`` recording which batches (or samples) form B and B̃.
 
     Raises:
-        ValueError: For an invalid combination of arguments, a loader without ``dataset`` or
-            with a sampler that draws with replacement, too few batches, a B̃ from
-            ``magnitude_loader`` that shares samples with B, or a batch that cannot enter the
-            curvature (non-tensor, non-finite or overflowing inputs, fewer than two samples).
+        ValueError: What the module docstring's checks refuse.
     """
     n_data = _dataset_size(train_loader)
     if magnitude_loader is None:

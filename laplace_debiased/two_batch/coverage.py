@@ -195,11 +195,6 @@ class Coverage:
     direction_size: int
     magnitude_size: int
 
-    @property
-    def prior_only_weights(self) -> int:
-        """Weights (Kronecker eigen-directions) of all blocks whose only curvature is the prior."""
-        return round(sum(b.prior_only_share * b.n_weights for b in self.blocks))
-
     def flagged(self, share: float = PRIOR_ONLY_WARN_SHARE) -> list[BlockCoverage]:
         """Blocks whose
         [`BlockCoverage.sample_limited_share`][laplace_debiased.two_batch.coverage.BlockCoverage.sample_limited_share]

@@ -1,6 +1,6 @@
 """Cross-fitting: the equal-weight mixture of the two role-swapped debiased approximations.
 
-A debiased fit takes the eigenbasis from B and the eigenvalues from B̃.  ``fit(...,
+A debiased fit takes the eigenbasis from B and the eigenvalues from B̃.  ``Laplace(...,
 cross_fit=True)`` (``debiased_kron`` and ``debiased_ekfac``) also builds the swapped
 approximation (basis from B̃, eigenvalues from B) and uses the **equal-weight mixture** of the
 two Gaussians ``N(θ*, P₁⁻¹)`` and ``N(θ*, P₂⁻¹)`` as the posterior.  The mixture is symmetric in

@@ -1,4 +1,4 @@
-"""``fit(train_loader, n_magnitude_batches="auto")``: enough magnitude batches to cover the widest
+"""``n_magnitude_batches="auto"``: enough magnitude batches to cover the widest
 K-FAC factor.
 
 A K-FAC factor of dimension ``d`` is a sum of outer products, one per *row* its batch gives it,

@@ -13,11 +13,11 @@ from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLap
 MODELS = {"mlp": (tiny_mlp, (4,)), "cnn": (tiny_cnn, (1, 5, 5))}
 
 
-def _fit(cls, model, data, backend, single_pass: bool, monkeypatch, **fit_kw):
-    la = cls(model, data[1], backend=backend)
+def _fit(cls, model, data, backend, single_pass: bool, monkeypatch, magnitude_loader=None, **options):
+    la = cls(model, data[1], backend=backend, **options)
     if not single_pass:  # force one backend call per batch
         monkeypatch.setattr(la, "_single_pass_fisher", lambda: None)
-    la.fit(data[0], **fit_kw)
+    la.fit(data[0], magnitude_loader=magnitude_loader)
     return la
 
 
@@ -125,8 +125,8 @@ def test_token_outputs_equal_flattened_tokens_as_samples(likelihood):
     flat = torch.utils.data.TensorDataset(X.flatten(0, 1), y.flatten(0, 1))
     fits = []
     for data, bs in ((seq, 6), (flat, 6 * T)):
-        la = DebiasedKronLaplace(tiny_mlp(), likelihood)
-        la.fit(loader(data, bs), n_direction_batches=2)
+        la = DebiasedKronLaplace(tiny_mlp(), likelihood, n_direction_batches=2)
+        la.fit(loader(data, bs))
         fits.append(la)
     _assert_same_fit(*fits)
     assert fits[0].n_outputs == 3

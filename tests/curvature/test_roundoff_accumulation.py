@@ -69,8 +69,8 @@ def test_a_full_data_fit_over_many_samples_is_not_refused():
             p.mul_(3.0)
     X = torch.randn(20_000, 20)
     loader = DataLoader(TensorDataset(X, model(X).argmax(-1).detach()), batch_size=250)
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(loader, magnitude_loader=loader, n_direction_batches=80, n_magnitude_batches=80)
+    la = DebiasedKronLaplace(model, "classification", n_direction_batches=80, n_magnitude_batches=80)
+    la.fit(loader, magnitude_loader=loader)
     values = [v for block in la.H.eigenvalues for v in block]
     assert all(bool((v >= 0).all()) for v in values)
     assert float(la.H.eigenvalues[2][0].min()) == 0.0  # the softmax's null direction, clamped
@@ -125,6 +125,6 @@ def test_a_two_batch_fit_over_many_positions_is_not_refused(estimator):
     model = _conv_gap_classifier()
     X = torch.randn(512, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     loader = DataLoader(TensorDataset(X, model(X).argmax(-1).detach()), batch_size=256)
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(loader, estimator=estimator)
+    la = DebiasedKronLaplace(model, "classification", estimator=estimator)
+    la.fit(loader)
     assert all(bool((v >= 0).all()) for block in la.H.eigenvalues for v in block)

@@ -11,11 +11,11 @@ from torch import nn
 from laplace_debiased.diagnostics.directional import cg_step_sizes, directional_curvatures, directional_slopes, partition_average
 from laplace_debiased.diagnostics.measure import (
     cg_directions,
-    eigen_directions,
     equal_partition,
     measure_study,
     quadratic_factory,
 )
+from laplace_debiased.diagnostics.directions import top_eigenpairs
 from laplace_debiased.optim.cg import cg, debiased_cg
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -50,7 +50,7 @@ def test_least_squares_slopes_curvatures_by_hand(curvature):
     factory = quadratic_factory(model, nn.MSELoss(), curvature, BETA)
     full = factory(partition)
     source = factory([partition[0]])
-    D = eigen_directions(source, k=3)
+    D = top_eigenpairs(source.curvature, source.gradient.shape[0], 3, dtype=source.gradient.dtype).vectors
     study = measure_study("eigen", 0, D, partition, factory, full)
 
     Xs = torch.cat([b[0] for b in partition])

@@ -48,9 +48,9 @@ def _fit(name: str):
     make, shape, n, bs, subset, structure, kw, init = CASES_ALL[name]
     likelihood = "regression" if "regression" in name else "classification"
     data = loader(toy_data(n, shape, 3, likelihood), bs)
-    kw = {k: (data if k == "magnitude_loader" else v) for k, v in kw.items()}
-    la = Laplace(make(), likelihood, subset_of_weights=subset, hessian_structure=structure, **init)
-    la.fit(data, **kw)
+    options = {k: v for k, v in kw.items() if k != "magnitude_loader"}
+    la = Laplace(make(), likelihood, subset_of_weights=subset, hessian_structure=structure, **init, **options)
+    la.fit(data, magnitude_loader=data if "magnitude_loader" in kw else None)
     return la
 
 

@@ -156,8 +156,8 @@ def test_sample_covariance_is_inverse_posterior_precision():
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
 def test_state_dict_round_trip_weights_only(subset, cross_fit):
     cls = CLASSES[subset]
-    la = cls(tiny_mlp(), "classification", prior_precision=0.5)
-    la.fit(loader(toy_data(32, (4,), 3, "classification"), 8), cross_fit=cross_fit)
+    la = cls(tiny_mlp(), "classification", prior_precision=0.5, cross_fit=cross_fit)
+    la.fit(loader(toy_data(32, (4,), 3, "classification"), 8))
     buf = io.BytesIO()
     torch.save(la.state_dict(), buf)
     buf.seek(0)
@@ -204,7 +204,7 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(ValueError, match="override=False"):
         la.fit(dl, override=False)
     with pytest.raises(TypeError, match="cross_fit"):
-        la.fit(dl, cross_fit="yes")
+        DebiasedEKFACLaplace(tiny_mlp(), "classification", cross_fit="yes")
     with pytest.raises(ValueError, match="GGN/Fisher/EF"):
         DebiasedEKFACLaplace(tiny_mlp(), "classification", backend=CurvlinopsHessian).fit(dl)
     model = nn.Sequential(nn.Linear(4, 3), nn.PReLU(), nn.Linear(3, 3)).double()
@@ -239,8 +239,8 @@ def test_ekfac_to_dense_matches_block_formula():
 
 @pytest.mark.parametrize("cross_fit", [False, True])
 def test_marglik_prior_optimisation_increases_evidence(cross_fit):
-    la = DebiasedEKFACLaplace(tiny_mlp(), "classification")
-    la.fit(loader(toy_data(32, (4,), 3, "classification"), 8), cross_fit=cross_fit)
+    la = DebiasedEKFACLaplace(tiny_mlp(), "classification", cross_fit=cross_fit)
+    la.fit(loader(toy_data(32, (4,), 3, "classification"), 8))
     before = la.log_marginal_likelihood(torch.tensor([1.0], dtype=torch.float64)).item()
     la.optimize_prior_precision(method="marglik", n_steps=50)
     assert la.log_marginal_likelihood().item() > before

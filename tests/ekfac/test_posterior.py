@@ -55,8 +55,8 @@ def test_grid_predictive_of_a_float32_model_matches_float64(subset, cross_fit):
     out = {}
     for dtype in (torch.float32, torch.float64):
         data = TensorDataset(ds.tensors[0].to(dtype), ds.tensors[1])
-        la = CLASSES[subset](tiny_mlp().to(dtype), "classification")
-        la.fit(loader(data, 8), cross_fit=cross_fit)
+        la = CLASSES[subset](tiny_mlp().to(dtype), "classification", cross_fit=cross_fit)
+        la.fit(loader(data, 8))
         out[dtype] = GridPredictive(la, chunk_size=4).grid(X.to(dtype), grid, links=("probit",))["probit"]
     assert torch.isfinite(out[torch.float32]).all()
     torch.testing.assert_close(out[torch.float32].double(), out[torch.float64], atol=1e-4, rtol=1e-4)

@@ -179,8 +179,8 @@ def _cross_fit(subset: str):
     """Cross-fitted debiased K-FAC (float64): 3 direction batches and 2 magnitude batches."""
     direction = loader(toy_data(30, (4,), 3, "classification", seed=1), 10)
     magnitude = loader(toy_data(16, (4,), 3, "classification", seed=2), 8)
-    la = CROSS_FIT[subset](tiny_mlp(), "classification", prior_precision=0.5)
-    la.fit(direction, magnitude_loader=magnitude, cross_fit=True)
+    la = CROSS_FIT[subset](tiny_mlp(), "classification", prior_precision=0.5, cross_fit=True)
+    la.fit(direction, magnitude_loader=magnitude)
     return la
 
 

@@ -34,15 +34,15 @@ def _data():
 
 def _fit_kron(repeat: int):
     """debiased_kron: under a process group it would shard and all-reduce unless fitted locally."""
-    la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure="debiased_kron")
-    la.fit(_data(), generator=torch.Generator().manual_seed(repeat))
+    la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure="debiased_kron", generator=torch.Generator().manual_seed(repeat))
+    la.fit(_data())
     return la
 
 
 def _fit_full(repeat: int):
     """debiased_full refuses to fit under a process group unless fitted locally."""
-    la = Laplace(tiny_mlp(), "classification", subset_of_weights="last_layer", hessian_structure="debiased_full")
-    la.fit(_data(), generator=torch.Generator().manual_seed(10 + repeat))
+    la = Laplace(tiny_mlp(), "classification", subset_of_weights="last_layer", hessian_structure="debiased_full", generator=torch.Generator().manual_seed(10 + repeat))
+    la.fit(_data())
     return la
 
 

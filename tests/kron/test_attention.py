@@ -110,8 +110,8 @@ def _data(n: int, tokens: int = TOKENS, seed: int = 0) -> TensorDataset:
 
 def _fit(model: nn.Module, data: TensorDataset, structure: str, batch: int, same: bool) -> object:
     dl = loader(data, batch)
-    la = Laplace(model, "classification", "all", structure)
-    la.fit(dl, **({"magnitude_loader": dl} if same else _paper(structure)))
+    la = Laplace(model, "classification", "all", structure, **({} if same else _paper(structure)))
+    la.fit(dl, magnitude_loader=dl if same else None)
     return la
 
 
@@ -642,6 +642,6 @@ def test_trainable_extra_attention_parameters_are_refused_with_frozen_projection
 
 
 def _paper(structure: str) -> dict:
-    """``fit`` keywords for the paper's two-batch estimate (B's eigenvectors, B̃'s Rayleigh
+    """Constructor options for the paper's two-batch estimate (B's eigenvectors, B̃'s Rayleigh
     quotients), whose dense formula these tests check, where the structure offers a choice."""
     return {"estimator": "paper"} if structure in ("debiased_kron", "debiased_ekfac") else {}

@@ -71,7 +71,7 @@ def test_corrected_estimate_records_its_change_and_reduces_at_same_batches():
 
 def test_coverage_counts_full_rank_factors_as_covered():
     out = _decompose(_factors(0), _factors(10))
-    assert out.coverage.prior_only_weights == 0
+    assert all(b.prior_only_share == 0 for b in out.coverage.blocks)
     assert [b.parameter for b in out.coverage.blocks] == ["weight", "bias"]
 
 

@@ -1,4 +1,4 @@
-"""fit(estimator="corrected") of debiased_kron against dense formulas, its reductions and its
+"""estimator="corrected" of debiased_kron against dense formulas, its reductions and its
 refusals (laplace_debiased.kron.estimators)."""
 
 import logging
@@ -32,9 +32,9 @@ def test_corrected_fit_equals_the_dense_formula(name, likelihood, estimator, cap
     N, m = 72, 24
     ds = toy_data(N, shape, 3, likelihood)
     X = ds.tensors[0]
-    la = DebiasedKronLaplace(model, likelihood)
+    la = DebiasedKronLaplace(model, likelihood, estimator=estimator)
     with caplog.at_level(logging.INFO, logger="laplace_debiased"):
-        la.fit(loader(ds, m), estimator=estimator)
+        la.fit(loader(ds, m))
     ref_B = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[:m], likelihood)]
     ref_Bt = [[F[0] * (N / m), *F[1:]] for F in dense_kfac(model, X[m:2 * m], likelihood)]
     vecs, vals, _ = corrected_kron(ref_B, ref_Bt, m, m, n_data=N, shrink=estimator == "shrunk")
@@ -42,8 +42,8 @@ def test_corrected_fit_equals_the_dense_formula(name, likelihood, estimator, cap
     # it is neither the paper's estimate nor the single batch B ∪ B̃
     pooled = [[(a + b) / 2 for a, b in zip(FB, FM)] for FB, FM in zip(ref_B, ref_Bt)]
     assert not torch.allclose(la.H.to_matrix(), kfac_to_dense(pooled), atol=1e-6)
-    paper = DebiasedKronLaplace(model, likelihood)
-    paper.fit(loader(ds, m), estimator="paper")
+    paper = DebiasedKronLaplace(model, likelihood, estimator="paper")
+    paper.fit(loader(ds, m))
     assert not torch.allclose(la.H.to_matrix(), paper.H.to_matrix(), atol=1e-6)
     assert len(la.correction.factors) == len(la.H_facs.kfacs)
     rows = la.correction.rows()
@@ -60,8 +60,8 @@ def test_corrected_with_the_same_batch_is_kron_laplace(name, estimator):
     make, shape = MODELS[name]
     model = make()
     dl = loader(toy_data(8, shape, 3, "classification"), 8)
-    la = DebiasedKronLaplace(model, "classification", prior_precision=0.7)
-    la.fit(dl, magnitude_loader=dl, estimator=estimator)
+    la = DebiasedKronLaplace(model, "classification", prior_precision=0.7, estimator=estimator)
+    la.fit(dl, magnitude_loader=dl)
     ref = KronLaplace(model, "classification", prior_precision=0.7)
     ref.fit(dl)
     torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-12, rtol=1e-10)
@@ -70,29 +70,26 @@ def test_corrected_with_the_same_batch_is_kron_laplace(name, estimator):
 def test_the_default_is_the_shrunk_estimate_unless_a_paper_option_is_asked_for():
     ds = toy_data(16, (4,), 3, "classification")
     for options, expected in (({}, "shrunk"), ({"cross_fit": True}, "paper"), ({"null_space": "aligned"}, "paper")):
-        la = DebiasedKronLaplace(tiny_mlp(), "classification")
-        la.fit(loader(ds, 8), **options)
+        la = DebiasedKronLaplace(tiny_mlp(), "classification", **options)
+        la.fit(loader(ds, 8))
         assert la._estimator == expected
-    shrunk = DebiasedKronLaplace(tiny_mlp(), "classification")
-    shrunk.fit(loader(ds, 8), estimator="shrunk")
+    shrunk = DebiasedKronLaplace(tiny_mlp(), "classification", estimator="shrunk")
+    shrunk.fit(loader(ds, 8))
     default = DebiasedKronLaplace(tiny_mlp(), "classification")
     default.fit(loader(ds, 8))
     torch.testing.assert_close(default.H.to_matrix(), shrunk.H.to_matrix(), atol=0, rtol=0)
 
 
 def test_refusals_say_what_to_pass():
-    ds = toy_data(16, (4,), 3, "classification")
-    la = DebiasedKronLaplace(tiny_mlp(), "classification")
     with pytest.raises(ValueError, match=r"offers estimator in \('paper', 'corrected', 'shrunk'\)"):
-        la.fit(loader(ds, 8), estimator="median")
+        DebiasedKronLaplace(tiny_mlp(), "classification", estimator="median")
     for estimator in ("corrected", "shrunk"):
         with pytest.raises(ValueError, match="drop cross_fit=True"):
-            la.fit(loader(ds, 8), estimator=estimator, cross_fit=True)
+            DebiasedKronLaplace(tiny_mlp(), "classification", estimator=estimator, cross_fit=True)
         with pytest.raises(ValueError, match="Pass estimator='paper'"):
-            la.fit(loader(ds, 8), estimator=estimator, null_space="aligned")
-    ek = DebiasedEKFACLaplace(tiny_mlp(), "classification")
+            DebiasedKronLaplace(tiny_mlp(), "classification", estimator=estimator, null_space="aligned")
     with pytest.raises(ValueError, match=r"debiased_ekfac offers estimator in \('paper',\)"):
-        ek.fit(loader(ds, 8), estimator="corrected")
+        DebiasedEKFACLaplace(tiny_mlp(), "classification", estimator="corrected")
 
 
 def test_coverage_log_says_how_many_directions_the_completion_filled(caplog):
@@ -130,8 +127,8 @@ def test_report_has_the_correction_table(tmp_path):
     from laplace_debiased.evaluation.report import write_report
 
     model, X, y = _wide_model_data()
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(loader(torch.utils.data.TensorDataset(X, y), 8), estimator="corrected")
+    la = DebiasedKronLaplace(model, "classification", estimator="corrected")
+    la.fit(loader(torch.utils.data.TensorDataset(X, y), 8))
     metrics = {"nll": 1.0, "ece": 0.1, "accuracy": 0.5, "brier": 0.5, "n": 32}
     rows = [{"method": "kron_corrected", "repeat": 0, "prior_precision": d, "eval_set": "test", "kind": "test",
              "severity": None, "link": "probit_projected", "full_batch": False, **metrics,

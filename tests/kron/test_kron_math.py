@@ -49,8 +49,8 @@ def test_debiased_block_equals_dense_formula(name, likelihood, backend):
     N, m = 72, 24
     ds = toy_data(N, shape, 3, likelihood)
     X, y = ds.tensors
-    la = DebiasedKronLaplace(model, likelihood, backend=backend)
-    la.fit(loader(ds, m), estimator="paper")  # B = samples 0..23, B̃ = 24..47
+    la = DebiasedKronLaplace(model, likelihood, backend=backend, estimator="paper")
+    la.fit(loader(ds, m))  # B = samples 0..23, B̃ = 24..47
     ref_B = _scaled(dense_kfac(model, X[:m], likelihood), N / m)
     ref_Bt = _scaled(dense_kfac(model, X[m : 2 * m], likelihood), N / m)
     # the stored factor sets are the reference K-FAC of B and B̃ (Kronecker products)
@@ -120,8 +120,8 @@ def test_halves_match_full_fit_scale():
     model = tiny_mlp()
     ds = toy_data(400, (4,), 3, "classification", seed=3)
     dl = loader(ds, 50)
-    la = DebiasedKronLaplace(model, "classification")
-    la.fit(dl, split="halves", estimator="paper")
+    la = DebiasedKronLaplace(model, "classification", split="halves", estimator="paper")
+    la.fit(dl)
     full = KronLaplace(model, "classification")
     full.fit(dl)
     # exact: each debiased block's trace is the trace of B̃'s K-FAC block (scaled to N=400)

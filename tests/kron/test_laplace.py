@@ -110,12 +110,14 @@ def test_online_fit_rebiases_combined_factors():
     X, y = toy_data(32, (4,), 3, "classification").tensors
     first = loader(TensorDataset(X[:16], y[:16]), 8)  # B1 = 0..7, B̃1 = 8..15
     second = loader(TensorDataset(X[16:], y[16:]), 8)  # B2 = 16..23, B̃2 = 24..31
-    la = DebiasedKronLaplace(tiny_mlp(), "classification")
-    la.fit(first, estimator="paper")
-    la.fit(second, override=False, estimator="paper")
+    la = DebiasedKronLaplace(tiny_mlp(), "classification", estimator="paper")
+    la.fit(first)
+    la.fit(second, override=False)
     order = torch.cat([torch.arange(0, 8), torch.arange(16, 24), torch.arange(8, 16), torch.arange(24, 32)])
-    ref = DebiasedKronLaplace(tiny_mlp(), "classification")
-    ref.fit(loader(TensorDataset(X[order], y[order]), 8), n_direction_batches=2, n_magnitude_batches=2, estimator="paper")
+    ref = DebiasedKronLaplace(
+        tiny_mlp(), "classification", n_direction_batches=2, n_magnitude_batches=2, estimator="paper"
+    )
+    ref.fit(loader(TensorDataset(X[order], y[order]), 8))
     assert la.n_data == ref.n_data == 32
     torch.testing.assert_close(la.H.to_matrix(), ref.H.to_matrix(), atol=1e-10, rtol=1e-8)
     torch.testing.assert_close(la.loss, ref.loss)
@@ -143,8 +145,8 @@ def test_state_dict_round_trip_is_exact(cls):
 @pytest.mark.parametrize("cls", CLASSES)
 def test_marglik_uses_full_data_loss(cls):
     ds = toy_data(32, (4,), 3, "classification")
-    la = cls(tiny_mlp(), "classification")
-    la.fit(loader(ds, 8), split="halves")
+    la = cls(tiny_mlp(), "classification", split="halves")
+    la.fit(loader(ds, 8))
     with torch.no_grad():
         full = nn.functional.cross_entropy(tiny_mlp()(ds.tensors[0]), ds.tensors[1], reduction="sum")
     torch.testing.assert_close(la.loss, full)

@@ -118,8 +118,8 @@ def _fit(name: str, structure: str, n: int, batch: int, same: bool, **kw):
     model = MODELS[name]()
     data = _data(name, n)
     dl = loader(data, batch)
-    la = Laplace(model, "classification", "all", structure, **kw)
-    la.fit(dl, **({"magnitude_loader": dl} if same else _paper(structure)))
+    la = Laplace(model, "classification", "all", structure, **kw, **({} if same else _paper(structure)))
+    la.fit(dl, magnitude_loader=dl if same else None)
     return la, model, data
 
 
@@ -278,7 +278,7 @@ def test_state_dict_round_trip_keeps_the_mixed_blocks():
     buf = io.BytesIO()
     torch.save(la.state_dict(), buf)
     buf.seek(0)
-    other = Laplace(model, "classification", "all", "debiased_kron")
+    other = Laplace(model, "classification", "all", "debiased_kron", **_paper("debiased_kron"))
     other.load_state_dict(torch.load(buf, weights_only=False))
     X = data.tensors[0][:4]
     _close(GridPredictive(other).grid(X, [1.0])["probit_projected"], GridPredictive(la).grid(X, [1.0])["probit_projected"])
@@ -364,8 +364,8 @@ def test_grid_predictive_with_an_implicit_wide_factor_and_a_dense_norm_block(nul
     """A BatchNorm block (dense, spanning weight and bias) beside an implicit K-FAC input factor
     (Gram route): the grid predictive equals the probit of ``J P⁻¹ Jᵀ`` with the dense precision."""
     model, data = wide_head_bn_net(), _data("conv_bn", 16)
-    la = Laplace(model, "classification", "all", "debiased_kron")
-    la.fit(loader(data, 8), null_space=null_space)
+    la = Laplace(model, "classification", "all", "debiased_kron", null_space=null_space)
+    la.fit(loader(data, 8))
     assert any(Q.shape[1] < Q.shape[0] for Qs in la.H.eigenvectors for Q in Qs)  # the head is implicit
     X = _data("conv_bn", 6, seed=3).tensors[0]
     J, f = _jacobians(model, X), model(X).detach()
@@ -376,6 +376,6 @@ def test_grid_predictive_with_an_implicit_wide_factor_and_a_dense_norm_block(nul
 
 
 def _paper(structure: str) -> dict:
-    """``fit`` keywords for the paper's two-batch estimate (B's eigenvectors, B̃'s Rayleigh
+    """Constructor options for the paper's two-batch estimate (B's eigenvectors, B̃'s Rayleigh
     quotients), whose dense formula these tests check, where the structure offers a choice."""
     return {"estimator": "paper"} if structure in ("debiased_kron", "debiased_ekfac") else {}

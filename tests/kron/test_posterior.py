@@ -215,13 +215,12 @@ def _wide_mlp(dtype=torch.float64) -> nn.Module:
     return nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 4)).to(dtype)
 
 
-def _pair(likelihood="classification", dtype=torch.float64, b=8, cls=DebiasedKronLaplace, **fit_kw):
+def _pair(likelihood="classification", dtype=torch.float64, b=8, cls=DebiasedKronLaplace, **options):
     """A debiased fit at 2 × b (wide factors implicit) and the same object decomposed densely."""
     data = toy_data(2 * b, (40,), 4, likelihood, seed=1)
     data = type(data)(*(t.to(dtype) if t.is_floating_point() else t for t in data.tensors))
-    la = cls(_wide_mlp(dtype), likelihood, damping=fit_kw.pop("damping", False))
-    fit_kw.setdefault("estimator", "paper")
-    la.fit(loader(data, b), **fit_kw)
+    la = cls(_wide_mlp(dtype), likelihood, **{"estimator": "paper", **options})
+    la.fit(loader(data, b))
     ref = copy.copy(la)
     ref._factor_rows = None
     ref._decompose()
@@ -320,7 +319,7 @@ def test_group_kfac_sums_drops_rows_once_as_many_as_inputs():
 
 def test_state_dict_round_trip_keeps_the_implicit_factors():
     la, _ = _pair(cross_fit=True)
-    new = DebiasedKronLaplace(la.model, "classification")
+    new = DebiasedKronLaplace(la.model, "classification", estimator="paper", cross_fit=True)
     new.load_state_dict(la.state_dict())
     for a, b in zip(_components(new), _components(la)):
         assert [[tuple(Q.shape) for Q in Qs] for Qs in a.eigenvectors] == [

@@ -31,9 +31,9 @@ def _fit(name: str):
     make, shape, n, bs, subset, kw = CASES[name]
     likelihood = "regression" if "regression" in name else "classification"
     data = loader(toy_data(n, shape, 3, likelihood), bs)
-    kw = {k: (data if k == "magnitude_loader" else v) for k, v in kw.items()}
-    la = Laplace(make(), likelihood, subset_of_weights=subset, hessian_structure="debiased_kron")
-    la.fit(data, **kw)
+    options = {k: v for k, v in kw.items() if k != "magnitude_loader"}
+    la = Laplace(make(), likelihood, subset_of_weights=subset, hessian_structure="debiased_kron", **options)
+    la.fit(data, magnitude_loader=data if "magnitude_loader" in kw else None)
     return la
 
 

@@ -35,8 +35,8 @@ def _fit(structure: str, subset: str):
     """A posterior fitted on token outputs (tiny_mlp acts on each token)."""
     X, y = _tokens(N_SEQ, seed=1)
     la = Laplace(tiny_mlp(), "classification", subset_of_weights=subset,
-                 hessian_structure=structure, **CTOR.get(structure, {}))  # fmt: skip
-    la.fit(loader(TensorDataset(X, y), BATCH), n_direction_batches=2)
+                 hessian_structure=structure, **CTOR.get(structure, {}), n_direction_batches=2)  # fmt: skip
+    la.fit(loader(TensorDataset(X, y), BATCH))
     return la
 
 

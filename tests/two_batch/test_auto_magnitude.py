@@ -41,9 +41,9 @@ def test_conv_rows_count_spatial_positions(size, padding, positions, k):
 
 
 def test_auto_is_refused_for_last_layer_kron():
-    la = Laplace(_mlp(4), "classification", subset_of_weights="last_layer", hessian_structure="debiased_kron")
+    la = Laplace(_mlp(4), "classification", subset_of_weights="last_layer", hessian_structure="debiased_kron", n_magnitude_batches="auto")
     with pytest.raises(ValueError, match="integer n_magnitude_batches"):
-        la.fit(_loader(4, 4, 4), n_magnitude_batches="auto")
+        la.fit(_loader(4, 4, 4))
 
 
 class _TokenAttention(nn.Module):

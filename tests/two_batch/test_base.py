@@ -75,8 +75,8 @@ def _curvature(la) -> torch.Tensor:
     return H if isinstance(H, torch.Tensor) else H.to_matrix()
 
 
-def _la(structure, subset, model=None, likelihood="classification"):
-    return Laplace(model if model is not None else tiny_mlp(), likelihood, subset, structure)
+def _la(structure, subset, model=None, likelihood="classification", **options):
+    return Laplace(model if model is not None else tiny_mlp(), likelihood, subset, structure, **options)
 
 
 @pytest.mark.parametrize("structure", STRUCTURES)
@@ -141,7 +141,8 @@ def test_fit_logs_and_records_which_batches(structure, caplog):
     assert (choice.direction, choice.magnitude, choice.how) == ((0,), (1,), "loader order")
     assert (choice.direction_size, choice.magnitude_size, choice.n_data) == (8, 8, 24)
     assert any(choice.describe() in r.getMessage() for r in caplog.records)
-    la.fit(loader(ds, 8), generator=torch.Generator().manual_seed(0))
+    la = _la(structure, "all", generator=torch.Generator().manual_seed(0))
+    la.fit(loader(ds, 8))
     assert la.fit_batches[0].how == "random draw" and len(la.fit_batches) == 1
 
 
@@ -223,3 +224,193 @@ def test_mc_predictive_draws_from_the_generator_passed(structure, subset, pred_t
 
     assert torch.equal(draw(0, global_seed=1), draw(0, global_seed=2))
     assert not torch.allclose(draw(0, global_seed=1), draw(1, global_seed=1))
+
+
+# ---------------------------------------------------------------- options in the constructor
+OPTION_CASES = [
+    ("all", "debiased_kron", {"estimator": "paper"}),
+    ("all", "debiased_kron", {"estimator": "corrected", "n_direction_batches": 2, "n_magnitude_batches": 2}),
+    ("all", "debiased_kron", {"null_space": "aligned", "cross_fit": True}),
+    ("last_layer", "debiased_kron", {"split": "halves", "estimator": "paper"}),
+    ("all", "debiased_ekfac", {"cross_fit": True, "n_magnitude_batches": "auto"}),
+    ("all", "debiased_lowrank", {"n_direction_batches": 2}),
+    ("last_layer", "debiased_full", {"n_magnitude_batches": 3}),
+]
+
+
+def _precision(la) -> torch.Tensor:
+    P = la.posterior_precision
+    if isinstance(P, tuple):  # low rank: ((U, λ), prior)
+        (U, lam), prior = P
+        return U @ torch.diag(lam) @ U.T + torch.diag(prior.expand(U.shape[0]))
+    return P if isinstance(P, torch.Tensor) else P.to_matrix()
+
+
+@pytest.mark.parametrize("subset,structure,options", OPTION_CASES)
+def test_constructor_options_equal_the_deprecated_fit_keywords(subset, structure, options):
+    """The same options through the constructor and through the old ``fit`` keywords give the
+    bit-identical fit; each old keyword warns, naming the constructor keyword; the options stay set."""
+    data = loader(toy_data(48, (4,), 3, "classification"), 8)
+    new = Laplace(tiny_mlp(), "classification", subset, structure, **options)
+    new.fit(data)
+    old = Laplace(tiny_mlp(), "classification", subset, structure)
+    with pytest.warns(DeprecationWarning) as caught:
+        old.fit(data, **options)
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(messages) == len(options)
+    for name, message in zip(options, messages):
+        assert message.startswith(f"fit({name}=...) is deprecated") and f", {name}=...)" in message
+    assert torch.equal(_precision(new), _precision(old))
+    assert new.fit_batches == old.fit_batches
+    old.fit(data)  # the keywords stay set, as constructor options
+    assert torch.equal(_precision(new), _precision(old))
+
+
+def test_factory_passes_the_estimate_to_the_constructor():
+    """``Laplace(..., hessian_structure="debiased_kron", estimator="paper")`` (last layer, the
+    factory's default) fits the paper's estimate: B's eigenvectors, B̃'s Rayleigh quotients, which
+    differs from the default (shrunk) estimate."""
+    data = loader(toy_data(32, (4,), 3, "classification"), 8)
+    paper = Laplace(tiny_mlp(), "classification", hessian_structure="debiased_kron", estimator="paper")
+    default = Laplace(tiny_mlp(), "classification", hessian_structure="debiased_kron")
+    for la in (paper, default):
+        la.fit(data)
+    assert (paper._estimator, default._estimator) == ("paper", "shrunk")
+    (G, A), (D, C) = paper.H_facs.kfacs[0], paper.H_facs_magnitude.kfacs[0]
+    for B_factor, M_factor, eigenvalues in zip((G, A), (D, C), paper.H.eigenvalues[0]):
+        U = torch.linalg.eigh(B_factor.double())[1]
+        rayleigh = torch.diagonal(U.T @ M_factor.double() @ U)
+        torch.testing.assert_close(eigenvalues.double().sort().values, rayleigh.sort().values, atol=1e-10, rtol=1e-8)
+    assert not torch.allclose(paper.H.to_matrix(), default.H.to_matrix())
+
+
+@pytest.mark.parametrize(
+    "structure,options,error,message",
+    [
+        ("debiased_kron", {"n_direction_batches": 0}, ValueError, "n_direction_batches must be a positive integer"),
+        ("debiased_kron", {"n_magnitude_batches": 1.5}, ValueError, "positive integer or 'auto'"),
+        ("debiased_kron", {"n_direction_batches": True}, ValueError, "positive integer"),
+        ("debiased_kron", {"split": "thirds"}, ValueError, "split must be 'batches' or 'halves'"),
+        ("debiased_kron", {"split": "halves", "n_direction_batches": 2}, ValueError, "do not pass n_\\*_batches"),
+        ("debiased_kron", {"generator": 0}, TypeError, "generator must be a torch.Generator"),
+        ("debiased_kron", {"estimator": "median"}, ValueError, "offers estimator in"),
+        ("debiased_kron", {"null_space": "zero"}, ValueError, "null_space must be one of"),
+        ("debiased_kron", {"cross_fit": 1}, TypeError, "cross_fit must be a bool"),
+        ("debiased_ekfac", {"estimator": "shrunk"}, ValueError, "debiased_ekfac offers estimator in"),
+        ("debiased_ekfac", {"null_space": "aligned"}, TypeError, "null_space"),
+        ("debiased_full", {"n_magnitude_batches": "auto"}, ValueError, "has no K-FAC factors"),
+        ("debiased_lowrank", {"estimator": "paper"}, TypeError, "estimator"),
+    ],
+)
+def test_options_are_checked_at_construction(structure, options, error, message):
+    with pytest.raises(error, match=message):
+        Laplace(tiny_mlp(), "classification", "all", structure, **options)
+
+
+def test_deprecated_fit_keywords_are_checked_and_unknown_ones_refused():
+    data = loader(toy_data(32, (4,), 3, "classification"), 8)
+    la = Laplace(tiny_mlp(), "classification", "all", "debiased_kron")
+    with pytest.deprecated_call(), pytest.raises(ValueError, match="offers estimator in"):
+        la.fit(data, estimator="median")
+    assert la._estimator == "shrunk"  # a refused keyword leaves the options as they were
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['rank'\]"):
+        la.fit(data, rank=3)
+    ekfac = Laplace(tiny_mlp(), "classification", "all", "debiased_ekfac")
+    with pytest.warns(DeprecationWarning, match=r"fit\(null_space=...\) has no effect on debiased_ekfac"):
+        ekfac.fit(data, null_space="aligned")
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_a_state_is_loaded_only_with_the_options_it_was_fitted_with(subset):
+    """The estimate's options saved in the state must equal the constructor's: an online fit after
+    loading continues with the object's options, so a state of another estimate is refused."""
+    data = loader(toy_data(32, (4,), 3, "classification"), 8)
+    model = tiny_mlp()
+    la = Laplace(model, "classification", subset, "debiased_kron", estimator="paper", cross_fit=True)
+    la.fit(data)
+    state = la.state_dict()
+    with pytest.raises(ValueError, match=r"fitted with \{'estimator': 'paper'.*'cross_fit': True\}.*construct it"):
+        Laplace(model, "classification", subset, "debiased_kron").load_state_dict(state)
+    same = Laplace(model, "classification", subset, "debiased_kron", estimator="paper", cross_fit=True)
+    same.load_state_dict(state)
+    assert torch.equal(_precision(same), _precision(la))
+
+
+def test_marglik_training_uses_a_non_default_estimate():
+    """laplace-torch 0.3's ``marglik_training`` builds ``Laplace(model, ..., hessian_structure=...)``
+    and calls ``fit(train_loader)`` without passing on options; a structure key whose class sets
+    the option in its constructor chooses the estimate there. Its final fit is the paper's estimate
+    at the trained parameters, not the default one."""
+    import gc
+
+    from laplace.curvature import CurvlinopsGGN
+    from laplace.marglik_training import marglik_training
+
+    from laplace_debiased.kron.laplace import DebiasedKronLaplace
+
+    class PaperKron(DebiasedKronLaplace):
+        _key = ("all", "debiased_kron_paper_test")
+
+        def __init__(self, model, likelihood, *args, **kwargs):
+            super().__init__(model, likelihood, *args, estimator="paper", **kwargs)
+
+    torch.manual_seed(0)
+    data = loader(toy_data(48, (4,), 3, "classification"), 16)
+    try:
+        la, model, margliks, _ = marglik_training(
+            tiny_mlp(), data, "classification", hessian_structure="debiased_kron_paper_test",
+            backend=CurvlinopsGGN, n_epochs=3, n_hypersteps=2, prior_structure="scalar",
+        )
+        assert type(la) is PaperKron and la._estimator == "paper"
+        assert all(torch.isfinite(torch.as_tensor(m)) for m in margliks)
+        paper = DebiasedKronLaplace(model, "classification", estimator="paper")
+        default = DebiasedKronLaplace(model, "classification")
+        for ref in (paper, default):
+            ref.fit(data)
+        assert torch.equal(la.H.to_matrix(), paper.H.to_matrix())
+        assert not torch.allclose(la.H.to_matrix(), default.H.to_matrix())
+    finally:
+        del PaperKron
+        la = None
+        gc.collect()  # the test's structure key leaves the factory's registry
+
+
+def test_no_package_example_or_benchmark_code_passes_options_to_fit():
+    """No ``.fit(...)`` call of the package, the examples and the benchmarks names a structure option
+    (a deprecated keyword); calls the suite runs are caught at run time too (pytest turns the
+    package's deprecations into errors)."""
+    import ast
+    from pathlib import Path
+
+    from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace
+    from laplace_debiased.kron.laplace import DebiasedKronLaplace
+
+    options = {*DebiasedKronLaplace._options, *DebiasedEKFACLaplace._options, "null_space"}
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for folder in ("laplace_debiased", "examples", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fit":
+                    if {k.arg for k in node.keywords} & options:
+                        offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_optimize_prior_precision_takes_laplace_torchs_arguments_by_position_or_keyword():
+    """The override passes laplace-torch's arguments on by name: a positional call and a keyword
+    call tune to the same prior precision, and an unknown argument is refused as laplace-torch's."""
+    data = loader(toy_data(32, (4,), 3, "classification"), 8)
+    tuned = []
+    for positional in (True, False):
+        la = Laplace(tiny_mlp(), "classification", "all", "debiased_kron")
+        la.fit(data)
+        if positional:
+            la.optimize_prior_precision("glm", "marglik", 20, 0.1, 2.0, "layerwise")
+        else:
+            la.optimize_prior_precision(method="marglik", n_steps=20, lr=0.1, init_prior_prec=2.0,
+                                        prior_structure="layerwise")
+        tuned.append(la.prior_precision)
+    assert tuned[0].shape == (4,) and torch.equal(tuned[0], tuned[1])
+    with pytest.raises(TypeError, match="n_step"):
+        la.optimize_prior_precision(n_step=3)

@@ -24,7 +24,7 @@ def test_default_first_then_next_batches(ds):
     s = split_batches(loader(ds, 8))
     X = ds.tensors[0][:, 0].tolist()
     assert _ids(s.direction) == X[:8] and _ids(s.magnitude) == X[8:16]
-    assert s.n_data == 40 and not s.same_batches
+    assert s.n_data == 40 and s.magnitude is not s.direction
     s = split_batches(loader(ds, 8), n_direction_batches=2, n_magnitude_batches=3)
     assert _ids(s.direction) == X[:16] and _ids(s.magnitude) == X[16:40]
 
@@ -55,7 +55,7 @@ def test_explicit_magnitude_loader_and_same_batch_opt_in(ds):
     s = split_batches(train, magnitude_loader=other)
     assert _ids(s.magnitude) == ds.tensors[0][20:25, 0].tolist() and s.n_data == 20
     same = split_batches(train, magnitude_loader=train)
-    assert same.same_batches and same.magnitude is same.direction
+    assert same.magnitude is same.direction
     with pytest.raises(ValueError, match="must then equal"):
         split_batches(train, magnitude_loader=train, n_magnitude_batches=2)
 
@@ -196,7 +196,7 @@ def test_one_batch_split_of_dict_batches():
 def test_same_batches_stay_one_list_after_the_move(ds):
     dl = loader(ds, 8)
     split = split_batches(dl, magnitude_loader=dl, device=torch.device("cpu"))
-    assert split.same_batches
+    assert split.magnitude is split.direction
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""Cross-fitting (``fit(..., cross_fit=True)``) of debiased K-FAC and debiased EKFAC: the
+"""Cross-fitting (``cross_fit=True``) of debiased K-FAC and debiased EKFAC: the
 equal-weight mixture of the two role-swapped approximations, against the two separate fits."""
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ def _inputs():
 
 
 def _fit(structure, subset, direction, magnitude, cross_fit=False, **kwargs):
-    la = CLASSES[structure, subset](tiny_mlp(), "classification", prior_precision=0.5, **kwargs)
-    la.fit(direction, magnitude_loader=magnitude, cross_fit=cross_fit, estimator="paper")
+    la = CLASSES[structure, subset](
+        tiny_mlp(), "classification", prior_precision=0.5, cross_fit=cross_fit, estimator="paper", **kwargs
+    )
+    la.fit(direction, magnitude_loader=magnitude)
     return la
 
 
@@ -114,7 +116,7 @@ def test_kron_cross_fit_state_dict_round_trip_weights_only(subset):
     buf = io.BytesIO()
     torch.save(la.state_dict(), buf)
     buf.seek(0)
-    new = CLASSES["kron", subset](tiny_mlp(), "classification")
+    new = CLASSES["kron", subset](tiny_mlp(), "classification", estimator="paper", cross_fit=True)
     new.load_state_dict(torch.load(buf, weights_only=True))
     assert isinstance(new.H, CrossFitDecomposed)
     assert torch.equal(new.posterior_precision.to_matrix(-1), la.posterior_precision.to_matrix(-1))
@@ -141,7 +143,7 @@ def test_mixture_components_must_match():
     with pytest.raises(ValueError, match="different blocks"):
         CrossFitDecomposed(kron, small)
     with pytest.raises(TypeError, match="cross_fit must be a bool"):
-        DebiasedKronLaplace(tiny_mlp(), "classification").fit(L1, cross_fit=1)
+        DebiasedKronLaplace(tiny_mlp(), "classification", cross_fit=1)
 
 
 def test_kron_online_cross_fit_swaps_the_combined_factors():
@@ -149,11 +151,10 @@ def test_kron_online_cross_fit_swaps_the_combined_factors():
     L1, L2 = _two_loaders()
     L3, L4 = (loader(toy_data(16, (4,), 3, "classification", seed=s), 16) for s in (3, 4))
     la = _fit("kron", "all", L1, L2, cross_fit=True)
-    la.fit(L3, override=False, magnitude_loader=L4, cross_fit=True)
+    la.fit(L3, override=False, magnitude_loader=L4)
     first, swapped = la.H.components
     assert la.n_data == 32
-    ref = DebiasedKronLaplace(tiny_mlp(), "classification")
-    ref._estimator = "paper"
+    ref = DebiasedKronLaplace(tiny_mlp(), "classification", estimator="paper")
     ref._fit_sizes = la._fit_sizes  # the samples summed into the factors (their round-off tolerance)
     ref.H_facs, ref.H_facs_magnitude = la.H_facs_magnitude, la.H_facs
     ref._decompose()

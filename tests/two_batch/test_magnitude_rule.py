@@ -1,4 +1,4 @@
-"""``fit(..., n_magnitude_batches="auto")``: the number of magnitude batches chosen from
+"""``n_magnitude_batches="auto"``: the number of magnitude batches chosen from
 the K-FAC factors' dimensions and the rows B gives them.
 
 The rule: the smallest ``k >= 1`` with ``rows(B) + k · rows(B)/|B| >= d`` for every factor of
@@ -49,10 +49,14 @@ def _expected_k(d: int, batch_size: int, n_dir: int) -> int:
     return min(k, AUTO_MAGNITUDE_CAP)
 
 
-def _fit(model: nn.Module, train_loader: DataLoader, structure: str = "debiased_kron", **kwargs):
-    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
-    fit_kwargs = {"null_space": "aligned"} if structure == "debiased_kron" else {}
-    la.fit(train_loader, **fit_kwargs, **kwargs)
+def _fit(
+    model: nn.Module, train_loader: DataLoader, structure: str = "debiased_kron",
+    magnitude_loader: DataLoader | None = None, **options,
+):
+    if structure == "debiased_kron":
+        options["null_space"] = "aligned"
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure, **options)
+    la.fit(train_loader, magnitude_loader=magnitude_loader)
     return la
 
 
@@ -177,9 +181,8 @@ def test_a_magnitude_loader_supplies_the_auto_batches():
 
 @pytest.mark.parametrize("structure", ["debiased_full", "debiased_lowrank"])
 def test_auto_is_refused_without_kfac_factors(structure):
-    la = Laplace(_mlp(4), "classification", subset_of_weights="all", hessian_structure=structure)
     with pytest.raises(ValueError, match="has no K-FAC factors.*integer n_magnitude_batches"):
-        la.fit(_loader(4, 4, 4), n_magnitude_batches="auto")
+        Laplace(_mlp(4), "classification", subset_of_weights="all", hessian_structure=structure, n_magnitude_batches="auto")
 
 
 @pytest.mark.parametrize(
@@ -194,10 +197,11 @@ def test_auto_refusals(kwargs, message):
     train_loader = _loader(4, 4, 4)
     if kwargs.get("magnitude_loader") == "train":
         kwargs = {"magnitude_loader": train_loader}
-    kwargs = {"n_magnitude_batches": "auto", **kwargs}
-    la = Laplace(_mlp(4), "classification", subset_of_weights="all", hessian_structure="debiased_kron")
+    options = {"n_magnitude_batches": "auto", **kwargs}
+    magnitude_loader = options.pop("magnitude_loader", None)
     with pytest.raises(ValueError, match=message):
-        la.fit(train_loader, **kwargs)
+        la = Laplace(_mlp(4), "classification", subset_of_weights="all", hessian_structure="debiased_kron", **options)
+        la.fit(train_loader, magnitude_loader=magnitude_loader)
 
 
 def _uneven_loader(d_in: int, sizes: list[int]) -> DataLoader:

@@ -47,8 +47,9 @@ def _map_and_data():
 
 def _fitted(structure: str):
     model, sigma, train_loader, _ = _map_and_data()
-    la = Laplace(model, "regression", subset_of_weights="all", hessian_structure=structure, sigma_noise=sigma)
-    la.fit(train_loader, **({"estimator": "paper"} if structure in ("debiased_kron", "debiased_ekfac") else {}))
+    paper = {"estimator": "paper"} if structure in ("debiased_kron", "debiased_ekfac") else {}
+    la = Laplace(model, "regression", subset_of_weights="all", hessian_structure=structure, sigma_noise=sigma, **paper)
+    la.fit(train_loader)
     return la
 
 

@@ -1,4 +1,4 @@
-"""``fit(..., generator=g)`` is reproducible with a shuffling loader too.
+"""``generator=g`` is reproducible with a shuffling loader too.
 
 A ``DataLoader(shuffle=True)`` without a generator of its own shuffles with torch's global RNG.
 With ``generator`` the batch selection seeds that RNG from ``generator`` for the loader passes it
@@ -49,9 +49,9 @@ def test_fit_with_a_shuffling_loader_is_reproducible():
     """Two fits under different global RNG states give the same posterior precision (float64)."""
 
     def fit(global_seed: int) -> torch.Tensor:
-        la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure="debiased_kron")
+        la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure="debiased_kron", generator=torch.Generator().manual_seed(0))
         torch.manual_seed(global_seed)  # after tiny_mlp, which seeds the global RNG itself
-        la.fit(DataLoader(DS, batch_size=8, shuffle=True), generator=torch.Generator().manual_seed(0))
+        la.fit(DataLoader(DS, batch_size=8, shuffle=True))
         return la.posterior_precision.to_matrix()
 
     torch.testing.assert_close(fit(1), fit(2), rtol=0, atol=0)

@@ -33,8 +33,8 @@ def _tokens(likelihood: str, n_seq: int = N_SEQ, seed: int = 1):
 
 def _fit(structure, subset, model, X, y, batch_size, likelihood="classification", **ctor):
     la = Laplace(model, likelihood, subset_of_weights=subset, hessian_structure=structure,
-                 **{**CTOR.get(structure, {}), **ctor})  # fmt: skip
-    la.fit(loader(TensorDataset(X, y), batch_size), n_direction_batches=2)
+                 **{**CTOR.get(structure, {}), **ctor}, n_direction_batches=2)  # fmt: skip
+    la.fit(loader(TensorDataset(X, y), batch_size))
     return la
 
 
@@ -183,9 +183,10 @@ def test_adapter_block_equals_the_block_of_the_all_trainable_model(structure):
         model = adapter_model()
         if not frozen:
             model.requires_grad_(True)
-        la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
-        same = {"magnitude_loader": data, "n_magnitude_batches": 2} if structure == "debiased_full" else {}
-        la.fit(data, n_direction_batches=2, **same)
+        full = structure == "debiased_full"
+        la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure,
+                     n_direction_batches=2, n_magnitude_batches=2 if full else None)
+        la.fit(data, magnitude_loader=data if full else None)
         fits.append(la)
     adapter, full = fits
     offsets, start = {}, 0
@@ -200,8 +201,8 @@ def test_ekfac_cross_fit_on_token_outputs():
     X, y = _tokens("classification")
     fits = []
     for data, bs in (((X, y), BATCH), ((X.flatten(0, 1), y.flatten(0, 1)), BATCH * T)):
-        la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure="debiased_ekfac")
-        la.fit(loader(TensorDataset(*data), bs), n_direction_batches=2, cross_fit=True)
+        la = Laplace(tiny_mlp(), "classification", subset_of_weights="all", hessian_structure="debiased_ekfac", n_direction_batches=2, cross_fit=True)
+        la.fit(loader(TensorDataset(*data), bs))
         fits.append(la)
     torch.testing.assert_close(_precision(fits[0]), _precision(fits[1]), rtol=1e-9, atol=1e-10)
 
