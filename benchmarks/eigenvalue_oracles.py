@@ -55,7 +55,8 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks.normalisation import single_fit
 from laplace_debiased.curvature.linalg import frobenius_tolerance, remeasure_eigenvalues, symmetric_eigh64
 from laplace_debiased.evaluation.options import DEFAULTS
-from laplace_debiased.evaluation.report import mean_stderr_text, save_signed_gap_figure
+from laplace_debiased.evaluation.report_figures import save_signed_gap_figure
+from laplace_debiased.evaluation.report_tables import mean_stderr_text
 from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, run_sweep
 from laplace_debiased.evaluation.tracking import curves_from_json, curves_to_json, gap_curves, largest_gaps, where_largest
 from laplace_debiased.evaluation.training import default_digits_model

@@ -76,7 +76,7 @@ from laplace_debiased.evaluation import methods
 from laplace_debiased.evaluation.methods import Method
 from laplace_debiased.evaluation.options import batch_sizes, sweep_methods
 from laplace_debiased.prior_grid import PriorGrid
-from laplace_debiased.evaluation.report import SETTING_NAME
+from laplace_debiased.evaluation.report_data import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, load_rows, output_lock, run_sweep
 from laplace_debiased.parallel.distributed import fetch_rows, gather_results, rank_world
 
@@ -316,7 +316,7 @@ def _describe_eval_set(es: EvalSet, data: str) -> str:
 
 def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: str, n_params: int) -> dict:
     """The run's setting in words, for the report (written to
-    [`SETTING_NAME`][laplace_debiased.evaluation.report.SETTING_NAME])."""
+    [`SETTING_NAME`][laplace_debiased.evaluation.report_data.SETTING_NAME])."""
     data = {"digits": "scikit-learn 8x8 digits (embedded)", "cifar10": "CIFAR-10",
             "cifar100": "CIFAR-100"}[opts["data"]]
     return {
@@ -331,7 +331,7 @@ def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: st
 def _grid_extension(rows: list[dict], link: str) -> list[float]:
     """One new prior precision beyond each grid edge where a method's validation choice lies
     ([`extension`][laplace_debiased.prior_grid.PriorGrid.extension])."""
-    from laplace_debiased.evaluation.report import chosen_prior_precisions
+    from laplace_debiased.evaluation.report_data import chosen_prior_precisions
 
     val = next((r["eval_set"] for r in rows if r.get("kind") == "validation"), None)
     if val is None:
@@ -427,7 +427,7 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
         grid = grid.union(new)
     paths = {"results": results}
     if report:
-        from laplace_debiased.evaluation.report import write_report
+        from laplace_debiased.evaluation.report_page import write_report
 
         # rank 0 writes it; every rank returns its path
         paths["report"] = gather_results(
