@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from laplace_debiased.evaluation.report import mean_stderr_text, save_signed_gap_figure
+from laplace_debiased.evaluation.report_figures import save_signed_gap_figure
+from laplace_debiased.evaluation.report_tables import mean_stderr_text
 from laplace_debiased.evaluation.sweep import load_rows
 from laplace_debiased.evaluation.tracking import (curves_from_json, curves_to_json, gap_curves, max_gap_per_draw,
                                                   where_largest)
@@ -124,7 +125,7 @@ def by_delta_markdown(results: dict[int, dict]) -> str:
 
 def plot(results: dict[int, dict], path: Path) -> None:
     """Per b one panel: each method's mean signed relative test-NLL gap over δ, ± one standard error
-    (:func:`~laplace_debiased.evaluation.report.signed_gap_figure`)."""
+    (:func:`~laplace_debiased.evaluation.report_figures.signed_gap_figure`)."""
     panels = {f"b = {b} samples": {LABELS[m]: curves_from_json(results[b][m]["signed_nll_gap_by_delta"]) for m in METHODS}
               for b in sorted(results)}
     save_signed_gap_figure(panels, "Digits (N = 300), projected probit: signed test-NLL gap to full-batch K-FAC, "

@@ -55,8 +55,9 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks.normalisation import single_fit
 from laplace_debiased.curvature.linalg import frobenius_tolerance, remeasure_eigenvalues, symmetric_eigh64
 from laplace_debiased.evaluation.options import DEFAULTS
-from laplace_debiased.evaluation.report import mean_stderr_text, save_signed_gap_figure
-from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
+from laplace_debiased.evaluation.report_figures import save_signed_gap_figure
+from laplace_debiased.evaluation.report_tables import mean_stderr_text
+from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, run_sweep
 from laplace_debiased.evaluation.tracking import curves_from_json, curves_to_json, gap_curves, largest_gaps, where_largest
 from laplace_debiased.evaluation.training import default_digits_model
 from laplace_debiased.kron.laplace import DebiasedKronLaplace
@@ -218,16 +219,16 @@ class Fits:
         return DebiasedKronLaplace(self.model, "classification", **options)
 
 
-def methods(fits: Fits, sizes: list[int], repeats: int) -> list[Method]:
-    """One :class:`Method` per posterior and ``b`` (rows ``<posterior>@b<b>``), and the full batch."""
+def methods(fits: Fits, sizes: list[int], repeats: int) -> list[SweepJob]:
+    """One :class:`SweepJob` per posterior and ``b`` (rows ``<posterior>@b<b>``), and the full batch."""
     makers: dict[str, Callable[[int, int], DebiasedKronLaplace]] = {
         "single": fits.single, "shrunk": fits.shrunk, "cross_validated": fits.cross_validated,
         "bias_oracle": lambda b, r: fits.oracle(b, r, with_bias=True),
         "eigenvalue_oracle": lambda b, r: fits.oracle(b, r, with_bias=False)}
-    out = [Method("full", lambda _: fits.full(), full_batch=True)]
+    out = [SweepJob("full", lambda _: fits.full(), full_batch=True)]
     for b in sizes:
         for name in POSTERIORS:
-            out.append(Method(f"{name}@b{b}", lambda r, make=makers[name], b=b: make(b, r), repeats=repeats,
+            out.append(SweepJob(f"{name}@b{b}", lambda r, make=makers[name], b=b: make(b, r), repeats=repeats,
                               extra={"batch_size": b}))
     return out
 

@@ -46,8 +46,8 @@ _PUBLIC = {
     "run_pipeline": "laplace_debiased.evaluation.pipeline",
     "run_sweep": "laplace_debiased.evaluation.sweep",
     "EvalSet": "laplace_debiased.evaluation.sweep",
-    "Method": "laplace_debiased.evaluation.sweep",
-    "write_report": "laplace_debiased.evaluation.report",
+    "Method": "laplace_debiased.evaluation.methods",
+    "write_report": "laplace_debiased.evaluation.report_page",
     "diagnose_bias": "laplace_debiased.diagnostics.bias",
 }
 __all__ = [

@@ -51,8 +51,8 @@ START_HERE = [
      ["laplace_debiased.evaluation.pipeline.run_pipeline",
       "laplace_debiased.evaluation.sweep.run_sweep",
       "laplace_debiased.evaluation.sweep.EvalSet",
-      "laplace_debiased.evaluation.sweep.Method",
-      "laplace_debiased.evaluation.report.write_report",
+      "laplace_debiased.evaluation.sweep.SweepJob",
+      "laplace_debiased.evaluation.report_page.write_report",
       "laplace_debiased.diagnostics.bias.diagnose_bias"]),
     ("The command line", "`laplace-debiased COMMAND --help` (or `python -m laplace_debiased`) lists "
      "the options; each command's module says what it does.",

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report and print its path; exit status 2 on missing or bad results."""
-    from laplace_debiased.evaluation.report import write_report
+    from laplace_debiased.evaluation.report_page import write_report
 
     path = args.results / "results.jsonl" if args.results.is_dir() else args.results
     if not path.is_file():

@@ -15,14 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from laplace_debiased._progress import add_quiet_argument
+from laplace_debiased.evaluation import methods
 from laplace_debiased.prior_grid import PriorGrid
 
 #: Default links: the projected probit (right, deterministic) and laplace-torch's diagonal
 #: probit, recorded for comparison.
 DEFAULT_LINKS: tuple[str, ...] = ("probit_projected", "probit")
-
-METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk", "kron_full", "lowrank_single", "lowrank_debiased",
-           "ekfac_single", "ekfac_debiased", "ekfac_full")
 
 DEFAULTS: dict = {
     "config": None,
@@ -78,7 +76,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=S, help="MAP training epochs (default: 300 for digits, 30 for CIFAR-10)")
     parser.add_argument("--subset", choices=("all", "last_layer"), default=S,
                         help=f"weights under the Laplace approximation (default: {d['subset']})")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=S,
+    parser.add_argument("--methods", nargs="+", choices=tuple(methods.METHODS), default=S,
                         help=f"approximations to sweep (default: {' '.join(d['methods'])})")
     parser.add_argument("--repeats", type=int, default=S, help=f"batch draws per method (default: {d['repeats']})")
     parser.add_argument("--batch-size", type=int, nargs="+", default=S, metavar="B",
@@ -124,9 +122,9 @@ def resolve_options(args: argparse.Namespace) -> dict:
     if given.get("config"):
         opts.update(load_config(given["config"]))
     opts.update(given)
-    bad = [m for m in opts["methods"] if m not in METHODS]
+    bad = [m for m in opts["methods"] if m not in methods.METHODS]
     if bad:
-        raise ValueError(f"unknown method(s) {bad}; choose from {METHODS}")
+        raise ValueError(f"unknown method(s) {bad}; choose from {tuple(methods.METHODS)}")
     for key in ("repeats", "rank", "n_samples", "chunk_size", "epochs", "eval_size"):
         if opts[key] is not None and int(opts[key]) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {opts[key]}")
@@ -174,7 +172,7 @@ def sweep_methods(opts: dict) -> list[tuple[str, str, int | None]]:
     sizes = batch_sizes(opts)
     out: list[tuple[str, str, int | None]] = []
     for m in opts["methods"]:
-        if m.endswith("_full"):
+        if methods.METHODS[m].full_batch:
             out.append((m, m, None))
         else:
             out += [(method_key(m, b if len(sizes) > 1 else None), m, b) for b in sizes]

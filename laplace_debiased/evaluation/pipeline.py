@@ -9,24 +9,22 @@ evaluated at each b (the full-batch methods once); with several, its rows carry 
 ``method@b<b>`` (``kron_single@b32``, [`sweep_methods`][laplace_debiased.evaluation.options.sweep_methods]),
 with one the method's own name.  Every mini-batch row records its ``batch_size``.
 
-Methods (``--methods``), all over the weights chosen by ``--subset``:
+Methods (``--methods``), all over the weights chosen by ``--subset``, are the entries of
+[`METHODS`][laplace_debiased.evaluation.methods.METHODS]: a structure, its fit options and a batch
+rule, fitted by [`fit_laplace`][laplace_debiased.evaluation.pipeline.fit_laplace]:
 
-* ``kron_single``: K-FAC of one mini-batch of ``--batch-size`` samples (B̃ = B), scaled to N;
-* ``kron_debiased``: debiased K-FAC, two disjoint batches of ``--batch-size/2`` samples
-  (B chooses the eigenvectors, B̃ measures the eigenvalues);
-* ``kron_corrected``: the same two batches, ``fit(estimator="corrected")``: the eigenvectors of
-  B ∪ B̃ with eigenvalues less the regression-to-the-mean gap the batches measure against each
-  other ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]);
-* ``kron_shrunk``: the same two batches, ``fit(estimator="shrunk")`` (the default of ``fit``): the
-  corrected estimate with each factor's correction shrunk by its noise;
-* ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
-* ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
-  from B (B̃ = B) or re-measured on B̃
-  ([`laplace_debiased.eigen.laplace`][laplace_debiased.eigen.laplace]);
-* ``ekfac_single`` / ``ekfac_debiased`` / ``ekfac_full``: as the ``kron_*`` methods with
-  ``hessian_structure='debiased_ekfac'`` (K-FAC eigenbasis of B, the exact curvature along it
-  measured on B̃; [`laplace_debiased.ekfac.laplace`][laplace_debiased.ekfac.laplace]).  Opt-in, like low
-  rank.
+* ``*_single``: one mini-batch of ``--batch-size`` samples (B̃ = B), scaled to N;
+* ``*_debiased``, ``kron_corrected``, ``kron_shrunk``: two disjoint batches of ``--batch-size/2``
+  samples, B choosing the eigenvectors and B̃ measuring the eigenvalues (``estimator="paper"``),
+  or the eigenvectors of B ∪ B̃ with eigenvalues less the regression-to-the-mean gap the batches
+  measure against each other (``"corrected"``,
+  [`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]), that correction
+  shrunk by its noise (``"shrunk"``, the default of a K-FAC fit);
+* ``*_full``: every training point (one repeat, the reference of its structure).
+
+The structures are K-FAC (``kron_*``), EKFAC (``ekfac_*``, the exact curvature along the K-FAC
+eigenbasis of B measured on B̃) and the top-``--rank`` GGN eigenpairs (``lowrank_*``); EKFAC and
+low rank are opt-in.
 
 Each repeat draws fresh batches (seeded).  Digits evaluation sets: the validation split (for
 choosing the prior precision), the test split, the test split with Gaussian pixel noise of
@@ -62,6 +60,7 @@ every rank ([`gather_results`][laplace_debiased.parallel.distributed.gather_resu
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import time
@@ -73,10 +72,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from laplace_debiased.evaluation import methods
+from laplace_debiased.evaluation.methods import Method
 from laplace_debiased.evaluation.options import batch_sizes, sweep_methods
 from laplace_debiased.prior_grid import PriorGrid
-from laplace_debiased.evaluation.report import SETTING_NAME
-from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, output_lock, run_sweep
+from laplace_debiased.evaluation.report_data import SETTING_NAME
+from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, load_rows, output_lock, run_sweep
 from laplace_debiased.parallel.distributed import fetch_rows, gather_results, rank_world
 
 #: grid extensions at most, so that every method's validation choice of δ is interior
@@ -171,15 +172,14 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
     return train, sets, lambda: cifar_cnn(n_classes), "cifar_cnn" if n_classes == 10 else "cifar100_cnn"
 
 
-def _fit_loader(name: str, train: Dataset, opts: dict, repeat: int, b: int | None) -> tuple[DataLoader, int]:
-    """The loader that method ``name``'s fit of ``repeat`` at batch size ``b`` reads, and how many
-    of its batches: one of ``b`` (``*_single``), two of half that (``*_debiased``, ``*_corrected``, ``*_shrunk``),
-    or one of every training point (``*_full``, ``b=None``); the shuffling is seeded by ``--seed``
-    and the repeat (the same draws at every b)."""
-    if name.endswith("_full"):
+def _fit_loader(method: Method, train: Dataset, opts: dict, repeat: int, b: int | None) -> tuple[DataLoader, int]:
+    """The loader that ``method``'s fit of ``repeat`` at batch size ``b`` reads, and how many of
+    its batches, by its batch rule: one of ``b``, two of half that, or one of every training point
+    (``b=None``); the shuffling is seeded by ``--seed`` and the repeat (the same draws at every b)."""
+    if method.full_batch:
         return DataLoader(train, batch_size=len(train)), 1
     gen = torch.Generator().manual_seed(opts["seed"] * 7919 + repeat)
-    size, count = (b, 1) if name.endswith("_single") else (b // 2, 2)
+    size, count = (b, 1) if method.batches == "single" else (b // 2, 2)
     return DataLoader(train, batch_size=size, shuffle=True, generator=gen), count
 
 
@@ -192,57 +192,50 @@ def fit_rows(opts: dict, n: int, rank: int, world: int) -> list[int]:
     seed from the generator before the sampler does, so the indices come from iterating the loader."""
     from itertools import islice
 
-    jobs = [(m, b, r) for _, m, b in sweep_methods(opts) for r in range(1 if m.endswith("_full") else opts["repeats"])]
+    jobs = [(methods.METHODS[m], b, r) for _, m, b in sweep_methods(opts)
+            for r in range(1 if methods.METHODS[m].full_batch else opts["repeats"])]
     rows: set[int] = set()
-    for name, b, repeat in jobs[rank::world]:
-        loader, count = _fit_loader(name, range(n), opts, repeat, b)  # a range: it yields the indices
+    for method, b, repeat in jobs[rank::world]:
+        loader, count = _fit_loader(method, range(n), opts, repeat, b)  # a range: it yields the indices
         rows.update(i for batch in islice(loader, count) for i in batch.tolist())
     return sorted(rows)
 
 
-def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, key: str | None = None) -> Method:
-    """Method ``name`` at batch size ``b`` (``None``: the first of ``opts["batch_size"]``; unused
-    by the full-batch methods), its rows named ``key`` (default ``name``)."""
-    from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
-    from laplace_debiased.kron.laplace import DebiasedKronLaplace, DebiasedKronLLLaplace
-    from laplace_debiased.eigen.laplace import DebiasedLowRankLaplace, DebiasedLowRankLLLaplace
+def fit_laplace(method: Method, model: torch.nn.Module, loader: DataLoader, *, subset: str, rank: int):
+    """``method``'s Laplace approximation of ``model``, fitted on ``loader`` by its batch rule: its
+    first two batches are B and B̃ for a two-batch method; else its first batch is both (B̃ = B).
 
-    ll = opts["subset"] == "last_layer"
+    Args:
+        method: The method (its structure and options).
+        model: The MAP network.
+        loader: The batches ([`fit_rows`][laplace_debiased.evaluation.pipeline.fit_rows] replays them).
+        subset: ``subset_of_weights``, ``"all"`` or ``"last_layer"``.
+        rank: The rank of a low-rank structure.
 
-    def make(kind: str, **options: str):
-        if kind == "kron":
-            return (DebiasedKronLLLaplace if ll else DebiasedKronLaplace)(model, "classification", **options)
-        if kind == "ekfac":
-            return (DebiasedEKFACLLLaplace if ll else DebiasedEKFACLaplace)(model, "classification")
-        return (DebiasedLowRankLLLaplace if ll else DebiasedLowRankLaplace)(
-            model, "classification", rank=opts["rank"])
+    Returns:
+        The fitted Laplace object.
+    """
+    from laplace import Laplace
 
-    fitted: dict[int, object] = {}  # a grid extension reuses the fits of the same run
+    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=method.structure,
+                 **method.options, **({"rank": rank} if method.structure == "debiased_lowrank" else {}))
+    la.fit(loader, **({} if method.batches == "two" else {"magnitude_loader": loader}))
+    return la
 
+
+def sweep_job(key: str, method: Method, model: torch.nn.Module, train: Dataset, opts: dict,
+              b: int | None) -> SweepJob:
+    """``method`` at batch size ``b`` (``None`` for a full-batch method) as the sweep's job, its rows
+    named ``key`` ([`sweep_methods`][laplace_debiased.evaluation.options.sweep_methods]); a grid
+    extension reuses its fits."""
+
+    @functools.cache
     def fit(repeat: int):
-        if repeat in fitted:
-            return fitted[repeat]
-        options = {}
-        if name == "kron_debiased":  # its first two batches: B and B̃, the paper's estimate
-            options = {"estimator": "paper"}
-        elif name.endswith(("_corrected", "_shrunk")):
-            options = {"estimator": name.split("_")[1]}
-        la = make(name.split("_")[0], **options)
-        loader, _ = _fit_loader(name, train, opts, repeat, b)
-        if name.endswith(("_debiased", "_corrected", "_shrunk")):
-            la.fit(loader)
-        else:  # one batch of b, or every training point, B̃ = B
-            la.fit(loader, magnitude_loader=loader)
-        fitted[repeat] = la
-        return la
+        loader, _ = _fit_loader(method, train, opts, repeat, b)
+        return fit_laplace(method, model, loader, subset=opts["subset"], rank=opts["rank"])
 
-    full = name.endswith("_full")
-    if full:
-        b = None
-    elif b is None:
-        b = batch_sizes(opts)[0]
-    return Method(key or name, fit, repeats=1 if full else opts["repeats"], full_batch=full,
-                  extra={} if full else {"batch_size": b})
+    return SweepJob(key, fit, repeats=1 if method.full_batch else opts["repeats"], full_batch=method.full_batch,
+                    extra={} if b is None else {"batch_size": b})
 
 
 #: options that change the numbers of existing rows; resuming with other values is refused
@@ -307,54 +300,6 @@ def check_settings(out: Path, opts: dict, extra: dict | None = None) -> None:
     tmp.replace(path)
 
 
-_STRUCTURES = {"kron": "K-FAC", "ekfac": "EKFAC", "lowrank": "low-rank"}
-
-
-def describe_method(name: str, opts: dict, n_train: int, b: int | None = None) -> dict[str, str | int]:
-    """A method in words, with its batch sizes, and the number of training points its curvature
-    reads.
-
-    Args:
-        name: The method, ``"<structure>_<batches>"`` (module docstring), e.g.
-            ``"kron_debiased"``.
-        opts: The run's options; ``"batch_size"`` and, for a low-rank method, ``"rank"`` are
-            read.
-        n_train: The number of training points N.
-        b: The batch size of a mini-batch method (``None``: the first of ``opts["batch_size"]``).
-
-    Returns:
-        ``{"label", "description", "samples"}``, and ``"batch_size"`` for a mini-batch method.
-    """
-    kind, batches = name.split("_")
-    structure = _STRUCTURES[kind] + (f" (rank {opts['rank']})" if kind == "lowrank" else "")
-    if batches == "full":
-        return {"label": f"{structure}, full batch of {n_train}", "samples": n_train,
-                "description": f"{structure} over all N = {n_train} training points (the reference)"}
-    b = batch_sizes(opts)[0] if b is None else b
-    return {**_describe_batches(structure, batches, b), "batch_size": b}
-
-
-def _describe_batches(structure: str, batches: str, b: int) -> dict[str, str | int]:
-    """``describe_method`` of a mini-batch method at batch size ``b``."""
-    if batches == "single":
-        return {"label": f"{structure}, single batch of {b}", "samples": b,
-                "description": f"{structure} from one batch of {b} training points (B̃ = B: the plain "
-                               "single-batch LA)"}
-    if batches == "debiased":
-        return {"label": f"{structure}, debiased {b // 2} + {b // 2}", "samples": 2 * (b // 2),
-                "description": f"debiased {structure}: directions (eigenvectors) from a batch B of {b // 2} "
-                               f"training points, magnitudes re-measured on an independent batch B̃ of "
-                               f"{b // 2}"}
-    if batches in ("corrected", "shrunk"):
-        shrunk = (" (the default fit)", ", that correction shrunk per factor by how much the two batches "
-                  "disagree on it") if batches == "shrunk" else ("", "")
-        return {"label": f"{structure}, {batches} {b // 2} + {b // 2}", "samples": 2 * (b // 2),
-                "description": f"{batches} {structure}{shrunk[0]}: eigenvectors of both batches of {b // 2} training "
-                               "points together, eigenvalues less the regression-to-the-mean bias the two batches "
-                               f"measure against each other{shrunk[1]} (fit(estimator='{batches}'))"}
-    raise ValueError(f"unknown mini-batch method kind {batches!r}")
-
-
 def _describe_eval_set(es: EvalSet, data: str) -> str:
     n = f"{es.size:,} points"
     if data != "digits":
@@ -371,12 +316,12 @@ def _describe_eval_set(es: EvalSet, data: str) -> str:
 
 def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: str, n_params: int) -> dict:
     """The run's setting in words, for the report (written to
-    [`SETTING_NAME`][laplace_debiased.evaluation.report.SETTING_NAME])."""
+    [`SETTING_NAME`][laplace_debiased.evaluation.report_data.SETTING_NAME])."""
     data = {"digits": "scikit-learn 8x8 digits (embedded)", "cifar10": "CIFAR-10",
             "cifar100": "CIFAR-100"}[opts["data"]]
     return {
         "data": data, "n_train": n_train, "model": tag, "n_params": n_params, "subset": opts["subset"],
-        "methods": {key: describe_method(m, opts, n_train, b) for key, m, b in sweep_methods(opts)},
+        "methods": {key: methods.METHODS[m].describe(b, n_train, opts["rank"]) for key, m, b in sweep_methods(opts)},
         "eval_sets": {es.name: _describe_eval_set(es, opts["data"]) for es in eval_sets},
         "corruption": "Gaussian pixel noise" if opts["data"] == "digits" else "corruption",
         "severity_ticks": {str(k): f"σ = {v}" for k, v in DIGITS_NOISE.items()} if opts["data"] == "digits" else {},
@@ -386,7 +331,7 @@ def describe_setting(opts: dict, n_train: int, eval_sets: list[EvalSet], tag: st
 def _grid_extension(rows: list[dict], link: str) -> list[float]:
     """One new prior precision beyond each grid edge where a method's validation choice lies
     ([`extension`][laplace_debiased.prior_grid.PriorGrid.extension])."""
-    from laplace_debiased.evaluation.report import chosen_prior_precisions
+    from laplace_debiased.evaluation.report_data import chosen_prior_precisions
 
     val = next((r["eval_set"] for r in rows if r.get("kind") == "validation"), None)
     if val is None:
@@ -462,13 +407,13 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
     if rank == 0:
         setting = describe_setting(opts, len(train), eval_sets, tag, sum(p.numel() for p in model.parameters()))
         (out / SETTING_NAME).write_text(json.dumps(setting, indent=2, ensure_ascii=False))
-    methods = [_method(m, model, train, opts, b, key) for key, m, b in sweep_methods(opts)]
-    keys = {m.name for m in methods}
+    jobs = [sweep_job(key, methods.METHODS[m], model, train, opts, b) for key, m, b in sweep_methods(opts)]
+    keys = {job.name for job in jobs}
     results = out / "results.jsonl"
     configured = PriorGrid.parse(opts["prior_precisions"])
     grid = configured
     while True:
-        rows = run_sweep(methods, eval_sets, results, prior_precisions=list(grid), links=opts["links"],
+        rows = run_sweep(jobs, eval_sets, results, prior_precisions=list(grid), links=opts["links"],
                          n_samples=opts["n_samples"], seed=opts["seed"], chunk_size=opts["chunk_size"],
                          progress=not opts["quiet"], log=log, map_model=model)
         ours = [r for r in rows if r["method"] in keys or r["method"] == "map"]
@@ -482,7 +427,7 @@ def _run_locked(out: Path, opts: dict, report: bool) -> dict[str, Path]:
         grid = grid.union(new)
     paths = {"results": results}
     if report:
-        from laplace_debiased.evaluation.report import write_report
+        from laplace_debiased.evaluation.report_page import write_report
 
         # rank 0 writes it; every rank returns its path
         paths["report"] = gather_results(

@@ -123,9 +123,11 @@ class EvalSet:
 
 
 @dataclass
-class Method:
-    """A posterior to sweep.  ``fit(repeat)`` returns a fitted laplace-torch object, or ``None``
-    for the MAP baseline (evaluated once, not per prior precision)."""
+class SweepJob:
+    """A posterior to sweep, its rows named ``name``.  ``fit(repeat)`` returns a fitted laplace-torch
+    object, or ``None`` for the MAP baseline (evaluated once, not per prior precision); the main job
+    makes one of each [`Method`][laplace_debiased.evaluation.methods.Method] at each batch size
+    ([`sweep_job`][laplace_debiased.evaluation.pipeline.sweep_job])."""
 
     name: str
     fit: Callable[[int], object | None]
@@ -444,7 +446,7 @@ def _map_rows(map_model: torch.nn.Module, eval_sets: Sequence[EvalSet], shards: 
 
 
 def _checked_sweep(
-    methods: Sequence[Method], eval_sets: Sequence[EvalSet], prior_precisions: Sequence[float], links: Sequence[str]
+    methods: Sequence[SweepJob], eval_sets: Sequence[EvalSet], prior_precisions: Sequence[float], links: Sequence[str]
 ) -> tuple[list[float], list[str], EvalSet | None]:
     """The checked grid, the eval set names (unique) and the reference (first test) set."""
     check_links(links)
@@ -467,7 +469,7 @@ def _resume(stack: ExitStack, out_path: Path, lock_timeout: float) -> set[str]:
 
 
 def run_sweep(
-    methods: Sequence[Method],
+    methods: Sequence[SweepJob],
     eval_sets: Sequence[EvalSet],
     out_path: str | Path,
     *,
@@ -506,11 +508,11 @@ def run_sweep(
     The (method, repeat) jobs: with ``shard_jobs`` job ``k`` is fitted on rank ``k % world``, in
     rounds of ``world`` jobs, inside
     [`local_fits`][laplace_debiased.parallel.distributed.local_fits] (a local fit of that rank alone,
-    so ``Method.fit`` must not call collectives itself); each fitted posterior (network,
+    so ``SweepJob.fit`` must not call collectives itself); each fitted posterior (network,
     parameters and curvature: [`predictive_parts`][laplace_debiased.posterior.from_laplace.predictive_parts])
     is then sent to every rank. ``shard_jobs=False`` is for collective fits (``debiased_kron``
     sharding its batches, which every rank must call): every rank runs every job's
-    ``Method.fit`` under the group; the rows then equal a single-process sweep's to the
+    ``SweepJob.fit`` under the group; the rows then equal a single-process sweep's to the
     round-off of the distributed fit. Without a group (or with one rank) both modes are the
     single-process sweep.
     """
@@ -573,7 +575,7 @@ class _Posterior:
     correction: list | None
 
 
-def _fit_job(method: Method, repeat: int, *, eval_sets: Sequence[EvalSet], grid: list[float], done: set[str],
+def _fit_job(method: SweepJob, repeat: int, *, eval_sets: Sequence[EvalSet], grid: list[float], done: set[str],
              links: Sequence[str], log: Callable[[str], None] | None) -> _Posterior | None:
     """Fit one (method, repeat) if any of its rows is missing (not in ``done``); ``None`` if none."""
     mlinks = tuple(method.links or links)
@@ -599,7 +601,7 @@ def _fit_job(method: Method, repeat: int, *, eval_sets: Sequence[EvalSet], grid:
                       None if correction is None else correction.rows())
 
 
-def _job_statistics(method: Method, repeat: int, post: _Posterior, shards: Sequence[EvalSet],
+def _job_statistics(method: SweepJob, repeat: int, post: _Posterior, shards: Sequence[EvalSet],
                     reference: EvalSet | None, grid: list[float], *, n_samples: int, seed: int, chunk_size: int,
                     links: Sequence[str]) -> tuple[dict, float]:
     """This rank's statistics (``_set_statistics``) of one job, ``{(eval set, δ, link): ...}``
@@ -620,7 +622,7 @@ def _job_statistics(method: Method, repeat: int, post: _Posterior, shards: Seque
     return stats, time.perf_counter() - start
 
 
-def _job_rows(method: Method, repeat: int, post: _Posterior, per_rank: Sequence[tuple[dict, float]],
+def _job_rows(method: SweepJob, repeat: int, post: _Posterior, per_rank: Sequence[tuple[dict, float]],
               eval_sets: Sequence[EvalSet], reference: EvalSet | None, grid: list[float],
               links: Sequence[str]) -> list[dict]:
     """The missing rows of one job, in the single-process order, from every rank's statistics;

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from laplace_debiased.commands import report
-from laplace_debiased.evaluation import report as evaluation_report
+from laplace_debiased.evaluation import report_page as evaluation_report
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from torch.utils.data import Dataset
 
 from _env import spawn_ranks
 from laplace_debiased.evaluation.options import DEFAULTS
-from laplace_debiased.evaluation.pipeline import _digits, _method, fit_rows
+from laplace_debiased.evaluation.methods import METHODS
+from laplace_debiased.evaluation.pipeline import _digits, fit_rows, sweep_job
 from laplace_debiased.evaluation.models import digits_cnn
 from laplace_debiased.parallel.distributed import fetch_rows
 
@@ -89,12 +90,13 @@ def test_fit_rows_are_the_rows_the_fit_reads(name):
     """Each job alone on a rank (world = number of jobs): the replay names the rows that the
     method's real fit reads, no more, no fewer."""
     torch.manual_seed(0)
-    jobs = [(m, r) for m in OPTS["methods"] for r in range(1 if m.endswith("_full") else OPTS["repeats"])]
+    jobs = [(m, r) for m in OPTS["methods"] for r in range(1 if METHODS[m].full_batch else OPTS["repeats"])]
     for k, (method, repeat) in enumerate(jobs):
         if method != name:
             continue
         data = _Recording(_single_process_rows())
-        _method(method, digits_cnn().eval(), data, OPTS).fit(repeat)
+        b = None if METHODS[method].full_batch else OPTS["batch_size"]
+        sweep_job(method, METHODS[method], digits_cnn().eval(), data, OPTS, b).fit(repeat)
         assert sorted(data.read) == fit_rows(OPTS, len(data), k, len(jobs)), (method, repeat)
 
 

@@ -19,7 +19,7 @@ from _models import loader, tiny_mlp, toy_data
 import laplace_debiased.evaluation.sweep as sweep_module
 import laplace_debiased.posterior.grid as grid_module
 from laplace_debiased.data.shards import chunk_shard
-from laplace_debiased.evaluation.sweep import LOCK_NAME, EvalSet, Method, load_rows, row_key, run_sweep
+from laplace_debiased.evaluation.sweep import LOCK_NAME, EvalSet, SweepJob, load_rows, row_key, run_sweep
 from laplace_debiased.parallel.distributed import local_fits, rank_world
 
 WORLD = 2
@@ -50,9 +50,9 @@ def _fail(repeat: int):
     raise ValueError("no fit for you")
 
 
-def _methods() -> list[Method]:
+def _methods() -> list[SweepJob]:
     # jobs: kron 0, kron 1, full 0 -> rounds (kron 0 | kron 1), (full 0 | idle)
-    return [Method("kron", _fit_kron, repeats=2), Method("full_ll", _fit_full)]
+    return [SweepJob("kron", _fit_kron, repeats=2), SweepJob("full_ll", _fit_full)]
 
 
 def _eval_sets() -> list[EvalSet]:
@@ -99,10 +99,10 @@ def _job(rank: int, out: Path) -> dict:
     result["rows_again"] = run_sweep(_methods(), _eval_sets(), out / "dist" / "r.jsonl",
                                      map_model=tiny_mlp(), **SWEEP)
     # collective debiased_kron fits on every rank, eval sets sharded
-    result["cells"] = run_sweep([Method("kron", _fit_kron, repeats=2)], _eval_sets(),
+    result["cells"] = run_sweep([SweepJob("kron", _fit_kron, repeats=2)], _eval_sets(),
                                 out / "cells" / "r.jsonl", shard_jobs=False, **SWEEP)
     try:
-        run_sweep([Method("kron", _fit_kron), Method("broken", _fail)], _eval_sets(),
+        run_sweep([SweepJob("kron", _fit_kron), SweepJob("broken", _fail)], _eval_sets(),
                   out / "fail" / "r.jsonl", **SWEEP)
     except Exception as err:  # noqa: BLE001 - recorded for the test
         result["error"] = (type(err).__name__, str(err))
@@ -117,7 +117,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed_sweep")
     single = run_sweep(_methods(), _eval_sets(), out / "single" / "r.jsonl", map_model=tiny_mlp(), **SWEEP)
     # a resumed sweep: repeat 0 of "kron" is already in the distributed sweep's file
-    run_sweep([Method("kron", _fit_kron)], _eval_sets(), out / "dist" / "r.jsonl", **SWEEP)
+    run_sweep([SweepJob("kron", _fit_kron)], _eval_sets(), out / "dist" / "r.jsonl", **SWEEP)
     ranks = spawn_ranks(_job, out, WORLD)
     return single, ranks, out
 

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from laplace_debiased.evaluation.methods import METHODS
 from laplace_debiased.evaluation.options import (
-    DEFAULTS, METHODS, add_pipeline_arguments, check_links, load_config, method_key, resolve_options, split_method_key,
+    DEFAULTS, add_pipeline_arguments, check_links, load_config, method_key, resolve_options, split_method_key,
     sweep_methods,
 )
 
@@ -23,7 +24,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_unset_flags_take_the_defaults():
     opts = resolve_options(_parse())
     assert {k: opts[k] for k in DEFAULTS} == DEFAULTS
-    assert set(DEFAULTS["methods"]) <= set(METHODS)
+    assert set(DEFAULTS["methods"]) <= set(METHODS)  # the table of methods
 
 
 def test_a_config_file_overrides_defaults_and_flags_override_the_file(tmp_path):

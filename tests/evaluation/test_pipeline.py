@@ -14,8 +14,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from laplace_debiased import cli
-from laplace_debiased.evaluation.options import DEFAULTS, METHODS
-from laplace_debiased.evaluation.pipeline import _method, check_settings, describe_method
+from laplace_debiased.evaluation.methods import METHODS
+from laplace_debiased.evaluation.options import DEFAULTS
+from laplace_debiased.evaluation.pipeline import check_settings, sweep_job
 from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace, DebiasedEKFACLLLaplace
 
 EKFAC = ["ekfac_single", "ekfac_debiased", "ekfac_full"]
@@ -45,7 +46,8 @@ def test_ekfac_methods_fit_the_debiased_ekfac_structure_with_the_kron_batches(mo
                 "ekfac_full": ([24], [24], True, 24)}
     for subset, cls in (("last_layer", DebiasedEKFACLLLaplace), ("all", DebiasedEKFACLaplace)):
         for name, roles in expected.items():
-            method = _method(name, model, train, {**opts, "subset": subset})
+            method = sweep_job(name, METHODS[name], model, train, {**opts, "subset": subset},
+                               None if name == "ekfac_full" else 8)
             la = method.fit(0)
             assert type(la) is cls and seen.pop() == roles
             assert method.fit(0) is la and not seen  # a grid extension reuses the fit
@@ -73,11 +75,11 @@ def test_tiny_end_to_end_run_with_the_ekfac_methods(tmp_path, monkeypatch):
 
 
 def test_corrected_method_is_described_as_two_halves():
-    d = describe_method("kron_corrected", {"batch_size": 64, "rank": 30}, 300)
+    d = METHODS["kron_corrected"].describe(64, 300, 30)
     assert d["label"] == "K-FAC, corrected 32 + 32" and d["samples"] == 64
     assert "estimator='corrected'" in d["description"]
-    assert describe_method("kron_debiased", {"batch_size": 64, "rank": 30}, 300)["samples"] == 64
-    d = describe_method("kron_shrunk", {"batch_size": 64, "rank": 30}, 300)
+    assert METHODS["kron_debiased"].describe(64, 300, 30)["samples"] == 64
+    d = METHODS["kron_shrunk"].describe(64, 300, 30)
     assert d["label"] == "K-FAC, shrunk 32 + 32" and d["samples"] == 64
     assert "estimator='shrunk'" in d["description"] and "default" in d["description"]
 
@@ -89,14 +91,15 @@ def test_each_batch_size_draws_its_own_batches():
 
     opts = {**DEFAULTS, "batch_size": [8, 16]}
     for b in (8, 16):
-        loader, count = _fit_loader("kron_single", range(48), opts, 1, b)
+        loader, count = _fit_loader(METHODS["kron_single"], range(48), opts, 1, b)
         assert (loader.batch_size, count) == (b, 1)
         for name in ("kron_corrected", "kron_shrunk"):
-            loader, count = _fit_loader(name, range(48), opts, 1, b)
+            loader, count = _fit_loader(METHODS[name], range(48), opts, 1, b)
             assert (loader.batch_size, count) == (b // 2, 2)
-    assert _fit_loader("kron_full", range(48), opts, 0, None)[0].batch_size == 48
-    first = [next(iter(_fit_loader("kron_single", range(48), opts, r, 8)[0])).tolist() for r in (0, 1)]
-    assert first[0] != first[1] and first[0] == next(iter(_fit_loader("kron_single", range(48), opts, 0, 8)[0])).tolist()
+    assert _fit_loader(METHODS["kron_full"], range(48), opts, 0, None)[0].batch_size == 48
+    single = METHODS["kron_single"]
+    first = [next(iter(_fit_loader(single, range(48), opts, r, 8)[0])).tolist() for r in (0, 1)]
+    assert first[0] != first[1] and first[0] == next(iter(_fit_loader(single, range(48), opts, 0, 8)[0])).tolist()
 
 
 def test_a_method_at_a_batch_size_is_named_and_recorded_with_it():
@@ -104,14 +107,11 @@ def test_a_method_at_a_batch_size_is_named_and_recorded_with_it():
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     train = TensorDataset(torch.randn(24, 4), torch.randint(0, 3, (24,)))
     opts = {**DEFAULTS, "batch_size": [8, 16], "subset": "last_layer"}
-    m = _method("kron_single", model, train, opts, 16, "kron_single@b16")
+    m = sweep_job("kron_single@b16", METHODS["kron_single"], model, train, opts, 16)
     assert (m.name, m.extra, m.repeats) == ("kron_single@b16", {"batch_size": 16}, opts["repeats"])
-    assert _method("kron_full", model, train, opts).extra == {}
-    one = _method("kron_single", model, train, {**opts, "batch_size": 64})  # one b, as before: the plain name
-    assert (one.name, one.extra) == ("kron_single", {"batch_size": 64})
-    assert describe_method("kron_single", {**opts, "batch_size": [32, 128]}, 300, 128)["label"] == \
-        "K-FAC, single batch of 128"
-    assert describe_method("kron_single", {**opts, "batch_size": 64}, 300) == {
+    assert sweep_job("kron_full", METHODS["kron_full"], model, train, opts, None).extra == {}
+    assert METHODS["kron_single"].describe(128, 300, 30)["label"] == "K-FAC, single batch of 128"
+    assert METHODS["kron_single"].describe(64, 300, 30) == {
         "label": "K-FAC, single batch of 64", "samples": 64, "batch_size": 64,
         "description": "K-FAC from one batch of 64 training points (B̃ = B: the plain single-batch LA)"}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from laplace_debiased.evaluation.report import chosen_prior_precisions, write_report
+from laplace_debiased.evaluation.report_data import chosen_prior_precisions
+from laplace_debiased.evaluation.report_page import write_report
 
 
 def _rows():
@@ -109,9 +110,10 @@ def test_every_line_of_figure6_has_a_legend_entry_and_equal_choices_share_one_li
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from laplace_debiased.evaluation import report
+    from laplace_debiased.evaluation import report_figures as report
+    from laplace_debiased.evaluation.report_data import read_results
 
-    ctx = report._context(_rows(), tmp_path, SETTING)
+    ctx = read_results(_rows(), tmp_path, SETTING)
     fig, ax = plt.subplots()
     sub = [r for r in ctx.lap if r["eval_set"] == "test" and r["link"] == "probit_projected"]
     report._figure6_panel(ax, ctx, sub, "nll", 1.0)

@@ -162,7 +162,7 @@ _SWEEPER = textwrap.dedent("""
     from laplace import Laplace
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-    from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
+    from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, run_sweep
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
@@ -172,7 +172,7 @@ _SWEEPER = textwrap.dedent("""
         la.fit(DataLoader(TensorDataset(X, y), batch_size=10))
         return la
     sets = [EvalSet("test", X[:12], y[:12]), EvalSet("ood", 5 * X[12:20], kind="ood")]
-    run_sweep([Method("kron", fit, repeats=3)], sets, sys.argv[1], prior_precisions=(0.1, 1.0, 10.0),
+    run_sweep([SweepJob("kron", fit, repeats=3)], sets, sys.argv[1], prior_precisions=(0.1, 1.0, 10.0),
               links=("probit_projected", "mc"), n_samples=10, progress=False, map_model=model,
               lock_timeout=120)
 """)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.evaluation import options, sweep
-from laplace_debiased.evaluation.sweep import EvalSet, Method, load_rows, row_key, run_sweep
+from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, load_rows, row_key, run_sweep
 from laplace_debiased.prior_grid import PriorGrid
 
 
@@ -34,7 +34,7 @@ def _setup():
         EvalSet("noisy", X[:12] + torch.randn(12, 4), y[:12], kind="corrupted", severity=3),
         EvalSet("ood", 5 * torch.randn(8, 4), kind="ood"),
     ]
-    methods = [Method("kron", fit, repeats=2)]
+    methods = [SweepJob("kron", fit, repeats=2)]
     return model, eval_sets, methods, fits
 
 
@@ -137,7 +137,7 @@ def test_repeated_or_nonpositive_prior_precisions_and_links_are_refused(tmp_path
     with pytest.raises(ValueError, match="repeated"):
         run_sweep(methods, eval_sets, path, prior_precisions=GRID, links=("probit", "probit"), progress=False)
     with pytest.raises(ValueError, match="repeated"):
-        run_sweep([Method("kron", methods[0].fit, links=("mc", "mc"))], eval_sets, path,
+        run_sweep([SweepJob("kron", methods[0].fit, links=("mc", "mc"))], eval_sets, path,
                   prior_precisions=GRID, progress=False)
     assert not path.exists()
 

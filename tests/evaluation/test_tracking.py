@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from laplace_debiased.evaluation.report import mean_stderr_text, write_report
+from laplace_debiased.evaluation.report_page import write_report
+from laplace_debiased.evaluation.report_tables import mean_stderr_text
 from laplace_debiased.evaluation.tracking import (
     clearly_below,
     curves_from_json,

@@ -124,7 +124,7 @@ def test_diagnose_says_what_debiasing_changes_per_layer():
 
 
 def test_report_has_the_correction_table(tmp_path):
-    from laplace_debiased.evaluation.report import write_report
+    from laplace_debiased.evaluation.report_page import write_report
 
     model, X, y = _wide_model_data()
     la = DebiasedKronLaplace(model, "classification", estimator="corrected")

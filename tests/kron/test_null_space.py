@@ -193,7 +193,7 @@ def test_null_space_refuses_unknown_mode():
 
 def test_report_shows_the_coverage_of_a_fit(tmp_path):
     """The main job's report renders the coverage rows a sweep stored with a fit."""
-    from laplace_debiased.evaluation.report import write_report
+    from laplace_debiased.evaluation.report_page import write_report
 
     la, _ = _wide_fit("isotropic")
     rel = {"edges": [i / 15 for i in range(16)], "confidence": [None] * 15, "accuracy": [0.5] * 15,

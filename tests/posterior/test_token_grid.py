@@ -142,12 +142,12 @@ def test_sweep_on_token_outputs_equals_the_sweep_on_flattened_tokens(tmp_path):
     """``run_sweep`` scores every token as one row: the metrics of a sweep over sequences equal
     those of the same posterior swept over the tokens flattened into inputs (deterministic link;
     the MAP rows too)."""
-    from laplace_debiased.evaluation.sweep import EvalSet, Method, run_sweep
+    from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, run_sweep
 
     la = _fit("debiased_kron", "all")
     X, y = _tokens(6, seed=7)
     Xo, _ = _tokens(4, seed=8)
-    methods = [Method("kron", lambda repeat: la, links=["probit"])]
+    methods = [SweepJob("kron", lambda repeat: la, links=["probit"])]
 
     def sweep(x, labels, x_ood, name):
         sets = [EvalSet("test", x, labels), EvalSet("ood", x_ood, kind="ood")]
