@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from laplace_debiased.curvature.kfac import GroupKfacSums, group_kfac_sums, input_factor_rows, zero_sums
+from laplace_debiased.curvature.kfac import (
+    GroupKfacSums,
+    group_kfac_sums,
+    input_factor_rows,
+    output_factor_rows,
+    zero_sums,
+)
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import shard_batch
 from laplace_debiased.parallel.reducer import Reducer
@@ -109,7 +115,7 @@ def single_pass_kfacs(
     Returns:
         ``(loss, kfacs, rows)``: the summed loss over all batches (unscaled), per batch set its
         factors (blocks of 1 or 2 square tensors, laplace-torch's ``Kron.kfacs`` layout), and
-        per batch set the input-factor rows of the Linear/Conv2d weight blocks
+        per batch set the factor rows of the Linear/Conv2d blocks, ``XᵀX`` the factor as returned
         (``None`` under a process group, where each rank holds only its rows).
     """
     sizes = [[batch_size(b, *keys) for b in batches] for batches in groups]
@@ -119,11 +125,14 @@ def single_pass_kfacs(
     krons, all_rows = [], []
     for g, m in enumerate(sum(s) for s in sizes):
         kfacs, rows = [], []
-        X_g = input_factor_rows(sums, g, backend.factor**0.5 / m)
-        for module, G, A, X in zip(modules, sums.output, sums.input, X_g):
+        X_in = input_factor_rows(sums, g, backend.factor**0.5 / m)
+        # the output side of a weight block carries √c N/m, a bias block's c N/m (scaled below)
+        X_out = output_factor_rows(sums, g, backend.factor**0.5 * N / m)
+        X_bias = output_factor_rows(sums, g, backend.factor * N / m)
+        for module, G, A, X, Y, Z in zip(modules, sums.output, sums.input, X_in, X_out, X_bias):
             blocks = module_blocks(module, G[g], None if A is None else A[g], m)
-            kfacs.extend(blocks)  # input rows only for Linear/Conv2d weight blocks
-            rows.extend([None, X] if len(b) == 2 and not is_extra(module) else [None] * len(b) for b in blocks)
+            kfacs.extend(blocks)  # rows only for Linear/Conv2d blocks
+            rows.extend(([Y, X] if len(b) == 2 else [Z]) if not is_extra(module) else [None] * len(b) for b in blocks)
         all_rows.append(rows)
         # the loss factor c scales a block by c: each of two factors by √c (as Kron * c does)
         scaled = [[backend.factor ** (1 / len(F)) * f for f in F] for F in kfacs]

@@ -51,6 +51,7 @@ __all__ = [
     "GroupKfacSums",
     "group_kfac_sums",
     "input_factor_rows",
+    "output_factor_rows",
     "layer_positions",
     "loss_hessian_sqrt",
     "loss_hessian_sqrt_columns",
@@ -78,12 +79,15 @@ class GroupKfacSums:
         input_rows: per hooked module, ``None`` (rows not kept, or as many rows as inputs
             reached) or per group the list of row chunks ``a_nt / √T`` whose ``XᵀX`` is the group's
             input-side sum.
+        output_rows: the same for the output side: row chunks ``g_ntc`` (one per position, sample
+            and backward pass) whose ``XᵀX`` is the group's output-side sum.
     """
 
     output: list[torch.Tensor]
     input: list[torch.Tensor | None]
     loss: torch.Tensor
     input_rows: list[list[list[torch.Tensor]] | None] = field(default_factory=list)
+    output_rows: list[list[list[torch.Tensor]] | None] = field(default_factory=list)
 
     def tensors(self) -> list[torch.Tensor]:
         """All sums as one flat list (for in-place collectives such as ``all_reduce``)."""
@@ -175,11 +179,11 @@ def layer_positions(model: nn.Module, modules: Sequence[nn.Module], X: object) -
 
 
 def _keep_rows(
-    rows: list[list[torch.Tensor]], a: torch.Tensor, segments: Sequence[tuple[int, int, int]]
+    rows: list[list[torch.Tensor]], a: torch.Tensor, segments: Sequence[tuple[int, int, int]], scale: float
 ) -> bool:
-    """Append each segment's rows ``a / √T`` (``a`` ``(n, T, d)``) to its group's chunks; return
+    """Append each segment's rows ``scale · a`` (``a`` ``(n, T, d)``) to its group's chunks; return
     whether the kept rows are still fewer than ``d`` (else they are no cheaper than the sum)."""
-    scaled = a / a.shape[1] ** 0.5
+    scaled = a * scale
     for start, stop, group in segments:
         rows[group].append(scaled[start:stop].reshape(-1, a.shape[-1]))
     return sum(len(c) for chunks in rows for c in chunks) < a.shape[-1]
@@ -204,6 +208,8 @@ def _install_sum_hooks(
         else:
             rows = _rows(grad.detach(), modules[i])
         _segment_sums(rows, segments, into.output[i], 1.0)
+        if into.output_rows[i] is not None and not _keep_rows(into.output_rows[i], rows, segments, 1.0):
+            into.output_rows[i] = None
 
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
@@ -272,7 +278,7 @@ def _input_sums(
     positions (``kept``, :func:`_position_weighted`) are left out."""
     a = _position_weighted(_patches(a, module), kept)
     _segment_sums(a, segments, into.input[i], 1.0 / a.shape[1])
-    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments):
+    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments, a.shape[1] ** -0.5):
         into.input_rows[i] = None
 
 
@@ -480,8 +486,8 @@ def zero_sums(
         modules: The hooked modules, one block each.
         n_groups: The number of groups (batches summed separately).
         like: A tensor whose dtype and device the sums take.
-        keep_rows: Also start empty row lists for the input sides of ``nn.Linear`` /
-            ``nn.Conv2d`` weights (the other layers' blocks are debiased from their sums).
+        keep_rows: Also start empty row lists for the input and output sides of ``nn.Linear`` /
+            ``nn.Conv2d`` layers (the other layers' blocks are debiased from their sums).
 
     Returns:
         The sums, all zero: ``output`` ``(n_groups, d_out, d_out)`` and ``input``
@@ -500,13 +506,22 @@ def zero_sums(
         [[] for _ in range(n_groups)] if keep_rows and A is not None and isinstance(m, (nn.Linear, nn.Conv2d)) else None
         for m, A in zip(modules, inputs)
     ]
-    return GroupKfacSums(output, inputs, loss, rows)
+    out_rows = [[[] for _ in range(n_groups)] if keep_rows and isinstance(m, (nn.Linear, nn.Conv2d)) else None
+                for m in modules]
+    return GroupKfacSums(output, inputs, loss, rows, out_rows)
 
 
 def input_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[torch.Tensor | None]:
     """Per module, the rows ``X`` (n, d_in) of ``group`` with ``XᵀX = scale · (input-side sum)``
     (``scale = 1/m`` for the group's mean factor; ``None`` where no rows were kept)."""
-    return [
-        None if rows is None else torch.cat(rows[group]) * scale**0.5 if rows[group] else None
-        for rows in sums.input_rows
-    ]
+    return _factor_rows(sums.input_rows, group, scale)
+
+
+def output_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[torch.Tensor | None]:
+    """Per module, the rows ``X`` (n, d_out) of ``group`` with ``XᵀX = scale · (output-side sum)``
+    (``None`` where no rows were kept)."""
+    return _factor_rows(sums.output_rows, group, scale)
+
+
+def _factor_rows(kept: list[list[list[torch.Tensor]] | None], group: int, scale: float) -> list[torch.Tensor | None]:
+    return [None if rows is None else torch.cat(rows[group]) * scale**0.5 if rows[group] else None for rows in kept]

@@ -351,3 +351,54 @@ def test_prior_tuning_equals_dense_route(method):
     for obj in (la, ref):
         obj.optimize_prior_precision(pred_type="glm", method=method, link_approx="probit", **kw)
     torch.testing.assert_close(la.prior_precision, ref.prior_precision, **F64)
+
+
+# ---------------------------------------------------------------- output factors through their rows
+def _wider_pair(estimator: str, dtype=torch.float64, **fit_kw):
+    """A fit of ``Linear(12, 60) + Tanh + Linear(60, 3)`` at 2 × 8: the hidden layer's output factor
+    (60 wide, 2 × 8 × 3 = 48 rows) and its bias factor go through their rows, as does the output
+    layer's input factor (60 wide, 16 rows); and the same object decomposed densely."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 60), nn.Tanh(), nn.Linear(60, 3)).to(dtype)
+    data = toy_data(16, (12,), 3, "classification", seed=1)
+    data = type(data)(*(t.to(dtype) if t.is_floating_point() else t for t in data.tensors))
+    la = DebiasedKronLaplace(model, "classification")
+    la.fit(loader(data, 8), estimator=estimator, **fit_kw)
+    ref = copy.copy(la)
+    ref._factor_rows = None
+    ref._decompose()
+    return la, ref
+
+
+def test_output_factor_rows_give_the_factor():
+    la, _ = _wider_pair("paper")
+    for rows, kron in zip(la._factor_rows, (la.H_facs, la.H_facs_magnitude)):
+        for k in (0, 1, 2):  # hidden weight [G, A] (G through rows), hidden bias [G], output weight [G, A]
+            for X, F in zip(rows[k], kron.kfacs[k]):
+                if X is not None:
+                    torch.testing.assert_close(X.T @ X, F, **F64)
+        assert rows[0][0] is not None and rows[1][0] is not None and rows[2][0] is None
+
+
+@pytest.mark.parametrize("estimator, kw", [("paper", {}), ("paper", {"null_space": "aligned"}),
+                                           ("corrected", {}), ("shrunk", {})])
+def test_output_factors_through_rows_equal_dense_route(estimator, kw):
+    """Every estimate: the hidden layer's 60-wide output factor (weight and bias blocks) is stored as
+    eigenvectors ``(60, r)`` and a completion, and the posterior covariance, log determinant and
+    GLM predictive equal the dense route's to 1e-10 (float64)."""
+    la, ref = _wider_pair(estimator, **kw)
+    QG, Qb = la.H.eigenvectors[0][0], la.H.eigenvectors[1][0]
+    assert QG.shape[0] == 60 and QG.shape[1] < 60 and Qb.shape[1] < 60
+    assert all(Q.shape[0] == Q.shape[1] for Qs in ref.H.eigenvectors for Q in Qs)
+    for obj in (la, ref):
+        obj.prior_precision = 1e-2
+    cov = ref.posterior_precision.to_matrix(-1)
+    torch.testing.assert_close(la.posterior_precision.to_matrix(-1), cov, rtol=1e-10, atol=1e-10 * float(cov.abs().max()))
+    torch.testing.assert_close(la.log_marginal_likelihood(), ref.log_marginal_likelihood(), **F64)
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    torch.testing.assert_close(la._glm_predictive_distribution(x), ref._glm_predictive_distribution(x), **F64)
+    grid = [1e-4, 1e-2, 1.0]
+    links = ("probit_projected", "bridge")
+    ours, theirs = GridPredictive(la).grid(x, grid, links=links), GridPredictive(ref).grid(x, grid, links=links)
+    for link in links:
+        torch.testing.assert_close(ours[link], theirs[link], **F64)
