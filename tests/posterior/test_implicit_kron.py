@@ -402,3 +402,41 @@ def test_output_factors_through_rows_equal_dense_route(estimator, kw):
     ours, theirs = GridPredictive(la).grid(x, grid, links=links), GridPredictive(ref).grid(x, grid, links=links)
     for link in links:
         torch.testing.assert_close(ours[link], theirs[link], **F64)
+
+
+@pytest.mark.parametrize("damping", [False, True])
+@pytest.mark.parametrize("null", [False, True])
+def test_grid_structure_with_both_sides_implicit(damping, null):
+    """Output-side, input-side and single factors all ``(d, r)``, ``r < d`` (completion ``ν`` or 0):
+    covariances and (projected) variances of factored, dense and sums-over-positions Jacobians
+    equal ``KronStructure`` on the completed bases; ``C = 4`` classes against an output side of
+    ``d = 6`` (four residual columns) and of ``d = 3`` (three)."""
+    g = torch.Generator().manual_seed(4)
+
+    def eig(d, r):
+        Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q[:, :r]
+        return Q, torch.rand(r + (null and r < d), generator=g, dtype=torch.float64) * 3
+
+    blocks = [(eig(6, 2), eig(9, 4)), (eig(6, 3),), (eig(3, 1), eig(5, 2))]
+    H = ImplicitKronDecomposed([[b[0] for b in bl] for bl in blocks], [[b[1] for b in bl] for bl in blocks],
+                               damping=damping)
+    numels = [54, 6, 15]
+    n, C, T = 5, 4, 7
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
+    positions = LayerJacobian(positions=(r(n, C, 6, T), r(n, 9, T)))
+    kinds = [
+        [LayerJacobian(g=r(n, C, 6), a=r(n, 9)), LayerJacobian(dense=r(n, C, 6)), LayerJacobian(g=r(n, C, 3), a=r(n, 5))],
+        [LayerJacobian(dense=positions.full()), LayerJacobian(dense=r(1, C, 6)), LayerJacobian(dense=r(n, C, 15))],
+        [positions, LayerJacobian(dense=r(n, C, 6)), LayerJacobian(g=r(1, C, 3), a=r(n, 5))],
+    ]
+    implicit, ref = H.grid_structure(0.8, numels), KronStructure(H.completed(), 0.8, numels)
+    assert type(implicit).__name__ == "ImplicitKronStructure"
+    grid = [1e-4, 1.0, [1e-2, 3.0, 0.1]]
+    for js in kinds:
+        a, b = implicit.rotate(js), ref.rotate(js)
+        torch.testing.assert_close(implicit.covariances(a, grid), ref.covariances(b, grid), **F64)
+        torch.testing.assert_close(implicit.variances(a, grid), ref.variances(b, grid), **F64)
+        torch.testing.assert_close(implicit.variances(a, grid, project=True), ref.variances(b, grid, project=True), **F64)
