@@ -50,6 +50,9 @@ from laplace_debiased.curvature.layer_blocks import curvature_modules
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import check_same_fit_inputs, fail_together, local_shards
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
+from laplace_debiased.posterior.from_laplace import curvature_kind, laplace_params, posterior_structure
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import logit_rows
 from laplace_debiased.posterior.links import normal_samples
 from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule, sample_output_shape
 from laplace_debiased.structures.block_priors import block_marglik, prior_spans
@@ -445,6 +448,13 @@ class TwoBatchLaplace:
         ``(n·tokens·C)²`` covariance; ``diagonal_output``: ``(n·tokens, C)``)."""
         self._glm_token_shape = None
         last_layer = isinstance(self, LLLaplace)
+        factored = None if joint else self._factored_predictive(X)
+        if factored is not None:
+            f, f_var = factored.covariance(X, self.prior_precision.detach())
+            if self._has_token_outputs():
+                self._glm_token_shape = tuple(f.shape[:-1])
+            f_mu, f_var = logit_rows(f).detach(), f_var.to(f.dtype)
+            return f_mu, torch.diagonal(f_var, dim1=-2, dim2=-1) if diagonal_output else f_var
         if self._has_token_outputs():
             Js, f_mu, self._glm_token_shape = token_jacobians(
                 self.model, self.backend, X, last_layer=last_layer, enable_backprop=self.enable_backprop
@@ -462,6 +472,23 @@ class TwoBatchLaplace:
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var
+
+    def _factored_predictive(self, X: Any) -> GridPredictive | None:
+        """The GLM covariance in the curvature's eigenbasis
+        (:meth:`~laplace_debiased.posterior.grid.GridPredictive.covariance`: a ``Linear`` layer's
+        Jacobian kept as ``g ⊗ a``, a convolution's as a sum over positions, no ``(n, C, P)``
+        Jacobian), for a K-FAC-type curvature over all weights, a tensor input, a prior precision
+        per network or per parameter tensor and no ``enable_backprop``; ``None`` elsewhere. Built
+        once per curvature and likelihood factor."""
+        if (self.enable_backprop or not isinstance(X, torch.Tensor) or isinstance(self, LLLaplace)
+                or curvature_kind(self) not in ("own", "kron") or self.prior_precision.numel() not in (1, self.n_layers)):
+            return None
+        s = float(self._H_factor)
+        cached = getattr(self, "_factored_cache", None)
+        if cached is None or cached[0] is not self.H or cached[1] != s:
+            structure = posterior_structure(self)
+            self._factored_cache = (self.H, s, GridPredictive.from_parts(self.model, laplace_params(self), structure))
+        return self._factored_cache[2]
 
     def _glm_functional_samples(
         self,
