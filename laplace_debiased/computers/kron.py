@@ -28,7 +28,7 @@ import torch
 from laplace_debiased.computers.coverage import Coverage, coverage_record
 from laplace_debiased.computers.kron_estimators import CORRECTED, Correction, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.completion import debiased_factor_mode
-from laplace_debiased.curvature.linalg import debiased_kron
+from laplace_debiased.curvature.linalg import FactorRows, debiased_kron
 from laplace_debiased.parallel.reducer import Reducer
 
 __all__ = ["KronDecomposition", "combine_kfacs", "decompose_two_batch", "paired_rows"]
@@ -71,17 +71,18 @@ def combine_kfacs(old: Kfacs, new: Kfacs, n_old: int, n_new: int) -> Kfacs:
 
 
 def paired_rows(direction_rows: Rows | None, magnitude_rows: Rows | None
-                ) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None:
-    """Per block and factor ``(B's rows, B̃'s rows)`` where both are known (the ``rows`` of
+                ) -> list[list[FactorRows | None]] | None:
+    """Per block and factor ``(B's rows, B̃'s rows)`` (:class:`~laplace_debiased.curvature.linalg.FactorRows`,
+    their Gram matrix formed once) where both are known (the ``rows`` of
     :func:`~laplace_debiased.curvature.linalg.debiased_kron` and
     :func:`~laplace_debiased.computers.coverage.coverage_record`), ``None`` without rows."""
     if direction_rows is None or magnitude_rows is None:
         return None
-    return [[None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
+    return [[None if d is None or m is None else FactorRows(d, m) for d, m in zip(bd, bm)]
             for bd, bm in zip(direction_rows, magnitude_rows)]
 
 
-def _debiased(direction: Kfacs, magnitude: Kfacs, rows: Rows | None, magnitude_rows: Rows | None,
+def _debiased(direction: Kfacs, magnitude: Kfacs, pairs: list[list[FactorRows | None]] | None,
               null_space: str, terms: int, reducer: Reducer) -> tuple[Kfacs, Kfacs]:
     """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude``, computed on rank 0.
 
@@ -91,7 +92,7 @@ def _debiased(direction: Kfacs, magnitude: Kfacs, rows: Rows | None, magnitude_r
     summed into the factors) sets that tolerance."""
     rule = "aligned" if magnitude is direction else null_space
     return on_rank0(lambda: debiased_kron(
-        direction, magnitude, paired_rows(rows, magnitude_rows),
+        direction, magnitude, pairs,
         factor=lambda D, M: debiased_factor_mode(D, M, rule, terms), null_space=rule,
     ), direction, reducer)
 
@@ -132,17 +133,17 @@ def decompose_two_batch(
     same = magnitude is direction
     correction = None
     swapped = None
+    pairs = paired_rows(rows[0], rows[-1])  # one Gram matrix per factor pair, shared below
     if estimator in CORRECTED and not same:
         vecs, vals, correction = corrected_decomposition(
-            direction, magnitude, sizes, list(names), n_data, reducer, paired_rows(rows[0], rows[-1]),
-            shrink=estimator == "shrunk")
+            direction, magnitude, sizes, list(names), n_data, reducer, pairs, shrink=estimator == "shrunk")
     else:
         terms = max(sizes)
-        vecs, vals = _debiased(direction, magnitude, rows[0], rows[-1], null_space, terms, reducer)
+        vecs, vals = _debiased(direction, magnitude, pairs, null_space, terms, reducer)
         if cross_fit and not same:
-            swapped = _debiased(magnitude, direction, rows[-1], rows[0], null_space, terms, reducer)
+            swapped = _debiased(magnitude, direction, paired_rows(rows[-1], rows[0]), null_space, terms, reducer)
     coverage = coverage_record(
-        direction, magnitude, vecs, vals, list(names), rows=paired_rows(rows[0], rows[-1]),
+        direction, magnitude, vecs, vals, list(names), rows=pairs,
         null_space=null_space, direction_size=sizes[0], magnitude_size=sizes[1],
     )
     return KronDecomposition(vecs, vals, swapped, coverage, correction)

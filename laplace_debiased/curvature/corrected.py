@@ -95,8 +95,11 @@ import torch
 
 from laplace_debiased.curvature.completion import group_means
 from laplace_debiased.curvature.linalg import (
+    FactorRows,
+    factor_rows,
     frobenius_tolerance,
     gram_eigenpairs,
+    gram_spectrum,
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
@@ -213,35 +216,37 @@ def corrected_factor(
     return U.to(direction.dtype), lam.to(direction.dtype), record
 
 
-def _gaps_from_rows(direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, int]:
-    """:func:`same_minus_cross` of ``D = XdᵀXd`` and ``M = XmᵀXm`` from their rows, without a
-    ``d × d`` matrix: ``(gaps (d,) float64 ascending, size of D's null group)``.
+def _gaps_from_rows(rows: FactorRows, chooser: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """:func:`same_minus_cross` of ``D = XdᵀXd`` (the rows ``rows[chooser]``) and ``M = XmᵀXm`` (the
+    other rows) from their Gram matrices alone (blocks of ``rows.gram``), without a ``d``-long
+    vector: ``(gaps (d,) float64 ascending, size of D's null group)``.
 
-    ``D``'s spectrum is its Gram eigenvalues (:func:`~laplace_debiased.curvature.linalg.gram_eigenpairs`)
-    below ``d - k`` zeros; on the tied run holding the zeros (dimension ``s``, the complement ``P``
-    of the eigenvectors ``Q`` outside it) the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s`` with
-    ``‖Xm P‖_F² = ‖Xm‖_F² - ‖Xm Q‖_F²``, so its basis is never formed."""
-    d = direction_rows.shape[1]
-    Xd, Xm = direction_rows.double(), magnitude_rows.double()
-    L, E = gram_eigenpairs(Xd)
+    ``D``'s spectrum is its Gram eigenvalues (:func:`~laplace_debiased.curvature.linalg.gram_spectrum`)
+    below ``d - k`` zeros. Along the eigenvector ``e = Xdᵀ v / √λ`` (``Xd Xdᵀ v = λ v``) B̃ measures
+    ``‖Xm e‖² = ‖(Xm Xdᵀ) v‖² / λ``. On the tied run holding the zeros (dimension ``s``, the
+    complement ``P`` of the eigenvectors outside it) the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s``
+    with ``‖Xm P‖_F² = tr(Xm Xmᵀ) - Σ_outside ‖Xm e‖²``, so its basis is never formed."""
+    other = 1 - chooser
+    d = rows[0].shape[1]
+    K = rows.block(chooser, chooser)
+    L, V = gram_spectrum(K)
     zeros = d - L.numel()
     full = torch.cat([L.new_zeros(zeros), L])
-    groups = tied_groups(full, frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T))))
+    groups = tied_groups(full, frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(K))))
     null = groups[0].stop if zeros else 0
-    Q = E[:, null - zeros:]
-    cross = (Xm @ Q).square().sum(0)
+    keep = slice(null - zeros, None)
+    cross = (rows.block(other, chooser) @ V[:, keep]).square().sum(0) / L[keep]
     gaps = full.clone()
     gaps[null:] -= cross
     if null:
-        outside = float(Xm.square().sum()) - float(cross.sum())
+        outside = float(rows.block(other, other).diagonal().sum()) - float(cross.sum())
         gaps[:null] = (float(full[:null].sum()) - outside) / null
     return group_means(gaps, [g for g in groups if g.start >= null]), null
 
 
 def corrected_factor_rows(
     direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, m_direction: int, m_magnitude: int,
-    dtype: torch.dtype, n_data: int | None = None, shrink: bool = False,
+    dtype: torch.dtype, n_data: int | None = None, shrink: bool = False, rows: FactorRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection] | None:
     """:func:`corrected_factor` of a factor wider than its rows, through the rows (``O(d n²)``).
 
@@ -253,6 +258,8 @@ def corrected_factor_rows(
         dtype: the dtype of the dense factors (round-off tolerances, the results).
         n_data: the training-set size (finite-population scaling, :func:`corrected_factor`).
         shrink: shrink the correction on the pooled range (:func:`corrected_factor`).
+        rows: the same rows as :class:`~laplace_debiased.curvature.linalg.FactorRows`, whose Gram
+            matrix every decomposition here shares (formed here otherwise).
 
     Returns:
         ``(Q, lam, record)``: ``Q (d, r)`` orthonormal eigenvectors of the pooled factor
@@ -263,12 +270,14 @@ def corrected_factor_rows(
         isotropic; use the dense route).
     """
     n = m_direction + m_magnitude
-    pooled_rows = torch.cat([direction_rows.double() * (m_direction / n) ** 0.5,
-                             magnitude_rows.double() * (m_magnitude / n) ** 0.5])
-    L, Q = gram_eigenpairs(pooled_rows)
+    rows = factor_rows((direction_rows, magnitude_rows)) if rows is None else rows
+    weights = torch.cat([rows.gram.new_full((len(direction_rows),), (m_direction / n) ** 0.5),
+                         rows.gram.new_full((len(magnitude_rows),), (m_magnitude / n) ** 0.5)])
+    pooled_rows = torch.cat([direction_rows.double(), magnitude_rows.double()]) * weights[:, None]
+    L, Q = gram_eigenpairs(pooled_rows, weights[:, None] * rows.gram * weights)
     d, r = pooled_rows.shape[1], L.numel()
-    gaps_b, null_b = _gaps_from_rows(direction_rows, magnitude_rows, dtype)
-    gaps_t, null_t = _gaps_from_rows(magnitude_rows, direction_rows, dtype)
+    gaps_b, null_b = _gaps_from_rows(rows, 0, dtype)
+    gaps_t, null_t = _gaps_from_rows(rows, 1, dtype)
     if d - r > min(null_b, null_t):
         return None
     full = torch.cat([L.new_zeros(d - r), L])
@@ -365,7 +374,8 @@ def _corrected_route(
     if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")
-        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, shrink)
+        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, shrink,
+                                       rows=factor_rows(rows))
         if result is not None:
             return result
     return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, shrink)
