@@ -37,7 +37,7 @@ from torch import Tensor
 from laplace_debiased.curvature.completion import extended_spectrum
 from laplace_debiased.posterior.grams import jacobian_float64
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.kron import KronStructure
+from laplace_debiased.posterior.kron import KronStructure, rows_times
 
 __all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
 
@@ -225,10 +225,10 @@ class ImplicitKronStructure(KronStructure):
             if len(Qs) == 2 and jac.dense is None:
                 QG, QA = Qs
                 A = _compressed_side(jac.g, QG)
-                aQ = jac.a @ QA
+                aQ = rows_times(jac.a, QA)
                 B = aQ.square()
                 if QA.shape[1] < QA.shape[0]:
-                    B = torch.cat([B, (jac.a - aQ @ QA.T).square().sum(-1, keepdim=True)], dim=-1)
+                    B = torch.cat([B, (jac.a - rows_times(aQ, QA.T)).square().sum(-1, keepdim=True)], dim=-1)
                 out.append(("factored", A, B))
                 self._maps[k] = [_column_map(QG, A.shape[-1] - QG.shape[1]), _column_map(QA, 1)]
             elif len(Qs) == 2:
@@ -254,19 +254,19 @@ class ImplicitKronStructure(KronStructure):
 
 def _sides(X: Tensor, Q: Tensor) -> Tensor:
     """``[X Q, X N]`` along the last axis of ``X`` (..., d) for ``Q`` (d, r): ``(..., r [+ d])``."""
-    XQ = X @ Q
+    XQ = rows_times(X, Q)
     if Q.shape[1] == Q.shape[0]:
         return XQ
-    return torch.cat([XQ, X - XQ @ Q.T], dim=-1)
+    return torch.cat([XQ, X - rows_times(XQ, Q.T)], dim=-1)
 
 
 def _compressed_side(X: Tensor, Q: Tensor) -> Tensor:
     """``[X Q, L]`` for ``X`` (n, C, d): ``L`` (n, C, C) with ``L Lᵀ = R Rᵀ`` for the residuals
     ``R = X N`` (``Lᵀ`` the triangular factor of a QR of ``Rᵀ``); only ``X Q`` when ``Q`` is square."""
-    XQ = X @ Q
+    XQ = rows_times(X, Q)
     if Q.shape[1] == Q.shape[0]:
         return XQ
-    R = X - XQ @ Q.T
+    R = X - rows_times(XQ, Q.T)
     L = torch.linalg.qr(R.transpose(-1, -2), mode="r").R.transpose(-1, -2)  # (n, C, min(C, d))
     return torch.cat([XQ, L], dim=-1)
 

@@ -80,6 +80,12 @@ def _owners(model: nn.Module, params: Sequence[Tensor]) -> list[tuple[nn.Module,
     return [owner.get(id(p)) for p in params]
 
 
+def closed_form(model: nn.Module, params: Sequence[Tensor]) -> bool:
+    """Whether :func:`logit_jacobians` takes the closed form for ``params`` (every one a
+    ``Linear``/``Conv2d`` parameter), not ``torch.func``'s dense Jacobians."""
+    return all(o is not None for o in _owners(model, params))
+
+
 def logit_rows(f: Tensor) -> Tensor:
     """Outputs ``(n, [tokens, ...,] C)`` as rows ``(n·tokens, C)``, one per token
     (:func:`laplace_debiased.curvature.kfac.output_rows`, which also checks ``f.ndim ≥ 2``)."""
@@ -200,6 +206,6 @@ def logit_jacobians(
         ``(f, jacs)``: the logits ``(n, [tokens,] C)`` and, per parameter, the Jacobian of the
         logit rows (:func:`logit_rows`, ``(n·tokens, C, numel)``) as a :class:`LayerJacobian`.
     """
-    if all(o is not None for o in _owners(model, params)):
+    if closed_form(model, params):
         return _layer_jacobians(model, params, x)
     return _func_jacobians(model, params, x)

@@ -52,7 +52,7 @@ from laplace_debiased.parallel.distributed import check_same_fit_inputs, fail_to
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
 from laplace_debiased.posterior.from_laplace import curvature_kind, laplace_params, posterior_structure
 from laplace_debiased.posterior.grid import GridPredictive
-from laplace_debiased.posterior.jacobians import logit_rows
+from laplace_debiased.posterior.jacobians import closed_form, logit_rows
 from laplace_debiased.posterior.links import normal_samples
 from laplace_debiased.structures.auto_magnitude import auto_magnitude_rule, sample_output_shape
 from laplace_debiased.structures.block_priors import block_marglik, prior_spans
@@ -412,9 +412,10 @@ class TwoBatchLaplace:
 
     def chunk_size(self) -> int:
         """Inputs per chunk: ``predictive_chunk_size``, or
-        :func:`~laplace_debiased.structures.chunked.auto_chunk_size` where it is ``None``."""
+        :func:`~laplace_debiased.structures.chunked.auto_chunk_size` where it is ``None`` (of the
+        Jacobian entries the predictive holds, :meth:`_jacobian_entries`)."""
         outputs = math.prod(getattr(self, "fit_output_shape", (self.n_outputs or 1,)))
-        return checked_chunk_size(self.predictive_chunk_size, outputs, self.n_params, self._dtype)
+        return checked_chunk_size(self.predictive_chunk_size, outputs, self._jacobian_entries(), self._dtype)
 
     def _chunked(self, predict: Callable[[Any], Output], x: Any, generator: torch.Generator | None, dim: int) -> Output:
         """:func:`~laplace_debiased.structures.chunked.chunked` at :meth:`chunk_size`."""
@@ -480,8 +481,7 @@ class TwoBatchLaplace:
         Jacobian), for a K-FAC-type curvature over all weights, a tensor input, a prior precision
         per network or per parameter tensor and no ``enable_backprop``; ``None`` elsewhere. Built
         once per curvature and likelihood factor."""
-        if (self.enable_backprop or not isinstance(X, torch.Tensor) or isinstance(self, LLLaplace)
-                or curvature_kind(self) not in ("own", "kron") or self.prior_precision.numel() not in (1, self.n_layers)):
+        if not isinstance(X, torch.Tensor) or not self._factored_applies():
             return None
         s = float(self._H_factor)
         cached = getattr(self, "_factored_cache", None)
@@ -489,6 +489,20 @@ class TwoBatchLaplace:
             structure = posterior_structure(self)
             self._factored_cache = (self.H, s, GridPredictive.from_parts(self.model, laplace_params(self), structure))
         return self._factored_cache[2]
+
+    def _factored_applies(self) -> bool:
+        """Whether :meth:`_factored_predictive` serves tensor inputs (its conditions but the input's)."""
+        return not (self.enable_backprop or isinstance(self, LLLaplace) or curvature_kind(self) not in ("own", "kron")
+                    or self.prior_precision.numel() not in (1, self.n_layers))
+
+    def _jacobian_entries(self) -> int:
+        """Jacobian entries per output that the GLM predictive holds for one input: on the factored
+        route (:meth:`_factored_predictive`, closed-form Jacobians, no token outputs) ``d_out + d_in``
+        for a ``Linear`` weight (``g ⊗ a``), else every parameter."""
+        params = laplace_params(self)
+        if self._has_token_outputs() or not self._factored_applies() or not closed_form(self.model, params):
+            return self.n_params
+        return sum(p.shape[0] + p.shape[1] if p.ndim == 2 else p.numel() for p in params)
 
     def _glm_functional_samples(
         self,
