@@ -191,7 +191,7 @@ def _keep_rows(
 
 def _install_sum_hooks(
     modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums, n_rows: int,
-    kept: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None, hooked: list[torch.Tensor] | None = None,
 ) -> list:
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
     (and keep its rows in ``into.input_rows`` where wanted, :func:`_keep_rows`) and hook the
@@ -226,6 +226,8 @@ def _install_sum_hooks(
         elif into.input[i] is not None:
             _input_sums(x.detach(), module, segments, into, i, kept)
         output.register_hook(partial(on_output_grad, i=i))
+        if hooked is not None:
+            hooked.append(output)
         return output
 
     handles = [
@@ -233,7 +235,7 @@ def _install_sum_hooks(
         for i, m in enumerate(modules)
         if not isinstance(m, AttentionProjection)
     ]
-    return handles + _install_attention_hooks(modules, segments, into, on_output_grad, n_rows, kept)
+    return handles + _install_attention_hooks(modules, segments, into, on_output_grad, n_rows, kept, hooked)
 
 
 def _shared_ids_per_sample(
@@ -285,6 +287,7 @@ def _input_sums(
 def _install_attention_hooks(
     modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums,
     on_output_grad: Callable[..., None], n_rows: int, kept: torch.Tensor | None = None,
+    hooked: list[torch.Tensor] | None = None,
 ) -> list:
     """One forward hook per ``nn.MultiheadAttention`` whose projections are among ``modules``
     (:class:`~laplace_debiased.curvature.attention.AttentionProjection`): it re-evaluates the
@@ -308,6 +311,8 @@ def _install_attention_hooks(
             if into.input[i] is not None:
                 _input_sums(a.detach(), modules[i], segments, into, i, kept)
             out.register_hook(partial(on_output_grad, i=i))
+            if hooked is not None:
+                hooked.append(out)
         return parts.result
 
     return [a.register_forward_hook(on_attention, with_kwargs=True) for a in attentions.values()]
@@ -315,21 +320,23 @@ def _install_attention_hooks(
 
 def _backward_passes(
     model: nn.Module, X: torch.Tensor, y: torch.Tensor, params: list[torch.Tensor], likelihood: str,
-    lossfunc: nn.Module, fisher: str,
+    lossfunc: nn.Module, fisher: str, hooked: list[torch.Tensor],
 ) -> torch.Tensor:
     """One forward pass, then the backward passes whose output gradients the hooks sum: one per
     column of the loss-Hessian square root (``"type2"``) or the loss gradient (``"empirical"``).
-    Returns the detached outputs."""
+    The passes differentiate by the hooked layer outputs (``hooked``, filled by the forward hooks),
+    not by the parameters, whose gradients nothing reads. Returns the detached outputs."""
     with torch.enable_grad():
         f = model(X)
         rows, targets = output_rows(f, y)
+        wrt = hooked or params
         if fisher == "empirical":
-            torch.autograd.grad(lossfunc(rows, targets), params)
+            torch.autograd.grad(lossfunc(rows, targets), wrt, allow_unused=True)
         else:
             C = rows.shape[-1]
             for c, column in enumerate(loss_hessian_sqrt_columns(rows, likelihood)):
                 column = kept_rows(column, targets)  # padded positions: no loss term, no curvature
-                torch.autograd.grad((rows * column).sum(), params, retain_graph=c < C - 1)
+                torch.autograd.grad((rows * column).sum(), wrt, retain_graph=c < C - 1, allow_unused=True)
     return f.detach()
 
 
@@ -379,9 +386,10 @@ def group_kfac_sums(
     params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     if into is None:
         into = zero_sums(modules, n_groups, params[0], keep_rows)
-    handles = _install_sum_hooks(modules, segments, into, len(y), kept_positions(y, len(y)))
+    hooked: list[torch.Tensor] = []
+    handles = _install_sum_hooks(modules, segments, into, len(y), kept_positions(y, len(y)), hooked)
     try:
-        f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher)
+        f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher, hooked)
     finally:
         for h in handles:
             h.remove()
