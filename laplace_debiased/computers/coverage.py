@@ -117,9 +117,13 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
         return _rank(Fd, None, tol), _rank(Fm, None, tol), _rank(union, None, tol)
     rows = factor_rows(rows)  # one Gram matrix for the three counts
     Xd, Xm = rows
-    rank_d, rank_m = _rank(Fd, Xd, tol, rows.block(0, 0)), _rank(Fm, Xm, tol, rows.block(1, 1))
+    d = Fd.shape[0]
+    rank_d = _rank(Fd, Xd, tol, rows.block(0, 0) if len(Xd) < d else None)
+    rank_m = _rank(Fm, Xm, tol, rows.block(1, 1) if len(Xm) < d else None)
     if same:
         return rank_d, rank_m, rank_d
+    if len(Xd) + len(Xm) >= d:
+        return rank_d, rank_m, _rank(union, None, tol)
     return rank_d, rank_m, _rank(union, torch.cat([Xd, Xm]), tol, rows.gram)
 
 

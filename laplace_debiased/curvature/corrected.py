@@ -177,7 +177,7 @@ def _order_weight(m: int, n: int, n_data: int | None) -> float:
 
 def corrected_factor(
     direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0,
-    n_data: int | None = None, shrink: bool = False,
+    n_data: int | None = None, shrink: bool = False, rows: FactorRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """Pooled eigenvectors and corrected eigenvalues of one factor (module docstring).
 
@@ -191,6 +191,8 @@ def corrected_factor(
         n_data: the number ``N`` of training data the batches were drawn from without
             replacement (finite-population scaling); ``None``: an infinite population.
         shrink: shrink the correction on the pooled range by its measured noise (module docstring).
+        rows: B's and B̃'s rows where known: the gap of each order whose batch has fewer rows than
+            ``d`` comes from the Gram matrices (:func:`_gaps_from_rows`, no ``d × d`` eigh).
 
     Returns:
         ``(U, lam, record)``: ``U (d, d)`` orthonormal eigenvectors of the pooled factor
@@ -209,8 +211,10 @@ def corrected_factor(
     n = m_direction + m_magnitude
     pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
     L, U = symmetric_eigh64(pooled)
-    shift_b = _order_weight(m_direction, n, n_data) * same_minus_cross(direction, magnitude, terms) / 2
-    shift_t = _order_weight(m_magnitude, n, n_data) * same_minus_cross(magnitude, direction, terms) / 2
+    gaps = [_gaps_from_rows(rows, k, direction.dtype)[0] if rows is not None and len(rows[k]) < L.numel()
+            else same_minus_cross(*((direction, magnitude) if k == 0 else (magnitude, direction)), terms) for k in (0, 1)]
+    shift_b = _order_weight(m_direction, n, n_data) * gaps[0] / 2
+    shift_t = _order_weight(m_magnitude, n, n_data) * gaps[1] / 2
     null = int((L <= frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(pooled)))).sum())
     lam, record = _corrected_values(L, shift_b, shift_t, null, shrink)
     return U.to(direction.dtype), lam.to(direction.dtype), record
@@ -370,7 +374,8 @@ def _corrected_route(
     m_direction: int, m_magnitude: int, terms: int, n_data: int | None, shrink: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """:func:`corrected_factor_rows` where :func:`~laplace_debiased.curvature.linalg.through_rows`
-    (and it applies), else :func:`corrected_factor` on the dense factors."""
+    (and it applies), else :func:`corrected_factor` on the dense factors (with the gaps of a batch
+    narrower than the factor through its rows)."""
     if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")
@@ -378,4 +383,5 @@ def _corrected_route(
                                        rows=factor_rows(rows))
         if result is not None:
             return result
-    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, shrink)
+    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, shrink,
+                            rows=None if rows is None else factor_rows(rows))

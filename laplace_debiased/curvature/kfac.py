@@ -21,9 +21,10 @@ Both are *sums over the samples of a group*: dividing the input side by the grou
 the factor a backend call over that group returns, and sums from disjoint shards of a group
 (other passes, other processes) simply add up.
 
-With ``keep_rows=True`` the input side's rows ``a_nt / √T`` of each group are kept as well,
-while a layer has fewer rows than inputs ``d_in`` (:func:`input_factor_rows`): a factor of
-rank ``< d_in`` is then decomposed through its Gram matrix instead of its ``d_in × d_in`` sum
+With ``keep_rows=True`` the rows of each group are kept as well (input side ``a_nt / √T``,
+:func:`input_factor_rows`; output side ``g_ntc``, :func:`output_factor_rows`), while every group
+has fewer of them than the factor's dimension: a factor of rank ``< d`` is then decomposed through
+its Gram matrix instead of its ``d × d`` sum
 (:func:`laplace_debiased.curvature.linalg.lowrank_debiased_factor`).
 """
 
@@ -182,11 +183,12 @@ def _keep_rows(
     rows: list[list[torch.Tensor]], a: torch.Tensor, segments: Sequence[tuple[int, int, int]], scale: float
 ) -> bool:
     """Append each segment's rows ``scale · a`` (``a`` ``(n, T, d)``) to its group's chunks; return
-    whether the kept rows are still fewer than ``d`` (else they are no cheaper than the sum)."""
+    whether every group's kept rows are still fewer than ``d`` (else they are no cheaper than the
+    sum; a factor pair goes through the rows of each batch narrower than it)."""
     scaled = a * scale
     for start, stop, group in segments:
         rows[group].append(scaled[start:stop].reshape(-1, a.shape[-1]))
-    return sum(len(c) for chunks in rows for c in chunks) < a.shape[-1]
+    return max(sum(len(c) for c in chunks) for chunks in rows) < a.shape[-1]
 
 
 def _install_sum_hooks(

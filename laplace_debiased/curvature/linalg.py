@@ -57,23 +57,30 @@ __all__ = [
 class FactorRows(tuple):
     """The rows ``(direction_rows (n, d), magnitude_rows (m, d))`` of a factor pair, ``F = XᵀX``,
     with the Gram matrix of both stacked, ``[Xd; Xm][Xd; Xm]ᵀ`` ``(n + m, n + m)`` (float64),
-    formed once (``O(d (n + m)²)``) and shared by every decomposition and rank count through the
-    rows: B's, B̃'s and their cross Gram matrices are its blocks."""
+    formed block by block where first needed (``O(d (n + m)²)`` in all) and shared by every
+    decomposition and rank count through the rows: B's, B̃'s and their cross Gram matrices."""
 
     def __new__(cls, direction: torch.Tensor, magnitude: torch.Tensor) -> FactorRows:
         return super().__new__(cls, (direction, magnitude))
 
     @functools.cached_property
-    def gram(self) -> torch.Tensor:
-        """``[Xd; Xm][Xd; Xm]ᵀ`` in float64."""
-        X = torch.cat([self[0], self[1]]).double()
-        return X @ X.T
+    def _blocks(self) -> dict[tuple[int, int], torch.Tensor]:
+        return {}
 
     def block(self, i: int, j: int) -> torch.Tensor:
         """``X_i X_jᵀ`` (float64) for ``i, j`` in ``0`` (B) and ``1`` (B̃)."""
-        n = len(self[0])
-        rows = (slice(0, n), slice(n, None))
-        return self.gram[rows[i], rows[j]]
+        if (i, j) not in self._blocks:
+            if (j, i) in self._blocks:
+                self._blocks[i, j] = self._blocks[j, i].T
+            else:
+                self._blocks[i, j] = self[i].double() @ self[j].double().T
+        return self._blocks[i, j]
+
+    @property
+    def gram(self) -> torch.Tensor:
+        """``[Xd; Xm][Xd; Xm]ᵀ`` in float64."""
+        return torch.cat([torch.cat([self.block(0, 0), self.block(0, 1)], 1),
+                          torch.cat([self.block(1, 0), self.block(1, 1)], 1)])
 
 
 def factor_rows(rows: Sequence[torch.Tensor]) -> FactorRows:
@@ -379,9 +386,12 @@ def _debiased_factor_route(
     factor: FactorRule,
     null_space: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`lowrank_debiased_factor` (with ``null_space``) where :func:`through_rows`, else
-    ``factor`` on the dense matrices."""
-    if through_rows(rows, direction.shape[0]):
+    """:func:`lowrank_debiased_factor` (with ``null_space``) where :func:`through_rows`, or, for
+    ``null_space="isotropic"`` (which reads B̃ only through its Rayleigh quotients and its mass on
+    B's null space), where B alone has fewer rows than the dimension; else ``factor`` on the dense
+    matrices."""
+    d = direction.shape[0]
+    if through_rows(rows, d) or (null_space == "isotropic" and rows is not None and len(rows[0]) < d):
         return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space, rows=factor_rows(rows))
     return factor(direction, magnitude)
 

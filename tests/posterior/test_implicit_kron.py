@@ -294,9 +294,9 @@ def test_fit_float32_predictive_equals_dense_route_to_round_off():
 
 
 def test_dense_route_where_the_rows_do_not_help():
-    """B ∪ B̃ with at least as many rows as the factor's dimension (2 × 24 ≥ 40), and an online
+    """B with at least as many rows as the factor's dimension (40 ≥ 40, 40 ≥ 30), and an online
     second fit (its factors are averages, no rows): square bases, as before."""
-    la, _ = _pair(b=24)
+    la, _ = _pair(b=40)
     assert all(Q.shape[0] == Q.shape[1] for Qs in la.H.eigenvectors for Q in Qs)
     data = toy_data(16, (40,), 4, "classification", seed=9)
     la2, _ = _pair(b=8)
@@ -305,16 +305,16 @@ def test_dense_route_where_the_rows_do_not_help():
     assert all(Q.shape[0] == Q.shape[1] for Qs in la2.H.eigenvectors for Q in Qs)
 
 
-def test_group_kfac_sums_drops_rows_once_as_many_as_inputs():
+def test_group_kfac_sums_drops_rows_once_a_group_has_as_many_as_inputs():
     model = _wide_mlp()
     X = torch.randn(35, 40, dtype=torch.float64)
     y = torch.randint(0, 4, (35,))
     sums = group_kfac_sums(
-        model, [model[0], model[2]], X, y, [(0, 10, 0), (10, 35, 1)], 2,
+        model, [model[0], model[2]], X, y, [(0, 5, 0), (5, 35, 1)], 2,
         likelihood="classification", lossfunc=nn.CrossEntropyLoss(reduction="sum"), factor=1.0, keep_rows=True,
     )
     first, second = input_factor_rows(sums, 1, 1.0)
-    assert second is None  # 35 rows ≥ 30 inputs of the second layer
+    assert second is None  # group 1's 30 rows ≥ 30 inputs of the second layer
     torch.testing.assert_close(first.T @ first, sums.input[0][1], **F64)
 
 
@@ -354,16 +354,16 @@ def test_prior_tuning_equals_dense_route(method):
 
 
 # ---------------------------------------------------------------- output factors through their rows
-def _wider_pair(estimator: str, dtype=torch.float64, **fit_kw):
-    """A fit of ``Linear(12, 60) + Tanh + Linear(60, 3)`` at 2 × 8: the hidden layer's output factor
-    (60 wide, 2 × 8 × 3 = 48 rows) and its bias factor go through their rows, as does the output
-    layer's input factor (60 wide, 16 rows); and the same object decomposed densely."""
+def _wider_pair(estimator: str, dtype=torch.float64, b: int = 8, **fit_kw):
+    """A fit of ``Linear(12, 60) + Tanh + Linear(60, 3)`` at 2 × b: at b = 8 the hidden layer's
+    output factor (60 wide, 2 × 8 × 3 = 48 rows) and its bias factor go through their rows, as does
+    the output layer's input factor (60 wide, 16 rows); and the same object decomposed densely."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 60), nn.Tanh(), nn.Linear(60, 3)).to(dtype)
-    data = toy_data(16, (12,), 3, "classification", seed=1)
+    data = toy_data(2 * b, (12,), 3, "classification", seed=1)
     data = type(data)(*(t.to(dtype) if t.is_floating_point() else t for t in data.tensors))
     la = DebiasedKronLaplace(model, "classification")
-    la.fit(loader(data, 8), estimator=estimator, **fit_kw)
+    la.fit(loader(data, b), estimator=estimator, **fit_kw)
     ref = copy.copy(la)
     ref._factor_rows = None
     ref._decompose()
@@ -440,3 +440,20 @@ def test_grid_structure_with_both_sides_implicit(damping, null):
         torch.testing.assert_close(implicit.covariances(a, grid), ref.covariances(b, grid), **F64)
         torch.testing.assert_close(implicit.variances(a, grid), ref.variances(b, grid), **F64)
         torch.testing.assert_close(implicit.variances(a, grid, project=True), ref.variances(b, grid, project=True), **F64)
+
+
+@pytest.mark.parametrize("estimator", ["paper", "corrected", "shrunk"])
+def test_batches_each_narrower_than_the_factor_but_not_together(estimator):
+    """2 × 12 samples: the hidden output factor has 36 rows per batch, 72 together, against 60
+    columns. The paper's isotropic estimate goes through B's rows (eigenvectors ``(60, r)``); the
+    corrected ones decompose the pooled factor densely and take each order's gaps from the Gram
+    matrices. Posterior covariance and GLM predictive equal the dense route's (float64)."""
+    la, ref = _wider_pair(estimator, b=12)
+    QG = la.H.eigenvectors[0][0]
+    assert QG.shape[1] < 60 if estimator == "paper" else QG.shape == (60, 60)
+    for obj in (la, ref):
+        obj.prior_precision = 1e-2
+    cov = ref.posterior_precision.to_matrix(-1)
+    torch.testing.assert_close(la.posterior_precision.to_matrix(-1), cov, rtol=1e-10, atol=1e-10 * float(cov.abs().max()))
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    torch.testing.assert_close(la._glm_predictive_distribution(x), ref._glm_predictive_distribution(x), **F64)
