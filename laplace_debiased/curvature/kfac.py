@@ -96,21 +96,29 @@ class GroupKfacSums:
 
 
 def loss_hessian_sqrt_columns(f: torch.Tensor, likelihood: str) -> Iterator[torch.Tensor]:
-    """The columns ``S_n[:, c]``, ``c = 0, ..., C-1``, of a square root ``S_n`` (``S_n S_nᵀ =
-    Λ_n``) of the Hessian of laplace-torch's summed loss w.r.t. each output row, one ``(n, C)``
-    tensor at a time (never the ``(n, C, C)`` matrix: ``n`` counts every token of token outputs).
+    """The columns of a square root ``S_n`` (``S_n S_nᵀ = Λ_n``) of the Hessian of laplace-torch's
+    summed loss w.r.t. each output row, one ``(n, C)`` tensor at a time (never the ``(n, C, C)``
+    matrix: ``n`` counts every token of token outputs).
 
-    Cross-entropy: ``Λ = diag(p) - ppᵀ = (diag(√p) - p√pᵀ)(diag(√p) - √p pᵀ)`` (uses
-    ``Σ p = 1``), column ``c``: ``√p_c (e_c - p)``. ``MSELoss(reduction="sum")``: ``Λ = 2 I``,
-    ``S = √2 I``.
+    Cross-entropy: ``Λ = diag(p) - ppᵀ = D^½ P D^½`` with ``D = diag(p)`` and the projector
+    ``P = I - √p√pᵀ`` (uses ``Σ p = 1``) of rank ``C - 1``, so ``C - 1`` columns suffice (one backward
+    pass and one K-FAC row fewer per sample): ``S = D^½ B`` for an orthonormal basis ``B`` of
+    ``√p``'s complement, the columns ``j ≠ k`` of the Householder reflection ``H = I - v vᵀ / (1 +
+    √p_k)``, ``v = √p + e_k``, ``k`` the largest probability (``H √p = -e_k``; no cancellation), so
+    column ``j``: ``√p ∘ (e_j - v √p_j / (1 + √p_k))``. ``MSELoss(reduction="sum")``: ``Λ = 2 I``,
+    ``S = √2 I``, ``C`` columns.
     """
     n, C = f.shape
     if likelihood == "classification":
-        p = torch.softmax(f.detach(), dim=-1)
-        sp = p.sqrt()
-        for c in range(C):
-            column = -p * sp[:, c : c + 1]
-            column[:, c] += sp[:, c]
+        sp = torch.softmax(f.detach(), dim=-1).sqrt()
+        k = sp.argmax(-1, keepdim=True)
+        top = sp.gather(-1, k)
+        v = sp.scatter_add(-1, k, torch.ones_like(top))
+        spv = sp * v / (1.0 + top)
+        for slot in range(C - 1):
+            j = slot + (slot >= k).long()  # (n, 1): the slot-th column other than k
+            column = -spv * sp.gather(-1, j)
+            column.scatter_add_(-1, j, sp.gather(-1, j))
             yield column
         return
     for c in range(C):
@@ -120,7 +128,8 @@ def loss_hessian_sqrt_columns(f: torch.Tensor, likelihood: str) -> Iterator[torc
 
 
 def loss_hessian_sqrt(f: torch.Tensor, likelihood: str) -> torch.Tensor:
-    """The square root ``S_n`` of :func:`loss_hessian_sqrt_columns` as ``(n, C, C)``."""
+    """The square root ``S_n`` of :func:`loss_hessian_sqrt_columns` as ``(n, C, C - 1)``
+    (classification) or ``(n, C, C)``."""
     return torch.stack(list(loss_hessian_sqrt_columns(f, likelihood)), dim=-1)
 
 
@@ -335,10 +344,10 @@ def _backward_passes(
         if fisher == "empirical":
             torch.autograd.grad(lossfunc(rows, targets), wrt, allow_unused=True)
         else:
-            C = rows.shape[-1]
+            last = rows.shape[-1] - (2 if likelihood == "classification" else 1)  # C - 1 or C columns
             for c, column in enumerate(loss_hessian_sqrt_columns(rows, likelihood)):
                 column = kept_rows(column, targets)  # padded positions: no loss term, no curvature
-                torch.autograd.grad((rows * column).sum(), wrt, retain_graph=c < C - 1, allow_unused=True)
+                torch.autograd.grad((rows * column).sum(), wrt, retain_graph=c < last, allow_unused=True)
     return f.detach()
 
 

@@ -67,13 +67,18 @@ class FactorRows(tuple):
     def _blocks(self) -> dict[tuple[int, int], torch.Tensor]:
         return {}
 
+    @functools.cached_property
+    def double(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both row matrices in float64 (converted once)."""
+        return self[0].double(), self[1].double()
+
     def block(self, i: int, j: int) -> torch.Tensor:
         """``X_i X_jᵀ`` (float64) for ``i, j`` in ``0`` (B) and ``1`` (B̃)."""
         if (i, j) not in self._blocks:
             if (j, i) in self._blocks:
                 self._blocks[i, j] = self._blocks[j, i].T
             else:
-                self._blocks[i, j] = self[i].double() @ self[j].double().T
+                self._blocks[i, j] = self.double[i] @ self.double[j].T
         return self._blocks[i, j]
 
     @property
@@ -532,7 +537,7 @@ def lowrank_debiased_factor(
     if null_space not in ("aligned", "isotropic"):
         raise ValueError(f"null_space must be 'aligned' or 'isotropic', got {null_space!r}.")
     d = direction_rows.shape[1]
-    Xd, Xm = direction_rows.double(), magnitude_rows.double()
+    Xd, Xm = rows.double if rows is not None else (direction_rows.double(), magnitude_rows.double())
     Kd = rows.block(0, 0) if rows is not None else Xd @ Xd.T
     L, E = gram_eigenpairs(Xd, Kd)
     tol = frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Kd)))

@@ -255,7 +255,10 @@ def test_fit_posterior_and_predictive_equal_dense_route(likelihood, kw):
     la, ref = _pair(likelihood, **kw)
     # the corrected estimate keeps the 16 directions of B ∪ B̃ (its pooled eigenvectors)
     r = 16 if kw.get("null_space") == "aligned" or kw.get("estimator") == "corrected" else 8
-    assert [tuple(Q.shape) for Q in _components(la)[0].eigenvectors[0]] == [(30, 30), (40, r)]
+    QG, QA = _components(la)[0].eigenvectors[0]
+    assert tuple(QA.shape) == (40, r)
+    # the 30-wide output factor: through B's 8 × 3 rows for the isotropic paper estimate (classification)
+    assert QG.shape[0] == 30 and QG.shape[1] <= (24 if likelihood == "classification" and r == 8 else 30)
     assert len(_components(la)[0].eigenvalues[0][1]) == r + 1
     assert all(Q.shape[0] == Q.shape[1] for c in _components(ref) for Qs in c.eigenvectors for Q in Qs)
     for obj in (la, ref):
@@ -356,7 +359,7 @@ def test_prior_tuning_equals_dense_route(method):
 # ---------------------------------------------------------------- output factors through their rows
 def _wider_pair(estimator: str, dtype=torch.float64, b: int = 8, **fit_kw):
     """A fit of ``Linear(12, 60) + Tanh + Linear(60, 3)`` at 2 × b: at b = 8 the hidden layer's
-    output factor (60 wide, 2 × 8 × 3 = 48 rows) and its bias factor go through their rows, as does
+    output factor (60 wide, 2 × 8 × 2 = 32 rows) and its bias factor go through their rows, as does
     the output layer's input factor (60 wide, 16 rows); and the same object decomposed densely."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 60), nn.Tanh(), nn.Linear(60, 3)).to(dtype)
@@ -444,11 +447,11 @@ def test_grid_structure_with_both_sides_implicit(damping, null):
 
 @pytest.mark.parametrize("estimator", ["paper", "corrected", "shrunk"])
 def test_batches_each_narrower_than_the_factor_but_not_together(estimator):
-    """2 × 12 samples: the hidden output factor has 36 rows per batch, 72 together, against 60
+    """2 × 16 samples: the hidden output factor has 32 rows per batch (2 per sample), 64 together, against 60
     columns. The paper's isotropic estimate goes through B's rows (eigenvectors ``(60, r)``); the
     corrected ones decompose the pooled factor densely and take each order's gaps from the Gram
     matrices. Posterior covariance and GLM predictive equal the dense route's (float64)."""
-    la, ref = _wider_pair(estimator, b=12)
+    la, ref = _wider_pair(estimator, b=16)
     QG = la.H.eigenvectors[0][0]
     assert QG.shape[1] < 60 if estimator == "paper" else QG.shape == (60, 60)
     for obj in (la, ref):
