@@ -492,8 +492,9 @@ class TwoBatchLaplace:
 
     def _factored_applies(self) -> bool:
         """Whether :meth:`_factored_predictive` serves tensor inputs (its conditions but the input's)."""
-        return not (self.enable_backprop or isinstance(self, LLLaplace) or curvature_kind(self) not in ("own", "kron")
-                    or self.prior_precision.numel() not in (1, self.n_layers))
+        if not self._kfac_blocks or self.enable_backprop or isinstance(self, LLLaplace):
+            return False  # (the dense structures' curvature is not read: it may be formed lazily)
+        return curvature_kind(self) in ("own", "kron") and self.prior_precision.numel() in (1, self.n_layers)
 
     def _jacobian_entries(self) -> int:
         """Jacobian entries per output that the GLM predictive holds for one input: on the factored
