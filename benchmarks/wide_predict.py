@@ -88,7 +88,7 @@ def child(which: str, a) -> dict:
         times.append((time.perf_counter() - t0) / len(x))
     xg = xt[: a.n_grid]
     t0 = time.perf_counter()
-    GridPredictive(la, chunk_size=32).grid(xg, GRID, links=("probit_projected",))
+    GridPredictive(la, chunk_size=2 if kind == "token" else 32).grid(xg, GRID, links=("probit_projected",))
     grid = (time.perf_counter() - t0) / len(xg)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB -> GB
     params = sum(p.numel() for p in model.parameters())
@@ -147,7 +147,11 @@ def main() -> None:
                 whiches.append(f"mlp:{s}:{w}")
     whiches += [f"conv:{s}:{a.conv}" for s in ("kron", "debiased_kron") if a.conv]
     whiches += [f"token:debiased_kron:{a.token}"] if a.token else []
-    rows = run_children(__file__, whiches, argv) + skipped
+    rows = run_children(__file__, whiches, argv)
+    for r in rows:  # a failed child reports only its name
+        kind, structure, w = r["which"].split(":")
+        r.update(model=kind, structure=structure, width=int(w))
+    rows += skipped
     order = {wh: i for i, wh in enumerate(whiches + [s["which"] for s in skipped])}
     rows.sort(key=lambda r: (r["which"].split(":")[0] != "mlp", int(r["which"].split(":")[2]), order[r["which"]]))
     out = Path(a.out)

@@ -94,6 +94,20 @@ def _group_sums(
     return sums
 
 
+def _scaled(kfacs: list[list[torch.Tensor]], c: float, first: float) -> list[list[torch.Tensor]]:
+    """Each factor of a block of ``k`` factors times ``c^(1/k)``, the first also times ``first``;
+    factors of one tensor with the same scale stay one tensor."""
+    done: dict[tuple[int, float], torch.Tensor] = {}
+
+    def scale(f: torch.Tensor, s: float) -> torch.Tensor:
+        key = (id(f), s)
+        if key not in done:
+            done[key] = f * s
+        return done[key]
+
+    return [[scale(f, c ** (1 / len(F)) * (first if j == 0 else 1.0)) for j, f in enumerate(F)] for F in kfacs]
+
+
 def single_pass_kfacs(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], N: int,
     *, likelihood: str, backend: Any, fisher: str, keys: tuple[str, str], mean: Any, reducer: Reducer,
@@ -134,7 +148,7 @@ def single_pass_kfacs(
             kfacs.extend(blocks)  # rows only for Linear/Conv2d blocks
             rows.extend(([Y, X] if len(b) == 2 else [Z]) if not is_extra(module) else [None] * len(b) for b in blocks)
         all_rows.append(rows)
-        # the loss factor c scales a block by c: each of two factors by √c (as Kron * c does)
-        scaled = [[backend.factor ** (1 / len(F)) * f for f in F] for F in kfacs]
-        krons.append([[F[0] * (N / m), *F[1:]] for F in scaled])
+        # the loss factor c scales a block by c: each of two factors by √c (as Kron * c does); one
+        # product per factor, and one tensor for equal factors (a bias and its weight's output side at c = 1)
+        krons.append(_scaled(kfacs, backend.factor, N / m))
     return sums.loss.sum(), krons, all_rows if keep_rows else None

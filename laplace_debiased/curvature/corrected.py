@@ -277,7 +277,7 @@ def corrected_factor_rows(
     rows = factor_rows((direction_rows, magnitude_rows)) if rows is None else rows
     weights = torch.cat([rows.gram.new_full((len(direction_rows),), (m_direction / n) ** 0.5),
                          rows.gram.new_full((len(magnitude_rows),), (m_magnitude / n) ** 0.5)])
-    pooled_rows = torch.cat(rows.double) * weights[:, None]
+    pooled_rows = torch.cat(rows.double).mul_(weights[:, None])
     L, Q = gram_eigenpairs(pooled_rows, weights[:, None] * rows.gram * weights)
     d, r = pooled_rows.shape[1], L.numel()
     gaps_b, null_b = _gaps_from_rows(rows, 0, dtype)

@@ -438,7 +438,7 @@ def gram_eigenpairs(X: torch.Tensor, K: torch.Tensor | None = None) -> tuple[tor
     """
     X64 = X.double()
     L, V = gram_spectrum(X64 @ X64.T if K is None else K)
-    E = (X64.T @ V) / L.sqrt()
+    E = (X64.T @ V).div_(L.sqrt())
     R, info = torch.linalg.cholesky_ex(E.T @ E, upper=True)
     if int(info) != 0:
         return L, torch.linalg.qr(E).Q
