@@ -195,8 +195,12 @@ class ImplicitKronStructure(KronStructure):
 
     def __init__(self, H: ImplicitKronDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
         self.Qs, self.ls = [], []
+        shared: dict[int, Tensor] = {}  # a bias shares its weight's output-side eigenvectors
         for Qs, ls in zip(H.eigenvectors, H.eigenvalues):
-            self.Qs.append([Q.double() for Q in Qs])
+            for Q in Qs:
+                if id(Q) not in shared:
+                    shared[id(Q)] = Q.double()
+            self.Qs.append([shared[id(Q)] for Q in Qs])
             self.ls.append([extended_spectrum(Q, l)[0].double().clamp_min(0.0) for Q, l in zip(Qs, ls)])
         self.damping = bool(getattr(H, "damping", False))
         self.s = float(h_factor)
@@ -209,9 +213,22 @@ class ImplicitKronStructure(KronStructure):
             )
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
-        """Prior-independent work: the Jacobians (float64) in the columns of the class docstring."""
+        """Prior-independent work: the Jacobians (float64) in the columns of the class docstring. An
+        output side shared by two blocks (a ``Linear`` weight's ``g`` is its bias's Jacobian, the
+        eigenvectors the same) is rotated once."""
         out = []
+        sides: dict[tuple[int, int], Tensor] = {}
+
+        def compressed(X: Tensor, source: Tensor | None, Q: Tensor) -> Tensor:
+            if source is None:
+                return _compressed_side(X, Q)
+            key = (id(source), id(Q))
+            if key not in sides:
+                sides[key] = _compressed_side(X, Q)
+            return sides[key]
+
         for k, (jac, Qs) in enumerate(zip(jacs, self.Qs)):
+            source = jac.g if jac.g is not None else jac.dense
             if len(Qs) == 2 and jac.positions is not None:
                 g, u = jac.positions
                 n, C, o, T = g.shape
@@ -224,7 +241,7 @@ class ImplicitKronStructure(KronStructure):
             jac = jacobian_float64(jac)
             if len(Qs) == 2 and jac.dense is None:
                 QG, QA = Qs
-                A = _compressed_side(jac.g, QG)
+                A = compressed(jac.g, source, QG)
                 aQ = rows_times(jac.a, QA)
                 B = aQ.square()
                 if QA.shape[1] < QA.shape[0]:
@@ -239,7 +256,7 @@ class ImplicitKronStructure(KronStructure):
                 out.append(("dense", J.flatten(2), None))
                 self._maps[k] = [_column_map(Q1, d1), _column_map(Q2, d2)]
             else:
-                J = _compressed_side(jac.full(), Qs[0])
+                J = compressed(jac.full(), source, Qs[0])
                 out.append(("dense", J, None))
                 self._maps[k] = [_column_map(Qs[0], J.shape[-1] - Qs[0].shape[1])]
         return out
