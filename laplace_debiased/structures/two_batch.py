@@ -342,6 +342,7 @@ class TwoBatchLaplace:
         self.loss = 0.0
         self.n_data = 0
         self.fit_batches: tuple[BatchChoice, ...] = ()
+        self._factored_cache = None
 
     @torch.no_grad()
     def _setup_last_layer(self, batch: Batch) -> None:
@@ -443,10 +444,12 @@ class TwoBatchLaplace:
     def _glm_predictive_distribution(
         self, X: Any, joint: bool = False, diagonal_output: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """laplace-torch's GLM predictive ``(f, J P⁻¹ Jᵀ)``, from per-example Jacobians for a tensor
-        input over all weights without ``enable_backprop``; for token outputs over the token rows:
-        ``f`` ``(n·tokens, C)``, covariance ``(n·tokens, C, C)`` (``joint``: flat mean and
-        ``(n·tokens·C)²`` covariance; ``diagonal_output``: ``(n·tokens, C)``)."""
+        """laplace-torch's GLM predictive ``(f, J P⁻¹ Jᵀ)``: for a K-FAC-type curvature in its
+        eigenbasis from factored per-layer Jacobians (:meth:`_factored_predictive`, float64 inside);
+        else from per-example Jacobians for a tensor input over all weights without
+        ``enable_backprop``; for token outputs over the token rows: ``f`` ``(n·tokens, C)``,
+        covariance ``(n·tokens, C, C)`` (``joint``: flat mean and ``(n·tokens·C)²`` covariance, from
+        the Jacobians; ``diagonal_output``: ``(n·tokens, C)``)."""
         self._glm_token_shape = None
         last_layer = isinstance(self, LLLaplace)
         factored = None if joint else self._factored_predictive(X)
