@@ -67,7 +67,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torch import nn
 
-from laplace_debiased.kron.decompose import paired_rows
+from laplace_debiased.kron.decompose import paired_rows, proportional_blocks
 from laplace_debiased.curvature.linalg import symmetric_eigh64, through_rows
 from laplace_debiased.evaluation.models import cifar_cnn
 from laplace_debiased.kron.laplace import DebiasedKronLaplace
@@ -178,10 +178,13 @@ def _time_eigh(model: torch.nn.Module, b: int, seed: int, estimators: list[str])
 def dense_factor_pairs(la: DebiasedKronLaplace) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(F_B, F_B̃)`` of every factor of ``la``'s fit that the corrected and shrunk estimates
     decompose densely: all but those :func:`~laplace_debiased.curvature.linalg.through_rows` takes
-    through the rows' Gram matrices."""
+    through the rows' Gram matrices, and but a bias that takes its weight's decomposition
+    (:func:`~laplace_debiased.kron.decompose.proportional_blocks`)."""
     rows = la._factor_rows  # per batch set, block and factor: the rows or None
     pairs = paired_rows(rows[0], rows[-1]) if rows else [[None] * len(F) for F in la.H_facs.kfacs]
-    factors = [f for F_dir, F_mag, X in zip(la.H_facs.kfacs, la.H_facs_magnitude.kfacs, pairs) for f in zip(F_dir, F_mag, X)]
+    copies = proportional_blocks(la.H_facs.kfacs, la.H_facs_magnitude.kfacs)
+    factors = [f for k, (F_dir, F_mag, X) in enumerate(zip(la.H_facs.kfacs, la.H_facs_magnitude.kfacs, pairs))
+               if k not in copies for f in zip(F_dir, F_mag, X)]
     return [(D, M) for D, M, X in factors if not through_rows(X, D.shape[0])]
 
 

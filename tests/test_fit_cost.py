@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.fit_cost import dense_factor_pairs
+from laplace_debiased.kron.decompose import proportional_blocks
 from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 
@@ -45,7 +46,9 @@ def test_dense_factors_are_those_decomposed_densely(estimator):
     factor through the rows has ``(d, r)`` with ``r < d``."""
     la = _fit(estimator)
     dense = {id(D) for D, _ in dense_factor_pairs(la)}
-    square = {id(D) for F, Q in zip(la.H_facs.kfacs, la.H.eigenvectors) for D, U in zip(F, Q) if U.shape[0] == U.shape[1]}
+    copies = proportional_blocks(la.H_facs.kfacs, la.H_facs_magnitude.kfacs)  # a bias takes its weight's
+    square = {id(D) for k, (F, Q) in enumerate(zip(la.H_facs.kfacs, la.H.eigenvectors)) if k not in copies
+              for D, U in zip(F, Q) if U.shape[0] == U.shape[1]}
     assert dense == square
     assert 0 < len(dense) < sum(len(F) for F in la.H_facs.kfacs)  # both routes occur
 
@@ -53,9 +56,12 @@ def test_dense_factors_are_those_decomposed_densely(estimator):
 @pytest.mark.parametrize("estimator", ["corrected", "shrunk"])
 def test_two_more_eigh_per_factor_than_the_paper(estimator, monkeypatch):
     """The floor's premise: the estimate's decomposition calls ``eigh`` twice more per factor than
-    the paper's on the same factors (B ∪ B̃'s and B̃'s, densely or through the rows)."""
+    the paper's on the same factors (B ∪ B̃'s and B̃'s, densely or through the rows), for every factor
+    decomposed (a bias proportional to its weight's output factor takes that decomposition)."""
     paper = _fit("paper")
     other = _fit(estimator)
     assert all(torch.equal(A, B) for F, G in zip(paper.H_facs.kfacs, other.H_facs.kfacs) for A, B in zip(F, G))
-    n_factors = sum(len(F) for F in paper.H_facs.kfacs)
+    copies = proportional_blocks(paper.H_facs.kfacs, paper.H_facs_magnitude.kfacs)
+    assert copies  # the biases
+    n_factors = sum(len(F) for k, F in enumerate(paper.H_facs.kfacs) if k not in copies)
     assert _eigh_calls(other, monkeypatch) - _eigh_calls(paper, monkeypatch) == 2 * n_factors

@@ -36,10 +36,10 @@ As in curvlinops (laplace-torch's stock K-FAC), where such a layer's rows are as
 the pass, the input side sums them per sample, ``Σ_{n} Σ_{r=1..k} (1/T) Σ_t a_nrt a_nrtᵀ``, and
 the mean divides by the samples.
 
-With ``keep_rows=True`` the input side's rows ``a_nt / √T`` of each group are kept as well,
-while a layer has fewer rows than inputs ``d_in``
-([`input_factor_rows`][laplace_debiased.curvature.kfac.input_factor_rows]): a factor of rank ``< d_in`` is
-then decomposed through its Gram matrix instead of its ``d_in × d_in`` sum
+With ``keep_rows=True`` the rows of each group are kept as well (input side ``a_nt / √T``,
+[`input_factor_rows`][laplace_debiased.curvature.kfac.input_factor_rows]; output side ``g_ntc``, [`output_factor_rows`][laplace_debiased.curvature.kfac.output_factor_rows]), while every group
+has fewer of them than the factor's dimension: a factor of rank ``< d`` is then decomposed through
+its Gram matrix instead of its ``d × d`` sum
 ([`laplace_debiased.curvature.linalg.lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor]).
 """
 
@@ -67,6 +67,7 @@ __all__ = [
     "GroupKfacSums",
     "group_kfac_sums",
     "input_factor_rows",
+    "output_factor_rows",
     "layer_positions",
     "loss_hessian_sqrt",
     "loss_hessian_sqrt_columns",
@@ -101,6 +102,8 @@ class GroupKfacSums:
             into its output side (samples × positions × backward passes, i.e. loss-Hessian
             columns) and input side (samples × positions): what the float32 round-off of a factor
             grows with ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
+        output_rows: the same for the output side: row chunks ``g_ntc`` (one per position, sample
+            and backward pass) whose ``XᵀX`` is the group's output-side sum.
     """
 
     output: list[torch.Tensor]
@@ -109,6 +112,7 @@ class GroupKfacSums:
     input_rows: list[list[list[torch.Tensor]] | None] = field(default_factory=list)
     input_weight: list[torch.Tensor | None] = field(default_factory=list)
     terms: list[torch.Tensor] = field(default_factory=list)
+    output_rows: list[list[list[torch.Tensor]] | None] = field(default_factory=list)
 
     def tensors(self) -> list[torch.Tensor]:
         """All sums as one flat list (for in-place collectives such as ``all_reduce``)."""
@@ -125,21 +129,29 @@ class GroupKfacSums:
 
 
 def loss_hessian_sqrt_columns(f: torch.Tensor, likelihood: str) -> Iterator[torch.Tensor]:
-    """The columns ``S_n[:, c]``, ``c = 0, ..., C-1``, of a square root ``S_n`` (``S_n S_nᵀ =
-    Λ_n``) of the Hessian of laplace-torch's summed loss w.r.t. each output row, one ``(n, C)``
-    tensor at a time (never the ``(n, C, C)`` matrix: ``n`` counts every token of token outputs).
+    """The columns of a square root ``S_n`` (``S_n S_nᵀ = Λ_n``) of the Hessian of laplace-torch's
+    summed loss w.r.t. each output row, one ``(n, C)`` tensor at a time (never the ``(n, C, C)``
+    matrix: ``n`` counts every token of token outputs).
 
-    Cross-entropy: ``Λ = diag(p) - ppᵀ = (diag(√p) - p√pᵀ)(diag(√p) - √p pᵀ)`` (uses
-    ``Σ p = 1``), column ``c``: ``√p_c (e_c - p)``. ``MSELoss(reduction="sum")``: ``Λ = 2 I``,
-    ``S = √2 I``.
+    Cross-entropy: ``Λ = diag(p) - ppᵀ = D^½ P D^½`` with ``D = diag(p)`` and the projector
+    ``P = I - √p√pᵀ`` (uses ``Σ p = 1``) of rank ``C - 1``, so ``C - 1`` columns suffice (one backward
+    pass and one K-FAC row fewer per sample): ``S = D^½ B`` for an orthonormal basis ``B`` of
+    ``√p``'s complement, the columns ``j ≠ k`` of the Householder reflection ``H = I - v vᵀ / (1 +
+    √p_k)``, ``v = √p + e_k``, ``k`` the largest probability (``H √p = -e_k``; no cancellation), so
+    column ``j``: ``√p ∘ (e_j - v √p_j / (1 + √p_k))``. ``MSELoss(reduction="sum")``: ``Λ = 2 I``,
+    ``S = √2 I``, ``C`` columns.
     """
     n, C = f.shape
     if likelihood == "classification":
-        p = torch.softmax(f.detach(), dim=-1)
-        sp = p.sqrt()
-        for c in range(C):
-            column = -p * sp[:, c : c + 1]
-            column[:, c] += sp[:, c]
+        sp = torch.softmax(f.detach(), dim=-1).sqrt()
+        k = sp.argmax(-1, keepdim=True)
+        top = sp.gather(-1, k)
+        v = sp.scatter_add(-1, k, torch.ones_like(top))
+        spv = sp * v / (1.0 + top)
+        for slot in range(C - 1):
+            j = slot + (slot >= k).long()  # (n, 1): the slot-th column other than k
+            column = -spv * sp.gather(-1, j)
+            column.scatter_add_(-1, j, sp.gather(-1, j))
             yield column
         return
     for c in range(C):
@@ -149,9 +161,8 @@ def loss_hessian_sqrt_columns(f: torch.Tensor, likelihood: str) -> Iterator[torc
 
 
 def loss_hessian_sqrt(f: torch.Tensor, likelihood: str) -> torch.Tensor:
-    """The square root ``S_n`` of
-    [`loss_hessian_sqrt_columns`][laplace_debiased.curvature.kfac.loss_hessian_sqrt_columns] as
-    ``(n, C, C)``."""
+    """The square root ``S_n`` of [`loss_hessian_sqrt_columns`][laplace_debiased.curvature.kfac.loss_hessian_sqrt_columns] as ``(n, C, C - 1)``
+    (classification) or ``(n, C, C)``."""
     return torch.stack(list(loss_hessian_sqrt_columns(f, likelihood)), dim=-1)
 
 
@@ -211,19 +222,20 @@ def layer_positions(model: nn.Module, modules: Sequence[nn.Module], X: object) -
 
 
 def _keep_rows(
-    rows: list[list[torch.Tensor]], a: torch.Tensor, segments: Sequence[tuple[int, int, int]]
+    rows: list[list[torch.Tensor]], a: torch.Tensor, segments: Sequence[tuple[int, int, int]], scale: float
 ) -> bool:
-    """Append each segment's rows ``a / √T`` (``a`` ``(n, T, d)``) to its group's chunks; return
-    whether the kept rows are still fewer than ``d`` (else they are no cheaper than the sum)."""
-    scaled = a / a.shape[1] ** 0.5
+    """Append each segment's rows ``scale · a`` (``a`` ``(n, T, d)``) to its group's chunks; return
+    whether every group's kept rows are still fewer than ``d`` (else they are no cheaper than the
+    sum; a factor pair goes through the rows of each batch narrower than it)."""
+    scaled = a * scale
     for start, stop, group in segments:
         rows[group].append(scaled[start:stop].reshape(-1, a.shape[-1]))
-    return sum(len(c) for chunks in rows for c in chunks) < a.shape[-1]
+    return max(sum(len(c) for c in chunks) for chunks in rows) < a.shape[-1]
 
 
 def _install_sum_hooks(
     modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums, n_rows: int,
-    kept: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None, hooked: list[torch.Tensor] | None = None,
 ) -> list:
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
     (and keep its rows in ``into.input_rows`` where wanted, ``_keep_rows``) and hook the
@@ -242,6 +254,8 @@ def _install_sum_hooks(
             rows = _per_sample(_rows(grad.detach(), modules[i]), n_rows)
         _segment_sums(rows, segments, into.output[i], 1.0)
         _count_terms(into.terms[i], 0, segments, rows.shape[1])
+        if into.output_rows[i] is not None and not _keep_rows(into.output_rows[i], rows, segments, 1.0):
+            into.output_rows[i] = None
 
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
@@ -265,6 +279,8 @@ def _install_sum_hooks(
         elif into.input[i] is not None:
             _input_sums(x.detach(), module, segments, into, i, n_rows, kept)
         output.register_hook(partial(on_output_grad, i=i))
+        if hooked is not None:
+            hooked.append(output)
         return output
 
     handles = [
@@ -272,7 +288,7 @@ def _install_sum_hooks(
         for i, m in enumerate(modules)
         if not isinstance(m, AttentionProjection)
     ]
-    return handles + _install_attention_hooks(modules, segments, into, on_output_grad, n_rows, kept)
+    return handles + _install_attention_hooks(modules, segments, into, on_output_grad, n_rows, kept, hooked)
 
 
 def _shared_ids_per_sample(
@@ -345,7 +361,7 @@ def _input_sums(
     _segment_sums(a, segments, into.input[i], k / a.shape[1])
     _count_terms(into.terms[i], 1, segments, a.shape[1])
     _add_input_weight(into, i, segments, weights)
-    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a * k**0.5, segments):
+    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments, (k / a.shape[1]) ** 0.5):
         into.input_rows[i] = None
 
 
@@ -368,6 +384,7 @@ def _add_input_weight(
 def _install_attention_hooks(
     modules: Sequence[nn.Module], segments: Sequence[tuple[int, int, int]], into: GroupKfacSums,
     on_output_grad: Callable[..., None], n_rows: int, kept: torch.Tensor | None = None,
+    hooked: list[torch.Tensor] | None = None,
 ) -> list:
     """One forward hook per ``nn.MultiheadAttention`` whose projections are among ``modules``
     ([`AttentionProjection`][laplace_debiased.curvature.attention.AttentionProjection]): it re-evaluates the
@@ -391,6 +408,8 @@ def _install_attention_hooks(
             if into.input[i] is not None:
                 _input_sums(a.detach(), modules[i], segments, into, i, n_rows, kept)
             out.register_hook(partial(on_output_grad, i=i))
+            if hooked is not None:
+                hooked.append(out)
         return parts.result
 
     return [a.register_forward_hook(on_attention, with_kwargs=True) for a in attentions.values()]
@@ -398,21 +417,23 @@ def _install_attention_hooks(
 
 def _backward_passes(
     model: nn.Module, X: torch.Tensor, y: torch.Tensor, params: list[torch.Tensor], likelihood: str,
-    lossfunc: nn.Module, fisher: str,
+    lossfunc: nn.Module, fisher: str, hooked: list[torch.Tensor],
 ) -> torch.Tensor:
     """One forward pass, then the backward passes whose output gradients the hooks sum: one per
     column of the loss-Hessian square root (``"type2"``) or the loss gradient (``"empirical"``).
-    Returns the detached outputs."""
+    The passes differentiate by the hooked layer outputs (``hooked``, filled by the forward hooks),
+    not by the parameters, whose gradients nothing reads. Returns the detached outputs."""
     with torch.enable_grad():
         f = model(X)
         rows, targets = output_rows(f, y)
+        wrt = hooked or params
         if fisher == "empirical":
-            torch.autograd.grad(lossfunc(rows, targets), params)
+            torch.autograd.grad(lossfunc(rows, targets), wrt, allow_unused=True)
         else:
-            C = rows.shape[-1]
+            last = rows.shape[-1] - (2 if likelihood == "classification" else 1)  # C - 1 or C columns
             for c, column in enumerate(loss_hessian_sqrt_columns(rows, likelihood)):
                 column = kept_rows(column, targets)  # padded positions: no loss term, no curvature
-                torch.autograd.grad((rows * column).sum(), params, retain_graph=c < C - 1)
+                torch.autograd.grad((rows * column).sum(), wrt, retain_graph=c < last, allow_unused=True)
     return f.detach()
 
 
@@ -463,9 +484,10 @@ def group_kfac_sums(
     params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     if into is None:
         into = zero_sums(modules, n_groups, params[0], keep_rows)
-    handles = _install_sum_hooks(modules, segments, into, len(y), kept_positions(y, len(y)))
+    hooked: list[torch.Tensor] = []
+    handles = _install_sum_hooks(modules, segments, into, len(y), kept_positions(y, len(y)), hooked)
     try:
-        f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher)
+        f = _backward_passes(model, X, y, params, likelihood, lossfunc, fisher, hooked)
     finally:
         for h in handles:
             h.remove()
@@ -564,8 +586,8 @@ def zero_sums(
         modules: The hooked modules, one block each.
         n_groups: The number of groups (batches summed separately).
         like: A tensor whose dtype and device the sums take.
-        keep_rows: Also start empty row lists for the input sides of ``nn.Linear`` /
-            ``nn.Conv2d`` weights (the other layers' blocks are debiased from their sums).
+        keep_rows: Also start empty row lists for the input and output sides of ``nn.Linear`` /
+            ``nn.Conv2d`` layers (the other layers' blocks are debiased from their sums).
 
     Returns:
         The sums, all zero: ``output`` ``(n_groups, d_out, d_out)``, ``input``
@@ -587,7 +609,9 @@ def zero_sums(
     ]
     weights = [None if A is None else torch.zeros_like(loss) for A in inputs]
     terms = [torch.zeros(n_groups, 2, dtype=torch.float64, device=like.device) for _ in modules]
-    return GroupKfacSums(output, inputs, loss, rows, weights, terms)
+    out_rows = [[[] for _ in range(n_groups)] if keep_rows and isinstance(m, (nn.Linear, nn.Conv2d)) else None
+                for m in modules]
+    return GroupKfacSums(output, inputs, loss, rows, weights, terms, out_rows)
 
 
 def input_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[torch.Tensor | None]:
@@ -598,4 +622,13 @@ def input_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[tor
         None if rows is None or not rows[group]
         else torch.cat(rows[group]) * (scale / sums.mean_divisor(i, group)) ** 0.5
         for i, rows in enumerate(sums.input_rows)
+    ]
+
+
+def output_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[torch.Tensor | None]:
+    """Per module, the rows ``X`` (n, d_out) of ``group`` with ``XᵀX = scale · (output-side sum)``
+    (``None`` where no rows were kept)."""
+    return [
+        None if rows is None or not rows[group] else torch.cat(rows[group]) * scale**0.5
+        for rows in sums.output_rows
     ]

@@ -28,6 +28,7 @@ All computations run in float64; results are cast back to the dtype of the input
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,12 +46,53 @@ __all__ = [
     "gram_eigenpairs",
     "lowrank_debiased_factor",
     "through_rows",
+    "FactorRows",
+    "factor_rows",
+    "gram_spectrum",
     "row_rank",
     "eigenvalues_above",
 ]
 
-#: the rows ``(direction_rows (n, d), magnitude_rows (m, d))`` of a factor pair, ``F = XᵀX``
-FactorRows = tuple[torch.Tensor, torch.Tensor]
+
+
+class FactorRows(tuple):
+    """The rows ``(direction_rows (n, d), magnitude_rows (m, d))`` of a factor pair, ``F = XᵀX``,
+    with the Gram matrix of both stacked, ``[Xd; Xm][Xd; Xm]ᵀ`` ``(n + m, n + m)`` (float64),
+    formed block by block where first needed (``O(d (n + m)²)`` in all) and shared by every
+    decomposition and rank count through the rows: B's, B̃'s and their cross Gram matrices."""
+
+    def __new__(cls, direction: torch.Tensor, magnitude: torch.Tensor) -> FactorRows:
+        return super().__new__(cls, (direction, magnitude))
+
+    @functools.cached_property
+    def _blocks(self) -> dict[tuple[int, int], torch.Tensor]:
+        return {}
+
+    @functools.cached_property
+    def double(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both row matrices in float64 (converted once)."""
+        return self[0].double(), self[1].double()
+
+    def block(self, i: int, j: int) -> torch.Tensor:
+        """``X_i X_jᵀ`` (float64) for ``i, j`` in ``0`` (B) and ``1`` (B̃)."""
+        if (i, j) not in self._blocks:
+            if (j, i) in self._blocks:
+                self._blocks[i, j] = self._blocks[j, i].T
+            else:
+                self._blocks[i, j] = self.double[i] @ self.double[j].T
+        return self._blocks[i, j]
+
+    @property
+    def gram(self) -> torch.Tensor:
+        """``[Xd; Xm][Xd; Xm]ᵀ`` in float64."""
+        return torch.cat([torch.cat([self.block(0, 0), self.block(0, 1)], 1),
+                          torch.cat([self.block(1, 0), self.block(1, 1)], 1)])
+
+
+def factor_rows(rows: Sequence[torch.Tensor]) -> FactorRows:
+    """``rows`` as [`FactorRows`][laplace_debiased.curvature.linalg.FactorRows] (itself when it is one, keeping its Gram matrix)."""
+    return rows if isinstance(rows, FactorRows) else FactorRows(*rows)
+
 #: ``(direction, magnitude) -> (U, lam)``: the debiased decomposition of one dense factor
 FactorRule = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -366,10 +408,13 @@ def _debiased_factor_route(
     null_space: str,
     terms: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] (with ``null_space``) where [`through_rows`][laplace_debiased.curvature.linalg.through_rows], else
-    ``factor`` on the dense matrices (``terms``: those summed into ``magnitude``)."""
-    if through_rows(rows, direction.shape[0]):
-        return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space)
+    """[`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] (with ``null_space``) where
+    [`through_rows`][laplace_debiased.curvature.linalg.through_rows], or, for ``null_space="isotropic"`` (which reads B̃
+    only through its Rayleigh quotients and its mass on B's null space), where B alone has fewer rows than the
+    dimension; else ``factor`` on the dense matrices (``terms``: those summed into ``magnitude``)."""
+    d = direction.shape[0]
+    if through_rows(rows, d) or (null_space == "isotropic" and rows is not None and len(rows[0]) < d):
+        return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space, rows=factor_rows(rows))
     return factor(direction, magnitude, terms)
 
 
@@ -383,32 +428,45 @@ def through_rows(rows: FactorRows | None, dimension: int) -> bool:
 # --------------------------------------------------------------------------------------------
 # The same debiased factor from the rows of a batch narrower than the layer (no d × d eigh)
 # --------------------------------------------------------------------------------------------
-def gram_eigenpairs(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gram_spectrum(K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(L (k,), V (n, k))``: the eigenpairs of a Gram matrix ``K = XXᵀ`` (n, n) that
+    [`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs] keeps (``L > n · eps · λ_max``), float64, ascending."""
+    L, V = symmetric_eigh64(K)
+    floor = K.shape[0] * torch.finfo(torch.float64).eps * float(L[-1]) if L.numel() else 0.0
+    keep = L > floor
+    return L[keep], V[:, keep]
+
+
+def gram_eigenpairs(X: torch.Tensor, K: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenpairs of ``F = XᵀX`` (d, d) outside its null space, from its rows ``X`` (n, d).
 
     ViViT (Dangel et al. 2022, App. A.1–A.2): ``F`` and the Gram matrix ``K = XXᵀ`` (n, n) share
     their nonzero eigenvalues ``λ_k``, ``F`` has ``d - rank`` zeros more, and for
     ``K ẽ_k = λ_k ẽ_k`` the vectors ``e_k = Xᵀ ẽ_k / √λ_k`` are orthonormal eigenvectors of ``F``.
     Cost ``O(d n²)`` instead of ``O(d³)``. Kept: the ``λ_k`` above ``n · eps · λ_max`` (below it
-    the Gram eigenvectors are round-off); the ``e_k`` are re-orthonormalised (one QR, ``O(d k²)``)
-    so that ``I - EEᵀ`` is a projector to ``eps`` whatever ``λ_max / λ_k``.
+    the Gram eigenvectors are round-off); the ``e_k`` are re-orthonormalised (one Cholesky QR pass,
+    ``E R⁻¹`` with ``RᵀR = EᵀE``, ``2 d k²`` flops; a QR where ``EᵀE`` is not numerically positive
+    definite) so that ``I - EEᵀ`` is a projector to ``eps`` whatever ``λ_max / λ_k`` (Cholesky QR
+    loses orthogonality like ``eps · κ(E)²``; the computed ``e_k`` are orthonormal to about
+    ``√(eps / n)``, so ``κ(E) ≈ 1`` and one pass suffices).
 
+    ``K``: the Gram matrix ``XXᵀ`` in float64 where already formed ([`FactorRows`][laplace_debiased.curvature.linalg.FactorRows]).
     Returns ``(L (k,) ascending, E (d, k))`` in float64.
     """
     X64 = X.double()
-    L, V = symmetric_eigh64(X64 @ X64.T)
-    floor = X64.shape[0] * torch.finfo(torch.float64).eps * float(L[-1]) if L.numel() else 0.0
-    keep = L > floor
-    L, V = L[keep], V[:, keep]
-    E = torch.linalg.qr((X64.T @ V) / L.sqrt()).Q
-    return L, E
+    L, V = gram_spectrum(X64 @ X64.T if K is None else K)
+    E = (X64.T @ V).div_(L.sqrt())
+    R, info = torch.linalg.cholesky_ex(E.T @ E, upper=True)
+    if int(info) != 0:
+        return L, torch.linalg.qr(E).Q
+    return L, torch.linalg.solve_triangular(R, E, upper=True, left=False)
 
 
-def row_rank(X: torch.Tensor, dtype: torch.dtype, tolerance: float | None = None) -> int:
+def row_rank(X: torch.Tensor, dtype: torch.dtype, tolerance: float | None = None, K: torch.Tensor | None = None) -> int:
     """Number of eigenvalues of ``F = XᵀX`` above ``tolerance`` (default
-    [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] ``(F)``, ``F`` held in
-    ``dtype``), from the Gram matrix ``XXᵀ`` (same nonzero spectrum, ``O(d n²)``)."""
-    K = X.double() @ X.double().T
+    [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] ``(F)``, ``F`` held in ``dtype``), from the Gram matrix ``XXᵀ``
+    (same nonzero spectrum, ``O(d n²)``; ``K``: that Gram matrix where already formed)."""
+    K = X.double() @ X.double().T if K is None else K
     tol = frobenius_tolerance(X.shape[1], dtype, float(torch.linalg.matrix_norm(K))) if tolerance is None else tolerance
     return eigenvalues_above(K, tol)
 
@@ -465,6 +523,7 @@ def lowrank_debiased_factor(
     magnitude_rows: torch.Tensor,
     dtype: torch.dtype,
     null_space: str = "aligned",
+    rows: FactorRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The debiased factor of ``G = XdᵀXd`` and ``C = XmᵀXm`` from their rows, without a
     ``d × d`` matrix: ``(Q (d, r), λ)``, ``Q`` orthonormal, the factor being
@@ -487,6 +546,7 @@ def lowrank_debiased_factor(
       chained) gets the mean Rayleigh quotient of B̃ over it, ``tr(PCP)/dim P``; on the null group
       ``‖Xm (I - QQᵀ)‖_F² / (d - r_B)``.
 
+    ``rows``: the same rows as [`FactorRows`][laplace_debiased.curvature.linalg.FactorRows] whose Gram matrix is shared (formed here otherwise).
     Cost ``O(d (n + m)²)``; results in ``dtype``.
     """
     if direction_rows.ndim != 2 or direction_rows.shape[1:] != magnitude_rows.shape[1:]:
@@ -497,9 +557,10 @@ def lowrank_debiased_factor(
     if null_space not in ("aligned", "isotropic"):
         raise ValueError(f"null_space must be 'aligned' or 'isotropic', got {null_space!r}.")
     d = direction_rows.shape[1]
-    Xd, Xm = direction_rows.double(), magnitude_rows.double()
-    L, E = gram_eigenpairs(Xd)
-    tol = frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T)))
+    Xd, Xm = rows.double if rows is not None else (direction_rows.double(), magnitude_rows.double())
+    Kd = rows.block(0, 0) if rows is not None else Xd @ Xd.T
+    L, E = gram_eigenpairs(Xd, Kd)
+    tol = frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Kd)))
     zeros = d - L.numel()
     shift = min(zeros, 1)  # a single 0 stands for the d - k zeros; L[i] sits at i + shift
     grouping = tied_groups if null_space == "isotropic" else degenerate_groups

@@ -95,8 +95,11 @@ import torch
 
 from laplace_debiased.curvature.completion import group_means
 from laplace_debiased.curvature.linalg import (
+    FactorRows,
+    factor_rows,
     frobenius_tolerance,
     gram_eigenpairs,
+    gram_spectrum,
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
@@ -174,7 +177,7 @@ def _order_weight(m: int, n: int, n_data: int | None) -> float:
 
 def corrected_factor(
     direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0,
-    n_data: int | None = None, shrink: bool = False,
+    n_data: int | None = None, shrink: bool = False, rows: FactorRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """Pooled eigenvectors and corrected eigenvalues of one factor (module docstring).
 
@@ -188,6 +191,8 @@ def corrected_factor(
         n_data: the number ``N`` of training data the batches were drawn from without
             replacement (finite-population scaling); ``None``: an infinite population.
         shrink: shrink the correction on the pooled range by its measured noise (module docstring).
+        rows: B's and B̃'s rows where known: the gap of each order whose batch has fewer rows than
+            ``d`` comes from the Gram matrices (``_gaps_from_rows``, no ``d × d`` eigh).
 
     Returns:
         ``(U, lam, record)``: ``U (d, d)`` orthonormal eigenvectors of the pooled factor
@@ -206,44 +211,46 @@ def corrected_factor(
     n = m_direction + m_magnitude
     pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
     L, U = symmetric_eigh64(pooled)
-    shift_b = _order_weight(m_direction, n, n_data) * same_minus_cross(direction, magnitude, terms) / 2
-    shift_t = _order_weight(m_magnitude, n, n_data) * same_minus_cross(magnitude, direction, terms) / 2
+    gaps = [_gaps_from_rows(rows, k, direction.dtype)[0] if rows is not None and len(rows[k]) < L.numel()
+            else same_minus_cross(*((direction, magnitude) if k == 0 else (magnitude, direction)), terms) for k in (0, 1)]
+    shift_b = _order_weight(m_direction, n, n_data) * gaps[0] / 2
+    shift_t = _order_weight(m_magnitude, n, n_data) * gaps[1] / 2
     null = int((L <= frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(pooled)))).sum())
     lam, record = _corrected_values(L, shift_b, shift_t, null, shrink)
     return U.to(direction.dtype), lam.to(direction.dtype), record
 
 
-def _gaps_from_rows(direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, int]:
-    """[`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross] of ``D = XdᵀXd`` and
-    ``M = XmᵀXm`` from their rows, without a ``d × d`` matrix:
-    ``(gaps (d,) float64 ascending, size of D's null group)``.
+def _gaps_from_rows(rows: FactorRows, chooser: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """[`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross] of ``D = XdᵀXd`` (the rows ``rows[chooser]``) and ``M = XmᵀXm`` (the
+    other rows) from their Gram matrices alone (blocks of ``rows.gram``), without a ``d``-long
+    vector: ``(gaps (d,) float64 ascending, size of D's null group)``.
 
-    ``D``'s spectrum is its Gram eigenvalues
-    ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]) below ``d - k`` zeros; on the
-    tied run holding the zeros (dimension ``s``, the complement ``P`` of the eigenvectors ``Q`` outside it)
-    the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s`` with ``‖Xm P‖_F² = ‖Xm‖_F² - ‖Xm Q‖_F²``, so its basis is
-    never formed."""
-    d = direction_rows.shape[1]
-    Xd, Xm = direction_rows.double(), magnitude_rows.double()
-    L, E = gram_eigenpairs(Xd)
+    ``D``'s spectrum is its Gram eigenvalues ([`gram_spectrum`][laplace_debiased.curvature.linalg.gram_spectrum])
+    below ``d - k`` zeros. Along the eigenvector ``e = Xdᵀ v / √λ`` (``Xd Xdᵀ v = λ v``) B̃ measures
+    ``‖Xm e‖² = ‖(Xm Xdᵀ) v‖² / λ``. On the tied run holding the zeros (dimension ``s``, the
+    complement ``P`` of the eigenvectors outside it) the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s``
+    with ``‖Xm P‖_F² = tr(Xm Xmᵀ) - Σ_outside ‖Xm e‖²``, so its basis is never formed."""
+    other = 1 - chooser
+    d = rows[0].shape[1]
+    K = rows.block(chooser, chooser)
+    L, V = gram_spectrum(K)
     zeros = d - L.numel()
     full = torch.cat([L.new_zeros(zeros), L])
-    groups = tied_groups(full, frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Xd @ Xd.T))))
+    groups = tied_groups(full, frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(K))))
     null = groups[0].stop if zeros else 0
-    Q = E[:, null - zeros:]
-    cross = (Xm @ Q).square().sum(0)
+    keep = slice(null - zeros, None)
+    cross = (rows.block(other, chooser) @ V[:, keep]).square().sum(0) / L[keep]
     gaps = full.clone()
     gaps[null:] -= cross
     if null:
-        outside = float(Xm.square().sum()) - float(cross.sum())
+        outside = float(rows.block(other, other).diagonal().sum()) - float(cross.sum())
         gaps[:null] = (float(full[:null].sum()) - outside) / null
     return group_means(gaps, [g for g in groups if g.start >= null]), null
 
 
 def corrected_factor_rows(
     direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, m_direction: int, m_magnitude: int,
-    dtype: torch.dtype, n_data: int | None = None, shrink: bool = False,
+    dtype: torch.dtype, n_data: int | None = None, shrink: bool = False, rows: FactorRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection] | None:
     """[`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] of a factor wider than its
     rows, through the rows (``O(d n²)``).
@@ -254,10 +261,10 @@ def corrected_factor_rows(
         m_direction: samples in B.
         m_magnitude: samples in B̃.
         dtype: the dtype of the dense factors (round-off tolerances, the results).
-        n_data: the training-set size (finite-population scaling,
-            [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
-        shrink: shrink the correction on the pooled range
-            ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+        n_data: the training-set size (finite-population scaling, [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+        shrink: shrink the correction on the pooled range ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+        rows: the same rows as [`FactorRows`][laplace_debiased.curvature.linalg.FactorRows], whose Gram
+            matrix every decomposition here shares (formed here otherwise).
 
     Returns:
         ``(Q, lam, record)``: ``Q (d, r)`` orthonormal eigenvectors of the pooled factor
@@ -269,12 +276,14 @@ def corrected_factor_rows(
         would not be isotropic; use the dense route).
     """
     n = m_direction + m_magnitude
-    pooled_rows = torch.cat([direction_rows.double() * (m_direction / n) ** 0.5,
-                             magnitude_rows.double() * (m_magnitude / n) ** 0.5])
-    L, Q = gram_eigenpairs(pooled_rows)
+    rows = factor_rows((direction_rows, magnitude_rows)) if rows is None else rows
+    weights = torch.cat([rows.gram.new_full((len(direction_rows),), (m_direction / n) ** 0.5),
+                         rows.gram.new_full((len(magnitude_rows),), (m_magnitude / n) ** 0.5)])
+    pooled_rows = torch.cat(rows.double).mul_(weights[:, None])
+    L, Q = gram_eigenpairs(pooled_rows, weights[:, None] * rows.gram * weights)
     d, r = pooled_rows.shape[1], L.numel()
-    gaps_b, null_b = _gaps_from_rows(direction_rows, magnitude_rows, dtype)
-    gaps_t, null_t = _gaps_from_rows(magnitude_rows, direction_rows, dtype)
+    gaps_b, null_b = _gaps_from_rows(rows, 0, dtype)
+    gaps_t, null_t = _gaps_from_rows(rows, 1, dtype)
     if d - r > min(null_b, null_t):
         return None
     full = torch.cat([L.new_zeros(d - r), L])
@@ -372,13 +381,15 @@ def _corrected_route(
     direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
     m_direction: int, m_magnitude: int, terms: int, n_data: int | None, shrink: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
-    """[`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows] where
-    [`through_rows`][laplace_debiased.curvature.linalg.through_rows] (and it applies), else
-    [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors."""
+    """[`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows] where [`through_rows`][laplace_debiased.curvature.linalg.through_rows]
+    (and it applies), else [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors (with the gaps of a batch
+    narrower than the factor through its rows)."""
     if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")
-        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, shrink)
+        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, shrink,
+                                       rows=factor_rows(rows))
         if result is not None:
             return result
-    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, shrink)
+    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, shrink,
+                            rows=None if rows is None else factor_rows(rows))

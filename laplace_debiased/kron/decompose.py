@@ -20,15 +20,16 @@ each a list of one (bias, dense block) or two (output side, input side) square t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import Any
+from dataclasses import dataclass, replace
 
 import torch
 
-from laplace_debiased.two_batch.coverage import Coverage, coverage_record
+from laplace_debiased.two_batch.coverage import BlockCoverage, Coverage, coverage_record
 from laplace_debiased.kron.estimators import CORRECTED, Correction, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.completion import debiased_factor_mode
-from laplace_debiased.curvature.linalg import debiased_kron
+from laplace_debiased.curvature.linalg import FactorRows, debiased_kron
 from laplace_debiased.parallel.reducer import Reducer
 
 __all__ = ["KronDecomposition", "combine_kfacs", "decompose_two_batch", "paired_rows"]
@@ -74,17 +75,18 @@ def combine_kfacs(old: Kfacs, new: Kfacs, n_old: int, n_new: int) -> Kfacs:
 
 
 def paired_rows(direction_rows: Rows | None, magnitude_rows: Rows | None
-                ) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None:
-    """Per block and factor ``(B's rows, B̃'s rows)`` where both are known (the ``rows`` of
+                ) -> list[list[FactorRows | None]] | None:
+    """Per block and factor ``(B's rows, B̃'s rows)`` ([`FactorRows`][laplace_debiased.curvature.linalg.FactorRows],
+    their Gram matrix formed once) where both are known (the ``rows`` of
     [`debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron] and
     [`coverage_record`][laplace_debiased.two_batch.coverage.coverage_record]), ``None`` without rows."""
     if direction_rows is None or magnitude_rows is None:
         return None
-    return [[None if d is None or m is None else (d, m) for d, m in zip(bd, bm)]
+    return [[None if d is None or m is None else FactorRows(d, m) for d, m in zip(bd, bm)]
             for bd, bm in zip(direction_rows, magnitude_rows)]
 
 
-def _debiased(direction: Kfacs, magnitude: Kfacs, rows: Rows | None, magnitude_rows: Rows | None,
+def _debiased(direction: Kfacs, magnitude: Kfacs, pairs: list[list[FactorRows | None]] | None,
               null_space: str, terms: list[list[int]], reducer: Reducer) -> tuple[Kfacs, Kfacs]:
     """Eigenvectors of ``direction``, Rayleigh quotients of ``magnitude``, computed on rank 0.
 
@@ -94,9 +96,56 @@ def _debiased(direction: Kfacs, magnitude: Kfacs, rows: Rows | None, magnitude_r
     factor, the rank-one terms summed into ``magnitude``'s factor) sets that tolerance."""
     rule = "aligned" if magnitude is direction else null_space
     return on_rank0(lambda: debiased_kron(
-        direction, magnitude, paired_rows(rows, magnitude_rows),
+        direction, magnitude, pairs,
         factor=lambda D, M, t: debiased_factor_mode(D, M, rule, t), null_space=rule, terms=terms,
     ), direction, reducer)
+
+
+def proportional_blocks(direction: Kfacs, magnitude: Kfacs) -> dict[int, tuple[int, float]]:
+    """Single-factor blocks (a layer's bias) whose factor is, in B and B̃ alike, ``s`` times the
+    output-side factor of the block before it (the same layer's weight: ``c N/m Σ g gᵀ`` against
+    ``√c N/m Σ g gᵀ`` for the loss factor ``c``), up to the round-off of that scaling: ``block ->
+    (weight block, s)``. Their decomposition is the weight's, eigenvalues times ``s`` (every estimate
+    is linear in the scale of both factors), so it is not computed twice."""
+    found = {}
+    for k in range(1, len(direction)):
+        if len(direction[k]) != 1 or len(direction[k - 1]) != 2 or direction[k][0].shape != direction[k - 1][0].shape:
+            continue
+        s_d = _ratio(direction[k][0], direction[k - 1][0])
+        s_m = _ratio(magnitude[k][0], magnitude[k - 1][0])
+        if s_d is not None and s_m is not None and abs(s_d - s_m) <= 8 * torch.finfo(direction[k][0].dtype).eps * s_d:
+            found[k] = (k - 1, s_d)
+    return found
+
+
+def _ratio(F: torch.Tensor, G: torch.Tensor) -> float | None:
+    """``s`` with ``F = s G`` up to a few roundings of ``F``'s dtype, else ``None``."""
+    trace = float(G.diagonal().sum())
+    if trace <= 0:
+        return None
+    s = float(F.diagonal().sum()) / trace
+    tol = 8 * torch.finfo(F.dtype).eps * float(torch.linalg.matrix_norm(F))
+    return s if float(torch.linalg.matrix_norm(F - s * G)) <= tol else None
+
+
+def _expand(values: list, copies: dict[int, tuple[int, float]], copy: Callable[[Any, float], Any]) -> list:
+    """Per-block ``values`` of the blocks that are not ``copies``, with each copy inserted at its
+    place as ``copy(value of its weight block, s)``."""
+    kept = iter(values)
+    out: list = []
+    index: dict[int, int] = {}
+    for k in range(len(values) + len(copies)):
+        if k in copies:
+            j, s = copies[k]
+            out.append(copy(out[index[j]], s))
+        else:
+            index[k] = len(out)
+            out.append(next(kept))
+    return out
+
+
+def _drop(values: Sequence | None, copies: dict[int, tuple[int, float]]) -> list | None:
+    return None if values is None else [v for k, v in enumerate(values) if k not in copies]
 
 
 def decompose_two_batch(
@@ -114,6 +163,9 @@ def decompose_two_batch(
     terms: tuple[Terms | None, Terms | None] = (None, None),
 ) -> KronDecomposition:
     """The two-batch decomposition of B's and B̃'s K-FAC factors.
+
+    A bias block whose factor is a multiple of its weight's output-side factor takes the weight's
+    decomposition, scaled ([`proportional_blocks`][laplace_debiased.kron.decompose.proportional_blocks]).
 
     Args:
         direction: B's factors (``Kron.kfacs`` layout, scaled to ``n_data`` points).
@@ -135,20 +187,75 @@ def decompose_two_batch(
     Returns:
         The [`KronDecomposition`][laplace_debiased.kron.decompose.KronDecomposition].
     """
+    copies = proportional_blocks(direction, magnitude)
+    if copies:
+        same = magnitude is direction
+        reduced = _drop(direction, copies)
+        result = decompose_two_batch(
+            reduced, reduced if same else _drop(magnitude, copies), rows=(_drop(rows[0], copies), _drop(rows[-1], copies)),
+            null_space=null_space, estimator=estimator, cross_fit=cross_fit, sizes=sizes, n_data=n_data,
+            names=_drop(names, copies), reducer=reducer, terms=(_drop(terms[0], copies), _drop(terms[-1], copies)),
+        )
+        return _expanded(result, copies, list(names))
+    return _decompose(direction, magnitude, rows=rows, null_space=null_space, estimator=estimator, cross_fit=cross_fit,
+                      sizes=sizes, n_data=n_data, names=names, reducer=reducer, terms=terms)
+
+
+def _expanded(result: KronDecomposition, copies: dict[int, tuple[int, float]], names: list[tuple[str, str]]
+              ) -> KronDecomposition:
+    """``result`` of the blocks without ``copies``, with each copy's decomposition, correction and
+    coverage inserted (the weight's output-side factor; eigenvalues scaled)."""
+    def vectors(vecs: Kfacs) -> Kfacs:
+        return _expand(vecs, copies, lambda block, s: [block[0]])
+
+    def values(vals: Kfacs) -> Kfacs:
+        return _expand(vals, copies, lambda block, s: [s * block[0]])
+
+    swapped = None if result.swapped is None else (vectors(result.swapped[0]), values(result.swapped[1]))
+    correction = None
+    if result.correction is not None:
+        correction = Correction(names, _expand(result.correction.factors, copies, lambda fs, s: [fs[0]]))
+
+    def block(b: BlockCoverage, s: float) -> BlockCoverage:
+        f = replace(b.factors[0], factor="bias")
+        return BlockCoverage("", "", (f,), f.dimension, 1.0 - (f.dimension - f.zero_eigenvalues) / f.dimension)
+
+    blocks = _expand(list(result.coverage.blocks), copies, block)
+    blocks = [replace(b, layer=layer, parameter=param) for b, (layer, param) in zip(blocks, names)]
+    coverage = replace(result.coverage, blocks=tuple(blocks))
+    return KronDecomposition(vectors(result.eigenvectors), values(result.eigenvalues), swapped, coverage, correction)
+
+
+def _decompose(
+    direction: Kfacs,
+    magnitude: Kfacs,
+    *,
+    rows: tuple[Rows | None, Rows | None],
+    null_space: str,
+    estimator: str,
+    cross_fit: bool,
+    sizes: tuple[int, int],
+    n_data: int,
+    names: Sequence[tuple[str, str]],
+    reducer: Reducer,
+    terms: tuple[Terms | None, Terms | None],
+) -> KronDecomposition:
+    """[`decompose_two_batch`][laplace_debiased.kron.decompose.decompose_two_batch] of blocks that all need their own decomposition."""
     same = magnitude is direction
     correction = None
     swapped = None
     counts = [t if t is not None else [[max(sizes)] * len(F) for F in direction] for t in terms]
+    pairs = paired_rows(rows[0], rows[-1])  # one Gram matrix per factor pair, shared below
     if estimator in CORRECTED and not same:
         vecs, vals, correction = corrected_decomposition(
-            direction, magnitude, sizes, list(names), n_data, reducer, paired_rows(rows[0], rows[-1]),
-            shrink=estimator == "shrunk", terms=[[max(b, m) for b, m in zip(*pair)] for pair in zip(*counts)])
+            direction, magnitude, sizes, list(names), n_data, reducer, pairs, shrink=estimator == "shrunk",
+            terms=[[max(b, m) for b, m in zip(*pair)] for pair in zip(*counts)])
     else:
-        vecs, vals = _debiased(direction, magnitude, rows[0], rows[-1], null_space, counts[-1], reducer)
+        vecs, vals = _debiased(direction, magnitude, pairs, null_space, counts[-1], reducer)
         if cross_fit and not same:
-            swapped = _debiased(magnitude, direction, rows[-1], rows[0], null_space, counts[0], reducer)
+            swapped = _debiased(magnitude, direction, paired_rows(rows[-1], rows[0]), null_space, counts[0], reducer)
     coverage = coverage_record(
-        direction, magnitude, vecs, vals, list(names), rows=paired_rows(rows[0], rows[-1]),
+        direction, magnitude, vecs, vals, list(names), rows=pairs,
         null_space=null_space, direction_size=sizes[0], magnitude_size=sizes[1],
     )
     return KronDecomposition(vecs, vals, swapped, coverage, correction)

@@ -20,7 +20,13 @@ import torch
 from laplace.curvature.curvature import CurvatureInterface
 from torch import nn
 
-from laplace_debiased.curvature.kfac import GroupKfacSums, group_kfac_sums, input_factor_rows, zero_sums
+from laplace_debiased.curvature.kfac import (
+    GroupKfacSums,
+    group_kfac_sums,
+    input_factor_rows,
+    output_factor_rows,
+    zero_sums,
+)
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import shard_batch
 from laplace_debiased.parallel.reducer import Reducer
@@ -92,6 +98,20 @@ def _group_sums(
     return sums
 
 
+def _scaled(kfacs: list[list[torch.Tensor]], c: float, first: float) -> list[list[torch.Tensor]]:
+    """Each factor of a block of ``k`` factors times ``c^(1/k)``, the first also times ``first``;
+    factors of one tensor with the same scale stay one tensor."""
+    done: dict[tuple[int, float], torch.Tensor] = {}
+
+    def scale(f: torch.Tensor, s: float) -> torch.Tensor:
+        key = (id(f), s)
+        if key not in done:
+            done[key] = f * s
+        return done[key]
+
+    return [[scale(f, c ** (1 / len(F)) * (first if j == 0 else 1.0)) for j, f in enumerate(F)] for F in kfacs]
+
+
 def single_pass_kfacs(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], N: int,
     *, likelihood: str, backend: CurvatureInterface, fisher: str, keys: tuple[str, str], mean: Any, reducer: Reducer,
@@ -113,9 +133,9 @@ def single_pass_kfacs(
     Returns:
         ``(loss, kfacs, rows, terms)``: the summed loss over all batches (unscaled), per batch set
         its factors (blocks of 1 or 2 square tensors, laplace-torch's ``Kron.kfacs`` layout), per
-        batch set the input-factor rows of the Linear/Conv2d weight blocks (``None`` under a
-        process group, where each rank holds only its rows), and per batch set, block and factor
-        the rank-one terms summed into the factor (their float32 round-off,
+        batch set the factor rows of the Linear/Conv2d blocks, ``XᵀX`` the factor as returned
+        (``None`` under a process group, where each rank holds only its rows), and per batch set,
+        block and factor the rank-one terms summed into the factor (their float32 round-off,
         [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
     """
     sizes = [[batch_size(b, *keys) for b in batches] for batches in groups]
@@ -125,18 +145,21 @@ def single_pass_kfacs(
     krons, all_rows, all_terms = [], [], []
     for g, m in enumerate(sum(s) for s in sizes):
         kfacs, rows, terms = [], [], []
-        X_g = input_factor_rows(sums, g, backend.factor**0.5)
-        for i, (module, G, A, X) in enumerate(zip(modules, sums.output, sums.input, X_g)):
+        X_in = input_factor_rows(sums, g, backend.factor**0.5)
+        # the output side of a weight block carries √c N/m, a bias block's c N/m (scaled below)
+        X_out = output_factor_rows(sums, g, backend.factor**0.5 * N / m)
+        X_bias = output_factor_rows(sums, g, backend.factor * N / m)
+        for i, (module, G, A, X, Y, Z) in enumerate(zip(modules, sums.output, sums.input, X_in, X_out, X_bias)):
             blocks = module_blocks(module, G[g], None, m) if A is None else module_blocks(
                 module, G[g], A[g], sums.mean_divisor(i, g))
             counts = sums.terms[i][g]  # the counts in the blocks' layout (a mean divides by 1)
             count_blocks = module_blocks(module, counts[0], None if A is None else counts[1], 1.0)
             terms.extend([[int(t) for t in b] for b in count_blocks])
-            kfacs.extend(blocks)  # input rows only for Linear/Conv2d weight blocks
-            rows.extend([None, X] if len(b) == 2 and not is_extra(module) else [None] * len(b) for b in blocks)
+            kfacs.extend(blocks)  # rows only for Linear/Conv2d blocks
+            rows.extend(([Y, X] if len(b) == 2 else [Z]) if not is_extra(module) else [None] * len(b) for b in blocks)
         all_rows.append(rows)
         all_terms.append(terms)
-        # the loss factor c scales a block by c: each of two factors by √c (as Kron * c does)
-        scaled = [[backend.factor ** (1 / len(F)) * f for f in F] for F in kfacs]
-        krons.append([[F[0] * (N / m), *F[1:]] for F in scaled])
+        # the loss factor c scales a block by c: each of two factors by √c (as Kron * c does); one
+        # product per factor, and one tensor for equal factors (a bias and its weight's output side at c = 1)
+        krons.append(_scaled(kfacs, backend.factor, N / m))
     return sums.loss.sum(), krons, all_rows if keep_rows else None, all_terms

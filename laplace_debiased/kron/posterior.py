@@ -38,7 +38,7 @@ from torch import Tensor
 from laplace_debiased.curvature.completion import extended_spectrum
 from laplace_debiased.posterior.grams import jacobian_float64
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.kron_structure import KronStructure
+from laplace_debiased.posterior.kron_structure import KronStructure, rows_times
 
 __all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
 
@@ -182,34 +182,34 @@ class ImplicitKronDecomposed(KronDecomposed):
 
 class ImplicitKronStructure(KronStructure):
     """[`KronStructure`][laplace_debiased.posterior.kron_structure.KronStructure] of an
-    [`ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed] whose
-    input-side factors may be implicit (``Q_A`` (d, r)).
+    [`ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed], every factor ``Q`` (d, r) with its complement ``N = I - QQᵀ``
+    kept implicit (one more eigenvalue ``ν``, module docstring); nothing of size ``d × d`` is formed.
 
-    For such a block the complement ``N`` of ``Q_A`` is one more eigen-direction of the input
-    factor, with its eigenvalue ``ν`` (weights ``1/(s λ_G ν + δ)``, damped
-    ``1/((√s λ_G + √δ)(√s ν + √δ))``):
-    a factored Jacobian ``g ⊗ a`` rotates to ``(Q_Gᵀ g) ⊗ [(Q_Aᵀ a)², ‖N a‖²]`` (``‖N a‖²`` from
-    ``a - Q_A Q_Aᵀ a``, no cancellation); a dense one ``J`` to ``[Q_Gᵀ J Q_A, Q_Gᵀ J N]`` (``d``
-    columns sharing the null weight, so the cross terms of the covariance stay exact). Blocks
-    with an implicit output-side or single factor get completed bases
-    ([`complete_basis`][laplace_debiased.kron.posterior.complete_basis]).
+    A Jacobian is rotated into columns that each belong to one eigenprojection of each factor; a
+    complement contributes several columns sharing its weight ``1/(s l_a ν + δ)`` (damped
+    ``1/((√s l_a + √δ)(√s ν + √δ))``), so the covariance's cross terms stay exact:
+
+    * factored ``g ⊗ a`` (a ``Linear`` weight): output side ``[Q_Gᵀ g_c, L_c]`` with ``L Lᵀ = R Rᵀ``
+      the Gram matrix of the residuals ``R = N_G g`` over the ``C`` classes (``C`` columns, from a
+      QR of ``Rᵀ``, no cancellation); input side ``[(Q_Aᵀ a)², ‖N_A a‖²]``. Cost ``O(C d r)`` per
+      input;
+    * a sum over positions ``Σ_t g_t u_tᵀ`` (``Conv2d``): ``Σ_t [Q_Gᵀ g_t; N_G g_t][Q_Aᵀ u_t; N_A u_t]ᵀ``;
+    * dense ``J``: ``[Q_1ᵀ J, N_1 J]`` on each side (``d`` complement columns per side); a single
+      factor as the output side above.
     """
 
     def __init__(self, H: ImplicitKronDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
-        self.Qs, self.ls, self.implicit = [], [], []
+        self.Qs, self.ls = [], []
+        shared: dict[int, Tensor] = {}  # a bias shares its weight's output-side eigenvectors
         for Qs, ls in zip(H.eigenvectors, H.eigenvalues):
-            implicit = len(Qs) == 2 and Qs[0].shape[0] == Qs[0].shape[1] and Qs[1].shape[1] < Qs[1].shape[0]
-            if not implicit:
-                Qs, ls = zip(*[complete_basis(Q, l) for Q, l in zip(Qs, ls)])
-            if implicit:
-                ls = [ls[0], extended_spectrum(Qs[1], ls[1])[0]]
-            ls = [l.double().clamp_min(0.0) for l in ls]
-            self.Qs.append([Q.double() for Q in Qs])
-            self.ls.append(ls)
-            self.implicit.append(implicit)
+            for Q in Qs:
+                if id(Q) not in shared:
+                    shared[id(Q)] = Q.double()
+            self.Qs.append([shared[id(Q)] for Q in Qs])
+            self.ls.append([extended_spectrum(Q, l)[0].double().clamp_min(0.0) for Q, l in zip(Qs, ls)])
         self.damping = bool(getattr(H, "damping", False))
         self.s = float(h_factor)
-        self._null_columns = [1] * len(self.Qs)
+        self._maps: list[list[Tensor]] = [[] for _ in self.Qs]
         sizes = [math.prod(Q.shape[0] for Q in Qs) for Qs in self.Qs]
         if sizes != list(numels):
             raise ValueError(
@@ -218,25 +218,86 @@ class ImplicitKronStructure(KronStructure):
             )
 
     def rotate(self, jacs: Sequence[LayerJacobian]) -> list[tuple[str, Tensor, Tensor | None]]:
-        """[`KronStructure.rotate`][laplace_debiased.posterior.kron_structure.KronStructure.rotate], with the null-space
-        column(s) of implicit blocks."""
-        out = super().rotate(jacs)
-        for k in (k for k, implicit in enumerate(self.implicit) if implicit):
-            jac, (QG, QA) = jacobian_float64(jacs[k]), self.Qs[k]
-            if jac.dense is None:
-                null = (jac.a - (jac.a @ QA) @ QA.T).square().sum(-1, keepdim=True)
-                out[k] = ("factored", out[k][1], torch.cat([out[k][2], null], dim=-1))
-                self._null_columns[k] = 1
-            else:
+        """Prior-independent work: the Jacobians (float64) in the columns of the class docstring. An
+        output side shared by two blocks (a ``Linear`` weight's ``g`` is its bias's Jacobian, the
+        eigenvectors the same) is rotated once."""
+        out = []
+        sides: dict[tuple[int, int], Tensor] = {}
+
+        def compressed(X: Tensor, source: Tensor | None, Q: Tensor) -> Tensor:
+            if source is None:
+                return _compressed_side(X, Q)
+            key = (id(source), id(Q))
+            if key not in sides:
+                sides[key] = _compressed_side(X, Q)
+            return sides[key]
+
+        for k, (jac, Qs) in enumerate(zip(jacs, self.Qs)):
+            source = jac.g if jac.g is not None else jac.dense
+            if len(Qs) == 2 and jac.positions is not None:
+                g, u = jac.positions
+                n, C, o, T = g.shape
+                g_rot = _sides(g.double().transpose(-1, -2), Qs[0])  # (n, C, T, e_G)
+                u_rot = _sides(u.double().transpose(-1, -2), Qs[1])  # (n, T, e_A)
+                rot = torch.einsum("ncti,ntj->ncij", g_rot, u_rot)
+                out.append(("dense", rot.flatten(2), None))
+                self._maps[k] = [_column_map(Qs[0], o), _column_map(Qs[1], u.shape[-2])]
+                continue
+            jac = jacobian_float64(jac)
+            if len(Qs) == 2 and jac.dense is None:
+                QG, QA = Qs
+                A = compressed(jac.g, source, QG)
+                aQ = rows_times(jac.a, QA)
+                B = aQ.square()
+                if QA.shape[1] < QA.shape[0]:
+                    B = torch.cat([B, (jac.a - rows_times(aQ, QA.T)).square().sum(-1, keepdim=True)], dim=-1)
+                out.append(("factored", A, B))
+                self._maps[k] = [_column_map(QG, A.shape[-1] - QG.shape[1]), _column_map(QA, 1)]
+            elif len(Qs) == 2:
                 n, C, _ = jac.dense.shape
-                J = QG.T @ jac.dense.reshape(n, C, QG.shape[0], QA.shape[0])
-                JQ = J @ QA
-                out[k] = ("dense", torch.cat([JQ, J - JQ @ QA.T], dim=-1).flatten(2), None)
-                self._null_columns[k] = QA.shape[0]
+                (Q1, Q2), (d1, d2) = Qs, (Qs[0].shape[0], Qs[1].shape[0])
+                J = _sides(jac.dense.reshape(n, C, d1, d2).transpose(-1, -2), Q1)  # (n, C, d2, e1)
+                J = _sides(J.transpose(-1, -2), Q2)  # (n, C, e1, e2)
+                out.append(("dense", J.flatten(2), None))
+                self._maps[k] = [_column_map(Q1, d1), _column_map(Q2, d2)]
+            else:
+                J = compressed(jac.full(), source, Qs[0])
+                out.append(("dense", J, None))
+                self._maps[k] = [_column_map(Qs[0], J.shape[-1] - Qs[0].shape[1])]
         return out
 
     def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
         w = super()._inverse_eigenvalues(k, delta)
-        if not self.implicit[k] or self._null_columns[k] == 1:
-            return w
-        return torch.cat([w[:, :-1], w[:, -1:].expand(-1, self._null_columns[k])], dim=1)
+        maps = self._maps[k]
+        if len(maps) == 1:
+            return w[maps[0]]
+        return w[maps[0]][:, maps[1]] if maps else w
+
+
+def _sides(X: Tensor, Q: Tensor) -> Tensor:
+    """``[X Q, X N]`` along the last axis of ``X`` (..., d) for ``Q`` (d, r): ``(..., r [+ d])``."""
+    XQ = rows_times(X, Q)
+    if Q.shape[1] == Q.shape[0]:
+        return XQ
+    return torch.cat([XQ, X - rows_times(XQ, Q.T)], dim=-1)
+
+
+def _compressed_side(X: Tensor, Q: Tensor) -> Tensor:
+    """``[X Q, L]`` for ``X`` (n, C, d): ``L`` (n, C, C) with ``L Lᵀ = R Rᵀ`` for the residuals
+    ``R = X N`` (``Lᵀ`` the triangular factor of a QR of ``Rᵀ``); only ``X Q`` when ``Q`` is square."""
+    XQ = rows_times(X, Q)
+    if Q.shape[1] == Q.shape[0]:
+        return XQ
+    R = X - rows_times(XQ, Q.T)
+    L = torch.linalg.qr(R.transpose(-1, -2), mode="r").R.transpose(-1, -2)  # (n, C, min(C, d))
+    return torch.cat([XQ, L], dim=-1)
+
+
+def _column_map(Q: Tensor, complement_columns: int) -> Tensor:
+    """The eigenvalue (index into the extended spectrum) of each rotated column of one factor:
+    ``0, ..., r - 1`` and, with a complement, ``r`` repeated ``complement_columns`` times."""
+    r, d = Q.shape[1], Q.shape[0]
+    cols = torch.arange(r, device=Q.device)
+    if r == d:
+        return cols
+    return torch.cat([cols, cols.new_full((complement_columns,), r)])

@@ -167,6 +167,25 @@ class GridPredictive:
                 ])
         return probs
 
+    def covariance(self, x: Tensor, prior_precision: float | Tensor) -> tuple[Tensor, Tensor]:
+        """The logits and the GLM covariance ``J P(δ)⁻¹ Jᵀ`` at one prior precision, in the model's
+        current mode.
+
+        Args:
+            x: Inputs ``(N, ...)``, processed in chunks of ``chunk_size``.
+            prior_precision: ``δ``, a scalar or one value per parameter tensor.
+
+        Returns:
+            ``(f, Σ)``: the logits ``(N, [tokens,] C)`` and the covariance ``(N·tokens, C, C)`` of the logit
+            rows ([`logit_rows`][laplace_debiased.posterior.jacobians.logit_rows]), float64.
+        """
+        fs, covs = [], []
+        for chunk in x.split(self.chunk_size):
+            f, jacs = logit_jacobians(self.model, self.params, chunk)
+            covs.append(self.structure.covariance(self.structure.rotate(jacs), prior_precision))
+            fs.append(f)
+        return torch.cat(fs), torch.cat(covs)
+
     def __call__(self, x: Tensor, link: str = "probit_projected", prior_precision=None, **kw) -> Tensor:
         """Probabilities ``(N, [tokens,] C)`` at ``prior_precision`` (default:
         ``la.prior_precision``)."""

@@ -25,7 +25,8 @@ class LayerJacobian:
     Either *factored*, ``J[n, c, :] = vec(g[n, c, :] ⊗ a[n, :])`` (a ``Linear`` weight with 2-D
     input; ``g`` ``(n, C, out)`` output gradients, ``a`` ``(n, in)`` inputs; row-major like
     ``weight.flatten()``), *dense*, ``J`` ``(n, C, numel)`` in ``param.flatten()`` order, or a
-    *sum over positions* (a ``Conv2d`` weight), ``positions = (g (n, C, out, T), u (n, k, T))``
+    *sum over positions* (a ``Conv2d`` weight, a ``Linear`` weight applied to every token),
+    ``positions = (g (n, C, out, T), u (n, k, T))``
     with ``J[n, c] = vec(Σ_t g[n, c, :, t] u[n, :, t]ᵀ)`` (``u`` the unfolded input), formed
     densely only by [`full`][laplace_debiased.posterior.jacobians.LayerJacobian.full].
     A leading size 1 of ``g`` or ``dense`` means the same for every input (broadcast): the
@@ -78,6 +79,12 @@ def _owners(model: nn.Module, params: Sequence[Tensor]) -> list[tuple[nn.Module,
                 if p is not None:
                     owner[id(p)] = (mod, name)
     return [owner.get(id(p)) for p in params]
+
+
+def closed_form(model: nn.Module, params: Sequence[Tensor]) -> bool:
+    """Whether [`logit_jacobians`][laplace_debiased.posterior.jacobians.logit_jacobians] takes the closed form for ``params`` (every one a
+    ``Linear``/``Conv2d`` parameter), not ``torch.func``'s dense Jacobians."""
+    return all(o is not None for o in _owners(model, params))
 
 
 def logit_rows(f: Tensor) -> Tensor:
@@ -168,7 +175,7 @@ def _module_jacobian(mod: nn.Module, name: str, a: Tensor, g: Tensor) -> LayerJa
     g = g.flatten(2, -2)  # Linear applied to (n, ..., in): sum over the extra positions; (n, C, T, out)
     if name == "bias":
         return LayerJacobian(dense=g.sum(2))
-    return LayerJacobian(dense=torch.einsum("ncto,nti->ncoi", g, a.flatten(1, -2)).flatten(2))
+    return LayerJacobian(positions=(g.transpose(-1, -2), a.flatten(1, -2).transpose(1, 2)))
 
 
 def _func_jacobians(
@@ -202,6 +209,6 @@ def logit_jacobians(
         logit rows ([`logit_rows`][laplace_debiased.posterior.jacobians.logit_rows], ``(n·tokens, C, numel)``)
         as a [`LayerJacobian`][laplace_debiased.posterior.jacobians.LayerJacobian].
     """
-    if all(o is not None for o in _owners(model, params)):
+    if closed_form(model, params):
         return _layer_jacobians(model, params, x)
     return _func_jacobians(model, params, x)

@@ -48,7 +48,7 @@ class KronStructure:
                 continue
             jac = jacobian_float64(jac)
             if len(Qs) == 2 and jac.dense is None:
-                out.append(("factored", jac.g @ Qs[0], (jac.a @ Qs[1]).square()))
+                out.append(("factored", rows_times(jac.g, Qs[0]), rows_times(jac.a, Qs[1]).square()))
             elif len(Qs) == 2:
                 n, C, _ = jac.dense.shape
                 J = jac.dense.reshape(n, C, len(Qs[0]), len(Qs[1]))
@@ -113,6 +113,13 @@ class KronStructure:
             else:
                 var += (A2 @ W.T).permute(2, 0, 1)
         return var
+
+
+def rows_times(X: Tensor, M: Tensor) -> Tensor:
+    """``X @ M`` for ``X`` (..., d) and ``M`` (d, k) as one matrix product over all rows of ``X``
+    (a strided ``X`` would otherwise be multiplied one leading index at a time, reading ``M`` each
+    time)."""
+    return (X.reshape(-1, X.shape[-1]) @ M).reshape(*X.shape[:-1], M.shape[-1])
 
 
 def positions_cheaper(positions: tuple[Tensor, Tensor]) -> bool:

@@ -60,6 +60,9 @@ from laplace_debiased.curvature.layer_blocks import curvature_modules
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import check_same_fit_inputs, fail_together, local_shards
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
+from laplace_debiased.posterior.from_laplace import curvature_kind, laplace_params, posterior_structure
+from laplace_debiased.posterior.grid import GridPredictive
+from laplace_debiased.posterior.jacobians import closed_form, logit_rows
 from laplace_debiased.posterior.links import normal_samples
 from laplace_debiased.two_batch.auto_magnitude import auto_magnitude_rule, sample_output_shape
 from laplace_debiased.two_batch.block_priors import block_marglik, prior_spans
@@ -451,6 +454,7 @@ class TwoBatchLaplace:
         self.loss = 0.0
         self.n_data = 0
         self.fit_batches: tuple[BatchChoice, ...] = ()
+        self._factored_cache = None
 
     @torch.no_grad()
     def _setup_last_layer(self, batch: Batch) -> None:
@@ -601,9 +605,10 @@ class TwoBatchLaplace:
 
     def chunk_size(self) -> int:
         """Inputs per chunk: ``predictive_chunk_size``, or
-        [`auto_chunk_size`][laplace_debiased.two_batch.chunked.auto_chunk_size] where it is ``None``."""
+        [`auto_chunk_size`][laplace_debiased.two_batch.chunked.auto_chunk_size] where it is ``None`` (of the
+        Jacobian entries the predictive holds, ``_jacobian_entries``)."""
         outputs = math.prod(getattr(self, "fit_output_shape", (self.n_outputs or 1,)))
-        return checked_chunk_size(self.predictive_chunk_size, outputs, self.n_params, self._dtype)
+        return checked_chunk_size(self.predictive_chunk_size, outputs, self._jacobian_entries(), self._dtype)
 
     def _chunked(self, predict: Callable[[Any], Output], x: Any, generator: torch.Generator | None, dim: int) -> Output:
         """[`chunked`][laplace_debiased.two_batch.chunked.chunked] at
@@ -632,12 +637,21 @@ class TwoBatchLaplace:
     def _glm_predictive_distribution(
         self, X: Any, joint: bool = False, diagonal_output: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """laplace-torch's GLM predictive ``(f, J P⁻¹ Jᵀ)``, from per-example Jacobians for a tensor
-        input over all weights without ``enable_backprop``; for token outputs over the token rows:
-        ``f`` ``(n·tokens, C)``, covariance ``(n·tokens, C, C)`` (``joint``: flat mean and
-        ``(n·tokens·C)²`` covariance; ``diagonal_output``: ``(n·tokens, C)``)."""
+        """laplace-torch's GLM predictive ``(f, J P⁻¹ Jᵀ)``: for a K-FAC-type curvature in its
+        eigenbasis from factored per-layer Jacobians (``_factored_predictive``, float64 inside);
+        else from per-example Jacobians for a tensor input over all weights without
+        ``enable_backprop``; for token outputs over the token rows: ``f`` ``(n·tokens, C)``,
+        covariance ``(n·tokens, C, C)`` (``joint``: flat mean and ``(n·tokens·C)²`` covariance, from
+        the Jacobians; ``diagonal_output``: ``(n·tokens, C)``)."""
         self._glm_token_shape = None
         last_layer = isinstance(self, LLLaplace)
+        factored = None if joint else self._factored_predictive(X)
+        if factored is not None:
+            f, f_var = factored.covariance(X, self.prior_precision.detach())
+            if self._has_token_outputs():
+                self._glm_token_shape = tuple(f.shape[:-1])
+            f_mu, f_var = logit_rows(f).detach(), f_var.to(f.dtype)
+            return f_mu, torch.diagonal(f_var, dim1=-2, dim2=-1) if diagonal_output else f_var
         if self._has_token_outputs():
             Js, f_mu, self._glm_token_shape = token_jacobians(
                 self.model, self.backend, X, last_layer=last_layer, enable_backprop=self.enable_backprop
@@ -658,6 +672,37 @@ class TwoBatchLaplace:
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var
+
+    def _factored_predictive(self, X: Any) -> GridPredictive | None:
+        """The GLM covariance in the curvature's eigenbasis
+        ([`covariance`][laplace_debiased.posterior.grid.GridPredictive.covariance]: a ``Linear`` layer's
+        Jacobian kept as ``g ⊗ a``, a convolution's as a sum over positions, no ``(n, C, P)``
+        Jacobian), for a K-FAC-type curvature over all weights, a tensor input, a prior precision
+        per network or per parameter tensor and no ``enable_backprop``; ``None`` elsewhere. Built
+        once per curvature and likelihood factor."""
+        if not isinstance(X, torch.Tensor) or not self._factored_applies():
+            return None
+        s = float(self._H_factor)
+        cached = getattr(self, "_factored_cache", None)
+        if cached is None or cached[0] is not self.H or cached[1] != s:
+            structure = posterior_structure(self)
+            self._factored_cache = (self.H, s, GridPredictive.from_parts(self.model, laplace_params(self), structure))
+        return self._factored_cache[2]
+
+    def _factored_applies(self) -> bool:
+        """Whether ``_factored_predictive`` serves tensor inputs (its conditions but the input's)."""
+        if not self._kfac_blocks or self.enable_backprop or isinstance(self, LLLaplace):
+            return False  # (the dense structures' curvature is not read: it may be formed lazily)
+        return curvature_kind(self) in ("own", "kron") and self.prior_precision.numel() in (1, self.n_layers)
+
+    def _jacobian_entries(self) -> int:
+        """Jacobian entries per output that the GLM predictive holds for one input: on the factored
+        route (``_factored_predictive``, closed-form Jacobians, no token outputs) ``d_out + d_in``
+        for a ``Linear`` weight (``g ⊗ a``), else every parameter."""
+        params = laplace_params(self)
+        if self._has_token_outputs() or not self._factored_applies() or not closed_form(self.model, params):
+            return self.n_params
+        return sum(p.shape[0] + p.shape[1] if p.ndim == 2 else p.numel() for p in params)
 
     def _glm_functional_samples(
         self,

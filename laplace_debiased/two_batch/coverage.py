@@ -77,7 +77,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from laplace_debiased.curvature.linalg import FactorRows, eigenvalues_above, roundoff_tolerance, row_rank
+from laplace_debiased.curvature.linalg import FactorRows, eigenvalues_above, factor_rows, roundoff_tolerance, row_rank
 from laplace_debiased.curvature.completion import extended_spectrum
 
 __all__ = ["FactorCoverage", "BlockCoverage", "Coverage", "coverage_record", "factor_ranks", "numerical_rank",
@@ -119,11 +119,20 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
         ``(rank B, rank B̃, rank B ∪ B̃)``.
     """
     same = Fm is Fd
-    Xd, Xm = rows if rows is not None else (None, None)
     union = Fd if same else Fd + Fm
-    union_rows = None if rows is None else (Xd if same else torch.cat([Xd, Xm]))
     tol = roundoff_tolerance(union)
-    return _rank(Fd, Xd, tol), _rank(Fm, Xm, tol), _rank(union, union_rows, tol)
+    if rows is None:
+        return _rank(Fd, None, tol), _rank(Fm, None, tol), _rank(union, None, tol)
+    rows = factor_rows(rows)  # one Gram matrix for the three counts
+    Xd, Xm = rows
+    d = Fd.shape[0]
+    rank_d = _rank(Fd, Xd, tol, rows.block(0, 0) if len(Xd) < d else None)
+    rank_m = _rank(Fm, Xm, tol, rows.block(1, 1) if len(Xm) < d else None)
+    if same:
+        return rank_d, rank_m, rank_d
+    if len(Xd) + len(Xm) >= d:
+        return rank_d, rank_m, _rank(union, None, tol)
+    return rank_d, rank_m, _rank(union, torch.cat([Xd, Xm]), tol, rows.gram)
 
 
 @dataclass(frozen=True)
@@ -251,12 +260,12 @@ class Coverage:
         )
 
 
-def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float) -> int:
-    """[`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank] ``(F, tolerance)``; from the
-    rows ``X`` (``XᵀX = F``) when they are fewer than ``F``'s dimension
+def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float, K: torch.Tensor | None = None) -> int:
+    """[`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank] ``(F, tolerance)``; from the rows ``X`` (``XᵀX = F``, Gram matrix ``K``
+    where formed) when they are fewer than ``F``'s dimension
     ([`row_rank`][laplace_debiased.curvature.linalg.row_rank])."""
     if X is not None and len(X) < F.shape[0]:
-        return row_rank(X, F.dtype, tolerance)
+        return row_rank(X, F.dtype, tolerance, K)
     return numerical_rank(F, tolerance)
 
 

@@ -104,3 +104,31 @@ def test_rank_zero_result_reaches_every_rank_through_the_reducer(estimator):
 
     out = _decompose(_factors(0), _factors(10), estimator=estimator, reducer=Rank1())
     assert all(bool((t == 7.0).all()) for blocks in (out.eigenvectors, out.eigenvalues) for b in blocks for t in b)
+
+
+@pytest.mark.parametrize("estimator, cross_fit", [("paper", False), ("paper", True), ("corrected", False), ("shrunk", False)])
+def test_a_bias_proportional_to_its_weight_takes_the_weight_decomposition_scaled(estimator, cross_fit):
+    """A bias factor ``s G`` in B and B̃ (``s = √c``, the loss factor's split): its decomposition,
+    correction record and coverage equal those computed from the bias factor itself (the weight's
+    decomposition is not repeated); a bias that is not proportional is decomposed on its own."""
+    s = 0.5**0.5
+    D, M = _factors(0), _factors(10)
+    D[1], M[1] = [s * D[0][0]], [s * M[0][0]]
+    kw = dict(estimator=estimator, cross_fit=cross_fit)
+    out = _decompose(D, M, **kw)
+    alone = _decompose([D[1]], [M[1]], names=[("fc", "bias")], **kw)
+    dense = lambda Q, lam: (Q * lam) @ Q.T  # noqa: E731
+    torch.testing.assert_close(dense(out.eigenvectors[1][0], out.eigenvalues[1][0]),
+                               dense(alone.eigenvectors[0][0], alone.eigenvalues[0][0]), rtol=1e-12, atol=1e-12)
+    if cross_fit:
+        torch.testing.assert_close(dense(out.swapped[0][1][0], out.swapped[1][1][0]),
+                                   dense(alone.swapped[0][0][0], alone.swapped[1][0][0]), rtol=1e-12, atol=1e-12)
+    if out.correction is not None:
+        ours, theirs = out.correction.rows()[2], alone.correction.rows()[0]
+        assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12) and ours["factor"] == "factor"
+    assert out.coverage.blocks[1] == alone.coverage.blocks[0]
+    D[1] = [D[1][0] + 1e-3 * _spd(3, 20, 7)]  # no longer proportional: decomposed on its own
+    out = _decompose(D, M, **kw)
+    alone = _decompose([D[1]], [M[1]], names=[("fc", "bias")], **kw)
+    torch.testing.assert_close(dense(out.eigenvectors[1][0], out.eigenvalues[1][0]),
+                               dense(alone.eigenvectors[0][0], alone.eigenvalues[0][0]), rtol=1e-12, atol=1e-12)

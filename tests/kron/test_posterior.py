@@ -254,7 +254,10 @@ def test_fit_posterior_and_predictive_equal_dense_route(likelihood, kw):
     la, ref = _pair(likelihood, **kw)
     # the corrected estimate keeps the 16 directions of B ∪ B̃ (its pooled eigenvectors)
     r = 16 if kw.get("null_space") == "aligned" or kw.get("estimator") == "corrected" else 8
-    assert [tuple(Q.shape) for Q in _components(la)[0].eigenvectors[0]] == [(30, 30), (40, r)]
+    QG, QA = _components(la)[0].eigenvectors[0]
+    assert tuple(QA.shape) == (40, r)
+    # the 30-wide output factor: through B's 8 × 3 rows for the isotropic paper estimate (classification)
+    assert QG.shape[0] == 30 and QG.shape[1] <= (24 if likelihood == "classification" and r == 8 else 30)
     assert len(_components(la)[0].eigenvalues[0][1]) == r + 1
     assert all(Q.shape[0] == Q.shape[1] for c in _components(ref) for Qs in c.eigenvectors for Q in Qs)
     for obj in (la, ref):
@@ -293,9 +296,9 @@ def test_fit_float32_predictive_equals_dense_route_to_round_off():
 
 
 def test_dense_route_where_the_rows_do_not_help():
-    """B ∪ B̃ with at least as many rows as the factor's dimension (2 × 24 ≥ 40), and an online
+    """B with at least as many rows as the factor's dimension (40 ≥ 40, 40 ≥ 30), and an online
     second fit (its factors are averages, no rows): square bases, as before."""
-    la, _ = _pair(b=24)
+    la, _ = _pair(b=40)
     assert all(Q.shape[0] == Q.shape[1] for Qs in la.H.eigenvectors for Q in Qs)
     data = toy_data(16, (40,), 4, "classification", seed=9)
     la2, _ = _pair(b=8)
@@ -304,17 +307,17 @@ def test_dense_route_where_the_rows_do_not_help():
     assert all(Q.shape[0] == Q.shape[1] for Qs in la2.H.eigenvectors for Q in Qs)
 
 
-def test_group_kfac_sums_drops_rows_once_as_many_as_inputs():
+def test_group_kfac_sums_drops_rows_once_a_group_has_as_many_as_inputs():
     model = _wide_mlp()
     X = torch.randn(35, 40, dtype=torch.float64)
     y = torch.randint(0, 4, (35,))
     sums = group_kfac_sums(
-        model, [model[0], model[2]], X, y, [(0, 10, 0), (10, 35, 1)], 2,
+        model, [model[0], model[2]], X, y, [(0, 5, 0), (5, 35, 1)], 2,
         likelihood="classification", lossfunc=nn.CrossEntropyLoss(reduction="sum"), factor=1.0, keep_rows=True,
     )
     first, second = input_factor_rows(sums, 1, 1.0)
-    assert second is None  # 35 rows ≥ 30 inputs of the second layer
-    torch.testing.assert_close(first.T @ first, sums.input[0][1] / 25, **F64)  # the mean over 25 samples
+    assert second is None  # group 1's 30 rows ≥ 30 inputs of the second layer
+    torch.testing.assert_close(first.T @ first, sums.input[0][1] / 30, **F64)  # the mean over group 1's 30 samples
 
 
 def test_state_dict_round_trip_keeps_the_implicit_factors():
@@ -350,3 +353,109 @@ def test_prior_tuning_equals_dense_route(method):
     for obj in (la, ref):
         obj.optimize_prior_precision(pred_type="glm", method=method, link_approx="probit", **kw)
     torch.testing.assert_close(la.prior_precision, ref.prior_precision, **F64)
+
+
+# ---------------------------------------------------------------- output factors through their rows
+def _wider_pair(estimator: str, dtype=torch.float64, b: int = 8, **fit_kw):
+    """A fit of ``Linear(12, 60) + Tanh + Linear(60, 3)`` at 2 × b: at b = 8 the hidden layer's
+    output factor (60 wide, 2 × 8 × 2 = 32 rows) and its bias factor go through their rows, as does
+    the output layer's input factor (60 wide, 16 rows); and the same object decomposed densely."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 60), nn.Tanh(), nn.Linear(60, 3)).to(dtype)
+    data = toy_data(2 * b, (12,), 3, "classification", seed=1)
+    data = type(data)(*(t.to(dtype) if t.is_floating_point() else t for t in data.tensors))
+    la = DebiasedKronLaplace(model, "classification", estimator=estimator, **fit_kw)
+    la.fit(loader(data, b))
+    ref = copy.copy(la)
+    ref._factor_rows = None
+    ref._decompose()
+    return la, ref
+
+
+def test_output_factor_rows_give_the_factor():
+    la, _ = _wider_pair("paper")
+    for rows, kron in zip(la._factor_rows, (la.H_facs, la.H_facs_magnitude)):
+        for k in (0, 1, 2):  # hidden weight [G, A] (G through rows), hidden bias [G], output weight [G, A]
+            for X, F in zip(rows[k], kron.kfacs[k]):
+                if X is not None:
+                    torch.testing.assert_close(X.T @ X, F, **F64)
+        assert rows[0][0] is not None and rows[1][0] is not None and rows[2][0] is None
+
+
+@pytest.mark.parametrize("estimator, kw", [("paper", {}), ("paper", {"null_space": "aligned"}),
+                                           ("corrected", {}), ("shrunk", {})])
+def test_output_factors_through_rows_equal_dense_route(estimator, kw):
+    """Every estimate: the hidden layer's 60-wide output factor (weight and bias blocks) is stored as
+    eigenvectors ``(60, r)`` and a completion, and the posterior covariance, log determinant and
+    GLM predictive equal the dense route's to 1e-10 (float64)."""
+    la, ref = _wider_pair(estimator, **kw)
+    QG, Qb = la.H.eigenvectors[0][0], la.H.eigenvectors[1][0]
+    assert QG.shape[0] == 60 and QG.shape[1] < 60 and Qb.shape[1] < 60
+    assert all(Q.shape[0] == Q.shape[1] for Qs in ref.H.eigenvectors for Q in Qs)
+    for obj in (la, ref):
+        obj.prior_precision = 1e-2
+    cov = ref.posterior_precision.to_matrix(-1)
+    torch.testing.assert_close(la.posterior_precision.to_matrix(-1), cov, rtol=1e-10, atol=1e-10 * float(cov.abs().max()))
+    torch.testing.assert_close(la.log_marginal_likelihood(), ref.log_marginal_likelihood(), **F64)
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    torch.testing.assert_close(la._glm_predictive_distribution(x), ref._glm_predictive_distribution(x), **F64)
+    grid = [1e-4, 1e-2, 1.0]
+    links = ("probit_projected", "bridge")
+    ours, theirs = GridPredictive(la).grid(x, grid, links=links), GridPredictive(ref).grid(x, grid, links=links)
+    for link in links:
+        torch.testing.assert_close(ours[link], theirs[link], **F64)
+
+
+@pytest.mark.parametrize("damping", [False, True])
+@pytest.mark.parametrize("null", [False, True])
+def test_grid_structure_with_both_sides_implicit(damping, null):
+    """Output-side, input-side and single factors all ``(d, r)``, ``r < d`` (completion ``ν`` or 0):
+    covariances and (projected) variances of factored, dense and sums-over-positions Jacobians
+    equal ``KronStructure`` on the completed bases; ``C = 4`` classes against an output side of
+    ``d = 6`` (four residual columns) and of ``d = 3`` (three)."""
+    g = torch.Generator().manual_seed(4)
+
+    def eig(d, r):
+        Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q[:, :r]
+        return Q, torch.rand(r + (null and r < d), generator=g, dtype=torch.float64) * 3
+
+    blocks = [(eig(6, 2), eig(9, 4)), (eig(6, 3),), (eig(3, 1), eig(5, 2))]
+    H = ImplicitKronDecomposed([[b[0] for b in bl] for bl in blocks], [[b[1] for b in bl] for bl in blocks],
+                               damping=damping)
+    numels = [54, 6, 15]
+    n, C, T = 5, 4, 7
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
+    positions = LayerJacobian(positions=(r(n, C, 6, T), r(n, 9, T)))
+    kinds = [
+        [LayerJacobian(g=r(n, C, 6), a=r(n, 9)), LayerJacobian(dense=r(n, C, 6)), LayerJacobian(g=r(n, C, 3), a=r(n, 5))],
+        [LayerJacobian(dense=positions.full()), LayerJacobian(dense=r(1, C, 6)), LayerJacobian(dense=r(n, C, 15))],
+        [positions, LayerJacobian(dense=r(n, C, 6)), LayerJacobian(g=r(1, C, 3), a=r(n, 5))],
+    ]
+    implicit, ref = H.grid_structure(0.8, numels), KronStructure(H.completed(), 0.8, numels)
+    assert type(implicit).__name__ == "ImplicitKronStructure"
+    grid = [1e-4, 1.0, [1e-2, 3.0, 0.1]]
+    for js in kinds:
+        a, b = implicit.rotate(js), ref.rotate(js)
+        torch.testing.assert_close(implicit.covariances(a, grid), ref.covariances(b, grid), **F64)
+        torch.testing.assert_close(implicit.variances(a, grid), ref.variances(b, grid), **F64)
+        torch.testing.assert_close(implicit.variances(a, grid, project=True), ref.variances(b, grid, project=True), **F64)
+
+
+@pytest.mark.parametrize("estimator", ["paper", "corrected", "shrunk"])
+def test_batches_each_narrower_than_the_factor_but_not_together(estimator):
+    """2 × 16 samples: the hidden output factor has 32 rows per batch (2 per sample), 64 together, against 60
+    columns. The paper's isotropic estimate goes through B's rows (eigenvectors ``(60, r)``); the
+    corrected ones decompose the pooled factor densely and take each order's gaps from the Gram
+    matrices. Posterior covariance and GLM predictive equal the dense route's (float64)."""
+    la, ref = _wider_pair(estimator, b=16)
+    QG = la.H.eigenvectors[0][0]
+    assert QG.shape[1] < 60 if estimator == "paper" else QG.shape == (60, 60)
+    for obj in (la, ref):
+        obj.prior_precision = 1e-2
+    cov = ref.posterior_precision.to_matrix(-1)
+    torch.testing.assert_close(la.posterior_precision.to_matrix(-1), cov, rtol=1e-10, atol=1e-10 * float(cov.abs().max()))
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    torch.testing.assert_close(la._glm_predictive_distribution(x), ref._glm_predictive_distribution(x), **F64)
