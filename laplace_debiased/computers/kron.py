@@ -117,8 +117,8 @@ def decompose_two_batch(
         rows: B's and B̃'s factor rows per block and factor (``None`` where unknown); a factor
             wider than its rows is decomposed through them, with an implicit null space.
         null_space: ``"isotropic"`` or ``"aligned"``, the treatment of B's null space.
-        estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients), ``"corrected"`` or
-            ``"shrunk"`` (:mod:`laplace_debiased.curvature.corrected`; B̃ = B falls back to the
+        estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients), ``"corrected"``,
+            ``"shrunk"`` or ``"stein"`` (:mod:`laplace_debiased.curvature.corrected`; B̃ = B falls back to the
             paper's, which is then stock K-FAC).
         cross_fit: also the role-swapped decomposition (``"paper"`` only).
         sizes: samples summed into B's and B̃'s factors.
@@ -135,7 +135,7 @@ def decompose_two_batch(
     if estimator in CORRECTED and not same:
         vecs, vals, correction = corrected_decomposition(
             direction, magnitude, sizes, list(names), n_data, reducer, paired_rows(rows[0], rows[-1]),
-            shrink=estimator == "shrunk")
+            rule=estimator)
     else:
         terms = max(sizes)
         vecs, vals = _debiased(direction, magnitude, rows[0], rows[-1], null_space, terms, reducer)

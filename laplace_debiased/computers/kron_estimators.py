@@ -5,8 +5,10 @@ debiased K-FAC Laplace classes (:mod:`laplace_debiased.structures.kron`).
 null-space completion of :mod:`laplace_debiased.curvature.completion`. ``"corrected"``: the
 eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches measure
 against each other (:mod:`laplace_debiased.curvature.corrected`). ``"shrunk"``: the same, with each
-factor's correction kept in the measure that its bias, not its noise, dominates the single batch's
-error (the two orders' disagreement measures that noise; the default).
+factor's correction scaled by ``max(0, 1 - Σe²/Σx²)`` (``e`` the two orders' disagreement; the
+default). ``"stein"``: the same, scaled by the minimum-MSE (James–Stein) weight from the
+correction's own noise, the pooled null space filled by the smaller of the two orders' null gaps
+(:mod:`laplace_debiased.curvature.corrected`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ __all__ = ["CORRECTED", "ESTIMATORS", "Correction", "corrected_decomposition", "
 logger = logging.getLogger("laplace_debiased")
 
 #: the estimates ``fit(estimator=...)`` offers (module docstring)
-ESTIMATORS = ("paper", "corrected", "shrunk")
+ESTIMATORS = ("paper", "corrected", "shrunk", "stein")
 
 #: the estimates on the eigenvectors of B ∪ B̃ (:mod:`laplace_debiased.curvature.corrected`)
-CORRECTED = ("corrected", "shrunk")
+CORRECTED = ("corrected", "shrunk", "stein")
 
 
 def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: str, cross_fit: bool,
@@ -49,7 +51,7 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
         One of :data:`ESTIMATORS`.
 
     Raises:
-        ValueError: ``estimator`` is not one of ``offered``, or ``"corrected"`` or ``"shrunk"`` is combined with
+        ValueError: ``estimator`` is not one of ``offered``, or one of :data:`CORRECTED` is combined with
             ``cross_fit`` (the corrected estimate already uses both orders) or with
             ``null_space="aligned"`` (it completes the pooled null space its own way).
     """
@@ -131,17 +133,17 @@ def corrected_decomposition(
     n_data: int,
     reducer: Reducer,
     rows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
-    shrink: bool = False,
+    rule: str = "corrected",
 ) -> tuple[list, list, Correction | None]:
     """:func:`corrected_kron` of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
     ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known;
-    ``shrink``: the ``"shrunk"`` estimate), on rank 0
+    ``rule``: one of :data:`CORRECTED`), on rank 0
     and broadcast (:func:`on_rank0`); returns ``(eigenvectors, eigenvalues, correction)`` with
     rank 0's :class:`Correction` (``None`` on the other ranks), logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:
-        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data, rows, shrink)
+        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, max(sizes), n_data, rows, rule)
         records.extend(recs)
         return vecs, vals
 

@@ -121,7 +121,7 @@ def kron_fit_options(
         (:func:`~laplace_debiased.computers.kron_estimators.resolve_estimator`).
 
     Raises:
-        ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` / ``"shrunk"``
+        ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` / ``"shrunk"`` / ``"stein"``
             with ``cross_fit`` or ``null_space="aligned"``.
         TypeError: ``cross_fit`` is not a bool.
     """
@@ -285,7 +285,7 @@ def debiased_kron_curvature(
         magnitude: B̃'s K-FAC, scaled to ``n_data``.
         rows: The shared pass's factor rows per batch set (``None``: not known).
         null_space: ``"isotropic"`` or ``"aligned"``.
-        estimator: ``"paper"``, ``"corrected"`` or ``"shrunk"``.
+        estimator: ``"paper"``, ``"corrected"``, ``"shrunk"`` or ``"stein"``.
         cross_fit: Also decompose the swapped roles.
         sizes: Samples summed into B's and B̃'s factors.
         n_data: The training data the batches were drawn from.
@@ -407,6 +407,9 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
                 batches measure against each other, that correction shrunk per factor by its noise
                 (the two orders' disagreement; the pooled null space keeps all of it);
                 ``"corrected"``: the same unshrunk (:mod:`laplace_debiased.curvature.corrected`);
+                ``"stein"``: the same weighted by the minimum-MSE (James–Stein) weight from the
+                correction's own measured noise, the pooled null space filled by the smaller of
+                the two orders' null gaps;
                 or ``"paper"`` (Tatzel et al.: B's eigenvectors, B̃'s Rayleigh quotients; the only
                 one of ``debiased_ekfac``, and the default with ``cross_fit=True`` or
                 ``null_space="aligned"``, its options). B̃ = B gives stock K-FAC either way.
