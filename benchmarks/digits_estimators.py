@@ -2,11 +2,13 @@
 main job's embedded digits (N = 300), for several batch sizes.
 
     OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py [--batch-sizes 32 64 128] [--repeats 3] [--out DIR]
+        [--seed S] [--links probit_projected ...] [--name digits_estimators]
 
 Runs the main job (``python -m laplace_debiased``) once per batch size b with the methods
-kron_single (b samples), kron_debiased, kron_corrected and kron_shrunk (two halves of b/2; the last is
-``fit``'s default) and kron_full, ``--repeats`` draws
-each (default 3), into ``DIR/b<b>/``, then writes ``results/digits_estimators.{json,md}``: per method and b
+kron_single (b samples), kron_debiased, kron_corrected, kron_shrunk (``fit``'s default) and kron_stein
+(two halves of b/2) and kron_full, ``--repeats`` draws
+each (default 3; ``--seed`` seeds the MAP and the draws, default 0), into ``DIR/b<b>/``, then writes
+``results/<name>.{json,md,png}`` (default name ``digits_estimators``): per method and b
 the largest relative test-NLL gap and ECE gap to the full batch over the whole δ grid (projected
 probit), mean and range over the draws, and per two-batch method its paired difference to the
 single batch (the same draws: mean ± standard error, and in how many draws it was worse); then
@@ -31,17 +33,19 @@ from laplace_debiased.evaluation.tracking import (curves_from_json, curves_to_js
                                                   where_largest)
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk")
+METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk", "kron_stein")
 LABELS = {"kron_single": "single batch b", "kron_debiased": "paper 2 × b/2", "kron_corrected": "corrected 2 × b/2",
-          "kron_shrunk": "shrunk 2 × b/2 (default)"}
+          "kron_shrunk": "shrunk 2 × b/2 (default)", "kron_stein": "stein 2 × b/2"}
 LINK = "probit_projected"
 
 
-def run_main_job(b: int, out: Path, repeats: int) -> None:
+def run_main_job(b: int, out: Path, repeats: int, seed: int = 0, links: list[str] | None = None) -> None:
     """The main job at batch size ``b`` with ``repeats`` draws per method into ``out`` (resumes an
-    interrupted run there)."""
+    interrupted run there), seeded by ``seed``, with the main job's default links or ``links``."""
     cmd = [sys.executable, "-m", "laplace_debiased", "--out", str(out), "--threads", "1", "--quiet",
-           "--batch-size", str(b), "--repeats", str(repeats), "--methods", *METHODS, "kron_full"]
+           "--batch-size", str(b), "--repeats", str(repeats), "--seed", str(seed), "--methods", *METHODS, "kron_full"]
+    if links:
+        cmd += ["--links", *links]
     subprocess.run(cmd, check=True)
 
 
@@ -137,15 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="batch draws per method and b")
     parser.add_argument("--out", type=Path, default=Path("digits-estimators-output"),
                         help="where the main job's runs go (kept, so an interrupted run resumes)")
+    parser.add_argument("--seed", type=int, default=0, help="the main job's --seed (MAP and batch draws)")
+    parser.add_argument("--links", nargs="+", default=None, help="the main job's --links (default: its own)")
+    parser.add_argument("--name", default="digits_estimators", help="stem of the result files in results/")
     args = parser.parse_args(argv)
     results = {}
     for b in args.batch_sizes:
-        run_main_job(b, args.out / f"b{b}", args.repeats)
-        results[b] = summarise(load_rows(args.out / f"b{b}" / "results.jsonl"))
+        run_main_job(b, args.out.expanduser() / f"b{b}", args.repeats, args.seed, args.links)
+        results[b] = summarise(load_rows(args.out.expanduser() / f"b{b}" / "results.jsonl"))
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "digits_estimators.json").write_text(json.dumps(results, indent=1) + "\n")
-    (HERE / "results" / "digits_estimators.md").write_text(markdown(results, args.repeats))
-    plot(results, HERE / "results" / "digits_estimators.png")
+    (HERE / "results" / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (HERE / "results" / f"{args.name}.md").write_text(markdown(results, args.repeats))
+    plot(results, HERE / "results" / f"{args.name}.png")
     print(markdown(results, args.repeats))
     return 0
 

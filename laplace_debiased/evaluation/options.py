@@ -20,7 +20,7 @@ from laplace_debiased.prior_grid import PriorGrid
 #: probit, recorded for comparison.
 DEFAULT_LINKS: tuple[str, ...] = ("probit_projected", "probit")
 
-METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk", "kron_full", "lowrank_single", "lowrank_debiased",
+METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk", "kron_stein", "kron_full", "lowrank_single", "lowrank_debiased",
            "ekfac_single", "ekfac_debiased", "ekfac_full")
 
 DEFAULTS: dict = {

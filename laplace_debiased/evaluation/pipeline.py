@@ -19,6 +19,8 @@ Methods (``--methods``), all over the weights chosen by ``--subset``:
   other (:mod:`laplace_debiased.curvature.corrected`);
 * ``kron_shrunk``: the same two batches, ``fit(estimator="shrunk")`` (the default of ``fit``): the
   corrected estimate with each factor's correction shrunk by its noise;
+* ``kron_stein``: the same two batches, ``fit(estimator="stein")``: the corrected estimate with
+  each factor's correction weighted by its minimum-MSE (James–Stein) weight;
 * ``kron_full``: K-FAC over all N training points (one repeat, drawn as markers);
 * ``lowrank_single`` / ``lowrank_debiased``: top-``--rank`` GGN eigenpairs of B with eigenvalues
   from B (B̃ = B) or re-measured on B̃ (:mod:`laplace_debiased.structures.lowrank`);
@@ -165,7 +167,7 @@ def _cifar(opts: dict) -> tuple[Dataset, list[EvalSet], Callable[[], torch.nn.Mo
 
 def _fit_loader(name: str, train: Dataset, opts: dict, repeat: int, b: int | None) -> tuple[DataLoader, int]:
     """The loader that method ``name``'s fit of ``repeat`` at batch size ``b`` reads, and how many
-    of its batches: one of ``b`` (``*_single``), two of half that (``*_debiased``, ``*_corrected``, ``*_shrunk``),
+    of its batches: one of ``b`` (``*_single``), two of half that (``*_debiased``, ``*_corrected``, ``*_shrunk``, ``*_stein``),
     or one of every training point (``*_full``, ``b=None``); the shuffling is seeded by ``--seed``
     and the repeat (the same draws at every b)."""
     if name.endswith("_full"):
@@ -220,7 +222,7 @@ def _method(name: str, model, train: Dataset, opts: dict, b: int | None = None, 
             la.fit(loader, estimator="paper")
         elif name.endswith("_debiased"):
             la.fit(loader)
-        elif name.endswith(("_corrected", "_shrunk")):
+        elif name.endswith(("_corrected", "_shrunk", "_stein")):
             la.fit(loader, estimator=name.split("_")[1])
         else:  # one batch of b, or every training point, B̃ = B
             la.fit(loader, magnitude_loader=loader)
@@ -336,9 +338,11 @@ def _describe_batches(structure: str, batches: str, b: int) -> dict[str, str | i
                 "description": f"debiased {structure}: directions (eigenvectors) from a batch B of {b // 2} "
                                f"training points, magnitudes re-measured on an independent batch B̃ of "
                                f"{b // 2}"}
-    if batches in ("corrected", "shrunk"):
-        shrunk = (" (the default fit)", ", that correction shrunk per factor by how much the two batches "
-                  "disagree on it") if batches == "shrunk" else ("", "")
+    if batches in ("corrected", "shrunk", "stein"):
+        shrunk = {"shrunk": (" (the default fit)", ", that correction shrunk per factor by how much the two batches "
+                             "disagree on it"),
+                  "stein": ("", ", that correction weighted per factor by its minimum-MSE (James-Stein) weight")
+                  }.get(batches, ("", ""))
         return {"label": f"{structure}, {batches} {b // 2} + {b // 2}", "samples": 2 * (b // 2),
                 "description": f"{batches} {structure}{shrunk[0]}: eigenvectors of both batches of {b // 2} training "
                                "points together, eigenvalues less the regression-to-the-mean bias the two batches "

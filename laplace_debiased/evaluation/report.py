@@ -468,7 +468,7 @@ def _tracking_figure(ctx: _Context, doc: _Doc, rows: list[_Tracked]) -> None:
 
 
 #: the mini-batch fits of the batch-size section, by the method's suffix, in table order
-_FIT_ROLES = ("single", "debiased", "corrected", "shrunk")
+_FIT_ROLES = ("single", "debiased", "corrected", "shrunk", "stein")
 _STRUCTURE_NAMES = {"kron": "K-FAC", "ekfac": "EKFAC", "lowrank": "low-rank"}
 
 
@@ -514,7 +514,7 @@ def _fit_name(fit: _BatchFit, several_kinds: bool) -> str:
     """The fit in a few words: "single batch", "paper's split", "corrected split", "shrunk split" (with the
     structure first when the results hold several)."""
     name = {"single": "single batch", "debiased": "paper's split" if fit.kind == "kron" else "debiased split",
-            "corrected": "corrected split", "shrunk": "shrunk split (default)"}[fit.role]
+            "corrected": "corrected split", "shrunk": "shrunk split (default)", "stein": "James-Stein split"}[fit.role]
     return f"{_STRUCTURE_NAMES.get(fit.kind, fit.kind)} {name}" if several_kinds else name
 
 
