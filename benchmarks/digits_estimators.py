@@ -76,9 +76,10 @@ def summarise(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def markdown(results: dict[int, dict], repeats: int) -> str:
-    lines = ["# Digits: single batch, paper, corrected and shrunk estimates at equal samples", "",
-             f"Written by `OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py --repeats {repeats}` (the main "
+def markdown(results: dict[int, dict], repeats: int, command: str | None = None, figure: str = "digits_estimators.png") -> str:
+    command = command or f"OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py --repeats {repeats}"
+    lines = ["# Digits: single batch, paper, corrected, shrunk and stein estimates at equal samples", "",
+             f"Written by `{command}` (the main "
              f"job on the embedded digits, N = 300, digits_cnn, {repeats} draws per method, projected probit). Largest gap to the "
              "full-batch K-FAC LA over the whole δ grid on the 1,000 test images: test NLL relative to the full "
              "batch (%), ECE in points; mean over draws [min, max]. No MC noise: the probit is deterministic. "
@@ -101,17 +102,17 @@ def markdown(results: dict[int, dict], repeats: int) -> str:
                 ml_text += f" ({mean_stderr_text(ml - single_ml, 3)})"
             lines.append(f"| {b} | {LABELS[m]} | {nll.mean():.2f} [{nll.min():.2f}, {nll.max():.2f}] | "
                          f"{ece.mean():.2f} [{ece.min():.2f}, {ece.max():.2f}] | {paired} | {worse} | {ml_text} |")
-    return "\n".join(lines) + "\n" + by_delta_markdown(results)
+    return "\n".join(lines) + "\n" + by_delta_markdown(results, figure)
 
 
-def by_delta_markdown(results: dict[int, dict]) -> str:
+def by_delta_markdown(results: dict[int, dict], figure: str = "digits_estimators.png") -> str:
     """The signed relative test-NLL gap of the single batch and the default at each δ of the grid,
     per b: mean ± standard error over the draws (%)."""
     sizes = sorted(results)
     lines = ["", "## Where on the δ grid the gaps lie", "",
              "Signed relative test-NLL gap to the full batch (%) at each prior precision δ, mean ± standard error "
              "over the draws (positive: a higher NLL than the full batch's). The table above reports, per draw, the "
-             "largest absolute value of these over the grid. Figure: [digits_estimators.png](digits_estimators.png).", "",
+             f"largest absolute value of these over the grid. Figure: [{figure}]({figure}).", "",
              "| δ | " + " | ".join(f"b = {b}: single | b = {b}: shrunk (default)" for b in sizes) + " |",
              "|---|" + "---|---|" * len(sizes)]
     for key in results[sizes[0]]["kron_single"]["signed_nll_gap_by_delta"]:
@@ -151,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         results[b] = summarise(load_rows(args.out.expanduser() / f"b{b}" / "results.jsonl"))
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    (HERE / "results" / f"{args.name}.md").write_text(markdown(results, args.repeats))
+    command = "OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (HERE / "results" / f"{args.name}.md").write_text(markdown(results, args.repeats, command, f"{args.name}.png"))
     plot(results, HERE / "results" / f"{args.name}.png")
-    print(markdown(results, args.repeats))
+    print(markdown(results, args.repeats, command, f"{args.name}.png"))
     return 0
 
 

@@ -84,6 +84,9 @@ def cell(curves: dict[str, dict[int, dict[float, float]]]) -> dict:
         out["per_delta"][c] = {str(d): _mean_se(100 * np.array([curves[c][k][d] - curves["single"][k][d]
                                                                  for k in draws])) for d in deltas}
     out["M_raw"] = {c: M[c].tolist() for c in CANDIDATES}
+    best = min(CANDIDATES[1:], key=lambda c: out["M"][c][0])
+    out["best"] = best
+    out["vs_best"] = {c: _mean_se(M[c] - M[best]) for c in CANDIDATES[1:]}
     return out
 
 
@@ -130,6 +133,12 @@ def markdown(cells: dict, finished: dict[str, bool], decision: dict, draws: int)
                           for r in CANDIDATES[1:]]
             lines.append(f"| {b} | {c['draws']} | {m['single'][0]:.2f} ± {m['single'][1]:.2f}"
                          f"{' (outside floor)' if c['single_outside_floor'] else ''} | " + " | ".join(cells_text) + " |")
+        lines += ["", "Paired difference to the cell's best two-batch candidate (lowest mean M), M − M(best) "
+                  "(points, mean ± s.e.):", "",
+                  "| b | best | " + " | ".join(CANDIDATES[1:]) + " |", "|---|---|" + "---|" * (len(CANDIDATES) - 1)]
+        for b, c in sorted(bs.items()):
+            lines.append(f"| {b} | {c['best']} | " + " | ".join(
+                f"{c['vs_best'][r][0]:+.2f} ± {c['vs_best'][r][1]:.2f}" for r in CANDIDATES[1:]) + " |")
         lines.append("")
     lines += ["## Decision (finished settings only)", "",
               f"- eligible: {', '.join(decision['eligible']) or 'none'}",
