@@ -2,11 +2,13 @@
 main job's embedded digits (N = 300), for several batch sizes.
 
     OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py [--batch-sizes 32 64 128] [--repeats 3] [--out DIR]
+        [--seed S] [--links probit_projected ...] [--name digits_estimators]
 
 Runs the main job (``python -m laplace_debiased``) once per batch size b with the methods
-kron_single (b samples), kron_debiased, kron_corrected and kron_shrunk (two halves of b/2; the last is
-``fit``'s default) and kron_full, ``--repeats`` draws
-each (default 3), into ``DIR/b<b>/``, then writes ``results/digits_estimators.{json,md}``: per method and b
+kron_single (b samples), kron_debiased, kron_corrected, kron_shrunk (``fit``'s default) and kron_stein
+(two halves of b/2) and kron_full, ``--repeats`` draws
+each (default 3; ``--seed`` seeds the MAP and the draws, default 0), into ``DIR/b<b>/``, then writes
+``results/<name>.{json,md,png}`` (default name ``digits_estimators``): per method and b
 the largest relative test-NLL gap and ECE gap to the full batch over the whole δ grid (projected
 probit), mean and range over the draws, and per two-batch method its paired difference to the
 single batch (the same draws: mean ± standard error, and in how many draws it was worse); then
@@ -32,17 +34,19 @@ from laplace_debiased.evaluation.tracking import (curves_from_json, curves_to_js
                                                   where_largest)
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk")
+METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk", "kron_stein")
 LABELS = {"kron_single": "single batch b", "kron_debiased": "paper 2 × b/2", "kron_corrected": "corrected 2 × b/2",
-          "kron_shrunk": "shrunk 2 × b/2 (default)"}
+          "kron_shrunk": "shrunk 2 × b/2 (default)", "kron_stein": "stein 2 × b/2"}
 LINK = "probit_projected"
 
 
-def run_main_job(b: int, out: Path, repeats: int) -> None:
+def run_main_job(b: int, out: Path, repeats: int, seed: int = 0, links: list[str] | None = None) -> None:
     """The main job at batch size ``b`` with ``repeats`` draws per method into ``out`` (resumes an
-    interrupted run there)."""
+    interrupted run there), seeded by ``seed``, with the main job's default links or ``links``."""
     cmd = [sys.executable, "-m", "laplace_debiased", "--out", str(out), "--threads", "1", "--quiet",
-           "--batch-size", str(b), "--repeats", str(repeats), "--methods", *METHODS, "kron_full"]
+           "--batch-size", str(b), "--repeats", str(repeats), "--seed", str(seed), "--methods", *METHODS, "kron_full"]
+    if links:
+        cmd += ["--links", *links]
     subprocess.run(cmd, check=True)
 
 
@@ -73,9 +77,10 @@ def summarise(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def markdown(results: dict[int, dict], repeats: int) -> str:
-    lines = ["# Digits: single batch, paper, corrected and shrunk estimates at equal samples", "",
-             f"Written by `OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py --repeats {repeats}` (the main "
+def markdown(results: dict[int, dict], repeats: int, command: str | None = None, figure: str = "digits_estimators.png") -> str:
+    command = command or f"OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py --repeats {repeats}"
+    lines = ["# Digits: single batch, paper, corrected, shrunk and stein estimates at equal samples", "",
+             f"Written by `{command}` (the main "
              f"job on the embedded digits, N = 300, digits_cnn, {repeats} draws per method, projected probit). Largest gap to the "
              "full-batch K-FAC LA over the whole δ grid on the 1,000 test images: test NLL relative to the full "
              "batch (%), ECE in points; mean over draws [min, max]. No MC noise: the probit is deterministic. "
@@ -98,17 +103,17 @@ def markdown(results: dict[int, dict], repeats: int) -> str:
                 ml_text += f" ({mean_stderr_text(ml - single_ml, 3)})"
             lines.append(f"| {b} | {LABELS[m]} | {nll.mean():.2f} [{nll.min():.2f}, {nll.max():.2f}] | "
                          f"{ece.mean():.2f} [{ece.min():.2f}, {ece.max():.2f}] | {paired} | {worse} | {ml_text} |")
-    return "\n".join(lines) + "\n" + by_delta_markdown(results)
+    return "\n".join(lines) + "\n" + by_delta_markdown(results, figure)
 
 
-def by_delta_markdown(results: dict[int, dict]) -> str:
+def by_delta_markdown(results: dict[int, dict], figure: str = "digits_estimators.png") -> str:
     """The signed relative test-NLL gap of the single batch and the default at each δ of the grid,
     per b: mean ± standard error over the draws (%)."""
     sizes = sorted(results)
     lines = ["", "## Where on the δ grid the gaps lie", "",
              "Signed relative test-NLL gap to the full batch (%) at each prior precision δ, mean ± standard error "
              "over the draws (positive: a higher NLL than the full batch's). The table above reports, per draw, the "
-             "largest absolute value of these over the grid. Figure: [digits_estimators.png](digits_estimators.png).", "",
+             f"largest absolute value of these over the grid. Figure: [{figure}]({figure}).", "",
              "| δ | " + " | ".join(f"b = {b}: single | b = {b}: shrunk (default)" for b in sizes) + " |",
              "|---|" + "---|---|" * len(sizes)]
     for key in results[sizes[0]]["kron_single"]["signed_nll_gap_by_delta"]:
@@ -138,16 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="batch draws per method and b")
     parser.add_argument("--out", type=Path, default=Path("digits-estimators-output"),
                         help="where the main job's runs go (kept, so an interrupted run resumes)")
+    parser.add_argument("--seed", type=int, default=0, help="the main job's --seed (MAP and batch draws)")
+    parser.add_argument("--links", nargs="+", default=None, help="the main job's --links (default: its own)")
+    parser.add_argument("--name", default="digits_estimators", help="stem of the result files in results/")
     args = parser.parse_args(argv)
     results = {}
     for b in args.batch_sizes:
-        run_main_job(b, args.out / f"b{b}", args.repeats)
-        results[b] = summarise(load_rows(args.out / f"b{b}" / "results.jsonl"))
+        run_main_job(b, args.out.expanduser() / f"b{b}", args.repeats, args.seed, args.links)
+        results[b] = summarise(load_rows(args.out.expanduser() / f"b{b}" / "results.jsonl"))
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "digits_estimators.json").write_text(json.dumps(results, indent=1) + "\n")
-    (HERE / "results" / "digits_estimators.md").write_text(markdown(results, args.repeats))
-    plot(results, HERE / "results" / "digits_estimators.png")
-    print(markdown(results, args.repeats))
+    (HERE / "results" / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    command = "OMP_NUM_THREADS=1 python benchmarks/digits_estimators.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (HERE / "results" / f"{args.name}.md").write_text(markdown(results, args.repeats, command, f"{args.name}.png"))
+    plot(results, HERE / "results" / f"{args.name}.png")
+    print(markdown(results, args.repeats, command, f"{args.name}.png"))
     return 0
 
 

@@ -13,6 +13,8 @@ over repeats is reported:
   batches (three float64 eigendecompositions per factor: B ∪ B̃'s and, for the gaps, B's and
   B̃'s; through the rows' Gram matrices for a factor wider than B ∪ B̃);
 * ``shrunk``: ``estimator="shrunk"`` (the default), the same computation and one weight per factor;
+* ``stein``: ``estimator="stein"``, the same and per factor the two batches' difference in the
+  pooled eigenbasis (two ``d × d`` products) for the weight;
 * ``single``: laplace-torch's ``KronLaplace.fit`` on one batch of b (the reference of the
   target ``debiased / single <= 1.05``);
 * ``single_same_code``: ``DebiasedKronLaplace.fit`` with B̃ = B, one batch of b;
@@ -73,8 +75,8 @@ from laplace_debiased.evaluation.models import cifar_cnn
 from laplace_debiased.kron.laplace import DebiasedKronLaplace
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ["debiased", "debiased_per_batch", "corrected", "shrunk", "single", "single_same_code"]
-CORRECTED = ["corrected", "shrunk"]
+METHODS = ["debiased", "debiased_per_batch", "corrected", "shrunk", "stein", "single", "single_same_code"]
+CORRECTED = ["corrected", "shrunk", "stein"]
 PREDICTIVE = ["debiased+predictive", "single+predictive"]
 
 
@@ -133,7 +135,7 @@ def _time_fit(method: str, model: torch.nn.Module, b: int, seed: int, n_test: in
         loader = _loader(b, b, seed, device)
         la, kw = DebiasedKronLaplace(model, "classification"), {"magnitude_loader": loader}
     else:
-        estimator = method if method in ("corrected", "shrunk") else "paper"
+        estimator = method if method in CORRECTED else "paper"
         la, loader, kw = DebiasedKronLaplace(model, "classification", estimator=estimator), _loader(b, b // 2, seed, device), {}
         if method == "debiased_per_batch":
             la._single_pass_fisher = lambda: None
@@ -280,6 +282,8 @@ def _row(b: int, times: dict[str, list[float]], predictive: bool) -> dict:
         "met": med["debiased"] / med["single"] <= 1.05,
         "ratio_corrected_over_debiased": med["corrected"] / med["debiased"],
         "ratio_shrunk_over_debiased": med["shrunk"] / med["debiased"],
+        "ratio_stein_over_debiased": med["stein"] / med["debiased"],
+        **{f"ratio_{name}_over_single": med[name] / med["single"] for name in CORRECTED},
         "floor_over_debiased": (med["debiased"] + med.get("eigh_extra", float("nan"))) / med["debiased"],
     }
     if predictive:
@@ -323,13 +327,16 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
             f"{s['eigh_stock']:.3f} | {r['ratio_without_decompositions']:.2f} |"
         )
     for name, what in (("corrected", "The corrected estimate (`fit(estimator='corrected')`)"),
-                       ("shrunk", "The shrunk estimate (`fit(estimator='shrunk')`, the default)")):
+                       ("shrunk", "The shrunk estimate (`fit(estimator='shrunk')`, the default)"),
+                       ("stein", "The James–Stein estimate (`fit(estimator='stein')`)")):
         if all(r["median_seconds"][name] == r["median_seconds"][name] for r in rows):  # timed
             lines += ["", f"{what} on the same two batches, and its decomposition against the paper's:", "",
-                      f"| b | {name} 2×b/2 (s) | **{name} / debiased** (target ≤ 1.1) | {name} decomposition (s) "
+                      f"| b | {name} 2×b/2 (s) | **{name} / debiased** (target ≤ 1.1) | {name} / single b, "
+                      f"laplace-torch | {name} decomposition (s) "
                       "| more than the paper's decomposition (s) | its two more float64 eigh per factor alone (s) "
-                      "| floor of the ratio: 1 + those / the paper's fit |", "|---|---|---|---|---|---|---|"]
+                      "| floor of the ratio: 1 + those / the paper's fit |", "|---|---|---|---|---|---|---|---|"]
             lines += [f"| {r['b']} | {r['median_seconds'][name]:.3f} | **{r[f'ratio_{name}_over_debiased']:.2f}** "
+                      f"| {r[f'ratio_{name}_over_single']:.2f} "
                       f"| {r['median_seconds'][f'decomposition_{name}']:.3f} "
                       f"| {r['median_seconds'][f'decomposition_{name}'] - r['median_seconds']['eigh_float64']:.3f} "
                       f"| {r['median_seconds']['eigh_extra']:.3f} | {r['floor_over_debiased']:.2f} |"

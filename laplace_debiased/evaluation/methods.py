@@ -96,6 +96,8 @@ _POOLED = ("eigenvectors of both batches of {half} training points together, eig
 _CORRECTED = f"corrected {{structure}}: {_POOLED} (fit(estimator='corrected'))"
 _SHRUNK = (f"shrunk {{structure}} (the default fit): {_POOLED}, that correction shrunk per factor by how much "
            "the two batches disagree on it (fit(estimator='shrunk'))")
+_STEIN = (f"stein {{structure}}: {_POOLED}, that correction weighted per factor by its minimum-MSE "
+          "(James-Stein) weight (estimator='stein')")
 
 
 def _table(*methods: Method) -> Mapping[str, Method]:
@@ -109,6 +111,7 @@ METHODS: Mapping[str, Method] = _table(
     Method("kron_corrected", "debiased_kron", "two", "corrected split", "corrected", _CORRECTED,
            {"estimator": "corrected"}),
     Method("kron_shrunk", "debiased_kron", "two", "shrunk split (default)", "shrunk", _SHRUNK, {"estimator": "shrunk"}),
+    Method("kron_stein", "debiased_kron", "two", "James-Stein split", "stein", _STEIN, {"estimator": "stein"}),
     Method("kron_full", "debiased_kron", "full", "full batch", "full batch", ""),
     Method("lowrank_single", "debiased_lowrank", "single", "single batch", "single batch of", _SINGLE),
     Method("lowrank_debiased", "debiased_lowrank", "two", "debiased split", "debiased", _PAPER),

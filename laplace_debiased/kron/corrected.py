@@ -53,37 +53,76 @@ returns there.
 With B̃ = B every gap is zero in exact arithmetic and the estimate is the single batch's
 eigendecomposition (to round-off; the Laplace class takes its exact stock path then).
 
-**Shrinkage** (``shrink=True``, the ``"shrunk"`` estimate). Removing the bias pays only where
-the bias is a large part of the single batch's error; elsewhere that error is mostly sampling
-noise, which no correction removes, and the correction's own noise is added to it. Write
-``x_i = s_{B,i} + s_{B̃,i}`` for the correction of the ``i``-th eigenvalue of the pooled range
-(``s`` the two orders' shifts above) and ``e_i = s_{B,i} - s_{B̃,i}``. With the half difference
-``Δ = (F̂_B - F̂_B̃) / 2`` in the pooled eigenbasis, second-order perturbation theory gives each
-order's shift as ``±Δ_ii / 2 + g_i`` (``g_i = Σ_{j≠i} Δ_ij² / (λ_{P,i} - λ_{P,j})`` at the order
-weight ``1/2``, second order): the first-order parts cancel in ``x_i = 2 g_i``, the estimate of the
-bias ``2 c_i``, and remain in ``e_i = Δ_ii``. For independent halves ``Δ`` has the covariance of
-the pooled error ``E_P = (E_B + E_B̃) / 2``, so ``E[e_i²]`` is, to first order, the variance of the
-pooled eigenvalue ``λ_{P,i}``: the single batch's own noise (it is *not* the noise of ``x_i``,
-which is of second order and smaller by a factor growing like ``m``). The weight
+**The two orders in the pooled basis.** Write ``Δ = U_Pᵀ (F_B - F_B̃) U_P`` for the two batches'
+difference in the pooled eigenbasis (``F_P = diag(λ_P)``), ``a = m_B̃ / n``, ``b = m_B / n``, so that
+``F_B = F_P + aΔ`` and ``F_B̃ = F_P - bΔ``. Second-order perturbation theory gives each order's gap as
 
 .. math::
 
-    w = \\max\\bigl(0,\\; 1 - Σ_i e_i² / Σ_i x_i²\\bigr)
+    g_{B,i} = Δ_{ii} + 2a\\,h_i, \\qquad g_{B̃,i} = -Δ_{ii} + 2b\\,h_i, \\qquad
+    h_i = \\sum_{j ≠ i} Δ_{ij}^2 / (λ_{P,i} - λ_{P,j}),
 
-(of the positive-part James–Stein form) therefore compares, over one factor's range, the single
-batch's noise with its squared bias plus the correction's noise: it is near 1 where the bias
-dominates the single batch's error (small batches, flat spectra), and falls to 0 as the batch
-grows, since the bias shrinks like ``1/m`` and the noise like ``1/√m``. It is more conservative
-than the weight minimising ``E Σ_i (w x_i - 2 c_i)²`` (``Σ 4c_i² / (Σ 4c_i² + Σ Var x_i)``, which
-needs the second-order ``Var x_i`` that two batches do not measure), and gives up only a small
-share of the bias there: one that is small against the noise it leaves. The eigenvalues are
-``(λ_{P,i} - w x_i)⁺`` on the pooled range. The pooled null space (where the single batch has no
-curvature at all, and any positive value is closer to the truth) keeps the whole correction.
-``w`` is near 1 where the two orders agree on a large correction (small batches) and near 0 where
-they disagree as much as they correct (their disagreement being the single batch's noise), so the
-estimate moves between the corrected one and the single batch by what the two batches measure.
-With B̃ = B every ``x_i`` is zero (to round-off), and so is the correction, whatever ``w``: the
-single batch again.
+so the correction ``x_i = k_B g_{B,i} + k_B̃ g_{B̃,i}`` with the order weights above,
+``k = (m/n)(1 - n/N)/2``, is ``x_i = (1 - n/N)(b - a) Δ_ii / 2 + 2c h_i`` with ``c = ab (1 - n/N)``:
+a second-order part that estimates the bias, and for unequal batches a first-order part of mean
+zero. The only weights with the same bias under which the first-order part cancels are the balanced
+``k_B = k_B̃ = c``; they are not used: where a bulk of nearly equal eigenvalues splits at first order
+(``h_i`` then grows like ``√m``, not ``m``), both weightings under-correct and the size-proportional
+ones less (the known-truth study, ``benchmarks/results/estimator_candidates.md``, ``balanced``
+against ``stein``); the first-order part is instead counted in the noise below.
+
+**The ``"stein"`` weight** (minimum mean squared error). Write ``r_i = λ_{P,i} - u_{P,i}ᵀ F u_{P,i}``
+for the pooled eigenvalue's error against its target. The estimate ``λ_{P,i} - w x_i`` has the
+error ``r_i - w x_i``; the weight minimising ``E Σ_i a_i (r_i - w x_i)²`` is
+``w* = E Σ a_i r_i x_i / E Σ a_i x_i²``. For Gaussian (or, through the central limit theorem, many)
+samples ``r_i``'s first-order noise ``(E_P)_ii`` and ``Δ`` are uncorrelated (``E_P`` the
+samples-weighted mean of the two batches' errors, ``Δ`` their difference), so ``E[r_i x_i] ≈
+b_i E[x_i]`` with ``b_i = E r_i = E x_i``, and ``w* = Σ a_i b_i² / (Σ a_i b_i² + Σ a_i V_i)``,
+``V_i = Var x_i``. Its plug-in ``w = max(0, 1 - Σ a_i V̂_i / Σ a_i x_i²)`` (``E x_i² = b_i² + V_i``)
+is a positive-part James–Stein weight, one per factor. ``V_i`` is measured from the two batches:
+the entries of ``Δ`` are sums over the samples of both batches, near-Gaussian (central limit),
+independent across ``j`` in the eigenbasis, with ``Var Δ_ij² = 2 (E Δ_ij²)²`` estimated by
+``(2/3) Δ_ij⁴`` (``E Δ⁴ = 3 (E Δ²)²``), so
+
+.. math::
+
+    \\hat V_i = 4c^2 \\cdot \\tfrac23 \\sum_{j ≠ i} \\frac{Δ_{ij}^4}{(λ_{P,i} - λ_{P,j})^2 + 4ab\\,Δ_{ij}^2}
+    + \\Bigl(\\frac{(1 - n/N)(b - a)}{2}\\Bigr)^2 Δ_{ii}^2 .
+
+The ``4ab Δ_ij²`` next to the squared separation is the two-level resummation: a pair of levels
+``s`` apart coupled by ``t`` (``4t² = 4ab Δ_ij²`` over the two orders) moves by
+``(√(s² + 4t²) - s)/2``, whose derivative in ``t²`` is ``1/√(s² + 4t²)``, where the perturbation
+series has ``1/s``. The errors are relative, ``a_i = 1 / λ_{P,i}²`` (the KL divergence of the
+Gaussians as the prior precision goes to 0 weighs each eigenvalue's error so); with ``a_i = 1`` the
+largest eigenvalues' noise decides and the weight discards the small ones' bias (``stein-abs`` in
+the study). Costs: ``Δ`` in the pooled basis (two products of ``d × d`` matrices, or ``r × r`` from
+the rows), no eigendecomposition beyond the corrected estimate's.
+
+On the pooled null space the single batch has no curvature, and the two orders fill it with their
+null runs' mean gap, the curvature the other batch finds outside one batch's range. That curvature
+cannot grow with the batch, so the ``"stein"`` rule takes the smaller of the two orders' (equal
+batches: the two agree up to noise) at the weight ``(1 - n/N)/4`` per order: where the larger batch
+already spans the factor's range (a rank-deficient factor), the pooled null space is the true one
+and stays empty, where the ``"corrected"`` rule fills it from the smaller batch's null run.
+
+Assumptions and where the weight fails. (i) Separated eigenvalues: in a clustered bulk the pair
+terms are not small, the bias is first order, the resummed ``V̂`` is still conservative and the
+weight gives up part of a real correction (``flat`` and ``spiked`` in the study, where the oracle
+weight exceeds 1). (ii) ``m < d``: with fewer samples than dimensions the range's spectrum is far
+from its target and ``V̂`` is dominated by the null-space edge; there the weight tends to 0 on the
+range and only the null-space fill is kept (the ``m < d`` rows of the study). (iii) Near-Gaussian
+``Δ``: heavy-tailed rows over few samples make ``(2/3) Δ⁴`` under-state ``Var Δ²``. (iv) A
+factor's rows are not its samples (a K-FAC factor of a convolution sums over positions); ``V̂``
+uses only ``Δ``, whatever the rows.
+
+**Shrinkage** (``rule="shrunk"``): the earlier weight ``w = max(0, 1 - Σ_i e_i² / Σ_i x_i²)`` with
+``e = s_B - s_B̃`` the two orders' difference (``s = k g``). ``e_i`` is dominated by ``Δ_ii``, the
+single batch's own first-order noise, not the noise of ``x_i``, so the weight is not a James–Stein
+weight for ``x``: it falls to 0 as the batch grows, including where the correction is much larger
+than its noise (the study's ``shrunk`` column). Offered for comparison.
+
+With B̃ = B every ``Δ`` and gap is zero (to round-off), and so is every correction, whatever the
+weight: the single batch.
 """
 
 from __future__ import annotations
@@ -107,8 +146,11 @@ from laplace_debiased.curvature.linalg import (
     tied_groups,
 )
 
-__all__ = ["FactorCorrection", "corrected_factor", "corrected_factor_rows", "corrected_kron", "same_minus_cross",
-           "shrinkage_weight"]
+__all__ = ["RULES", "FactorCorrection", "correction_variance", "corrected_factor", "corrected_factor_rows",
+           "corrected_kron", "order_weights", "same_minus_cross", "shrinkage_weight", "stein_weight"]
+
+#: the weights of the correction on the pooled range (module docstring)
+RULES = ("corrected", "shrunk", "stein")
 
 
 @dataclass(frozen=True)
@@ -175,9 +217,58 @@ def _order_weight(m: int, n: int, n_data: int | None) -> float:
     return m / n * (1 - n / n_data)
 
 
+def order_weights(m_direction: int, m_magnitude: int, n_data: int | None) -> tuple[float, float]:
+    """The factors ``(k_B, k_B̃)`` of the two orders' gaps in the correction ``x = k_B g_B + k_B̃ g_B̃``:
+    ``(m / n)(1 - n / N) / 2`` for the order whose batch of ``m`` chooses (module docstring)."""
+    n = m_direction + m_magnitude
+    return _order_weight(m_direction, n, n_data) / 2, _order_weight(m_magnitude, n, n_data) / 2
+
+
+def correction_variance(difference: torch.Tensor, L: torch.Tensor, m_direction: int, m_magnitude: int,
+                        n_data: int | None, tolerance: float) -> torch.Tensor:
+    """Estimated variance of each eigenvalue's correction ``x_i`` on the pooled range (module docstring).
+
+    Args:
+        difference: ``(r, r)`` float64 ``Δ = U_Pᵀ (F_B - F_B̃) U_P``, the two batches' difference in
+            the pooled eigenbasis of the range.
+        L: ``(r,)`` float64 pooled eigenvalues of the range, ascending.
+        m_direction: samples in B.
+        m_magnitude: samples in B̃.
+        n_data: the training-set size (``None``: an infinite population).
+        tolerance: eigenvalue separations up to it count as ties (no pair term).
+
+    Returns:
+        ``(r,)`` float64 ``V_i = 4 c² · (2/3) Σ_{j≠i} Δ_ij⁴ / ((λ_i - λ_j)² + 4ab Δ_ij²)
+        + (c (b - a) / (2ab))² Δ_ii²`` with ``a = m_B̃ / n``, ``b = m_B / n`` and
+        ``c = ab (1 - n / N)``.
+    """
+    n = m_direction + m_magnitude
+    a, b = m_magnitude / n, m_direction / n
+    c = a * b * _order_weight(n, n, n_data)
+    sep = L[:, None] - L[None, :]
+    square = difference.square()
+    denominator = sep.square() + 4 * a * b * square
+    skip = (sep.abs() <= tolerance) | (denominator == 0)
+    terms = square.square() / torch.where(skip, torch.ones_like(denominator), denominator)
+    second = 4 * c**2 * (2 / 3) * terms.masked_fill(skip, 0.0).sum(1)
+    return second + (c * (b - a) / (2 * a * b)) ** 2 * difference.diagonal().square()
+
+
+def _null_shifts(shift_b: torch.Tensor, shift_t: torch.Tensor, gaps_b: torch.Tensor, gaps_t: torch.Tensor,
+                 k: float, null: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``"stein"`` on the pooled null space (the first ``null`` entries): both orders' shifts
+    ``k · max(g_B, g_B̃)``, the null-run gap of smaller size, ``k = (1 - n/N) / 4`` the mean of the
+    size-proportional order weights (module docstring)."""
+    if null == 0:
+        return shift_b, shift_t
+    shift_b, shift_t = shift_b.clone(), shift_t.clone()
+    shift_b[:null] = shift_t[:null] = k * torch.maximum(gaps_b[:null], gaps_t[:null])
+    return shift_b, shift_t
+
+
 def corrected_factor(
     direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0,
-    n_data: int | None = None, shrink: bool = False, rows: FactorRows | None = None,
+    n_data: int | None = None, rule: str = "corrected", rows: FactorRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """Pooled eigenvectors and corrected eigenvalues of one factor (module docstring).
 
@@ -190,7 +281,8 @@ def corrected_factor(
         terms: rank-one terms summed into either factor (round-off tolerance of the quotients).
         n_data: the number ``N`` of training data the batches were drawn from without
             replacement (finite-population scaling); ``None``: an infinite population.
-        shrink: shrink the correction on the pooled range by its measured noise (module docstring).
+        rule: one of [`RULES`][laplace_debiased.kron.corrected.RULES]: the whole correction (``"corrected"``), or the
+            correction on the pooled range weighted by the ``"shrunk"`` or the ``"stein"`` rule (module docstring).
         rows: B's and B̃'s rows where known: the gap of each order whose batch has fewer rows than
             ``d`` comes from the Gram matrices (``_gaps_from_rows``, no ``d × d`` eigh).
 
@@ -211,12 +303,19 @@ def corrected_factor(
     n = m_direction + m_magnitude
     pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
     L, U = symmetric_eigh64(pooled)
-    gaps = [_gaps_from_rows(rows, k, direction.dtype)[0] if rows is not None and len(rows[k]) < L.numel()
-            else same_minus_cross(*((direction, magnitude) if k == 0 else (magnitude, direction)), terms) for k in (0, 1)]
-    shift_b = _order_weight(m_direction, n, n_data) * gaps[0] / 2
-    shift_t = _order_weight(m_magnitude, n, n_data) * gaps[1] / 2
-    null = int((L <= frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(pooled)))).sum())
-    lam, record = _corrected_values(L, shift_b, shift_t, null, shrink)
+    k_b, k_t = order_weights(m_direction, m_magnitude, n_data)
+    gaps_b, gaps_t = (
+        _gaps_from_rows(rows, k, direction.dtype)[0] if rows is not None and len(rows[k]) < L.numel()
+        else same_minus_cross(*((direction, magnitude) if k == 0 else (magnitude, direction)), terms) for k in (0, 1))
+    shift_b, shift_t = k_b * gaps_b, k_t * gaps_t
+    tol = frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(pooled)))
+    null = int((L <= tol).sum())
+    variance = None
+    if rule == "stein":
+        shift_b, shift_t = _null_shifts(shift_b, shift_t, gaps_b, gaps_t, _order_weight(n, n, n_data) / 4, null)
+        difference = U.T @ (direction.double() - magnitude.double()) @ U
+        variance = correction_variance(difference[null:, null:], L[null:], m_direction, m_magnitude, n_data, tol)
+    lam, record = _corrected_values(L, shift_b, shift_t, null, rule, variance)
     return U.to(direction.dtype), lam.to(direction.dtype), record
 
 
@@ -250,7 +349,7 @@ def _gaps_from_rows(rows: FactorRows, chooser: int, dtype: torch.dtype) -> tuple
 
 def corrected_factor_rows(
     direction_rows: torch.Tensor, magnitude_rows: torch.Tensor, m_direction: int, m_magnitude: int,
-    dtype: torch.dtype, n_data: int | None = None, shrink: bool = False, rows: FactorRows | None = None,
+    dtype: torch.dtype, n_data: int | None = None, rule: str = "corrected", rows: FactorRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection] | None:
     """[`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] of a factor wider than its
     rows, through the rows (``O(d n²)``).
@@ -262,7 +361,7 @@ def corrected_factor_rows(
         m_magnitude: samples in B̃.
         dtype: the dtype of the dense factors (round-off tolerances, the results).
         n_data: the training-set size (finite-population scaling, [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
-        shrink: shrink the correction on the pooled range ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+        rule: one of [`RULES`][laplace_debiased.kron.corrected.RULES] ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
         rows: the same rows as [`FactorRows`][laplace_debiased.curvature.linalg.FactorRows], whose Gram
             matrix every decomposition here shares (formed here otherwise).
 
@@ -287,9 +386,15 @@ def corrected_factor_rows(
     if d - r > min(null_b, null_t):
         return None
     full = torch.cat([L.new_zeros(d - r), L])
-    shift_b = _order_weight(m_direction, n, n_data) * gaps_b / 2
-    shift_t = _order_weight(m_magnitude, n, n_data) * gaps_t / 2
-    lam, record = _corrected_values(full, shift_b, shift_t, d - r, shrink)
+    k_b, k_t = order_weights(m_direction, m_magnitude, n_data)
+    shift_b, shift_t = k_b * gaps_b, k_t * gaps_t
+    variance = None
+    if rule == "stein":
+        shift_b, shift_t = _null_shifts(shift_b, shift_t, gaps_b, gaps_t, _order_weight(n, n, n_data) / 4, d - r)
+        YB, YM = direction_rows.double() @ Q, magnitude_rows.double() @ Q
+        tol = frobenius_tolerance(d, dtype, float(torch.linalg.vector_norm(L)))
+        variance = correction_variance(YB.T @ YB - YM.T @ YM, L, m_direction, m_magnitude, n_data, tol)
+    lam, record = _corrected_values(full, shift_b, shift_t, d - r, rule, variance)
     values = torch.cat([lam[d - r:], lam[:1]]) if r < d else lam
     return Q.to(dtype), values.to(dtype), record
 
@@ -305,12 +410,30 @@ def shrinkage_weight(shift_b: torch.Tensor, shift_t: torch.Tensor) -> float:
     return max(0.0, 1.0 - float((shift_b - shift_t).square().sum()) / total)
 
 
-def _corrected_values(L: torch.Tensor, shift_b: torch.Tensor, shift_t: torch.Tensor, null: int, shrink: bool
-                      ) -> tuple[torch.Tensor, FactorCorrection]:
+def stein_weight(x: torch.Tensor, variance: torch.Tensor, L: torch.Tensor) -> float:
+    """The positive-part James–Stein weight ``max(0, 1 - Σ_i a_i V_i / Σ_i a_i x_i²)`` of the
+    correction ``x`` ``(r,)`` on the pooled range, ``V`` ``(r,)`` its estimated variance
+    ([`correction_variance`][laplace_debiased.kron.corrected.correction_variance]), ``a_i = 1 / λ_i²`` (``L`` the pooled eigenvalues, relative
+    errors; module docstring); 0 where ``x`` is zero."""
+    a = 1.0 / L.square()
+    total = float((a * x.square()).sum())
+    if total == 0.0:
+        return 0.0
+    return max(0.0, 1.0 - float((a * variance).sum()) / total)
+
+
+def _corrected_values(L: torch.Tensor, shift_b: torch.Tensor, shift_t: torch.Tensor, null: int, rule: str,
+                      variance: torch.Tensor | None = None) -> tuple[torch.Tensor, FactorCorrection]:
     """The corrected eigenvalues ``(L - w (shift_b + shift_t))⁺`` (all ``(d,)``, ascending; ``w = 1``
-    on the first ``null`` entries, the pooled null space, and without ``shrink``) and the record of
-    what each order and both changed."""
-    kept = shrinkage_weight(shift_b[null:], shift_t[null:]) if shrink else 1.0
+    on the first ``null`` entries, the pooled null space, and for ``rule="corrected"``; ``variance``
+    ``(d - null,)`` the correction's estimated variance on the range for ``"stein"``) and the record
+    of what each order and both changed."""
+    if rule == "shrunk":
+        kept = shrinkage_weight(shift_b[null:], shift_t[null:])
+    elif rule == "stein":
+        kept = stein_weight(shift_b[null:] + shift_t[null:], variance, L[null:])
+    else:
+        kept = 1.0
     weight = torch.full_like(L, kept)
     weight[:null] = 1.0
     lam = (L - weight * (shift_b + shift_t)).clamp(min=0.0)
@@ -330,7 +453,7 @@ def corrected_kron(
     terms: int | Sequence[Sequence[int]] = 0,
     n_data: int | None = None,
     rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
-    shrink: bool = False,
+    rule: str = "corrected",
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[FactorCorrection]]]:
     """[`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] for every factor of a
     layer-wise K-FAC approximation.
@@ -351,8 +474,7 @@ def corrected_kron(
             per block and factor.
         n_data: the training-set size the batches were drawn from ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
         rows: ``None``, or per block and factor ``(B's rows, B̃'s rows)`` (``F = XᵀX``) where known.
-        shrink: shrink each factor's correction on its pooled range
-            ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+        rule: one of [`RULES`][laplace_debiased.kron.corrected.RULES], for every factor ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
 
     Returns:
         ``(eigenvectors, eigenvalues, records)``, lists of lists per block and factor, the
@@ -365,11 +487,13 @@ def corrected_kron(
             f"B has {len(direction_kfacs)} K-FAC blocks but B̃ has {len(magnitude_kfacs)}; "
             "both must come from the same parameters."
         )
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}.")
     vectors, values, records = [], [], []
     for i, (F_dir, F_mag) in enumerate(zip(direction_kfacs, magnitude_kfacs)):
         block_rows = rows[i] if rows is not None else [None] * len(F_dir)
         block_terms = [terms] * len(F_dir) if isinstance(terms, int) else terms[i]
-        block = [_corrected_route(D, M, r, m_direction, m_magnitude, t, n_data, shrink)
+        block = [_corrected_route(D, M, r, m_direction, m_magnitude, t, n_data, rule)
                  for D, M, r, t in zip(F_dir, F_mag, block_rows, block_terms)]
         vectors.append([b[0] for b in block])
         values.append([b[1] for b in block])
@@ -379,7 +503,7 @@ def corrected_kron(
 
 def _corrected_route(
     direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
-    m_direction: int, m_magnitude: int, terms: int, n_data: int | None, shrink: bool,
+    m_direction: int, m_magnitude: int, terms: int, n_data: int | None, rule: str,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """[`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows] where [`through_rows`][laplace_debiased.curvature.linalg.through_rows]
     (and it applies), else [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors (with the gaps of a batch
@@ -387,9 +511,9 @@ def _corrected_route(
     if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")
-        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, shrink,
+        result = corrected_factor_rows(*rows, m_direction, m_magnitude, direction.dtype, n_data, rule,
                                        rows=factor_rows(rows))
         if result is not None:
             return result
-    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, shrink,
+    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, rule,
                             rows=None if rows is None else factor_rows(rows))

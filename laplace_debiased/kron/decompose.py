@@ -173,8 +173,8 @@ def decompose_two_batch(
         rows: B's and B̃'s factor rows per block and factor (``None`` where unknown); a factor
             wider than its rows is decomposed through them, with an implicit null space.
         null_space: ``"isotropic"`` or ``"aligned"``, the treatment of B's null space.
-        estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients), ``"corrected"`` or
-            ``"shrunk"`` ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]; B̃ =
+        estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients), ``"corrected"``,
+            ``"shrunk"`` or ``"stein"`` ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]; B̃ =
             B falls back to the paper's, which is then stock K-FAC).
         cross_fit: also the role-swapped decomposition (``"paper"`` only).
         sizes: samples summed into B's and B̃'s factors.
@@ -248,7 +248,7 @@ def _decompose(
     pairs = paired_rows(rows[0], rows[-1])  # one Gram matrix per factor pair, shared below
     if estimator in CORRECTED and not same:
         vecs, vals, correction = corrected_decomposition(
-            direction, magnitude, sizes, list(names), n_data, reducer, pairs, shrink=estimator == "shrunk",
+            direction, magnitude, sizes, list(names), n_data, reducer, pairs, rule=estimator,
             terms=[[max(b, m) for b, m in zip(*pair)] for pair in zip(*counts)])
     else:
         vecs, vals = _debiased(direction, magnitude, pairs, null_space, counts[-1], reducer)

@@ -2,11 +2,13 @@
 debiased K-FAC Laplace classes ([`laplace_debiased.kron.laplace`][laplace_debiased.kron.laplace]).
 
 ``"paper"``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al., ICLR 2025), with the
-null-space completion of [`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion].
-``"corrected"``: the eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches
-measure against each other ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]).
-``"shrunk"``: the same, with each factor's correction kept in the measure that its bias, not its noise,
-dominates the single batch's error (the two orders' disagreement measures that noise; the default).
+null-space completion of [`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion]. ``"corrected"``: the
+eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches measure
+against each other ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]). ``"shrunk"``: the same, with each
+factor's correction scaled by ``max(0, 1 - Σe²/Σx²)`` (``e`` the two orders' disagreement; the
+default). ``"stein"``: the same, scaled by the minimum-MSE (James–Stein) weight from the
+correction's own noise, the pooled null space filled by the smaller of the two orders' null gaps
+([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ __all__ = ["CORRECTED", "ESTIMATORS", "Correction", "corrected_decomposition", "
 logger = logging.getLogger("laplace_debiased")
 
 #: the estimates ``estimator=...`` offers (module docstring)
-ESTIMATORS = ("paper", "corrected", "shrunk")
+ESTIMATORS = ("paper", "corrected", "shrunk", "stein")
 
 #: the estimates on the eigenvectors of B ∪ B̃
 #: ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected])
-CORRECTED = ("corrected", "shrunk")
+CORRECTED = ("corrected", "shrunk", "stein")
 
 
 def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: str, cross_fit: bool,
@@ -51,7 +53,7 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
         One of [`ESTIMATORS`][laplace_debiased.kron.estimators.ESTIMATORS].
 
     Raises:
-        ValueError: ``estimator`` is not one of ``offered``, or ``"corrected"`` or ``"shrunk"`` is combined with
+        ValueError: ``estimator`` is not one of ``offered``, or one of [`CORRECTED`][laplace_debiased.kron.estimators.CORRECTED] is combined with
             ``cross_fit`` (the corrected estimate already uses both orders) or with
             ``null_space="aligned"`` (it completes the pooled null space its own way).
     """
@@ -134,12 +136,12 @@ def corrected_decomposition(
     n_data: int,
     reducer: Reducer,
     rows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
-    shrink: bool = False,
+    rule: str = "corrected",
     terms: list[list[int]] | None = None,
 ) -> tuple[list, list, Correction | None]:
     """[`corrected_kron`][laplace_debiased.kron.corrected.corrected_kron] of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
     ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known;
-    ``shrink``: the ``"shrunk"`` estimate; ``terms`` per block and factor the rank-one terms summed
+    ``rule``: one of [`CORRECTED`][laplace_debiased.kron.estimators.CORRECTED]; ``terms`` per block and factor the rank-one terms summed
     into either factor, default the samples ``max(sizes)``), on rank 0
     and broadcast ([`on_rank0`][laplace_debiased.kron.estimators.on_rank0]); returns ``(eigenvectors, eigenvalues, correction)`` with
     rank 0's [`Correction`][laplace_debiased.kron.estimators.Correction] (``None`` on the other ranks), logged per block (``names``)."""
@@ -147,7 +149,7 @@ def corrected_decomposition(
 
     def compute() -> tuple[list, list]:
         counts = terms if terms is not None else max(sizes)
-        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, counts, n_data, rows, shrink)
+        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, counts, n_data, rows, rule)
         records.extend(recs)
         return vecs, vals
 

@@ -124,7 +124,7 @@ def kron_fit_options(
         ([`resolve_estimator`][laplace_debiased.kron.estimators.resolve_estimator]).
 
     Raises:
-        ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` / ``"shrunk"``
+        ValueError: An unknown ``null_space`` or ``estimator``, or ``"corrected"`` / ``"shrunk"`` / ``"stein"``
             with ``cross_fit`` or ``null_space="aligned"``.
         TypeError: ``cross_fit`` is not a bool.
     """
@@ -296,7 +296,7 @@ def debiased_kron_curvature(
         magnitude: B̃'s K-FAC, scaled to ``n_data``.
         rows: The shared pass's factor rows per batch set (``None``: not known).
         null_space: ``"isotropic"`` or ``"aligned"``.
-        estimator: ``"paper"``, ``"corrected"`` or ``"shrunk"``.
+        estimator: ``"paper"``, ``"corrected"``, ``"shrunk"`` or ``"stein"``.
         cross_fit: Also decompose the swapped roles.
         sizes: Samples summed into B's and B̃'s factors.
         n_data: The training data the batches were drawn from.
@@ -405,7 +405,8 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
             null_space: For ``estimator="paper"``, B's null space: ``"isotropic"`` (B̃'s mean curvature
                 there) or ``"aligned"`` (B̃'s eigenbasis there)
                 ([`completion`][laplace_debiased.curvature.completion]).
-            estimator: ``"shrunk"`` (default), ``"corrected"`` or ``"paper"``
+            estimator: ``"shrunk"`` (default), ``"corrected"``, ``"stein"`` (the correction weighted by its
+                minimum-MSE, James–Stein, weight) or ``"paper"``
                 ([`resolve_estimator`][laplace_debiased.kron.estimators.resolve_estimator]; the maths:
                 [`corrected`][laplace_debiased.kron.corrected]). B̃ = B gives stock K-FAC either way.
             cross_fit: Also fit the swapped roles (basis from B̃, eigenvalues from B) and use the
