@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from laplace_debiased.evaluation.report_data import chosen_prior_precisions
 from laplace_debiased.evaluation.report_page import write_report
 
 
-def _rows():
+def report_rows():
     rel = {"edges": [i / 15 for i in range(16)], "confidence": [None] * 15,
            "accuracy": [0.5] * 15, "count": [1.0] * 15}
     rows = []
@@ -48,7 +47,7 @@ def _with_validation(rows):
 
 
 def test_report_opens_with_the_setting_then_map_vs_la_at_the_validation_choice(tmp_path):
-    md = write_report(_with_validation(_rows()), tmp_path / "rep")
+    md = write_report(_with_validation(report_rows()), tmp_path / "rep")
     text = md.read_text()
     sections = [line for line in text.splitlines() if line.startswith("## ")]
     assert sections[:3] == ["## Setting", "## MAP vs LA at the chosen δ", "## NLL and ECE under shift"]
@@ -63,7 +62,7 @@ def test_report_opens_with_the_setting_then_map_vs_la_at_the_validation_choice(t
 
 
 def test_marglik_rows_warn_with_the_measured_cost_when_the_la_loses_to_the_map(tmp_path):
-    rows = _with_validation(_rows())
+    rows = _with_validation(report_rows())
     for r in rows:  # the marglik choice (δ = 0.01) now loses to the MAP (NLL 0.4) on test
         if r["eval_set"] == "test" and r["prior_precision"] == 0.01:
             r["nll"] = 1.5
@@ -87,7 +86,7 @@ def test_report_states_the_setting_in_words_and_one_unit_per_quantity(tmp_path):
 
     results = tmp_path / "run" / "results.jsonl"
     results.parent.mkdir()
-    results.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    results.write_text("".join(json.dumps(r) + "\n" for r in report_rows()))
     (results.parent / "setting.json").write_text(json.dumps(SETTING))  # read from next to the results
     text = write_report(results, tmp_path / "rep").read_text()
     setting = text.split("## MAP vs LA")[0]
@@ -113,7 +112,7 @@ def test_every_line_of_figure6_has_a_legend_entry_and_equal_choices_share_one_li
     from laplace_debiased.evaluation import report_figures as report
     from laplace_debiased.evaluation.report_data import read_results
 
-    ctx = read_results(_rows(), tmp_path, SETTING)
+    ctx = read_results(report_rows(), tmp_path, SETTING)
     fig, ax = plt.subplots()
     sub = [r for r in ctx.lap if r["eval_set"] == "test" and r["link"] == "probit_projected"]
     report._figure6_panel(ax, ctx, sub, "nll", 1.0)
@@ -128,7 +127,7 @@ def test_every_line_of_figure6_has_a_legend_entry_and_equal_choices_share_one_li
 
 
 def test_report_renders_files_and_table(tmp_path):
-    md = write_report(_rows(), tmp_path / "rep")
+    md = write_report(report_rows(), tmp_path / "rep")
     files = {p.name for p in (tmp_path / "rep").iterdir()}
     assert {"report.md", "report.html", "fig6_probit_projected.png", "fig6_probit.png",
             "links.png", "reliability.png", "auroc_severity.png"} <= files
@@ -138,11 +137,6 @@ def test_report_renders_files_and_table(tmp_path):
     assert "<table>" in (tmp_path / "rep" / "report.html").read_text()
     for name in files:
         assert (tmp_path / "rep" / name).stat().st_size > 100
-
-
-def test_best_prior_precision_minimises_mean_nll():
-    rows = _rows()
-    assert chosen_prior_precisions(rows, "test", "probit_projected") == {"kron": 0.1, "kron full": 0.1}
 
 
 def test_report_refuses_empty_results(tmp_path):
