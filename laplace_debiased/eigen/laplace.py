@@ -311,7 +311,7 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest
             ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
         **kwargs: The batch options
-            ([`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace.__init__]) and
+            ([`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace]) and
             laplace-torch's ``ParametricLaplace`` arguments.
 
     After ``fit``: ``H = (U (P, r), λ̃ (r,))`` in the model dtype with ``r ≤ rank``;

@@ -238,7 +238,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         **kwargs: Any,
     ) -> None:
         """laplace-torch's ``KronLaplace`` constructor (without ``damping``), the batch options of
-        [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace.__init__], and the estimate.
+        [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace], and the estimate.
 
         Args:
             model: The network, as for laplace-torch.

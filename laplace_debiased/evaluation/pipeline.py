@@ -68,6 +68,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -79,6 +80,9 @@ from laplace_debiased.prior_grid import PriorGrid
 from laplace_debiased.evaluation.report_data import SETTING_NAME
 from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, load_rows, output_lock, run_sweep
 from laplace_debiased.parallel.distributed import fetch_rows, gather_results, rank_world
+
+if TYPE_CHECKING:
+    from laplace.baselaplace import BaseLaplace
 
 #: grid extensions at most, so that every method's validation choice of δ is interior
 MAX_EXTENSIONS = 4
@@ -201,7 +205,7 @@ def fit_rows(opts: dict, n: int, rank: int, world: int) -> list[int]:
     return sorted(rows)
 
 
-def fit_laplace(method: Method, model: torch.nn.Module, loader: DataLoader, *, subset: str, rank: int):
+def fit_laplace(method: Method, model: torch.nn.Module, loader: DataLoader, *, subset: str, rank: int) -> BaseLaplace:
     """``method``'s Laplace approximation of ``model``, fitted on ``loader`` by its batch rule: its
     first two batches are B and B̃ for a two-batch method; else its first batch is both (B̃ = B).
 

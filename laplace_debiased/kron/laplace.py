@@ -396,7 +396,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
         **kwargs: Any,
     ) -> None:
         """laplace-torch's ``KronLaplace`` constructor, the batch options of
-        [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace.__init__], and the estimate.
+        [`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace], and the estimate.
 
         Args:
             model: The network, as for laplace-torch.
