@@ -26,11 +26,11 @@ import argparse
 import time
 
 import torch
+import laplace_debiased  # noqa: F401  registers hessian_structure="debiased_kron"
 from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_debiased  # noqa: F401  registers hessian_structure="debiased_kron"
 
 VOCAB, CLASSES, T, WIDTH, RANK = 16, 4, 12, 32, 4
 

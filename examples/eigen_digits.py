@@ -30,10 +30,10 @@ import argparse
 import time
 
 import torch
+import laplace_debiased  # noqa: F401  registers the debiased structures
 from laplace import Laplace
 from torch.utils.data import DataLoader
 
-import laplace_debiased  # noqa: F401  registers the debiased structures
 from laplace_debiased.data.digits import digits_splits
 from laplace_debiased.evaluation.metrics import accuracy, ece, nll
 from laplace_debiased.evaluation.models import digits_mlp

@@ -23,10 +23,10 @@ from __future__ import annotations
 import warnings
 
 import torch
+import laplace_debiased  # noqa: F401  registers hessian_structure="debiased_kron"
 from laplace import Laplace
 from torch.utils.data import DataLoader
 
-import laplace_debiased  # noqa: F401  registers hessian_structure="debiased_kron"
 from laplace_debiased.evaluation.metrics import ece, nll
 from laplace_debiased.evaluation.training import default_digits_model
 

@@ -20,11 +20,11 @@ import math
 import warnings
 
 import torch
+import laplace_debiased  # noqa: F401  registers hessian_structure="debiased_kron"
 from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_debiased  # noqa: F401  registers hessian_structure="debiased_kron"
 
 SIGMA = 0.1
 

@@ -30,6 +30,7 @@ import logging
 import importlib.machinery
 import importlib.util
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -126,6 +127,22 @@ def _structures_initialising() -> bool:
     return False
 
 
+#: Warnings that laplace-torch's own import chain emits under newer torch and that no user can act
+#: on: asdl (``asdfghjkl`` 0.1a4, imported by laplace-torch 0.3) decorates with ``torch.jit.script``,
+#: which torch 2.15 deprecates with a FutureWarning at import.
+DEPENDENCY_IMPORT_WARNINGS = (r"`torch\.jit\.script` is deprecated",)
+
+
+def exec_quietly(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """``exec_module(module)`` with the FutureWarnings of
+    [`DEPENDENCY_IMPORT_WARNINGS`][laplace_debiased._register.DEPENDENCY_IMPORT_WARNINGS] ignored;
+    every other warning passes."""
+    with warnings.catch_warnings():
+        for message in DEPENDENCY_IMPORT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        exec_module(module)
+
+
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Find ``laplace`` with the remaining finders and register once its module has executed."""
 
@@ -141,7 +158,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         def exec_then_register(module: ModuleType) -> None:
             root = logging.getLogger()
             handlers = list(root.handlers)
-            exec_module(module)
+            exec_quietly(exec_module, module)
             for handler in [h for h in root.handlers if h not in handlers]:  # laplace-torch's basicConfig()
                 root.removeHandler(handler)
             if _structures_initialising():  # the factory's first call defines the classes

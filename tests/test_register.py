@@ -60,3 +60,24 @@ def test_valid_keys_still_build_the_same_classes():
     assert type(laplace.Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron")) is KronLaplace
     la = laplace.Laplace(model, "classification", subset_of_weights="all", hessian_structure="debiased_kron")
     assert type(la) is DebiasedKronLaplace
+
+
+def test_laplace_torch_import_warnings_no_user_can_act_on_are_silenced_and_others_pass():
+    """The import hook ignores asdl's ``torch.jit.script`` FutureWarning (torch >= 2.15) while
+    laplace-torch's module executes, and lets every other warning through."""
+    import types
+    import warnings
+
+    from laplace_debiased._register import exec_quietly
+
+    def noisy(module: types.ModuleType) -> None:
+        warnings.warn("`torch.jit.script` is deprecated. Please switch to `torch.compile`.", FutureWarning)
+        warnings.warn("something the user should see", FutureWarning)
+        module.executed = True
+
+    module = types.ModuleType("fake")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec_quietly(noisy, module)
+    assert module.executed
+    assert [str(w.message) for w in caught] == ["something the user should see"]
