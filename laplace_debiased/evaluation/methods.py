@@ -93,9 +93,9 @@ _PAPER = ("debiased {structure}: directions (eigenvectors) from a batch B of {ha
           "magnitudes re-measured on an independent batch B̃ of {half}")
 _POOLED = ("eigenvectors of both batches of {half} training points together, eigenvalues less the "
            "regression-to-the-mean bias the two batches measure against each other")
-_CORRECTED = f"corrected {{structure}}: {_POOLED} (fit(estimator='corrected'))"
+_CORRECTED = f"corrected {{structure}}: {_POOLED} (estimator='corrected')"
 _SHRUNK = (f"shrunk {{structure}} (the default fit): {_POOLED}, that correction shrunk per factor by how much "
-           "the two batches disagree on it (fit(estimator='shrunk'))")
+           "the two batches disagree on it (estimator='shrunk')")
 _STEIN = (f"stein {{structure}}: {_POOLED}, that correction weighted per factor by its minimum-MSE "
           "(James-Stein) weight (estimator='stein')")
 
