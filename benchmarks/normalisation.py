@@ -17,6 +17,8 @@ linear head, one exact dense GGN block per BatchNorm layer, ``Laplace(..., "all"
 
 * ``shrunk``: the same two halves, ``estimator="shrunk"`` (the package's default: the
   corrected estimate with each factor's correction shrunk by its noise);
+* ``stein``: the same two halves, ``estimator="stein"`` (the corrected estimate with each
+  factor's correction weighted by its minimum-mean-squared-error weight);
 * ``corrected``: the same two halves, ``estimator="corrected"`` (the eigenvectors of B ∪ B̃,
   eigenvalues less the regression-to-the-mean bias the halves measure);
 * ``debiased``: B, B̃ two disjoint halves of ``b`` random training images (directions from B,
@@ -63,7 +65,7 @@ from laplace_debiased.prior_grid import PriorGrid
 MAP = MapConfig(n_train=10000, epochs=30, model="resnet20_w8")
 #: Half-decade steps from the paper's smallest δ (1e-4, where a mini-batch LA's bias shows) to 1e6.
 GRID = [float(d) for d in np.logspace(-4, 6, 21)]
-ALL_WEIGHTS = ("shrunk", "corrected", "debiased", "single batch", "full batch")
+ALL_WEIGHTS = ("shrunk", "stein", "corrected", "debiased", "single batch", "full batch")
 LINKS = ("probit_projected",)
 
 
@@ -134,6 +136,7 @@ def fit_all(model, train: TensorDataset, b: int, n_full: int, seed: int, log) ->
     timed("debiased", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="paper"))
     timed("corrected", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="corrected"))
     timed("shrunk", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="shrunk"))
+    timed("stein", lambda: kron_fit(model, index_loader(train, idx, b // 2), estimator="stein"))
     timed("single batch", lambda: single_fit(model, train, idx))
     timed("full batch", lambda: full_batch_fit(model, train, n_full))
 
@@ -197,7 +200,7 @@ def evaluate(preds: dict, sets: dict, link: str = "probit_projected") -> dict:
         res["methods"][name] = {"delta": GRID[best], "interior": 0 < best < len(GRID) - 1, "grid": grid,
                                 "chosen": {s: grid[s][best] for s in grid}}
     ref = res["methods"]["full batch"]["grid"]["test"]
-    for name in ("shrunk", "corrected", "debiased", "single batch"):
+    for name in ("shrunk", "stein", "corrected", "debiased", "single batch"):
         mine = res["methods"][name]["grid"]["test"]
         res["methods"][name]["tracking"] = {
             "nll_rel_pct": 100 * largest_gap([a["nll"] for a in mine], [r["nll"] for r in ref]),
@@ -223,7 +226,7 @@ def eval_sets(data, n_val: int, n_test: int, n_corrupt: int, seed: int, severiti
     return sets
 
 
-ROWS = ("map", "last layer", "single batch", "debiased", "corrected", "shrunk", "full batch")
+ROWS = ("map", "last layer", "single batch", "debiased", "corrected", "shrunk", "stein", "full batch")
 
 
 def markdown(res: dict, info: dict, cmd: str) -> str:
@@ -238,7 +241,7 @@ def markdown(res: dict, info: dict, cmd: str) -> str:
         f"(eval mode, all {MAP.n_train:,} images); last epoch: running train NLL "
         f"{hist.get('train_nll_running', float('nan')):.3f}, train acc {hist.get('train_acc_running', float('nan')):.3f}, "
         f"val NLL {hist.get('val_nll', float('nan')):.3f}, val acc {hist.get('val_accuracy', float('nan')):.3f}.",
-        f"Fits: b = {info['b']} (debiased, the paper's estimate, corrected and shrunk: 2 x {info['b'] // 2}), full batch over {info['n_full']:,} images; "
+        f"Fits: b = {info['b']} (debiased, the paper's estimate, corrected, shrunk and stein: 2 x {info['b'] // 2}), full batch over {info['n_full']:,} images; "
         f"sets: {info['sizes']}; link: {res['link']}; δ grid {len(GRID)} points in "
         f"[{GRID[0]:g}, {GRID[-1]:g}]; {info['threads']} torch thread(s), wall {info['wall_min']:.0f} min.", "",
         "| method | δ (val) | fit s | test NLL | test ECE | test acc | NLL tracking err. (max over grid, %) | ECE tracking err. (pp) |",

@@ -60,7 +60,8 @@ def test_quick_run_writes_report(tiny_cifar, tmp_path):
         any(abs(g - b) < 1e-12 for g in grid) for b in BASE_GRID)
     # every method has a tracking row with bootstrap intervals around its point estimate
     tr = res["summary"]["tracking_paper_grid"]
-    for name in ("kron-64", "debiased_kron-64", "lowrank_ll-64", "debiased_lowrank_ll-64", "noise_floor"):
+    for name in ("kron-64", "debiased_kron-64", "shrunk_kron-64", "stein_kron-64", "lowrank_ll-64", "debiased_lowrank_ll-64",
+                 "noise_floor"):
         for metric in ("nll_rel", "ece", "accuracy"):
             row = tr[name][metric]
             assert row["mean"] <= row["worst"] + 1e-12

@@ -60,6 +60,7 @@ def label(fit: Fit, rank: int, n_train: int, null_space: str = "isotropic") -> s
         "debiased_kron": f"K-FAC debiased {f'2x{part}' if k == 1 else f'{part}+{k}x{part}'} ({null_space})",
         "corrected_kron": f"K-FAC corrected {f'2x{part}' if k == 1 else f'{part}+{k}x{part}'}",
         "shrunk_kron": f"K-FAC shrunk (default) {f'2x{part}' if k == 1 else f'{part}+{k}x{part}'}",
+        "stein_kron": f"K-FAC stein {f'2x{part}' if k == 1 else f'{part}+{k}x{part}'}",
         "kron-full": f"K-FAC full batch (N={n_train:,})",
         "lowrank_ll": f"last-layer rank-{rank} single-batch b={b}",
         "debiased_lowrank_ll": f"last-layer rank-{rank} debiased 2x{(b or 0) // 2}",
@@ -101,15 +102,15 @@ def method_table(fits: list[Fit], cfg: Config) -> tuple[dict, dict, dict]:
             groups.setdefault(f.name, []).append(f)
     methods = {}
     for name, fs in [*groups.items(), *((f.name, [f]) for f in fulls.values())]:
-        fam = fs[0].method.replace("debiased_", "").replace("corrected_", "").replace("shrunk_", "").replace("-full", "")
+        fam = re.sub(r"^(debiased|corrected|shrunk|stein)_|-full$", "", fs[0].method)
         ref = fulls.get(f"{fam}-full")
         entry = {"method": fs[0].method, "b": fs[0].b, "label": fs[0].extra["label"], "keys": [f.key for f in fs],
                  "reference": None if fs[0].repeat is None or ref is None else ref.key,
                  "seconds_mean": float(np.mean([f.seconds for f in fs])),
                  "peak_mib_mean": float(np.mean([f.peak_mib for f in fs])),
                  "coverage": fs[0].extra.get("coverage")}
-        two_batch = ("debiased_", "corrected_", "shrunk_")
-        single = groups.get(re.sub(r"^(debiased|corrected|shrunk)_", "", name)) if name.startswith(two_batch) else None
+        two_batch = ("debiased_", "corrected_", "shrunk_", "stein_")
+        single = groups.get(re.sub(r"^(debiased|corrected|shrunk|stein)_", "", name)) if name.startswith(two_batch) else None
         if single:
             by_rep = {f.repeat: f.seconds for f in single}
             entry["time_ratio_vs_single"] = float(np.median([f.seconds / by_rep[f.repeat] for f in fs]))
@@ -140,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-methods", nargs="+", default=[], metavar="NAME",
                         help="fit (and cache) but do not evaluate these mini-batch methods, e.g. kron-2304 "
                              "debiased_kron-2304: a shorter run whose cached fits a later run without the flag reuses")
-    parser.add_argument("--estimators", nargs="+", default=None, choices=("paper", "corrected", "shrunk"),
+    parser.add_argument("--estimators", nargs="+", default=None, choices=("paper", "corrected", "shrunk", "stein"),
                         help="debiased K-FAC rows by estimator=...: 'paper' is always fitted; "
-                             "'corrected' and 'shrunk' add those estimates of the same samples (default: all three)")
+                             "'corrected', 'shrunk' and 'stein' add those estimates of the same samples (default: all four)")
     parser.add_argument("--fresh", action="store_true", help="discard the cached fits and predictions of this configuration")
     args = parser.parse_args(argv)
 
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     figures = tracking_figures(groups, {m: f for m, f in fulls.items()}, res, grid, out)
     chosen, auroc_rows = {}, {}
-    order = ("kron", "debiased_kron", "corrected_kron", "shrunk_kron", "kron-full", "lowrank_ll", "debiased_lowrank_ll", "lowrank_ll-full")
+    order = ("kron", "debiased_kron", "corrected_kron", "shrunk_kron", "stein_kron", "kron-full", "lowrank_ll", "debiased_lowrank_ll", "lowrank_ll-full")
     every = sorted([*groups.values(), *([f] for f in fulls.values())], key=lambda fs: (order.index(fs[0].method), fs[0].b or 0))
     for fs in every:
         sels = [summary["selected"][f.key]["val_nll"] for f in fs]

@@ -47,8 +47,8 @@ class Config:
     #: to single-batch K-FAC of the same (1 + k) b/2 samples (the draws are nested prefixes)
     magnitude_batches: tuple[int, ...] = (1, 4, 8)
     null_space: str = "isotropic"  # DebiasedKronLaplace(null_space=...), the package default
-    #: the debiased K-FAC rows, by estimator=...: "paper" always, "corrected" and "shrunk" next to it
-    estimators: tuple[str, ...] = ("paper", "corrected", "shrunk")
+    #: the debiased K-FAC rows, by estimator=...: "paper" always, "corrected", "shrunk" and "stein" next to it
+    estimators: tuple[str, ...] = ("paper", "corrected", "shrunk", "stein")
     repeats: int = 5
     lowrank_batch_sizes: tuple[int, ...] = (512,)
     lowrank_rank: int = 50  # last-layer low-rank LA (330 parameters)

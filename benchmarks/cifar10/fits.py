@@ -272,7 +272,7 @@ def run_fits(model, train: TensorDataset, cfg: Config, cache: Path, log=print) -
             for j, (k, idx) in enumerate(equal_sample_draws(rng, n, b, cfg.magnitude_batches).items()):
                 m = len(idx)
                 pair = [(f"kron-{m}", "kron", False, 1, "paper"), (f"debiased_kron-{m}", "debiased_kron", True, k, "paper")]
-                pair += [(f"{est}_kron-{m}", f"{est}_kron", True, k, est) for est in ("corrected", "shrunk")
+                pair += [(f"{est}_kron-{m}", f"{est}_kron", True, k, est) for est in ("corrected", "shrunk", "stein")
                          if est in cfg.estimators]
                 for name, method, deb, kk, est in pair[:: -1 if (r + i + j) % 2 else 1]:
                     record(name, method, m, r, "all", lambda idx=idx, deb=deb, kk=kk, est=est:

@@ -16,14 +16,15 @@ import numpy as np
 from laplace_debiased.evaluation import metrics as M
 
 COLORS = {"kron": "tab:red", "debiased_kron": "tab:blue", "corrected_kron": "tab:green", "shrunk_kron": "tab:purple",
-          "kron-full": "black",
+          "stein_kron": "tab:brown", "kron-full": "black",
           "lowrank_ll": "tab:orange", "debiased_lowrank_ll": "tab:green", "lowrank_ll-full": "tab:purple"}
 #: several batch sizes of one method: one colour map, lighter and dotted for smaller b
-SHADES = {"kron": "Reds", "debiased_kron": "Blues", "corrected_kron": "Greens", "shrunk_kron": "Purples", "lowrank_ll": "Oranges", "debiased_lowrank_ll": "Greens"}
+SHADES = {"kron": "Reds", "debiased_kron": "Blues", "corrected_kron": "Greens", "shrunk_kron": "Purples", "stein_kron": "YlOrBr",
+          "lowrank_ll": "Oranges", "debiased_lowrank_ll": "Greens"}
 STYLES = (":", "--", "-")
 YLABELS = {"nll": "NLL (nats per image)", "ece": "ECE (fraction)", "accuracy": "accuracy (fraction)",
            "auroc": "AUROC (entropy score)"}
-FAMILIES = {"kron": ("kron", "debiased_kron", "corrected_kron", "shrunk_kron", "kron-full"),
+FAMILIES = {"kron": ("kron", "debiased_kron", "corrected_kron", "shrunk_kron", "stein_kron", "kron-full"),
             "lowrank_ll": ("lowrank_ll", "debiased_lowrank_ll", "lowrank_ll-full")}
 
 

@@ -7,9 +7,10 @@ import numpy as np
 from .config import BASE_GRID, grid_index
 from .evaluate import CORRUPTED
 
-#: (family, position in the family) of each method: single batch, debiased, corrected, shrunk, full batch
-_ORDER = {"kron": (0, 0), "debiased_kron": (0, 1), "corrected_kron": (0, 2), "shrunk_kron": (0, 3), "kron-full": (0, 4),
-          "lowrank_ll": (1, 0), "debiased_lowrank_ll": (1, 1), "lowrank_ll-full": (1, 4)}
+#: (family, position in the family) of each method: single batch, debiased, corrected, shrunk, stein, full batch
+_ORDER = {"kron": (0, 0), "debiased_kron": (0, 1), "corrected_kron": (0, 2), "shrunk_kron": (0, 3), "stein_kron": (0, 4),
+          "kron-full": (0, 5),
+          "lowrank_ll": (1, 0), "debiased_lowrank_ll": (1, 1), "lowrank_ll-full": (1, 5)}
 
 
 def _pct(x: float) -> str:
