@@ -26,6 +26,7 @@ from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians,
 from laplace_debiased.posterior.kron_structure import (
     KronStructure,
     live_positions,
+    positions_cheaper,
     pair_covariances,
     positions_sum,
     rotated_factors,
@@ -206,3 +207,31 @@ def test_implicit_positions_equal_the_completed_bases(alive, pairs, monkeypatch)
     _close(implicit.covariances(a, grid), ref.covariances(b, grid))
     _close(implicit.variances(a, grid), ref.variances(b, grid))
     _close(implicit.variances(a, grid, project=True), ref.variances(b, grid, project=True))
+
+
+@pytest.mark.parametrize("name", ["token_mixer", "token_mlp"])
+def test_sweep_forms_no_jacobian_and_equals_the_jacobian_route(name, tmp_path, monkeypatch):
+    """``run_sweep`` on debiased_kron takes the factored route (no ``LayerJacobian.full`` of a
+    factored Jacobian, nor of a sum over positions unless that is the cheaper rotation: the mixer's
+    4 × 4 layer over 12 positions) and its NLL at each prior precision is that of the probit on
+    the Jacobian route's variances."""
+    from laplace_debiased.evaluation.sweep import EvalSet, SweepJob, run_sweep
+
+    la, x = _fit(name, "debiased_kron", 6)
+    y = torch.randint(0, 3, (3, 4), generator=torch.Generator().manual_seed(2))
+    ref = _jacobian_route(la, x, GRID)
+    f = logit_rows(la.model(x)).detach()
+    formed, full = [], LayerJacobian.full
+    def counted(self: LayerJacobian) -> torch.Tensor:
+        formed.append(self.g is not None or (self.positions is not None and positions_cheaper(self.positions)))
+        return full(self)
+
+    monkeypatch.setattr(LayerJacobian, "full", counted)
+    rows = run_sweep([SweepJob("debiased_kron", lambda repeat: la, links=["probit"])], [EvalSet("test", x, y)],
+                     tmp_path / "r.jsonl", prior_precisions=GRID, links=["probit"], progress=False, map_model=la.model)
+    assert not any(formed)
+    nll = {r["prior_precision"]: r["nll"] for r in rows if r["method"] == "debiased_kron"}
+    for d, r in zip(GRID, ref):
+        p = torch.softmax(f / (1 + torch.pi / 8 * torch.diagonal(r, dim1=-2, dim2=-1)).sqrt(), -1)
+        expected = -p.gather(1, y.reshape(-1, 1)).log().mean()
+        assert nll[d] == pytest.approx(float(expected), rel=1e-10)
