@@ -197,10 +197,12 @@ def positions_sum(G: Tensor, A: Tensor) -> Tensor:
 
 
 def pairs_cheaper(G: Tensor, A: Tensor, grid: int, covariance: bool) -> bool:
-    """Whether [`pair_covariances`][laplace_debiased.posterior.kron_structure.pair_covariances] costs
-    fewer multiply-adds per input than forming the rotated Jacobian
-    ([`positions_sum`][laplace_debiased.posterior.kron_structure.positions_sum]) and weighting it,
-    for ``grid`` prior precisions, ``e = e_G e_A`` eigenvalues and ``T`` positions:
+    """Whether summing over pairs of positions is cheaper than the dense rotated Jacobian.
+
+    Compares the multiply-adds per input of
+    [`pair_covariances`][laplace_debiased.posterior.kron_structure.pair_covariances] and of forming
+    the rotated Jacobian ([`positions_sum`][laplace_debiased.posterior.kron_structure.positions_sum])
+    and weighting it, for ``grid`` prior precisions, ``e = e_G e_A`` eigenvalues and ``T`` positions:
 
     * pairs: ``grid · (T(T+1)/2 · e + C T² e_G + C² T e_G)`` (covariances) or
       ``grid · (T(T+1)/2 · e + C T² e_G + C T e_G)`` (variances);
