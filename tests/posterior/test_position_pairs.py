@@ -16,11 +16,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import laplace_debiased  # noqa: F401  registers the debiased structures
-from _models import loader, tiny_mlp
+from _models import loader, tiny_cnn, tiny_mlp
 from laplace_debiased.kron.posterior import ImplicitKronDecomposed, ImplicitKronStructure
 from laplace_debiased.posterior import kron_structure
 from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure
-from laplace_debiased.posterior.grams import weighted_grams
+from laplace_debiased.posterior.grams import jacobian_float64, weighted_grams
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians, logit_rows
 from laplace_debiased.posterior.kron_structure import (
@@ -76,6 +76,16 @@ def test_live_positions_drop_only_zero_terms():
     assert live_positions(LayerJacobian(positions=(g, u))).positions[0].shape[-1] == 5
 
 
+def test_float64_jacobian_of_float32_positions_is_summed_in_float64():
+    """Two positions that nearly cancel (``g_1 = -(1 - 1e-4) g_0``, same input): float32 factors
+    summed in float32 lose ``u / 1e-4 ≈ 6e-4`` of the sum; widened first, the float64 Jacobian is
+    exact to float64 round-off."""
+    g0, u0 = _r(3, 2, 4, 1, seed=10).float(), _r(3, 5, 1, seed=11).float()
+    g, u = torch.cat([g0, -(1 - 1e-4) * g0], -1), torch.cat([u0, u0], -1)
+    exact = torch.einsum("ncot,nkt->ncok", g.double(), u.double()).flatten(2)
+    _close(jacobian_float64(LayerJacobian(positions=(g, u))).dense, exact, rtol=1e-12)
+
+
 # ---------------------------------------------------------------- models against the Jacobian route
 class TokenMixer(nn.Module):
     """Per-token Linear(32, 12), a Linear across the token axis (tokens interact: every position of
@@ -101,11 +111,12 @@ MODELS = {  # model, input shape, label shape, the kind of the first block's rot
     "conv": (_conv, (8, 4, 4), (), "positions"),
     "token_mixer": (lambda: TokenMixer().double(), (4, 32), (4,), "positions"),
     "token_mlp": (lambda: tiny_mlp(n_in=32, hidden=12), (4, 32), (4,), "factored"),
+    "small_conv": (tiny_cnn, (1, 5, 5), (), "dense"),  # 9 positions of a 2 × 9 weight: rotated densely
 }
 #: (model, structure, batch size): stock kron (laplace-torch fits no token outputs), debiased_kron
 #: with square bases (tokens) and implicit ones (the conv: 72 inputs against 2 × 3 × 4 rows).
 CASES = [("conv", "kron", 6), ("conv", "debiased_kron", 3),
-         ("token_mixer", "debiased_kron", 6), ("token_mlp", "debiased_kron", 6)]
+         ("token_mixer", "debiased_kron", 6), ("token_mlp", "debiased_kron", 6), ("small_conv", "debiased_kron", 6)]
 
 def _fit(name: str, structure: str, batch: int, subset: str = "all", dtype=torch.float64):
     """The model fitted on 4 batches, and 3 test inputs."""
@@ -262,7 +273,7 @@ def _rows_norm(M: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("delta", [1e-3, 1.0])
-@pytest.mark.parametrize("name, batch", [("mlp", 6), ("conv", 3), ("token_mixer", 6), ("token_mlp", 6)])
+@pytest.mark.parametrize("name, batch", [("mlp", 6), ("conv", 3), ("small_conv", 6), ("token_mixer", 6), ("token_mlp", 6)])
 def test_float32_model_predictive_equals_the_jacobian_route(name, batch, delta):
     """float32 model and inputs, debiased_kron, ``la(x)``'s covariance ``Σ`` (float32) against:
 
@@ -285,7 +296,7 @@ def test_float32_model_predictive_equals_the_jacobian_route(name, batch, delta):
     assert cov.dtype == torch.float32
     f, jacs = logit_jacobians(la.model, laplace_params(la), x)
     rows, C = logit_rows(f).shape
-    J64 = torch.cat([kron_structure.jacobian_float64(j).full().expand(rows, C, -1) for j in jacs], dim=-1)
+    J64 = torch.cat([jacobian_float64(j).full().expand(rows, C, -1) for j in jacs], dim=-1)
     exact = _float64_posterior(la.posterior_precision).inv_square_form(J64)
     assert (_rows_norm(cov - exact) <= 1e-6 * _rows_norm(exact)).all()
     J32 = torch.cat([j.full().expand(rows, C, -1) for j in jacs], dim=-1)
