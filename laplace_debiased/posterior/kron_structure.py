@@ -231,7 +231,7 @@ def pair_covariances(G: Tensor, A: Tensor, W: Tensor, diagonal: bool = False) ->
     ``H G ᵀ`` (or its diagonal ``Σ H ∘ G``).
 
     Args:
-        G: ``(n, C, T, e_G)`` rotated output gradients (leading size 1: shared).
+        G: ``(n, C, T, e_G)`` rotated output gradients.
         A: ``(n, T, e_A)`` rotated inputs.
         W: ``(grid, e_G·e_A)`` weights (inverse posterior eigenvalues).
         diagonal: return only the diagonal.
