@@ -158,7 +158,7 @@ def live_positions(jac: LayerJacobian) -> LayerJacobian:
     g, u = jac.positions
     live = g.ne(0).flatten(1, 2).any(1)  # (n, T)
     m = max(int(live.sum(1).max()), 1)
-    if m == g.shape[-1]:
+    if m == g.shape[-1] > 1:
         return jac
     order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :m]  # live positions first
     g = g.gather(-1, order[:, None, None, :].expand(*g.shape[:-1], m))

@@ -74,6 +74,8 @@ def test_live_positions_drop_only_zero_terms():
     assert factored.positions is None and factored.g.shape == (4, 3, 2) and factored.a.shape == (4, 6)
     _close(factored.full(), one.full(), rtol=0)
     assert live_positions(LayerJacobian(positions=(g, u))).positions[0].shape[-1] == 5
+    single = live_positions(LayerJacobian(positions=(g[..., :1], u[..., :1])))
+    assert single.g is not None and torch.equal(single.full(), LayerJacobian(positions=(g[..., :1], u[..., :1])).full())
 
 
 def test_float64_jacobian_of_float32_positions_is_summed_in_float64():
