@@ -121,11 +121,13 @@ class KronStructure:
         var = rotated[0][1].new_zeros(len(deltas), *self._shape(rotated))
         for k, (kind, A, B) in enumerate(rotated):
             W = self._weights(k, deltas)
-            if kind == "positions" and pairs_cheaper(A, B, len(W), covariance=False):
-                var += pair_covariances(project_classes(A) if project else A, B, W, diagonal=True)
+            if kind == "positions":  # Π acts on the classes of Q_Gᵀ g, before the sum over positions
+                G = project_classes(A) if project else A
+                if pairs_cheaper(A, B, len(W), covariance=False):
+                    var += pair_covariances(G, B, W, diagonal=True)
+                else:
+                    var += (positions_sum(G, B).square_() @ W.T).permute(2, 0, 1)
                 continue
-            if kind == "positions":
-                kind, A = "dense", positions_sum(A, B)
             A2 = (project_classes(A) if project else A).square()
             if kind == "factored":
                 BW = B @ W.reshape(len(W), A.shape[-1], B.shape[-1]).transpose(1, 2)  # (G, n, a)
