@@ -374,6 +374,13 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     ``correction`` ([`Correction`][laplace_debiased.kron.estimators.Correction]) what a corrected fit changed.
     Layers: [`layer_blocks`][laplace_debiased.curvature.layer_blocks] (beyond Linear/Conv2d only with the
     default Curvlinops GGN/EF backend); backends: also ASDL GGN/EF (BackPACK: no Conv2d).
+
+    The GLM predictive ``la(x)`` (tensor inputs, not ``joint``, no ``enable_backprop``) builds no
+    Jacobian: ``J P⁻¹ Jᵀ`` comes from each layer's inputs and backpropagated output gradients in the
+    K-FAC eigenbasis ([`GridPredictive.covariance`][laplace_debiased.posterior.grid.GridPredictive.covariance]),
+    a Jacobian formed only for a layer without that structure (normalisation blocks, a layer whose
+    dense rotation is cheaper). ``functional_variance(Js)`` is laplace-torch's: given Jacobians, it
+    keeps laplace-torch's route.
     """
 
     _key = ("all", "debiased_kron")

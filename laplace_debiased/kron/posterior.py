@@ -38,7 +38,7 @@ from torch import Tensor
 from laplace_debiased.curvature.completion import extended_spectrum
 from laplace_debiased.posterior.grams import jacobian_float64
 from laplace_debiased.posterior.jacobians import LayerJacobian
-from laplace_debiased.posterior.kron_structure import KronStructure, rows_times
+from laplace_debiased.posterior.kron_structure import KronStructure, live_positions, rows_times
 
 __all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
 
@@ -193,7 +193,12 @@ class ImplicitKronStructure(KronStructure):
       the Gram matrix of the residuals ``R = N_G g`` over the ``C`` classes (``C`` columns, from a
       QR of ``Rᵀ``, no cancellation); input side ``[(Q_Aᵀ a)², ‖N_A a‖²]``. Cost ``O(C d r)`` per
       input;
-    * a sum over positions ``Σ_t g_t u_tᵀ`` (``Conv2d``): ``Σ_t [Q_Gᵀ g_t; N_G g_t][Q_Aᵀ u_t; N_A u_t]ᵀ``;
+    * a sum over positions ``Σ_t g_t u_tᵀ`` (``Conv2d``, a ``Linear`` on tokens), after
+      [`live_positions`][laplace_debiased.posterior.kron_structure.live_positions] (one position
+      left: factored as above): rotated factors ``[Q_Gᵀ g_ct, L_ct]`` and ``[Q_Aᵀ u_t, L_t]``, each
+      ``L`` compressing the residuals over all ``(c, t)`` (``min(C T, o)`` columns), resp. all
+      ``t`` (``min(T, k)`` columns), as above; the cross terms ``Σ_{i ∈ N} G_cti G_c't'i`` are then
+      exact for every pair of positions, whatever the other factor's column;
     * dense ``J``: ``[Q_1ᵀ J, N_1 J]`` on each side (``d`` complement columns per side); a single
       factor as the output side above.
     """
@@ -233,16 +238,20 @@ class ImplicitKronStructure(KronStructure):
             return sides[key]
 
         for k, (jac, Qs) in enumerate(zip(jacs, self.Qs)):
-            source = jac.g if jac.g is not None else jac.dense
+            if len(Qs) == 2 and jac.positions is not None:
+                jac = live_positions(jac)
             if len(Qs) == 2 and jac.positions is not None:
                 g, u = jac.positions
                 n, C, o, T = g.shape
-                g_rot = _sides(g.double().transpose(-1, -2), Qs[0])  # (n, C, T, e_G)
-                u_rot = _sides(u.double().transpose(-1, -2), Qs[1])  # (n, T, e_A)
-                rot = torch.einsum("ncti,ntj->ncij", g_rot, u_rot)
-                out.append(("dense", rot.flatten(2), None))
-                self._maps[k] = [_column_map(Qs[0], o), _column_map(Qs[1], u.shape[-2])]
+                g_rot = _compressed_side(g.double().transpose(-1, -2).reshape(n, C * T, o), Qs[0])
+                u_rot = _compressed_side(u.double().transpose(-1, -2), Qs[1])  # (n, T, e_A)
+                out.append(("positions", g_rot.reshape(n, C, T, -1), u_rot))
+                self._maps[k] = [
+                    _column_map(Qs[0], g_rot.shape[-1] - Qs[0].shape[1]),
+                    _column_map(Qs[1], u_rot.shape[-1] - Qs[1].shape[1]),
+                ]
                 continue
+            source = jac.g if jac.g is not None else jac.dense
             jac = jacobian_float64(jac)
             if len(Qs) == 2 and jac.dense is None:
                 QG, QA = Qs
@@ -283,7 +292,7 @@ def _sides(X: Tensor, Q: Tensor) -> Tensor:
 
 
 def _compressed_side(X: Tensor, Q: Tensor) -> Tensor:
-    """``[X Q, L]`` for ``X`` (n, C, d): ``L`` (n, C, C) with ``L Lᵀ = R Rᵀ`` for the residuals
+    """``[X Q, L]`` for ``X`` (n, m, d): ``L`` (n, m, min(m, d)) with ``L Lᵀ = R Rᵀ`` for the residuals
     ``R = X N`` (``Lᵀ`` the triangular factor of a QR of ``Rᵀ``); only ``X Q`` when ``Q`` is square."""
     XQ = rows_times(X, Q)
     if Q.shape[1] == Q.shape[0]:

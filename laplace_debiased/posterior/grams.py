@@ -77,9 +77,10 @@ def jacobian_float64(jac: LayerJacobian) -> LayerJacobian:
 
     Returns:
         The factored Jacobian with both factors in float64, or the dense Jacobian
-        ``(n, C, numel)`` in float64 (a sum over positions is formed densely in the Jacobian's
-        own dtype first).
+        ``(n, C, numel)`` in float64 (a sum over positions summed in float64).
     """
+    if jac.positions is not None:
+        return LayerJacobian(dense=LayerJacobian(positions=tuple(t.double() for t in jac.positions)).full())
     if jac.g is None:
         return LayerJacobian(dense=jac.full().double())
     return LayerJacobian(g=jac.g.double(), a=jac.a.double())

@@ -15,7 +15,10 @@ done once per chunk of inputs and reused for every prior precision of a grid; th
 rotated Jacobian once ([`weighted_grams`][laplace_debiased.posterior.grams.weighted_grams]), and
 ``covariance(rotated, δ)`` is its one-point case.  The full ``(batch × classes × parameters)`` Jacobian is
 never built: inputs are processed in chunks, and the Jacobian of a ``Linear`` layer (2-D input) stays in its
-rank-one form ``g_c ⊗ a`` (output gradient ⊗ input), rotated as ``(Q_Gᵀ g_c) ⊗ (Q_Aᵀ a)``.
+rank-one form ``g_c ⊗ a`` (output gradient ⊗ input), rotated as ``(Q_Gᵀ g_c) ⊗ (Q_Aᵀ a)``; that of a
+``Conv2d`` or of a ``Linear`` on every token, a sum over positions ``Σ_t g_t a_tᵀ``, keeps the positions
+that contribute and is rotated factor by factor
+([`KronStructure.rotate`][laplace_debiased.posterior.kron_structure.KronStructure.rotate]).
 Links: [`laplace_debiased.posterior.links`][laplace_debiased.posterior.links].
 [`sampled_linearized_predictive`][laplace_debiased.evaluation.predictive.sampled_linearized_predictive]
 samples parameters instead, for posteriors without a cheap eigenbasis.

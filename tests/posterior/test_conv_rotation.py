@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from laplace_debiased.posterior.from_laplace import laplace_params, posterior_structure
 from laplace_debiased.posterior.grid import GridPredictive
 from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians
-from laplace_debiased.posterior.kron_structure import positions_cheaper, rotate_positions
+from laplace_debiased.posterior.kron_structure import positions_cheaper, positions_sum, rotated_factors
 
 
 def wide_kernel_cnn() -> nn.Module:
@@ -27,7 +27,7 @@ def test_rotate_positions_is_the_rotated_dense_jacobian():
     Q_G = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))[0]
     Q_A = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))[0]
     J = torch.einsum("ncot,nkt->ncok", G, u)
-    torch.testing.assert_close(rotate_positions(G, u, Q_G, Q_A), (Q_G.T @ J @ Q_A).flatten(2), atol=1e-13, rtol=0)
+    torch.testing.assert_close(positions_sum(*rotated_factors(G, u, Q_G, Q_A)), (Q_G.T @ J @ Q_A).flatten(2), atol=1e-13, rtol=0)
 
 
 def test_kron_grid_with_positions_route_equals_dense_route_and_laplace():
