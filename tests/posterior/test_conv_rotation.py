@@ -20,7 +20,7 @@ def wide_kernel_cnn() -> nn.Module:
     return nn.Sequential(nn.Conv2d(8, 16, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 3)).double()
 
 
-def test_rotate_positions_is_the_rotated_dense_jacobian():
+def test_rotated_factors_summed_over_positions_are_the_rotated_dense_jacobian():
     g = torch.Generator().manual_seed(0)
     G = torch.randn(4, 3, 5, 7, generator=g, dtype=torch.float64)
     u = torch.randn(4, 6, 7, generator=g, dtype=torch.float64)
