@@ -274,6 +274,9 @@ def write_summary(cache: Path) -> str:
              "structure fitted on the full batch (points, mean ± s.e. over draws). D: M − M(reference estimate) on "
              "the same draw, against the structure's present estimate (`paper`) and against the single batch "
              "(mean ± s.e.; worse: draws with D > 0).", ""]
+    done = {b: cell["draws"] for b, cell in result["debiased_full"]["cells"].items()}
+    if sorted(done) != [32, 64, 128, 256] or min(done.values()) < 16:
+        lines += [f"**Partial: the run is in progress** (draws per b: {done}); the decision below is provisional.", ""]
     for name, res in result.items():
         group = STRUCTURES[name][0]
         lines += [f"## {name}", "",
