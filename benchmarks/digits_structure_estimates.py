@@ -57,7 +57,8 @@ from torch.func import functional_call, jacrev, vmap
 from laplace_debiased.curvature.linalg import gram_eigenpairs
 from laplace_debiased.curvature.thresholds import EigenPairs
 from laplace_debiased.eigen.decompose import decompose_debiased_full
-from laplace_debiased.kron.corrected import corrected_factor, corrected_factor_rows, order_weights
+from laplace_debiased.curvature.linalg import order_weights
+from laplace_debiased.kron.corrected import corrected_factor, corrected_factor_rows
 
 HERE = Path(__file__).resolve().parent
 FULL = ("single", "paper", "corrected", "shrunk", "stein")

@@ -62,7 +62,8 @@ import torch
 from laplace_debiased.curvature.eigen import dense_range_eigenpairs, dense_top_eigenpairs
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
 from laplace_debiased.eigen.decompose import decompose_debiased_full
-from laplace_debiased.kron.corrected import corrected_factor, order_weights
+from laplace_debiased.curvature.linalg import order_weights
+from laplace_debiased.kron.corrected import corrected_factor
 
 HERE = Path(__file__).resolve().parent
 P, C, K, N = 120, 4, 10, 10_000
