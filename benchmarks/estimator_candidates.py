@@ -53,10 +53,9 @@ import torch
 from laplace_debiased.kron.corrected import (
     correction_variance,
     corrected_factor,
-    order_weights,
     same_minus_cross,
 )
-from laplace_debiased.curvature.linalg import frobenius_tolerance, remeasure_eigenvalues, symmetric_eigh64
+from laplace_debiased.curvature.linalg import frobenius_tolerance, order_weights, remeasure_eigenvalues, symmetric_eigh64
 
 HERE = Path(__file__).resolve().parent
 D, N, DELTAS, TOTALS = 60, 10_000, (1e-2, 1.0, 1e2, 1e4), (16, 64, 256, 1024)

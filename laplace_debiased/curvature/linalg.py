@@ -36,6 +36,8 @@ import torch
 __all__ = [
     "remeasure_eigenvalues",
     "clamp_roundoff_negatives",
+    "order_weight",
+    "order_weights",
     "roundoff_tolerance",
     "symmetric_eigh64",
     "degenerate_groups",
@@ -583,3 +585,27 @@ def lowrank_debiased_factor(
         null_value += (Xm - (Xm @ Q) @ Q.T).square().sum() / (d - Q.shape[1])
     lam = torch.cat([*mus, *([null_value] if Q.shape[1] < d else [])])
     return Q.to(dtype), lam.to(dtype)
+
+
+def order_weight(m: int, n: int, n_data: int | None) -> float:
+    """``(m / n)(1 - n / N)``: the bias of the pooled batch of ``n`` over the gap measured by the
+    order whose batch of ``m`` chooses, all drawn without replacement from ``N = n_data`` (``m / n``
+    for ``n_data=None``, an infinite population; the derivation:
+    [`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]).
+
+    Raises:
+        ValueError: ``n > n_data``.
+    """
+    if n_data is None:
+        return m / n
+    if n > n_data:
+        raise ValueError(f"B ∪ B̃ has {n} samples but the data only {n_data}; pass the training-set size as n_data.")
+    return m / n * (1 - n / n_data)
+
+
+def order_weights(m_direction: int, m_magnitude: int, n_data: int | None) -> tuple[float, float]:
+    """The factors ``(k_B, k_B̃)`` of the two orders' gaps in the correction ``x = k_B g_B + k_B̃ g_B̃``:
+    ``(m / n)(1 - n / N) / 2`` for the order whose batch of ``m`` chooses
+    ([`order_weight`][laplace_debiased.curvature.linalg.order_weight])."""
+    n = m_direction + m_magnitude
+    return order_weight(m_direction, n, n_data) / 2, order_weight(m_magnitude, n, n_data) / 2

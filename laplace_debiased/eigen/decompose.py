@@ -7,6 +7,9 @@ eigenvalues on the independent magnitude batch B̃ as the Rayleigh quotients
 
 - low rank ([`debiased_lowrank`][laplace_debiased.eigen.decompose.debiased_lowrank]): the top-``k``
   eigenpairs of ``G_B``, the directions whose ``λ̃`` is at most ``remeasured_rtol · max λ̃`` left out;
+  or (``estimator="corrected"``) the top-``k`` eigenpairs of ``G_{B ∪ B̃}``, their eigenvalues less the
+  bias both orders of B and B̃ measure
+  ([`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank]);
 - full ([`debiased_full`][laplace_debiased.eigen.decompose.debiased_full]): every eigenvector of ``G_B``
   with non-zero eigenvalue and, on ``G_B``'s null space (projector ``Π = I − U Uᵀ``), the compression
   ``Π G_B̃ Π``: ``H = U diag(λ̃) Uᵀ + Π G_B̃ Π``
@@ -37,15 +40,17 @@ from laplace_debiased.curvature import eigen
 from laplace_debiased.curvature.factors import dense_curvature, directional_curvatures
 from laplace_debiased.curvature.inputs import Batch, Curvature, parameter_count, trainable_parameters
 from laplace_debiased.curvature.lanczos import lanczos_top_k, summed_curvature_product
-from laplace_debiased.curvature.linalg import remeasure_eigenvalues
+from laplace_debiased.curvature.linalg import order_weights, remeasure_eigenvalues
 from laplace_debiased.curvature.thresholds import EigenPairs, above_relative_floor, threshold_eigenpairs
 from laplace_debiased.parallel.reducer import Reducer
 
 __all__ = [
+    "LOWRANK_ESTIMATORS",
     "MAX_DISTRIBUTED_DENSE_BYTES",
     "CurvatureSource",
     "FullDecomposition",
     "LowRankDecomposition",
+    "corrected_lowrank",
     "debiased_full",
     "debiased_lowrank",
     "decompose_debiased_full",
@@ -54,6 +59,10 @@ __all__ = [
     "summed_dense_curvature",
     "symmetric_outer",
 ]
+
+#: the estimates of ``debiased_lowrank`` (``estimator=...``): B's eigenvectors with B̃'s Rayleigh quotients,
+#: or the corrected top eigenvalues of B ∪ B̃ ([`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank])
+LOWRANK_ESTIMATORS = ("paper", "corrected")
 
 #: the largest dense float64 ``G_B`` (bytes) a low-rank fit over several ranks sums over them
 MAX_DISTRIBUTED_DENSE_BYTES = 2**30
@@ -239,8 +248,10 @@ def debiased_lowrank(
     eigval_rtol: float,
     remeasured_rtol: float,
     reducer: Reducer,
+    estimator: str = "paper",
 ) -> LowRankDecomposition:
-    """The debiased low-rank curvature: B's top eigenvectors, B̃'s Rayleigh quotients.
+    """The debiased low-rank curvature: B's top eigenvectors, B̃'s Rayleigh quotients, or
+    (``estimator="corrected"``) [`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank].
 
     Args:
         source: the module and its curvature.
@@ -256,14 +267,23 @@ def debiased_lowrank(
         remeasured_rtol: directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are
             left out.
         reducer: the ranks' collectives.
+        estimator: one of [`LOWRANK_ESTIMATORS`][laplace_debiased.eigen.decompose.LOWRANK_ESTIMATORS]; both
+            give the single-batch curvature for B̃ = B.
 
     Returns:
         The [`LowRankDecomposition`][laplace_debiased.eigen.decompose.LowRankDecomposition], scaled to
         ``n_data`` (``N/|B|`` and ``N/|B̃|``).
+
+    Raises:
+        ValueError: an unknown ``estimator``.
     """
-    pairs = direction_eigenpairs(
-        source, direction_batches, rank=rank, method=method, eigval_rtol=eigval_rtol, reducer=reducer
-    )
+    if estimator not in LOWRANK_ESTIMATORS:
+        raise ValueError(f"debiased_lowrank offers estimator in {LOWRANK_ESTIMATORS}, got {estimator!r}.")
+    kw = {"rank": rank, "method": method, "eigval_rtol": eigval_rtol, "reducer": reducer}
+    if estimator == "corrected" and magnitude_batches is not None:
+        return corrected_lowrank(source, direction_batches, magnitude_batches, sizes=sizes, n_data=n_data,
+                                 remeasured_rtol=remeasured_rtol, **kw)
+    pairs = direction_eigenpairs(source, direction_batches, **kw)
     scale_B = n_data / sizes[0]
     if magnitude_batches is None:
         remeasured = pairs.values * scale_B
@@ -380,3 +400,64 @@ def debiased_full(
         return FullDecomposition(values, lam, H, None)
     pairs = eigen.range_eigenpairs(source.module, direction_batches, source.likelihood, source.curvature)
     return decompose_debiased_full(pairs, G_mag, scale_B)
+
+
+def corrected_lowrank(
+    source: CurvatureSource,
+    direction_batches: list[Batch],
+    magnitude_batches: list[Batch],
+    *,
+    sizes: tuple[int, int],
+    n_data: int,
+    rank: int,
+    method: eigen.Method,
+    eigval_rtol: float,
+    remeasured_rtol: float,
+    reducer: Reducer,
+) -> LowRankDecomposition:
+    """The top-``k`` eigenvectors of B ∪ B̃ with eigenvalues less the bias the two orders measure.
+
+    With ``H_S`` the curvature of batch set ``S`` scaled to ``n_data``, B ∪ B̃ pooled (the single batch
+    of ``n = |B| + |B̃|`` samples), and each order's gaps ``g_{B,i} = λ_i(H_B) - u_{B,i}ᵀ H_B̃ u_{B,i}``
+    over B's top-``k`` eigenpairs (``g_B̃`` the same with B̃ choosing):
+
+    ``λ̂_i = (λ_i(H_{B∪B̃}) - k_B g_{B,i} - k_B̃ g_{B̃,i})⁺``
+
+    matched by position (descending), with the order weights ``(k_B, k_B̃)`` of
+    [`order_weights`][laplace_debiased.curvature.linalg.order_weights] (the estimate ``"corrected"`` of
+    [`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected] on the top ``k``; only top-``k``
+    eigenpairs and the other batch's curvature along them are needed). Positions beyond the fewest
+    eigenpairs the three decompositions return are left out, then directions with
+    ``λ̂ ≤ remeasured_rtol · max λ̂``. The minimum-MSE weight of ``"stein"`` is not offered: its variance
+    sums over every eigen-direction, not the top ``k``.
+
+    Args:
+        source: the module and its curvature.
+        direction_batches: this rank's ``(X, y)`` rows of B.
+        magnitude_batches: this rank's rows of B̃.
+        sizes: the samples of B and B̃ over all ranks.
+        n_data: ``N``, the training data the curvature is scaled to.
+        rank: ``k``.
+        method: the route to each set of eigenpairs
+            ([`direction_eigenpairs`][laplace_debiased.eigen.decompose.direction_eigenpairs]).
+        eigval_rtol: eigenpairs with eigenvalue ``≤ eigval_rtol · λ_max`` are not selected.
+        remeasured_rtol: directions with ``λ̂ ≤ remeasured_rtol · max λ̂`` (or ``≤ 0``) are left out.
+        reducer: the ranks' collectives.
+
+    Returns:
+        The [`LowRankDecomposition`][laplace_debiased.eigen.decompose.LowRankDecomposition]: the pooled
+        eigenvectors, ``λ̂`` as ``eigenvalues`` and the pooled eigenvalues (scaled) as
+        ``direction_eigenvalues``.
+    """
+    kw = {"rank": rank, "method": method, "eigval_rtol": eigval_rtol, "reducer": reducer}
+    scale_B, scale_Bt = n_data / sizes[0], n_data / sizes[1]
+    pooled = direction_eigenpairs(source, [*direction_batches, *magnitude_batches], **kw)
+    on_B, on_Bt = direction_eigenpairs(source, direction_batches, **kw), direction_eigenpairs(source, magnitude_batches, **kw)
+    gap_B = on_B.values * scale_B - remeasured_eigenvalues(source, magnitude_batches, on_B.vectors, reducer) * scale_Bt
+    gap_Bt = on_Bt.values * scale_Bt - remeasured_eigenvalues(source, direction_batches, on_Bt.vectors, reducer) * scale_B
+    k = min(len(pooled.values), len(gap_B), len(gap_Bt))
+    k_B, k_Bt = order_weights(*sizes, n_data)
+    values = pooled.values[:k] * (n_data / sum(sizes))
+    corrected = (values - k_B * gap_B[:k] - k_Bt * gap_Bt[:k]).clamp(min=0.0)
+    keep = above_relative_floor(corrected, remeasured_rtol)
+    return LowRankDecomposition(pooled.vectors[:, :k][:, keep], corrected[keep], values[keep], pooled.method)

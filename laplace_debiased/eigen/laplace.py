@@ -13,7 +13,9 @@ loader of ``N`` samples: ``N / |S|`` times the summed-loss curvature of batch se
   functional variance, samples, log-determinant). Directions whose re-measured curvature is
   ``≤ remeasured_rtol · max λ̃`` (including ``λ̃ ≤ 0``) are removed: their contribution
   ``λ̃ u uᵀ`` to the precision is (close to) zero and ``diag(1/λ̃)`` in the Woodbury inverse stays
-  finite. ``la.H[0].shape[1]`` is the rank finally used.
+  finite. ``la.H[0].shape[1]`` is the rank finally used. ``estimator="corrected"`` takes the top
+  eigenvectors of B ∪ B̃ instead, their eigenvalues less the bias both orders of B and B̃ measure
+  ([`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank]).
 - ``DebiasedFullLaplace`` (``("all", "debiased_full")``) and ``DebiasedFullLLLaplace``
   (``("last_layer", "debiased_full")``): eigendecomposition of the dense ``G_B``,
   ``H = U diag(diag(Uᵀ G_B̃ U)) Uᵀ`` (round-off negatives clamped to 0) on the range of ``G_B``
@@ -59,7 +61,13 @@ from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInte
 from laplace.lllaplace import FullLLLaplace, LLLaplace
 from torch import Tensor, nn
 
-from laplace_debiased.eigen.decompose import CurvatureSource, debiased_full, debiased_lowrank, symmetric_outer
+from laplace_debiased.eigen.decompose import (
+    LOWRANK_ESTIMATORS,
+    CurvatureSource,
+    debiased_full,
+    debiased_lowrank,
+    symmetric_outer,
+)
 from laplace_debiased.curvature import eigen, inputs
 from laplace_debiased.curvature.linalg import symmetric_eigh64
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
@@ -102,17 +110,24 @@ class EigenConfig:
         eigval_rtol: Directions with B-eigenvalue ``≤ eigval_rtol · λ_max(G_B)`` are not selected
             (those B does not see; also guards against round-off null-space vectors).
         remeasured_rtol: Directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are removed.
+        estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients) or ``"corrected"`` (the top
+            eigenvectors of B ∪ B̃, eigenvalues less the bias both orders measure;
+            [`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank]).
 
     Raises:
-        ValueError: ``rank`` is not a positive int, ``method`` unknown, or a tolerance outside ``[0, 1)``.
+        ValueError: ``rank`` is not a positive int, ``method`` or ``estimator`` unknown, or a tolerance
+            outside ``[0, 1)``.
     """
 
     rank: int = 50
     method: eigen.Method = "auto"
     eigval_rtol: float = 1e-6
     remeasured_rtol: float = 1e-8
+    estimator: str = "paper"
 
     def __post_init__(self) -> None:
+        if self.estimator not in LOWRANK_ESTIMATORS:
+            raise ValueError(f"debiased_lowrank offers estimator in {LOWRANK_ESTIMATORS}, got {self.estimator!r}.")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"rank must be a positive int, got {self.rank!r}.")
         if self.method not in eigen.METHODS:
@@ -128,6 +143,7 @@ class EigenConfig:
             "eigen_requested_method": self.method,
             "eigen_eigval_rtol": self.eigval_rtol,
             "eigen_remeasured_rtol": self.remeasured_rtol,
+            "eigen_estimator": self.estimator,
         }
 
     def check_state(self, state_dict: dict[str, Any]) -> None:
@@ -141,10 +157,11 @@ class EigenConfig:
             ValueError: The saved settings differ from these.
         """
         saved = {key: state_dict.get(key) for key in self.state()}
+        saved["eigen_estimator"] = state_dict.get("eigen_estimator", "paper")  # saved before the option existed
         if saved != self.state():
             raise ValueError(
                 f"checkpoint was fitted with {saved} but this object has {self.state()}; "
-                "construct it with the same rank/method/tolerances."
+                "construct it with the same rank/method/tolerances/estimator."
             )
 
 
@@ -305,18 +322,25 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         likelihood: laplace-torch's likelihood.
         rank: Number ``k`` of top eigenvectors of ``G_B``.
         method: Route to B's eigenpairs ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig],
-            which holds the four settings as ``eigen_config``).
+            which holds the five settings as ``eigen_config``).
         eigval_rtol: Floor on B's eigenvalues, relative to the largest
             ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
         remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest
             ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
+        estimator: ``"paper"`` (the default: B's eigenvectors, B̃'s Rayleigh quotients) or
+            ``"corrected"`` (the top eigenvectors of B ∪ B̃ with the bias both orders measure removed;
+            [`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank]); checked here.
         **kwargs: The batch options
             ([`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace]) and
             laplace-torch's ``ParametricLaplace`` arguments.
 
     After ``fit``: ``H = (U (P, r), λ̃ (r,))`` in the model dtype with ``r ≤ rank``;
-    ``direction_eigenvalues`` (``(r,)``) are B's own (biased) eigenvalues of the kept directions,
-    scaled to ``n_data``, for diagnostics; ``eigen_method`` is the route used.
+    ``direction_eigenvalues`` (``(r,)``) are B's own (biased) eigenvalues of the kept directions
+    (``"corrected"``: those of B ∪ B̃), scaled to ``n_data``, for diagnostics; ``eigen_method`` is the
+    route used.
+
+    Raises:
+        ValueError: A setting out of range ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
     """
 
     _key = ("all", "debiased_lowrank")
@@ -330,9 +354,10 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         method: eigen.Method = "auto",
         eigval_rtol: float = 1e-6,
         remeasured_rtol: float = 1e-8,
+        estimator: str = "paper",
         **kwargs: Any,
     ) -> None:
-        self.eigen_config = EigenConfig(rank, method, eigval_rtol, remeasured_rtol)
+        self.eigen_config = EigenConfig(rank, method, eigval_rtol, remeasured_rtol, estimator)
         self.direction_eigenvalues: Tensor | None = None
         self.eigen_method: str | None = None
         super().__init__(model, likelihood, **kwargs)
@@ -353,7 +378,7 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
             )
 
     def _fit_two_batch(self, direction_batches: list[Batch], magnitude_batches: list[Batch], N: int) -> Tensor:
-        """B's top eigenvectors and B̃'s Rayleigh quotients
+        """B's top eigenvectors and B̃'s Rayleigh quotients, or the corrected estimate
         ([`debiased_lowrank`][laplace_debiased.eigen.decompose.debiased_lowrank])."""
         reducer = current_reducer()
         fit = eigen_fit_inputs(

@@ -145,6 +145,8 @@ from laplace_debiased.curvature.linalg import (
     frobenius_tolerance,
     gram_eigenpairs,
     gram_spectrum,
+    order_weight,
+    order_weights,
     remeasure_eigenvalues,
     roundoff_tolerance,
     symmetric_eigh64,
@@ -153,7 +155,7 @@ from laplace_debiased.curvature.linalg import (
 )
 
 __all__ = ["RULES", "FactorCorrection", "correction_variance", "corrected_factor", "corrected_factor_rows",
-           "corrected_kron", "order_weights", "same_minus_cross", "shrinkage_weight", "stein_weight"]
+           "corrected_kron", "same_minus_cross", "shrinkage_weight", "stein_weight"]
 
 #: the weights of the correction on the pooled range (module docstring)
 RULES = ("corrected", "shrunk", "stein")
@@ -212,24 +214,6 @@ def _change(values: torch.Tensor, pooled: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(values - pooled)) / scale if scale > 0 else 0.0
 
 
-def _order_weight(m: int, n: int, n_data: int | None) -> float:
-    """``(m / n)(1 - n / N)``: the bias of the pooled batch of ``n`` over the gap measured by the
-    order whose batch of ``m`` chooses, all drawn without replacement from ``N = n_data`` (module
-    docstring; ``m / n`` for ``n_data=None``, an infinite population)."""
-    if n_data is None:
-        return m / n
-    if n > n_data:
-        raise ValueError(f"B ∪ B̃ has {n} samples but the data only {n_data}; pass the training-set size as n_data.")
-    return m / n * (1 - n / n_data)
-
-
-def order_weights(m_direction: int, m_magnitude: int, n_data: int | None) -> tuple[float, float]:
-    """The factors ``(k_B, k_B̃)`` of the two orders' gaps in the correction ``x = k_B g_B + k_B̃ g_B̃``:
-    ``(m / n)(1 - n / N) / 2`` for the order whose batch of ``m`` chooses (module docstring)."""
-    n = m_direction + m_magnitude
-    return _order_weight(m_direction, n, n_data) / 2, _order_weight(m_magnitude, n, n_data) / 2
-
-
 def correction_variance(difference: torch.Tensor, L: torch.Tensor, m_direction: int, m_magnitude: int,
                         n_data: int | None, tolerance: float) -> torch.Tensor:
     """Estimated variance of each eigenvalue's correction ``x_i`` on the pooled range (module docstring).
@@ -250,7 +234,7 @@ def correction_variance(difference: torch.Tensor, L: torch.Tensor, m_direction: 
     """
     n = m_direction + m_magnitude
     a, b = m_magnitude / n, m_direction / n
-    c = a * b * _order_weight(n, n, n_data)
+    c = a * b * order_weight(n, n, n_data)
     sep = L[:, None] - L[None, :]
     square = difference.square()
     denominator = sep.square() + 4 * a * b * square
@@ -318,7 +302,7 @@ def corrected_factor(
     null = int((L <= tol).sum())
     variance = None
     if rule == "stein":
-        shift_b, shift_t = _null_shifts(shift_b, shift_t, gaps_b, gaps_t, _order_weight(n, n, n_data) / 4, null)
+        shift_b, shift_t = _null_shifts(shift_b, shift_t, gaps_b, gaps_t, order_weight(n, n, n_data) / 4, null)
         difference = U.T @ (direction.double() - magnitude.double()) @ U
         variance = correction_variance(difference[null:, null:], L[null:], m_direction, m_magnitude, n_data, tol)
     lam, record = _corrected_values(L, shift_b, shift_t, null, rule, variance)
@@ -396,7 +380,7 @@ def corrected_factor_rows(
     shift_b, shift_t = k_b * gaps_b, k_t * gaps_t
     variance = None
     if rule == "stein":
-        shift_b, shift_t = _null_shifts(shift_b, shift_t, gaps_b, gaps_t, _order_weight(n, n, n_data) / 4, d - r)
+        shift_b, shift_t = _null_shifts(shift_b, shift_t, gaps_b, gaps_t, order_weight(n, n, n_data) / 4, d - r)
         YB, YM = direction_rows.double() @ Q, magnitude_rows.double() @ Q
         tol = frobenius_tolerance(d, dtype, float(torch.linalg.vector_norm(L)))
         variance = correction_variance(YB.T @ YB - YM.T @ YM, L, m_direction, m_magnitude, n_data, tol)

@@ -116,6 +116,30 @@ def test_debiased_lowrank_leaves_out_directions_B_tilde_does_not_curve():
     assert torch.equal(fewer.eigenvalues, lam[lam > rtol * lam.max()])
 
 
+def test_debiased_lowrank_corrected_is_pooled_top_k_and_refuses_unknown_estimators():
+    """``estimator="corrected"``: B ∪ B̃'s top eigenvectors (unequal halves 9 + 5 here, order weights
+    ``(m/n)(1 - n/N)/2``); B̃ = B (``None``): the single batch, as for ``"paper"``."""
+    model, B, Bt = tiny_mlp(), _batches(8), _batches(9, (5,))
+    kw = dict(sizes=(9, 5), n_data=N_DATA, rank=4, method="gram", eigval_rtol=1e-6, remeasured_rtol=1e-8,
+              reducer=Reducer())
+    out = debiased_lowrank(_source(model), B, Bt, estimator="corrected", **kw)
+    G_B, G_Bt = _ggn(model, B) * N_DATA / 9, _ggn(model, Bt) * N_DATA / 5
+    vals, vecs = torch.linalg.eigh((9 * G_B + 5 * G_Bt) / 14)
+    U_P = vecs.flip(1)[:, :4]
+    gaps = []
+    for D, M in ((G_B, G_Bt), (G_Bt, G_B)):
+        lam, U = torch.linalg.eigh(D)
+        U = U.flip(1)[:, :4]
+        gaps.append(lam.flip(0)[:4] - torch.diagonal(U.T @ M @ U))
+    k_B, k_Bt = 9 / 14 * (1 - 14 / N_DATA) / 2, 5 / 14 * (1 - 14 / N_DATA) / 2
+    assert _rel(out.eigenvalues, (vals.flip(0)[:4] - k_B * gaps[0] - k_Bt * gaps[1]).clamp(min=0)) < 1e-10
+    assert _rel(out.vectors @ out.vectors.T, U_P @ U_P.T) < 1e-8
+    same = [debiased_lowrank(_source(model), B, None, estimator=e, **kw) for e in ("paper", "corrected")]
+    assert torch.equal(same[0].eigenvalues, same[1].eigenvalues)
+    with pytest.raises(ValueError, match="estimator"):
+        debiased_lowrank(_source(model), B, Bt, estimator="stein", **kw)
+
+
 def _range(G: torch.Tensor) -> EigenPairs:
     return eigen.dense_range_eigenpairs(G)
 

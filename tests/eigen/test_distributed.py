@@ -39,6 +39,10 @@ CASES = {
     "lowrank_lanczos_regression": (tiny_mlp, (4,), 48, 16, "all", "debiased_lowrank", {}, {"rank": 6, "method": "lanczos"}),
     "lowrank_lanczos_last_layer": (tiny_mlp, (4,), 48, 16, "last_layer", "debiased_lowrank", {}, {"rank": 4, "method": "lanczos"}),
     "lowrank_same_batches": (tiny_mlp, (4,), 48, 16, "all", "debiased_lowrank", {"magnitude_loader": True}, {"rank": 8}),
+    "lowrank_corrected_mlp": (tiny_mlp, (4,), 60, 10, "all", "debiased_lowrank", {"n_direction_batches": 2},
+                              {"rank": 8, "estimator": "corrected"}),
+    "lowrank_corrected_lanczos": (tiny_mlp, (4,), 48, 16, "all", "debiased_lowrank", {},
+                                  {"rank": 6, "method": "lanczos", "estimator": "corrected"}),
 }
 
 

@@ -167,6 +167,62 @@ def test_same_batch_lowrank_is_plain_top_k():
     torch.testing.assert_close(U @ torch.diag(la.H[1]) @ U.T, (vectors.flip(1)[:, :5] * values.flip(0)[:5]) @ vectors.flip(1)[:, :5].T, atol=1e-9, rtol=0)
 
 
+def _top(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, vectors = torch.linalg.eigh(G)
+    return values.flip(0)[:k], vectors.flip(1)[:, :k]
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("method", ["gram", "lanczos"])
+def test_corrected_lowrank_is_pooled_top_k_less_both_orders_gaps(subset, method):
+    """``estimator="corrected"`` against the dense formula: B ∪ B̃'s top-k eigenvectors, eigenvalues
+    ``λ_P - k_B g_B - k_B̃ g_B̃`` with each order's gaps from its own top-k and the other batch's
+    curvature, ``k = (m/n)(1 - n/N)/2`` (here 1/8 for 10 + 10 of N = 40)."""
+    model, loader, rank = tiny_mlp(), data_loader("classification"), 4
+    la = make_la(model, "classification", subset, "debiased_lowrank", rank=rank, method=method, estimator="corrected")
+    la.fit(loader)
+    module, B, Bt, N = reference_parts(model, subset, loader, "classification")
+    H_B = explicit_curvature(module, B, "classification") * N / 10
+    H_Bt = explicit_curvature(module, Bt, "classification") * N / 10
+    lam_P, U_P = _top((H_B + H_Bt) / 2, rank)
+    gaps = []
+    for D, M in ((H_B, H_Bt), (H_Bt, H_B)):
+        lam, U = _top(D, rank)
+        gaps.append(lam - torch.einsum("pk,pq,qk->k", U, M, U))
+    expected = (lam_P - (gaps[0] + gaps[1]) / 8).clamp(min=0)
+    assert (gaps[0] + gaps[1]).abs().max() > 1e-3 * lam_P.max()  # the correction is not negligible here
+    U, lam = la.H
+    torch.testing.assert_close(lam, expected, atol=1e-8 * float(lam_P.max()), rtol=1e-7)
+    torch.testing.assert_close(U @ U.T, U_P @ U_P.T, atol=1e-6, rtol=0)
+    torch.testing.assert_close(la.direction_eigenvalues, lam_P, atol=1e-8 * float(lam_P.max()), rtol=1e-7)
+
+
+def test_corrected_lowrank_with_the_same_batch_is_plain_top_k():
+    """B̃ = B: no gap to measure, both estimators give the single batch's top-k exactly."""
+    model = tiny_mlp()
+    loader = data_loader("regression", n=20, batch_size=10)
+    out = {}
+    for estimator in ("paper", "corrected"):
+        la = make_la(model, "regression", "all", "debiased_lowrank", rank=5, estimator=estimator)
+        la.fit(loader, magnitude_loader=loader)
+        out[estimator] = la.H
+    assert all(torch.equal(a, b) for a, b in zip(out["paper"], out["corrected"]))
+
+
+def test_lowrank_estimator_is_checked_at_construction_and_saved():
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match="estimator"):
+        make_la(model, "classification", "all", "debiased_lowrank", estimator="stein")
+    la = make_la(model, "classification", "all", "debiased_lowrank", rank=3)
+    la.fit(data_loader("classification"))
+    state = la.state_dict()
+    assert state["eigen_estimator"] == "paper"
+    with pytest.raises(ValueError, match="estimator"):
+        make_la(model, "classification", "all", "debiased_lowrank", rank=3, estimator="corrected").load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "eigen_estimator"}  # saved before the option existed
+    make_la(model, "classification", "all", "debiased_lowrank", rank=3).load_state_dict(older)
+
+
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
 def test_woodbury_posterior_equals_dense_inverse(subset):
     model = tiny_mlp()

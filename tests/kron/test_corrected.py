@@ -14,12 +14,11 @@ from laplace_debiased.kron.corrected import (
     corrected_factor_rows,
     corrected_kron,
     correction_variance,
-    order_weights,
     same_minus_cross,
     shrinkage_weight,
     stein_weight,
 )
-from laplace_debiased.curvature.linalg import symmetric_eigh64
+from laplace_debiased.curvature.linalg import order_weights, symmetric_eigh64
 
 EPS64 = torch.finfo(torch.float64).eps
 
