@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from laplace_debiased.curvature.linalg import frobenius_tolerance, symmetric_eigh64
-from laplace_debiased.kron.corrected import correction_variance, order_weights, same_minus_cross
+from laplace_debiased.curvature.linalg import frobenius_tolerance, order_weights, symmetric_eigh64
+from laplace_debiased.kron.corrected import correction_variance, same_minus_cross
 
 HERE = Path(__file__).resolve().parent
 D, GROUPS = 60, 8
