@@ -189,11 +189,16 @@ def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: in
     Returns:
         ``(d,)`` float64 gaps, averaged over each tied run of ``D``'s eigenvalues.
     """
+    return _same_minus_cross(direction, magnitude, terms)[0]
+
+
+def _same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross] and the spectrum of ``direction`` (float64, ascending)."""
     check_finite(direction, "the direction batch")
     L, U = symmetric_eigh64(direction)
     # diag(Uᵀ M U) in float64, at the round-off tolerance of M's own precision
     cross = remeasure_eigenvalues(U, magnitude, terms, dtype=torch.float64)
-    return group_means(L - cross, tied_groups(L, roundoff_tolerance(direction)))
+    return group_means(L - cross, tied_groups(L, roundoff_tolerance(direction))), L
 
 
 def check_finite(F: torch.Tensor, batch: str) -> None:
@@ -304,9 +309,9 @@ def corrected_factor(
     pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
     L, U = symmetric_eigh64(pooled)
     k_b, k_t = order_weights(m_direction, m_magnitude, n_data)
-    gaps_b, gaps_t = (
-        _gaps_from_rows(rows, k, direction.dtype)[0] if rows is not None and len(rows[k]) < L.numel()
-        else same_minus_cross(*((direction, magnitude) if k == 0 else (magnitude, direction)), terms) for k in (0, 1))
+    gaps_b, gaps_t = (_order_gaps(direction, magnitude, k, terms, rows) for k in (0, 1))
+    if rows is not None:  # the spectra the coverage record counts ranks from
+        rows.spectra[m_direction / n, m_magnitude / n] = L
     shift_b, shift_t = k_b * gaps_b, k_t * gaps_t
     tol = frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(pooled)))
     null = int((L <= tol).sum())
@@ -317,6 +322,20 @@ def corrected_factor(
         variance = correction_variance(difference[null:, null:], L[null:], m_direction, m_magnitude, n_data, tol)
     lam, record = _corrected_values(L, shift_b, shift_t, null, rule, variance)
     return U.to(direction.dtype), lam.to(direction.dtype), record
+
+
+def _order_gaps(direction: torch.Tensor, magnitude: torch.Tensor, chooser: int, terms: int,
+                rows: FactorRows | None) -> torch.Tensor:
+    """The gaps of the order in which batch ``chooser`` (``0``: B, ``1``: B̃) chooses the directions: through its
+    rows where they are fewer than the dimension (``_gaps_from_rows``), else densely
+    ([`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross]), its spectrum then kept in ``rows.spectra``."""
+    if rows is not None and len(rows[chooser]) < direction.shape[0]:
+        return _gaps_from_rows(rows, chooser, direction.dtype)[0]
+    chosen, other = (direction, magnitude) if chooser == 0 else (magnitude, direction)
+    gaps, spectrum = _same_minus_cross(chosen, other, terms)
+    if rows is not None:
+        rows.spectra[chooser] = spectrum
+    return gaps
 
 
 def _gaps_from_rows(rows: FactorRows, chooser: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:

@@ -126,13 +126,28 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
     rows = factor_rows(rows)  # one Gram matrix for the three counts
     Xd, Xm = rows
     d = Fd.shape[0]
-    rank_d = _rank(Fd, Xd, tol, rows.block(0, 0) if len(Xd) < d else None)
-    rank_m = _rank(Fm, Xm, tol, rows.block(1, 1) if len(Xm) < d else None)
+    rank_d = _rank(Fd, Xd, tol, rows.block(0, 0) if len(Xd) < d else None, rows.spectra.get(0))
+    rank_m = _rank(Fm, Xm, tol, rows.block(1, 1) if len(Xm) < d else None, rows.spectra.get(1))
     if same:
         return rank_d, rank_m, rank_d
     if len(Xd) + len(Xm) >= d:
-        return rank_d, rank_m, _rank(union, None, tol)
+        return rank_d, rank_m, _union_rank(union, tol, rows.spectra)
     return rank_d, rank_m, _rank(union, torch.cat([Xd, Xm]), tol, rows.gram)
+
+
+def _union_rank(union: torch.Tensor, tolerance: float, spectra: dict) -> int:
+    """The rank of ``union = F_B + F_B̃`` at ``tolerance``, from a pooled spectrum in ``spectra`` where it
+    decides it, else by inertia ([`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank]).
+
+    The pooled factor ``P = w_B F_B + w_B̃ F_B̃`` (``w`` positive) lies between ``min(w) U`` and ``max(w) U``
+    in the Loewner order, so (Weyl) ``λ_i(P) / max(w) ≤ λ_i(U) ≤ λ_i(P) / min(w)``: where both bounds count
+    the same eigenvalues above the tolerance, so does ``U`` (equal batches: always, ``P = U / 2``)."""
+    for weights, L in spectra.items():
+        if isinstance(weights, tuple):
+            lower, upper = int((L > tolerance * max(weights)).sum()), int((L > tolerance * min(weights)).sum())
+            if lower == upper:
+                return lower
+    return numerical_rank(union, tolerance)
 
 
 @dataclass(frozen=True)
@@ -260,12 +275,16 @@ class Coverage:
         )
 
 
-def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float, K: torch.Tensor | None = None) -> int:
+def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float, K: torch.Tensor | None = None,
+          spectrum: torch.Tensor | None = None) -> int:
     """[`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank] ``(F, tolerance)``; from the rows ``X`` (``XᵀX = F``, Gram matrix ``K``
     where formed) when they are fewer than ``F``'s dimension
-    ([`row_rank`][laplace_debiased.curvature.linalg.row_rank])."""
+    ([`row_rank`][laplace_debiased.curvature.linalg.row_rank]), else from ``F``'s eigenvalues where a
+    decomposition computed them (``spectrum``, float64)."""
     if X is not None and len(X) < F.shape[0]:
         return row_rank(X, F.dtype, tolerance, K)
+    if spectrum is not None:
+        return int((spectrum > tolerance).sum())
     return numerical_rank(F, tolerance)
 
 

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laplace_debiased.curvature.linalg import roundoff_tolerance
+from laplace_debiased.curvature.linalg import FactorRows, roundoff_tolerance
+from laplace_debiased.kron.corrected import corrected_kron
 from laplace_debiased.two_batch.coverage import factor_ranks, numerical_rank
 
 
@@ -112,3 +113,49 @@ def test_a_rank_is_counted_without_an_eigendecomposition(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", refuse)
     assert numerical_rank(X.T @ X) == 16
     assert numerical_rank(X[:5].T @ X[:5]) == 5
+
+
+def _corrected_pair(n: int, m: int, d: int, support: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, FactorRows]:
+    """B's and B̃'s factors from ``n`` and ``m`` float32 rows in ``d`` dims with a support of
+    ``support`` dims, after the shrunk estimate decomposed them densely (both batches have at least
+    ``d`` rows) on one [`FactorRows`][laplace_debiased.curvature.linalg.FactorRows]."""
+    g = torch.Generator().manual_seed(seed)
+    Xd, Xm = torch.randn(n, d, generator=g), torch.randn(m, d, generator=g)
+    Xd[:, support:] = 0.0
+    Xm[:, support:] = 0.0
+    pair = FactorRows(Xd, Xm)
+    Fd, Fm = Xd.T @ Xd, Xm.T @ Xm
+    corrected_kron([[Fd]], [[Fm]], n, m, rows=[[pair]], rule="shrunk")
+    return Fd, Fm, pair
+
+
+def test_a_densely_corrected_factor_is_counted_from_the_spectra_its_decomposition_computed(monkeypatch):
+    """Both batches with more rows than the width: the corrected estimate has decomposed B's, B̃'s
+    and the pooled factor; the coverage counts their ranks from those spectra, with no factorisation
+    of its own, and the counts equal the inertia counts of the factors alone (equal batches: the
+    pooled factor is half the union, so the union's count is exact)."""
+    Fd, Fm, pair = _corrected_pair(24, 24, 16, 11, 0)
+    expected = factor_ranks(Fd, Fm)
+    assert expected == (11, 11, 11)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a factorisation was called to count a rank the decomposition knows")
+
+    monkeypatch.setattr(torch.linalg, "ldl_factor_ex", refuse)
+    assert factor_ranks(Fd, Fm, pair) == expected
+
+
+def test_a_pooled_spectrum_that_does_not_decide_the_unions_rank_leaves_it_to_inertia():
+    """Unequal batches (weights 3/4 and 1/4): the pooled factor ``P`` bounds the union ``U`` by
+    ``P / (3/4) ≤ U ≤ P / (1/4)``. ``F_B = diag(1, t/2, 0)``, ``F_B̃ = diag(1, 0, 0)`` at the union's
+    tolerance ``t``: ``U``'s second eigenvalue ``t/2`` lies between the two bounds' verdicts, so the
+    union is counted by inertia: rank 1, as without the spectra. Random unequal batches agree too."""
+    tol = roundoff_tolerance(torch.diag(torch.tensor([2.0, 0.0, 0.0])))
+    Xd, Xm = torch.diag(torch.tensor([1.0, (tol / 2) ** 0.5, 0.0])), torch.diag(torch.tensor([1.0, 0.0, 0.0]))
+    pair = FactorRows(Xd, Xm)
+    Fd, Fm = Xd.T @ Xd, Xm.T @ Xm
+    corrected_kron([[Fd]], [[Fm]], 3, 1, rows=[[pair]], rule="shrunk")
+    assert factor_ranks(Fd, Fm, pair) == factor_ranks(Fd, Fm) == (1, 1, 1)
+    for seed, (n, m) in enumerate([(20, 40), (40, 20), (17, 33)]):
+        Fd, Fm, pair = _corrected_pair(n, m, 16, 9 + seed, seed)
+        assert factor_ranks(Fd, Fm, pair) == factor_ranks(Fd, Fm)
