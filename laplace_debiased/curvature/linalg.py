@@ -69,14 +69,6 @@ class FactorRows(tuple):
         return {}
 
     @functools.cached_property
-    def spectra(self) -> dict[int | tuple[float, float], torch.Tensor]:
-        """Eigenvalues (float64, ascending) of the dense factors a decomposition of this pair has
-        computed, for the rank counts of the coverage record: key ``0`` B's factor, ``1`` B̃'s, and
-        ``(w_B, w_B̃)`` the pooled factor ``w_B F_B + w_B̃ F_B̃`` (the dense factors as decomposed,
-        symmetrised)."""
-        return {}
-
-    @functools.cached_property
     def double(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Both row matrices in float64 (converted once)."""
         return self[0].double(), self[1].double()
