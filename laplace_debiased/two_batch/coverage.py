@@ -24,7 +24,9 @@ The ranks of a factor whose rows are known (the Gram route of
 come from the Gram matrices ([`row_rank`][laplace_debiased.curvature.linalg.row_rank] of B's rows, B̃'s
 rows and both stacked, ``O(d (n + m)²)``), and its zero count from the extended spectrum of its
 implicit null space ([`extended_spectrum`][laplace_debiased.curvature.completion.extended_spectrum]): the
-record adds no ``d × d`` eigendecomposition to such a fit. Other factors are counted by inertia
+record adds no ``d × d`` eigendecomposition to such a fit. A factor that a corrected estimate decomposed
+densely is counted from the spectra that decomposition computed (B's, B̃'s, and the union's from the pooled
+spectrum where it decides it; ``factor_ranks``'s ``spectra``). Other factors are counted by inertia
 ([`eigenvalues_above`][laplace_debiased.curvature.linalg.eigenvalues_above]), a quarter of an ``eigvalsh``'s
 flops.
 
