@@ -487,10 +487,11 @@ def eigenvalues_above(S: torch.Tensor, threshold: float) -> int:
     Computed in float64 by LAPACK on the host (torch marks its cuSOLVER path experimental; a
     count needs no more than the signs of ``D``).
     """
-    S64 = S.detach().double().cpu()
-    S64 = 0.5 * (S64 + S64.T) - threshold * torch.eye(S64.shape[0], dtype=torch.float64)
-    if S64.shape[0] == 0:
+    if S.shape[0] == 0:
         return 0
+    S64 = S.detach().double().cpu()
+    S64 = (S64 + S64.T).mul_(0.5)  # a new tensor: the in-place steps leave S alone
+    S64.diagonal().sub_(threshold)
     LD, pivots, _ = torch.linalg.ldl_factor_ex(S64)
     diag, two = LD.diagonal(), pivots < 0  # a 2 × 2 block takes two rows with negative pivots
     rows = torch.arange(len(two))

@@ -154,11 +154,16 @@ from laplace_debiased.curvature.linalg import (
     tied_groups,
 )
 
-__all__ = ["RULES", "FactorCorrection", "correction_variance", "corrected_factor", "corrected_factor_rows",
+__all__ = ["RULES", "FactorCorrection", "Spectra", "correction_variance", "corrected_factor", "corrected_factor_rows",
            "corrected_kron", "same_minus_cross", "shrinkage_weight", "stein_weight"]
 
 #: the weights of the correction on the pooled range (module docstring)
 RULES = ("corrected", "shrunk", "stein")
+
+#: the spectra (float64, ascending) of the dense factors one factor's decomposition computed, for the
+#: rank counts of the coverage record: ``0`` B's factor, ``1`` B̃'s, ``(w_B, w_B̃)`` the pooled
+#: ``w_B F_B + w_B̃ F_B̃`` (each the symmetrised factor as decomposed)
+Spectra = dict[int | tuple[float, float], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -197,11 +202,16 @@ def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: in
     Returns:
         ``(d,)`` float64 gaps, averaged over each tied run of ``D``'s eigenvalues.
     """
+    return _same_minus_cross(direction, magnitude, terms)[0]
+
+
+def _same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross] and the spectrum of ``direction`` (float64, ascending)."""
     check_finite(direction, "the direction batch")
     L, U = symmetric_eigh64(direction)
     # diag(Uᵀ M U) in float64, at the round-off tolerance of M's own precision
     cross = remeasure_eigenvalues(U, magnitude, terms, dtype=torch.float64)
-    return group_means(L - cross, tied_groups(L, roundoff_tolerance(direction)))
+    return group_means(L - cross, tied_groups(L, roundoff_tolerance(direction))), L
 
 
 def check_finite(F: torch.Tensor, batch: str) -> None:
@@ -258,7 +268,7 @@ def _null_shifts(shift_b: torch.Tensor, shift_t: torch.Tensor, gaps_b: torch.Ten
 
 def corrected_factor(
     direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0,
-    n_data: int | None = None, rule: str = "corrected", rows: FactorRows | None = None,
+    n_data: int | None = None, rule: str = "corrected", rows: FactorRows | None = None, spectra: Spectra | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """Pooled eigenvectors and corrected eigenvalues of one factor (module docstring).
 
@@ -275,6 +285,7 @@ def corrected_factor(
             correction on the pooled range weighted by the ``"shrunk"`` or the ``"stein"`` rule (module docstring).
         rows: B's and B̃'s rows where known: the gap of each order whose batch has fewer rows than
             ``d`` comes from the Gram matrices (``_gaps_from_rows``, no ``d × d`` eigh).
+        spectra: where given, receives the spectra computed here ([`Spectra`][laplace_debiased.kron.corrected.Spectra]).
 
     Returns:
         ``(U, lam, record)``: ``U (d, d)`` orthonormal eigenvectors of the pooled factor
@@ -294,9 +305,9 @@ def corrected_factor(
     pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
     L, U = symmetric_eigh64(pooled)
     k_b, k_t = order_weights(m_direction, m_magnitude, n_data)
-    gaps_b, gaps_t = (
-        _gaps_from_rows(rows, k, direction.dtype)[0] if rows is not None and len(rows[k]) < L.numel()
-        else same_minus_cross(*((direction, magnitude) if k == 0 else (magnitude, direction)), terms) for k in (0, 1))
+    spectra = {} if spectra is None else spectra
+    spectra[m_direction / n, m_magnitude / n] = L
+    gaps_b, gaps_t = (_order_gaps(direction, magnitude, k, terms, rows, spectra) for k in (0, 1))
     shift_b, shift_t = k_b * gaps_b, k_t * gaps_t
     tol = frobenius_tolerance(L.numel(), direction.dtype, float(torch.linalg.matrix_norm(pooled)))
     null = int((L <= tol).sum())
@@ -307,6 +318,18 @@ def corrected_factor(
         variance = correction_variance(difference[null:, null:], L[null:], m_direction, m_magnitude, n_data, tol)
     lam, record = _corrected_values(L, shift_b, shift_t, null, rule, variance)
     return U.to(direction.dtype), lam.to(direction.dtype), record
+
+
+def _order_gaps(direction: torch.Tensor, magnitude: torch.Tensor, chooser: int, terms: int,
+                rows: FactorRows | None, spectra: Spectra) -> torch.Tensor:
+    """The gaps of the order in which batch ``chooser`` (``0``: B, ``1``: B̃) chooses the directions: through its
+    rows where they are fewer than the dimension (``_gaps_from_rows``), else densely
+    ([`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross]), its spectrum then kept in ``spectra[chooser]``."""
+    if rows is not None and len(rows[chooser]) < direction.shape[0]:
+        return _gaps_from_rows(rows, chooser, direction.dtype)[0]
+    chosen, other = (direction, magnitude) if chooser == 0 else (magnitude, direction)
+    gaps, spectra[chooser] = _same_minus_cross(chosen, other, terms)
+    return gaps
 
 
 def _gaps_from_rows(rows: FactorRows, chooser: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -444,6 +467,7 @@ def corrected_kron(
     n_data: int | None = None,
     rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
     rule: str = "corrected",
+    spectra: Sequence[Sequence[Spectra]] | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[FactorCorrection]]]:
     """[`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] for every factor of a
     layer-wise K-FAC approximation.
@@ -465,6 +489,8 @@ def corrected_kron(
         n_data: the training-set size the batches were drawn from ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
         rows: ``None``, or per block and factor ``(B's rows, B̃'s rows)`` (``F = XᵀX``) where known.
         rule: one of [`RULES`][laplace_debiased.kron.corrected.RULES], for every factor ([`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor]).
+        spectra: ``None``, or per block and factor a dict that receives the spectra its dense
+            decomposition computes ([`Spectra`][laplace_debiased.kron.corrected.Spectra]).
 
     Returns:
         ``(eigenvectors, eigenvalues, records)``, lists of lists per block and factor, the
@@ -483,8 +509,9 @@ def corrected_kron(
     for i, (F_dir, F_mag) in enumerate(zip(direction_kfacs, magnitude_kfacs)):
         block_rows = rows[i] if rows is not None else [None] * len(F_dir)
         block_terms = [terms] * len(F_dir) if isinstance(terms, int) else terms[i]
-        block = [_corrected_route(D, M, r, m_direction, m_magnitude, t, n_data, rule)
-                 for D, M, r, t in zip(F_dir, F_mag, block_rows, block_terms)]
+        block_spectra = spectra[i] if spectra is not None else [None] * len(F_dir)
+        block = [_corrected_route(D, M, r, m_direction, m_magnitude, t, n_data, rule, s)
+                 for D, M, r, t, s in zip(F_dir, F_mag, block_rows, block_terms, block_spectra)]
         vectors.append([b[0] for b in block])
         values.append([b[1] for b in block])
         records.append([b[2] for b in block])
@@ -493,7 +520,7 @@ def corrected_kron(
 
 def _corrected_route(
     direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
-    m_direction: int, m_magnitude: int, terms: int, n_data: int | None, rule: str,
+    m_direction: int, m_magnitude: int, terms: int, n_data: int | None, rule: str, spectra: Spectra | None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """[`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows] where [`through_rows`][laplace_debiased.curvature.linalg.through_rows]
     (and it applies), else [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors (with the gaps of a batch
@@ -506,4 +533,4 @@ def _corrected_route(
         if result is not None:
             return result
     return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, rule,
-                            rows=None if rows is None else factor_rows(rows))
+                            rows=None if rows is None else factor_rows(rows), spectra=spectra)

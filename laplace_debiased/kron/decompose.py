@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from laplace_debiased.two_batch.coverage import BlockCoverage, Coverage, coverage_record
+from laplace_debiased.kron.corrected import Spectra
 from laplace_debiased.kron.estimators import CORRECTED, Correction, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.completion import debiased_factor_mode
 from laplace_debiased.curvature.linalg import FactorRows, debiased_kron
@@ -246,16 +247,17 @@ def _decompose(
     swapped = None
     counts = [t if t is not None else [[max(sizes)] * len(F) for F in direction] for t in terms]
     pairs = paired_rows(rows[0], rows[-1])  # one Gram matrix per factor pair, shared below
+    spectra: list[list[Spectra]] = [[{} for _ in F] for F in direction]  # dense spectra, for the coverage's ranks
     if estimator in CORRECTED and not same:
         vecs, vals, correction = corrected_decomposition(
             direction, magnitude, sizes, list(names), n_data, reducer, pairs, rule=estimator,
-            terms=[[max(b, m) for b, m in zip(*pair)] for pair in zip(*counts)])
+            terms=[[max(b, m) for b, m in zip(*pair)] for pair in zip(*counts)], spectra=spectra)
     else:
         vecs, vals = _debiased(direction, magnitude, pairs, null_space, counts[-1], reducer)
         if cross_fit and not same:
             swapped = _debiased(magnitude, direction, paired_rows(rows[-1], rows[0]), null_space, counts[0], reducer)
     coverage = coverage_record(
-        direction, magnitude, vecs, vals, list(names), rows=pairs,
+        direction, magnitude, vecs, vals, list(names), rows=pairs, spectra=spectra,
         null_space=null_space, direction_size=sizes[0], magnitude_size=sizes[1],
     )
     return KronDecomposition(vecs, vals, swapped, coverage, correction)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laplace_debiased.kron.corrected import FactorCorrection, corrected_kron
+from laplace_debiased.kron.corrected import FactorCorrection, Spectra, corrected_kron
 from laplace_debiased.parallel.reducer import Reducer
 
 __all__ = ["CORRECTED", "ESTIMATORS", "Correction", "corrected_decomposition", "on_rank0", "resolve_estimator"]
@@ -138,18 +138,20 @@ def corrected_decomposition(
     rows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None = None,
     rule: str = "corrected",
     terms: list[list[int]] | None = None,
+    spectra: list[list[Spectra]] | None = None,
 ) -> tuple[list, list, Correction | None]:
     """[`corrected_kron`][laplace_debiased.kron.corrected.corrected_kron] of B's and B̃'s K-FAC factors (``sizes`` their samples, drawn from
     ``n_data`` training data; ``rows`` per block and factor B's and B̃'s factor rows where known;
     ``rule``: one of [`CORRECTED`][laplace_debiased.kron.estimators.CORRECTED]; ``terms`` per block and factor the rank-one terms summed
-    into either factor, default the samples ``max(sizes)``), on rank 0
+    into either factor, default the samples ``max(sizes)``; ``spectra`` per block and factor a dict that receives the
+    spectra of its dense decomposition, [`Spectra`][laplace_debiased.kron.corrected.Spectra]), on rank 0
     and broadcast ([`on_rank0`][laplace_debiased.kron.estimators.on_rank0]); returns ``(eigenvectors, eigenvalues, correction)`` with
     rank 0's [`Correction`][laplace_debiased.kron.estimators.Correction] (``None`` on the other ranks), logged per block (``names``)."""
     records: list[list[FactorCorrection]] = []
 
     def compute() -> tuple[list, list]:
         counts = terms if terms is not None else max(sizes)
-        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, counts, n_data, rows, rule)
+        vecs, vals, recs = corrected_kron(direction_kfacs, magnitude_kfacs, *sizes, counts, n_data, rows, rule, spectra)
         records.extend(recs)
         return vecs, vals
 

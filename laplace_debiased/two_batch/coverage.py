@@ -24,7 +24,9 @@ The ranks of a factor whose rows are known (the Gram route of
 come from the Gram matrices ([`row_rank`][laplace_debiased.curvature.linalg.row_rank] of B's rows, B̃'s
 rows and both stacked, ``O(d (n + m)²)``), and its zero count from the extended spectrum of its
 implicit null space ([`extended_spectrum`][laplace_debiased.curvature.completion.extended_spectrum]): the
-record adds no ``d × d`` eigendecomposition to such a fit. Other factors are counted by inertia
+record adds no ``d × d`` eigendecomposition to such a fit. A factor that a corrected estimate decomposed
+densely is counted from the spectra that decomposition computed (B's, B̃'s, and the union's from the pooled
+spectrum where it decides it; ``factor_ranks``'s ``spectra``). Other factors are counted by inertia
 ([`eigenvalues_above`][laplace_debiased.curvature.linalg.eigenvalues_above]), a quarter of an ``eigvalsh``'s
 flops.
 
@@ -98,7 +100,8 @@ def numerical_rank(F: torch.Tensor, tolerance: float | None = None) -> int:
     return eigenvalues_above(F, roundoff_tolerance(F) if tolerance is None else tolerance)
 
 
-def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = None) -> tuple[int, int, int]:
+def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = None,
+                 spectra: dict | None = None) -> tuple[int, int, int]:
     """Numerical ranks of B's factor ``Fd``, B̃'s factor ``Fm`` and their union (``Fd + Fm``;
     ``Fd`` alone when ``Fm is Fd``, B̃ = B), each ``(d, d)`` PSD, from the rows where known.
 
@@ -114,6 +117,9 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
         rows: ``(B's rows, B̃'s rows)`` with ``XᵀX`` the factor, or None: a part with fewer rows
             than ``d`` is counted from its Gram matrix
             ([`row_rank`][laplace_debiased.curvature.linalg.row_rank]).
+        spectra: the spectra a decomposition of the pair computed (``0``: ``Fd``'s, ``1``: ``Fm``'s,
+            ``(w_d, w_m)``: ``w_d Fd + w_m Fm``'s; float64): a part without rows is counted from its
+            spectrum, the union from the pooled one where that decides it (``_union_rank``).
 
     Returns:
         ``(rank B, rank B̃, rank B ∪ B̃)``.
@@ -121,18 +127,35 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
     same = Fm is Fd
     union = Fd if same else Fd + Fm
     tol = roundoff_tolerance(union)
+    spectra = spectra or {}
     if rows is None:
-        return _rank(Fd, None, tol), _rank(Fm, None, tol), _rank(union, None, tol)
+        rank_d, rank_m = _rank(Fd, None, tol, None, spectra.get(0)), _rank(Fm, None, tol, None, spectra.get(1))
+        return rank_d, rank_m, rank_d if same else _union_rank(union, tol, spectra)
     rows = factor_rows(rows)  # one Gram matrix for the three counts
     Xd, Xm = rows
     d = Fd.shape[0]
-    rank_d = _rank(Fd, Xd, tol, rows.block(0, 0) if len(Xd) < d else None)
-    rank_m = _rank(Fm, Xm, tol, rows.block(1, 1) if len(Xm) < d else None)
+    rank_d = _rank(Fd, Xd, tol, rows.block(0, 0) if len(Xd) < d else None, spectra.get(0))
+    rank_m = _rank(Fm, Xm, tol, rows.block(1, 1) if len(Xm) < d else None, spectra.get(1))
     if same:
         return rank_d, rank_m, rank_d
     if len(Xd) + len(Xm) >= d:
-        return rank_d, rank_m, _rank(union, None, tol)
+        return rank_d, rank_m, _union_rank(union, tol, spectra)
     return rank_d, rank_m, _rank(union, torch.cat([Xd, Xm]), tol, rows.gram)
+
+
+def _union_rank(union: torch.Tensor, tolerance: float, spectra: dict) -> int:
+    """The rank of ``union = F_B + F_B̃`` at ``tolerance``, from a pooled spectrum in ``spectra`` where it
+    decides it, else by inertia ([`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank]).
+
+    The pooled factor ``P = w_B F_B + w_B̃ F_B̃`` (``w`` positive) lies between ``min(w) U`` and ``max(w) U``
+    in the Loewner order, so (Weyl) ``λ_i(P) / max(w) ≤ λ_i(U) ≤ λ_i(P) / min(w)``: where both bounds count
+    the same eigenvalues above the tolerance, so does ``U`` (equal batches: always, ``P = U / 2``)."""
+    for weights, L in spectra.items():
+        if isinstance(weights, tuple):
+            lower, upper = int((L > tolerance * max(weights)).sum()), int((L > tolerance * min(weights)).sum())
+            if lower == upper:
+                return lower
+    return numerical_rank(union, tolerance)
 
 
 @dataclass(frozen=True)
@@ -260,21 +283,26 @@ class Coverage:
         )
 
 
-def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float, K: torch.Tensor | None = None) -> int:
+def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float, K: torch.Tensor | None = None,
+          spectrum: torch.Tensor | None = None) -> int:
     """[`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank] ``(F, tolerance)``; from the rows ``X`` (``XᵀX = F``, Gram matrix ``K``
     where formed) when they are fewer than ``F``'s dimension
-    ([`row_rank`][laplace_debiased.curvature.linalg.row_rank])."""
+    ([`row_rank`][laplace_debiased.curvature.linalg.row_rank]), else from ``F``'s eigenvalues where a
+    decomposition computed them (``spectrum``, float64)."""
     if X is not None and len(X) < F.shape[0]:
         return row_rank(X, F.dtype, tolerance, K)
+    if spectrum is not None:
+        return int((spectrum > tolerance).sum())
     return numerical_rank(F, tolerance)
 
 
 def _factor(
-    name: str, Fd: torch.Tensor, Fm: torch.Tensor, Q: torch.Tensor, lam: torch.Tensor, rows: FactorRows | None
+    name: str, Fd: torch.Tensor, Fm: torch.Tensor, Q: torch.Tensor, lam: torch.Tensor, rows: FactorRows | None,
+    spectra: dict | None,
 ) -> FactorCoverage:
-    """Ranks of B's, B̃'s and the summed factor (from ``rows`` where known), and the zero count
+    """Ranks of B's, B̃'s and the summed factor (from ``rows`` or ``spectra`` where known), and the zero count
     of the debiased factor ``(Q, lam)`` (implicit null space counted ``d - r`` times)."""
-    rank_d, rank_m, rank_u = factor_ranks(Fd, Fm, rows)
+    rank_d, rank_m, rank_u = factor_ranks(Fd, Fm, rows, spectra)
     ext, multiplicity = extended_spectrum(Q, lam)
     return FactorCoverage(
         factor=name, dimension=Fd.shape[0], rank_direction=rank_d, rank_magnitude=rank_m, rank_union=rank_u,
@@ -290,6 +318,7 @@ def coverage_record(
     names: Sequence[tuple[str, str]],
     *,
     rows: Sequence[Sequence[FactorRows | None]] | None = None,
+    spectra: Sequence[Sequence[dict]] | None = None,
     null_space: str,
     direction_size: int,
     magnitude_size: int,
@@ -312,6 +341,8 @@ def coverage_record(
             [`debiased_kron`][laplace_debiased.curvature.linalg.debiased_kron]): a factor with rows takes
             its ranks from the Gram matrices, one without from the factors. ``None``: no factor
             has rows.
+        spectra: Per block and factor the spectra its decomposition computed (as for
+            [`factor_ranks`][laplace_debiased.two_batch.coverage.factor_ranks]), ``None``: none.
         null_space: The treatment of B's null space, ``"isotropic"`` or ``"aligned"``.
         direction_size: The number of samples in B.
         magnitude_size: The number of samples in B̃.
@@ -321,12 +352,13 @@ def coverage_record(
     """
     blocks = []
     rows = rows if rows is not None else [[None] * len(Fds) for Fds in direction_kfacs]
-    for Fds, Fms, Qs, lams, block_rows, (layer, param) in zip(
-        direction_kfacs, magnitude_kfacs, eigenvectors, eigenvalues, rows, names, strict=True
+    spectra = spectra if spectra is not None else [[None] * len(Fds) for Fds in direction_kfacs]
+    for Fds, Fms, Qs, lams, block_rows, block_spectra, (layer, param) in zip(
+        direction_kfacs, magnitude_kfacs, eigenvectors, eigenvalues, rows, spectra, names, strict=True
     ):
         factors = []
-        for name, Fd, Fm, Q, lam, r in zip(_FACTOR_NAMES[len(Fds)], Fds, Fms, Qs, lams, block_rows):
-            factor = _factor(name, Fd, Fm, Q, lam, r)
+        for name, Fd, Fm, Q, lam, r, s in zip(_FACTOR_NAMES[len(Fds)], Fds, Fms, Qs, lams, block_rows, block_spectra):
+            factor = _factor(name, Fd, Fm, Q, lam, r, s)
             if null_space == "isotropic" and Fm is not Fd:  # B̃ = B: its null space stays 0
                 factor = replace(factor, completed=factor.dimension - factor.rank_direction)
             factors.append(factor)

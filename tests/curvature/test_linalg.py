@@ -204,4 +204,6 @@ def test_eigenvalues_above_counts_by_inertia(d, seed, threshold):
     lam = torch.where((lam - threshold).abs() < 1e-6, lam + 2e-6, lam)
     Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q
     S = Q @ torch.diag(lam) @ Q.T
+    before = S.clone()
     assert eigenvalues_above(S, threshold) == int((lam > threshold).sum())
+    assert torch.equal(S, before)  # the float64 input is counted, not shifted in place

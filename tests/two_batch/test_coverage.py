@@ -7,11 +7,17 @@ cannot fall below a part's. Counting each matrix at its own norm-relative tolera
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_debiased.curvature.linalg import roundoff_tolerance
+from laplace_debiased.kron.corrected import corrected_kron
+from laplace_debiased.kron.laplace import DebiasedKronLaplace
 from laplace_debiased.two_batch.coverage import factor_ranks, numerical_rank
 
 
@@ -112,3 +118,72 @@ def test_a_rank_is_counted_without_an_eigendecomposition(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", refuse)
     assert numerical_rank(X.T @ X) == 16
     assert numerical_rank(X[:5].T @ X[:5]) == 5
+
+
+
+def _corrected_pair(n: int, m: int, d: int, support: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """B's and B̃'s factors from ``n`` and ``m`` float32 samples in ``d`` dims with a support of
+    ``support`` dims, and the spectra the shrunk estimate computed decomposing them densely."""
+    g = torch.Generator().manual_seed(seed)
+    Xd, Xm = torch.randn(n, d, generator=g), torch.randn(m, d, generator=g)
+    Xd[:, support:] = 0.0
+    Xm[:, support:] = 0.0
+    Fd, Fm = Xd.T @ Xd, Xm.T @ Xm
+    spectra: dict = {}
+    corrected_kron([[Fd]], [[Fm]], n, m, rule="shrunk", spectra=[[spectra]])
+    return Fd, Fm, spectra
+
+
+def test_a_densely_corrected_factor_is_counted_from_the_spectra_its_decomposition_computed(monkeypatch):
+    """The corrected estimate of a factor without rows decomposes B's, B̃'s and the pooled factor; the
+    coverage counts their ranks from those spectra, with no factorisation of its own, and the counts
+    equal the inertia counts of the factors alone (equal batches: the pooled factor is half the
+    union, so the union's count is exact)."""
+    Fd, Fm, spectra = _corrected_pair(24, 24, 16, 11, 0)
+    assert set(spectra) == {0, 1, (0.5, 0.5)}
+    expected = factor_ranks(Fd, Fm)
+    assert expected == (11, 11, 11)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a factorisation was called to count a rank the decomposition knows")
+
+    monkeypatch.setattr(torch.linalg, "ldl_factor_ex", refuse)
+    assert factor_ranks(Fd, Fm, spectra=spectra) == expected
+
+
+def test_a_pooled_spectrum_that_does_not_decide_the_unions_rank_leaves_it_to_inertia():
+    """Unequal batches (weights 3/4 and 1/4): the pooled factor ``P`` bounds the union ``U`` by
+    ``P / (3/4) ≤ U ≤ P / (1/4)``. ``F_B = diag(1, t/2, 0)``, ``F_B̃ = diag(1, 0, 0)`` at the union's
+    tolerance ``t``: ``U``'s second eigenvalue ``t/2`` lies between the two bounds' verdicts, so the
+    union is counted by inertia: rank 1, as without the spectra. Random unequal batches agree too."""
+    tol = roundoff_tolerance(torch.diag(torch.tensor([2.0, 0.0, 0.0])))
+    Fd, Fm = torch.diag(torch.tensor([1.0, tol / 2, 0.0])), torch.diag(torch.tensor([1.0, 0.0, 0.0]))
+    spectra: dict = {}
+    corrected_kron([[Fd]], [[Fm]], 3, 1, rule="shrunk", spectra=[[spectra]])
+    assert factor_ranks(Fd, Fm, spectra=spectra) == factor_ranks(Fd, Fm) == (1, 1, 1)
+    for seed, (n, m) in enumerate([(20, 40), (40, 20), (17, 33)]):
+        Fd, Fm, spectra = _corrected_pair(n, m, 16, 9 + seed, seed)
+        assert factor_ranks(Fd, Fm, spectra=spectra) == factor_ranks(Fd, Fm)
+
+
+def test_a_fit_counts_its_dense_factors_from_their_decompositions(monkeypatch):
+    """A fit whose batches have more rows than three factors' widths (the first layer's input, 3, and
+    output, 12 (4 samples × 4 classes' rows), and the last layer's output, 5): the coverage factorises
+    only the Gram matrices (4 and 8 rows) of the wide input factor of the last layer, and its record
+    equals one counted without the decompositions' spectra."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 12), nn.ReLU(), nn.Linear(12, 5))
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(8, 3, generator=g), torch.randint(0, 5, (8,), generator=g))
+    sizes = []
+    ldl = torch.linalg.ldl_factor_ex
+    monkeypatch.setattr(torch.linalg, "ldl_factor_ex", lambda A, *a, **k: sizes.append(A.shape[-1]) or ldl(A, *a, **k))
+    la = DebiasedKronLaplace(model, "classification")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        la.fit(DataLoader(data, batch_size=4))
+    assert sorted(set(sizes)) == [4, 8]
+    weights = [b for b in la.coverage.blocks if b.parameter == "weight"]
+    for block, k in zip(weights, (0, 2)):
+        for f, Fd, Fm in zip(block.factors, la.H_facs.kfacs[k], la.H_facs_magnitude.kfacs[k]):
+            assert (f.rank_direction, f.rank_magnitude, f.rank_union) == factor_ranks(Fd, Fm)
