@@ -132,7 +132,7 @@ def child(which: str, a) -> dict:
         times.append((time.perf_counter() - t0) / len(x))
     xg = xt[: a.n_grid]
     t0 = time.perf_counter()
-    GridPredictive(la, chunk_size=2 if kind == "token" else 32).grid(xg, GRID, links=("probit_projected",))
+    GridPredictive(la, chunk_size=32).grid(xg, GRID, links=("probit_projected",))
     grid = (time.perf_counter() - t0) / len(xg)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB -> GB
     params = sum(p.numel() for p in model.parameters())
@@ -181,7 +181,7 @@ def _markdown(rows: list[dict], floors: list[dict], command: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--widths", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--widths", type=int, nargs="*", default=[1024, 2048, 4096], help="MLP widths (none: only --conv and --token)")
     p.add_argument("--structures", nargs="+", default=list(STRUCTURES))
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--batch", type=int, default=128)
