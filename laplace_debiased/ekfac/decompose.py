@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from laplace_debiased.ekfac.passes import kron_eigenbasis, measure_ekfac_eigenvalues
+from laplace_debiased.ekfac.passes import extended_shape, kron_eigenbasis, measure_ekfac_eigenvalues
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.parallel.reducer import Reducer
 
@@ -33,6 +33,8 @@ __all__ = ["EKFACDecomposition", "EKFACMeasurement", "decompose_ekfac", "kron_ba
 
 #: blocks of 1 or 2 square factors (laplace-torch's ``Kron.kfacs`` layout)
 Kfacs = list[list[Tensor]]
+#: per block and factor, the rows ``X`` of B's factor ``F = XᵀX`` where known, else ``None``
+Rows = list[list[Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -66,15 +68,19 @@ class EKFACDecomposition:
     """Per parameter block, ``Q diag(vec Λ) Qᵀ``.
 
     Attributes:
-        eigenvectors: per block ``[Q_G (d_out, d_out), Q_A (d_in, d_in)]`` or ``[Q (d, d)]``.
-        eigenvalues: per block ``Λ`` ``(d_out, d_in)`` or ``(d,)``, scaled to ``N``.
+        eigenvectors: per block ``[Q_G (d_out, d_out), Q_A (d_in, d_in)]`` or ``[Q (d, d)]``; a
+            factor with fewer rows than its width ``(d, r)``, its complement implicit
+            ([`laplace_debiased.ekfac.passes`][laplace_debiased.ekfac.passes]).
+        eigenvalues: per block ``Λ`` ``(d_out, d_in)`` or ``(d,)``, scaled to ``N``; with an
+            implicit complement one more row / column, its values
+            ([`extended_shape`][laplace_debiased.ekfac.passes.extended_shape]).
     """
 
     eigenvectors: Kfacs
     eigenvalues: list[Tensor]
 
 
-def kron_basis_on_rank0(kfacs: Kfacs, reducer: Reducer) -> Kfacs:
+def kron_basis_on_rank0(kfacs: Kfacs, reducer: Reducer, rows: Rows | None = None) -> Kfacs:
     """The eigenvectors of every factor
     ([`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]), computed on rank 0 and sent to
     every rank.
@@ -82,30 +88,37 @@ def kron_basis_on_rank0(kfacs: Kfacs, reducer: Reducer) -> Kfacs:
     Args:
         kfacs: per block 1 or 2 square factors ``(d, d)``, of one dtype.
         reducer: the ranks' collectives.
+        rows: ``None``, or per block and factor B's rows where known (rank 0's): a factor with
+            fewer rows than its width is decomposed through them.
 
     Returns:
-        Per block and factor the ``(d, d)`` orthonormal eigenvectors, in the factors' dtype.
+        Per block and factor the ``(d, d)`` (through the rows ``(d, r)``) orthonormal eigenvectors,
+        in the factors' dtype.
     """
     flat = iter(reducer.computed_on_rank0(
-        lambda: [Q for Qs in kron_eigenbasis(kfacs) for Q in Qs], kfacs[0][0].device
+        lambda: [Q for Qs in kron_eigenbasis(kfacs, rows) for Q in Qs], kfacs[0][0].device
     ))
     return [[next(flat) for _ in block] for block in kfacs]
 
 
-def measured_kfac_blocks(kfacs: Kfacs, measurement: EKFACMeasurement, reducer: Reducer) -> tuple[Kfacs, list[Tensor]]:
+def measured_kfac_blocks(
+    kfacs: Kfacs, measurement: EKFACMeasurement, reducer: Reducer, rows: Rows | None = None
+) -> tuple[Kfacs, list[Tensor]]:
     """EKFAC basis and eigenvalues of the Linear/Conv2d blocks with B's factors ``kfacs``.
 
     Args:
         kfacs: B's factors of these blocks (summed over the ranks).
         measurement: the measured batch set B̃ and how to measure it.
         reducer: the ranks' collectives: rank 0's basis, the eigenvalue sums added.
+        rows: ``None``, or per block and factor B's rows where known
+            ([`kron_basis_on_rank0`][laplace_debiased.ekfac.decompose.kron_basis_on_rank0]).
 
     Returns:
         ``(eigenvectors, eigenvalues)``: per block ``[Q_G, Q_A]`` or ``[Q_G]`` (a bias block with
         its layer's weight ``Q_G``) and ``Λ`` ``(d_out, d_in)`` or ``(d_out,)`` times
         ``measurement.scale``, in the model's dtype.
     """
-    basis = kron_basis_on_rank0(kfacs, reducer)
+    basis = kron_basis_on_rank0(kfacs, reducer, rows)
     if measurement.batches:
         basis, lams = measure_ekfac_eigenvalues(
             measurement.model, measurement.loss_func, measurement.params, measurement.batches, basis,
@@ -113,14 +126,15 @@ def measured_kfac_blocks(kfacs: Kfacs, measurement: EKFACMeasurement, reducer: R
         )
     else:  # fewer rows than ranks: this rank adds nothing
         basis = [[Q.to(measurement.dtype) for Q in Qs] for Qs in basis]
-        lams = [Qs[0].new_zeros([Q.shape[0] for Q in Qs]) for Qs in basis]
+        lams = [Qs[0].new_zeros(extended_shape(Qs)) for Qs in basis]
     reducer.broadcast_([Q for Qs in basis for Q in Qs])  # rank 0 always has rows
     reducer.sum_(lams)
     return basis, [measurement.scale * lam for lam in lams]
 
 
 def decompose_ekfac(
-    direction: Kfacs, magnitude: Kfacs, extra: Sequence[bool], measurement: EKFACMeasurement, reducer: Reducer
+    direction: Kfacs, magnitude: Kfacs, extra: Sequence[bool], measurement: EKFACMeasurement, reducer: Reducer,
+    rows: Rows | None = None,
 ) -> EKFACDecomposition:
     """The EKFAC decomposition with B's eigenbasis and B̃'s curvature (module docstring).
 
@@ -131,6 +145,9 @@ def decompose_ekfac(
             rather than a Linear/Conv2d block (measured).
         measurement: B̃'s rows and how to measure the Linear/Conv2d blocks.
         reducer: the ranks' collectives.
+        rows: ``None``, or per block and factor the rows of B's factor where known (``direction``'s
+            layout): a Linear/Conv2d factor with fewer rows than its width is decomposed through
+            them, its complement implicit.
 
     Returns:
         The [`EKFACDecomposition`][laplace_debiased.ekfac.decompose.EKFACDecomposition], blocks in
@@ -139,7 +156,8 @@ def decompose_ekfac(
     pick = lambda blocks, want: [b for b, e in zip(blocks, extra) if e == want]  # noqa: E731
     basis, lams = iter([]), iter([])
     if not all(extra):
-        basis, lams = map(iter, measured_kfac_blocks(pick(direction, False), measurement, reducer))
+        measured_rows = None if rows is None else pick(rows, False)
+        basis, lams = map(iter, measured_kfac_blocks(pick(direction, False), measurement, reducer, measured_rows))
     ext_basis, ext_lams = map(iter, debiased_kron(pick(direction, True), pick(magnitude, True)))
     out_basis, out_lams = [], []
     for e in extra:
