@@ -35,6 +35,8 @@ __all__ = ["EKFACDecomposition", "EKFACMeasurement", "decompose_ekfac", "kron_ba
 Kfacs = list[list[Tensor]]
 #: per block and factor, the rows ``X`` of B's factor ``F = XᵀX`` where known, else ``None``
 Rows = list[list[Tensor | None]]
+#: per block and factor, the rank-one terms summed into B's factor
+Terms = list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,9 @@ class EKFACDecomposition:
     eigenvalues: list[Tensor]
 
 
-def kron_basis_on_rank0(kfacs: Kfacs, reducer: Reducer, rows: Rows | None = None) -> Kfacs:
+def kron_basis_on_rank0(
+    kfacs: Kfacs, reducer: Reducer, rows: Rows | None = None, terms: Terms | None = None
+) -> Kfacs:
     """The eigenvectors of every factor
     ([`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]), computed on rank 0 and sent to
     every rank.
@@ -90,19 +94,23 @@ def kron_basis_on_rank0(kfacs: Kfacs, reducer: Reducer, rows: Rows | None = None
         reducer: the ranks' collectives.
         rows: ``None``, or per block and factor B's rows where known (rank 0's): a factor with
             fewer rows than its width is decomposed through them.
+        terms: ``None``, or per block and factor the rank-one terms summed into B's factor: a
+            factor with fewer than its width keeps its complement implicit (without rows, from
+            its ``eigh``).
 
     Returns:
         Per block and factor the ``(d, d)`` (through the rows ``(d, r)``) orthonormal eigenvectors,
         in the factors' dtype.
     """
     flat = iter(reducer.computed_on_rank0(
-        lambda: [Q for Qs in kron_eigenbasis(kfacs, rows) for Q in Qs], kfacs[0][0].device
+        lambda: [Q for Qs in kron_eigenbasis(kfacs, rows, terms) for Q in Qs], kfacs[0][0].device
     ))
     return [[next(flat) for _ in block] for block in kfacs]
 
 
 def measured_kfac_blocks(
-    kfacs: Kfacs, measurement: EKFACMeasurement, reducer: Reducer, rows: Rows | None = None
+    kfacs: Kfacs, measurement: EKFACMeasurement, reducer: Reducer, rows: Rows | None = None,
+    terms: Terms | None = None,
 ) -> tuple[Kfacs, list[Tensor]]:
     """EKFAC basis and eigenvalues of the Linear/Conv2d blocks with B's factors ``kfacs``.
 
@@ -112,13 +120,14 @@ def measured_kfac_blocks(
         reducer: the ranks' collectives: rank 0's basis, the eigenvalue sums added.
         rows: ``None``, or per block and factor B's rows where known
             ([`kron_basis_on_rank0`][laplace_debiased.ekfac.decompose.kron_basis_on_rank0]).
+        terms: ``None``, or per block and factor the rank-one terms of B's factor (same).
 
     Returns:
         ``(eigenvectors, eigenvalues)``: per block ``[Q_G, Q_A]`` or ``[Q_G]`` (a bias block with
         its layer's weight ``Q_G``) and ``Λ`` ``(d_out, d_in)`` or ``(d_out,)`` times
         ``measurement.scale``, in the model's dtype.
     """
-    basis = kron_basis_on_rank0(kfacs, reducer, rows)
+    basis = kron_basis_on_rank0(kfacs, reducer, rows, terms)
     if measurement.batches:
         basis, lams = measure_ekfac_eigenvalues(
             measurement.model, measurement.loss_func, measurement.params, measurement.batches, basis,
@@ -134,7 +143,7 @@ def measured_kfac_blocks(
 
 def decompose_ekfac(
     direction: Kfacs, magnitude: Kfacs, extra: Sequence[bool], measurement: EKFACMeasurement, reducer: Reducer,
-    rows: Rows | None = None,
+    rows: Rows | None = None, terms: Terms | None = None,
 ) -> EKFACDecomposition:
     """The EKFAC decomposition with B's eigenbasis and B̃'s curvature (module docstring).
 
@@ -148,6 +157,8 @@ def decompose_ekfac(
         rows: ``None``, or per block and factor the rows of B's factor where known (``direction``'s
             layout): a Linear/Conv2d factor with fewer rows than its width is decomposed through
             them, its complement implicit.
+        terms: ``None``, or per block and factor the rank-one terms summed into B's factor: a
+            Linear/Conv2d factor with fewer than its width keeps its complement implicit.
 
     Returns:
         The [`EKFACDecomposition`][laplace_debiased.ekfac.decompose.EKFACDecomposition], blocks in
@@ -156,8 +167,10 @@ def decompose_ekfac(
     pick = lambda blocks, want: [b for b, e in zip(blocks, extra) if e == want]  # noqa: E731
     basis, lams = iter([]), iter([])
     if not all(extra):
-        measured_rows = None if rows is None else pick(rows, False)
-        basis, lams = map(iter, measured_kfac_blocks(pick(direction, False), measurement, reducer, measured_rows))
+        measured_rows, measured_terms = (None if t is None else pick(t, False) for t in (rows, terms))
+        basis, lams = map(iter, measured_kfac_blocks(
+            pick(direction, False), measurement, reducer, measured_rows, measured_terms
+        ))
     ext_basis, ext_lams = map(iter, debiased_kron(pick(direction, True), pick(magnitude, True)))
     out_basis, out_lams = [], []
     for e in extra:

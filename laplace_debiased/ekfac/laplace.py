@@ -127,7 +127,8 @@ def _ekfac_decomposed(eigenvectors: list, eigenvalues: list[Tensor], modules: li
 
 
 def ekfac_curvature(
-    basis: list, measured: list, measurement: EKFACMeasurement, modules: list[nn.Module], rows: list | None = None
+    basis: list, measured: list, measurement: EKFACMeasurement, modules: list[nn.Module], rows: list | None = None,
+    terms: list | None = None,
 ) -> EKFACDecomposed:
     """EKFAC with the eigenbasis of one batch set's K-FAC and the curvature of another
     ([`decompose_ekfac`][laplace_debiased.ekfac.decompose.decompose_ekfac]).
@@ -141,12 +142,14 @@ def ekfac_curvature(
         modules: The layers of the blocks, in block order.
         rows: ``None``, or per block and factor the rows of ``basis``'s factors where known: a
             factor with fewer rows than its width keeps its complement implicit.
+        terms: ``None``, or per block and factor the rank-one terms of ``basis``'s factors (the
+            same without rows).
 
     Returns:
         The decomposition, spanned where a block spans several parameter tensors.
     """
     extra = [is_extra(m) for m in block_modules(modules)]
-    result = decompose_ekfac(basis, measured, extra, measurement, current_reducer(), rows)
+    result = decompose_ekfac(basis, measured, extra, measurement, current_reducer(), rows, terms)
     return _ekfac_decomposed(result.eigenvectors, result.eigenvalues, modules)
 
 
@@ -159,6 +162,7 @@ def debiased_ekfac_curvature(
     *,
     swap: bool,
     rows: tuple[list | None, list | None] = (None, None),
+    terms: tuple[list | None, list | None] = (None, None),
 ) -> EKFACDecomposed | CrossFitDecomposed:
     """The debiased EKFAC curvature of a fit: B's eigenbasis, B̃'s curvature along it
     ([`ekfac_curvature`][laplace_debiased.ekfac.laplace.ekfac_curvature]), and with ``swap`` the mixture
@@ -174,15 +178,17 @@ def debiased_ekfac_curvature(
         swap: Also decompose the swapped roles (basis from B̃, curvature from B).
         rows: B's and B̃'s factor rows per block and factor (``None`` where unknown): a factor
             with fewer rows than its width is decomposed through them.
+        terms: B's and B̃'s rank-one terms per block and factor (``None`` where unknown).
 
     Returns:
         The decomposition, or the
         [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed] of it and the swapped
         one.
     """
-    H = ekfac_curvature(direction, magnitude, measure(batches[1]), modules, rows[0])
+    H = ekfac_curvature(direction, magnitude, measure(batches[1]), modules, rows[0], terms[0])
     if swap:
-        H = CrossFitDecomposed(H, ekfac_curvature(magnitude, direction, measure(batches[0]), modules, rows[-1]))
+        swapped = ekfac_curvature(magnitude, direction, measure(batches[0]), modules, rows[-1], terms[-1])
+        H = CrossFitDecomposed(H, swapped)
     return H
 
 
@@ -295,7 +301,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         same = magnitude_batches is direction_batches
         swap = self._cross_fit and not same  # the swapped component needs B̃'s K-FAC too
         both = not same and (swap or any(map(is_extra, modules)))  # extra blocks: B̃'s sums of the shared pass
-        loss, krons, rows, _ = fit_kfacs(
+        loss, krons, rows, terms = fit_kfacs(
             self.model, self.backend, [direction_batches, magnitude_batches] if both else [direction_batches], N,
             fisher=fisher, likelihood=self.likelihood, asdl_fisher_kwargs=self._asdl_fisher_kwargs,
             output_shape=self.fit_output_shape, mean=self.mean, dict_key_x=self.dict_key_x, dict_key_y=self.dict_key_y,
@@ -309,7 +315,7 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
         )
         self.H = debiased_ekfac_curvature(
             direction.kfacs, magnitude.kfacs, (direction_batches, magnitude_batches), measure, modules, swap=swap,
-            rows=(rows[0], rows[-1]) if rows else (None, None),
+            rows=(rows[0], rows[-1]) if rows else (None, None), terms=(terms[0], terms[-1]) if terms else (None, None),
         )
         self.H_facs, self.H_facs_magnitude = direction, (magnitude if swap else None)
         return loss

@@ -29,8 +29,8 @@ The conventions are those of [`laplace_debiased.curvature.linalg`][laplace_debia
   (``tokens`` passes over B̃).
 
 * Implicit complements: where B's factor ``F = XᵀX`` has fewer rows ``X`` ``(n, d)`` than its
-  width, its eigenvectors are ``Q`` ``(d, r)`` from the rows' Gram matrix
-  ([`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]) and the complement
+  width, its eigenvectors are ``Q`` ``(d, r)`` (those above round-off, from the rows' Gram matrix:
+  [`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]) and the complement
   ``N = I - QQᵀ`` (B's null space, dimension ``d - r``) is never formed. Inside it ``F`` is 0, so
   every orthonormal basis of ``N`` is an eigenbasis of ``F``, and a dense ``eigh``'s per-direction
   ``Λ`` there depends on the basis it happens to return; its sum over the complement does not (a
@@ -65,7 +65,13 @@ from curvlinops.kfac_utils import extract_patches
 from torch import Tensor, nn
 
 from laplace_debiased.curvature.inputs import target_rows, unpadded_samples
-from laplace_debiased.curvature.linalg import check_square, gram_eigenpairs, symmetric_eigh64
+from laplace_debiased.curvature.linalg import (
+    check_square,
+    frobenius_tolerance,
+    gram_eigenpairs,
+    roundoff_tolerance,
+    symmetric_eigh64,
+)
 
 __all__ = [
     "complement_values",
@@ -79,18 +85,25 @@ __all__ = [
 
 
 def kron_eigenbasis(
-    kfacs: Sequence[Sequence[Tensor]], rows: Sequence[Sequence[Tensor | None]] | None = None
+    kfacs: Sequence[Sequence[Tensor]],
+    rows: Sequence[Sequence[Tensor | None]] | None = None,
+    terms: Sequence[Sequence[int]] | None = None,
 ) -> list[list[Tensor]]:
-    """Eigenvectors of every factor of every K-FAC block: float64 ``eigh`` of the factor, cast
-    back; or, for a factor ``F = XᵀX`` whose rows ``X`` ``(n, d)`` are given with ``n < d``, its
-    eigenvectors outside the null space from the Gram matrix of the rows
-    ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs], ``O(d n²)``), ``(d, r)``
-    with ``r ≤ n``, the complement left implicit (module docstring).
+    """Eigenvectors of every factor of every K-FAC block (float64, cast back to the factor's dtype).
+
+    A factor summed from fewer rank-one terms than its width ``d`` (rows ``X`` ``(n, d)``,
+    ``F = XᵀX``, ``n < d``) keeps only its eigenvectors with eigenvalues above
+    [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] ``(F)``, ``(d, r)``; the
+    complement, B's null space, stays implicit (module docstring). They come from the Gram matrix
+    of the rows where these are given
+    ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs], ``O(d n²)``, nothing of size
+    ``d × d``), else from ``eigh`` of ``F`` (e.g. under a process group, where the rows are
+    spread over the ranks). Every other factor: all ``d`` eigenvectors of ``eigh``.
 
     Args:
         kfacs: laplace-torch ``Kron.kfacs`` (``[[G, A], [G_bias], ...]``) of batch B.
-        rows: ``None``, or per block and factor the rows of B's factor where known (any scale),
-            else ``None``.
+        rows: ``None``, or per block and factor the rows of B's factor where known, else ``None``.
+        terms: ``None``, or per block and factor the rank-one terms summed into it.
 
     Returns:
         ``[[Q_G, Q_A], [Q_G_bias], ...]`` in the same layout, each ``(d, d)`` or ``(d, r)``.
@@ -100,17 +113,26 @@ def kron_eigenbasis(
         if len(block) not in (1, 2):
             raise ValueError(f"K-FAC block {i} has {len(block)} factors; expected 1 or 2.")
         block_rows = rows[i] if rows is not None else [None] * len(block)
+        block_terms = terms[i] if terms is not None else [None] * len(block)
         try:
-            for F in block:
-                check_square(F, "K-FAC factor")
-            basis.append([
-                gram_eigenpairs(X)[1].to(F.dtype) if X is not None and len(X) < F.shape[0]
-                else symmetric_eigh64(F)[1].to(F.dtype)
-                for F, X in zip(block, block_rows)
-            ])
+            basis.append([_factor_eigenvectors(*args) for args in zip(block, block_rows, block_terms)])
         except ValueError as err:
             raise ValueError(f"K-FAC block {i}: {err}") from err
     return basis
+
+
+def _factor_eigenvectors(F: Tensor, X: Tensor | None, terms: int | None) -> Tensor:
+    """One factor's eigenvectors ([`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis])."""
+    check_square(F, "K-FAC factor")
+    d = F.shape[0]
+    if X is not None and len(X) < d:
+        L, E = gram_eigenpairs(X)
+        tol = frobenius_tolerance(d, F.dtype, float(torch.linalg.vector_norm(L)))  # ‖F‖_F from the Gram spectrum
+        return E[:, L > tol].to(F.dtype)
+    L, V = symmetric_eigh64(F)
+    if terms is not None and terms < d:
+        V = V[:, L > roundoff_tolerance(F)]
+    return V.to(F.dtype)
 
 
 def _module_bases(

@@ -63,6 +63,10 @@ def test_a_factor_narrower_than_its_width_is_decomposed_through_its_rows(monkeyp
     L, V = torch.linalg.eigh(X.T @ X)
     torch.testing.assert_close(Q_1 @ Q_1.T, V[:, -3:] @ V[:, -3:].T, atol=1e-12, rtol=0)  # the same range
     torch.testing.assert_close(torch.diag(Q_1.T @ X.T @ X @ Q_1), L[-3:], atol=1e-12, rtol=1e-12)
+    # without the rows (a process group's ranks hold them), the term count gives the same basis from eigh
+    (D_1, D_2), = kron_eigenbasis([[X.T @ X, Y.T @ Y]], None, [[3, 9]])
+    assert D_1.shape == (7, 3) and D_2.shape == (4, 4)
+    torch.testing.assert_close(D_1 @ D_1.T, Q_1 @ Q_1.T, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("S", [1, 3])
