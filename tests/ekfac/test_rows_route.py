@@ -218,3 +218,22 @@ def test_predictive_of_a_fit_equals_the_jacobian_route():
     torch.testing.assert_close(cov, want, rtol=1e-10, atol=1e-12)
     _, f_var = la._glm_predictive_distribution(x)
     torch.testing.assert_close(f_var, want, rtol=1e-10, atol=1e-12)
+
+
+def test_token_outputs_equal_the_tokens_as_samples():
+    """A model acting on each token separately, every token an output: the fit on ``(n, T, C)``
+    outputs (the complement measured per token position, positions summed) equals the fit on the
+    ``n·T`` tokens as samples, both through the rows (2 sequences × 2 tokens = 4 rows < 6)."""
+    g = torch.Generator().manual_seed(7)
+    X, y = torch.randn(8, 2, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8, 2), generator=g)
+    fits = []
+    for data, bs in (((X, y), 2), ((X.flatten(0, 1), y.flatten(0, 1)), 4)):
+        la = DebiasedEKFACLaplace(_wide_mlp(), "classification")
+        la.fit(loader(torch.utils.data.TensorDataset(*data), bs))
+        fits.append(la)
+    seq, flat = fits
+    assert [[Q.shape for Q in Qs] for Qs in seq.H.eigenvectors] == [[Q.shape for Q in Qs] for Qs in flat.H.eigenvectors]
+    assert seq.H.eigenvectors[0][1].shape == (6, 4)
+    for a, b in zip(seq.H.eigenvalues, flat.H.eigenvalues, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(seq.H.to_matrix(), flat.H.to_matrix(), rtol=1e-9, atol=1e-10)
