@@ -202,10 +202,21 @@ def test_grid_structure_of_implicit_blocks_equals_the_dense_inverse():
         torch.testing.assert_close(var[k], want.diagonal(dim1=-2, dim2=-1), rtol=1e-10, atol=1e-12)
 
 
-def test_predictive_of_a_fit_equals_the_jacobian_route():
+@pytest.mark.parametrize("norm", [False, True])
+def test_predictive_of_a_fit_equals_the_jacobian_route(norm):
     """``la(x)``'s GLM covariance and the grid predictive on a fit with implicit complements equal
-    ``J P⁻¹ Jᵀ`` with the per-example Jacobians ``J`` and the dense posterior precision ``P``."""
-    la, model, (X, y) = _fit()
+    ``J P⁻¹ Jᵀ`` with the per-example Jacobians ``J`` and the dense posterior precision ``P``; with a
+    ``LayerNorm`` (a dense block spanning its weight and bias) beside the implicit Linear blocks."""
+    if norm:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3)).double()
+        ds = toy_data(N, (6,), 3, "classification")
+        la = DebiasedEKFACLaplace(model, "classification")
+        la.fit(loader(ds, M))
+        X = ds.tensors[0]
+    else:
+        la, model, (X, y) = _fit()
+    assert la.H.eigenvectors[0][1].shape == (6, 4)
     la.prior_precision = 0.4
     x = X[20:26]
     params = dict(model.named_parameters())
@@ -213,7 +224,7 @@ def test_predictive_of_a_fit_equals_the_jacobian_route():
     J = torch.cat([j.flatten(2) for j in jac.values()], -1)  # (n, C, P)
     want = J @ torch.linalg.inv(la.posterior_precision.to_matrix()) @ J.transpose(1, 2)
     pred = GridPredictive(la)
-    assert type(pred.structure) is ImplicitEKFACStructure
+    assert isinstance(pred.structure, ImplicitEKFACStructure)
     _, cov = pred.covariance(x, 0.4)
     torch.testing.assert_close(cov, want, rtol=1e-10, atol=1e-12)
     _, f_var = la._glm_predictive_distribution(x)
