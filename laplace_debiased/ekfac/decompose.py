@@ -29,7 +29,14 @@ from laplace_debiased.ekfac.passes import extended_shape, kron_eigenbasis, measu
 from laplace_debiased.curvature.linalg import debiased_kron
 from laplace_debiased.parallel.reducer import Reducer
 
-__all__ = ["EKFACDecomposition", "EKFACMeasurement", "decompose_ekfac", "kron_basis_on_rank0", "measured_kfac_blocks"]
+__all__ = [
+    "EKFACDecomposition",
+    "EKFACMeasurement",
+    "decompose_ekfac",
+    "kron_basis_on_rank0",
+    "measured_kfac_blocks",
+    "weight_blocks",
+]
 
 #: blocks of 1 or 2 square factors (laplace-torch's ``Kron.kfacs`` layout)
 Kfacs = list[list[Tensor]]
@@ -108,6 +115,20 @@ def kron_basis_on_rank0(
     return [[next(flat) for _ in block] for block in kfacs]
 
 
+def weight_blocks(model: nn.Module, params: Sequence[Tensor]) -> dict[int, int]:
+    """``{bias block: its layer's weight block}`` for the layers with both parameters among
+    ``params`` (one block each): EKFAC measures such a bias in the weight's ``Q_G``
+    ([`measure_ekfac_eigenvalues`][laplace_debiased.ekfac.passes.measure_ekfac_eigenvalues]), so its own
+    factor need not be decomposed."""
+    index = {id(p): k for k, p in enumerate(params)}
+    found = {}
+    for module in model.modules():
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if isinstance(weight, Tensor) and isinstance(bias, Tensor) and id(weight) in index and id(bias) in index:
+            found[index[id(bias)]] = index[id(weight)]
+    return found
+
+
 def measured_kfac_blocks(
     kfacs: Kfacs, measurement: EKFACMeasurement, reducer: Reducer, rows: Rows | None = None,
     terms: Terms | None = None,
@@ -124,10 +145,15 @@ def measured_kfac_blocks(
 
     Returns:
         ``(eigenvectors, eigenvalues)``: per block ``[Q_G, Q_A]`` or ``[Q_G]`` (a bias block with
-        its layer's weight ``Q_G``) and ``Λ`` ``(d_out, d_in)`` or ``(d_out,)`` times
+        its layer's weight ``Q_G``, its own factor not decomposed:
+        [`weight_blocks`][laplace_debiased.ekfac.decompose.weight_blocks]) and ``Λ`` ``(d_out, d_in)`` or ``(d_out,)`` times
         ``measurement.scale``, in the model's dtype.
     """
-    basis = kron_basis_on_rank0(kfacs, reducer, rows, terms)
+    shared = weight_blocks(measurement.model, measurement.params)
+    own = [k for k in range(len(kfacs)) if k not in shared]
+    pick = lambda items: None if items is None else [items[k] for k in own]  # noqa: E731
+    computed = dict(zip(own, kron_basis_on_rank0(pick(kfacs), reducer, pick(rows), pick(terms))))
+    basis = [computed[k] if k in computed else [computed[shared[k]][0]] for k in range(len(kfacs))]
     if measurement.batches:
         basis, lams = measure_ekfac_eigenvalues(
             measurement.model, measurement.loss_func, measurement.params, measurement.batches, basis,
