@@ -248,3 +248,27 @@ def test_token_outputs_equal_the_tokens_as_samples():
     for a, b in zip(seq.H.eigenvalues, flat.H.eigenvalues, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(seq.H.to_matrix(), flat.H.to_matrix(), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("cross_fit", [False, True])
+def test_cross_fit_and_saved_state_keep_the_implicit_blocks(cross_fit):
+    """Cross-fitted, both components (B's basis with B̃'s curvature and the swap, each through its own
+    rows) keep their complements implicit; the ``state_dict`` restores the same posterior and predictive."""
+    import io
+
+    from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
+
+    ds = toy_data(N, (6,), 3, "classification")
+    la = DebiasedEKFACLaplace(_wide_mlp(), "classification", prior_precision=0.5, cross_fit=cross_fit)
+    la.fit(loader(ds, M))
+    comps = la.H.components if cross_fit else (la.H,)
+    assert type(la.H) is (CrossFitDecomposed if cross_fit else EKFACDecomposed)
+    assert all(c.eigenvectors[0][1].shape == (6, 4) for c in comps)
+    buf = io.BytesIO()
+    torch.save(la.state_dict(), buf)
+    buf.seek(0)
+    new = DebiasedEKFACLaplace(_wide_mlp(), "classification")
+    new.load_state_dict(torch.load(buf, weights_only=True))
+    assert torch.equal(new.posterior_precision.to_matrix(-1), la.posterior_precision.to_matrix(-1))
+    x = ds.tensors[0][:3]
+    torch.testing.assert_close(new(x), la(x), rtol=1e-12, atol=0)
