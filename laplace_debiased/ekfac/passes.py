@@ -28,10 +28,29 @@ The conventions are those of [`laplace_debiased.curvature.linalg`][laplace_debia
   runs once per token position ``t`` on the model's outputs at ``t`` and the results add up
   (``tokens`` passes over B̃).
 
+* Implicit complements: where B's factor ``F = XᵀX`` has fewer rows ``X`` ``(n, d)`` than its
+  width, its eigenvectors are ``Q`` ``(d, r)`` (those above round-off, from the rows' Gram matrix:
+  [`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]) and the complement
+  ``N = I - QQᵀ`` (B's null space, dimension ``d - r``) is never formed. Inside it ``F`` is 0, so
+  every orthonormal basis of ``N`` is an eigenbasis of ``F``, and a dense ``eigh``'s per-direction
+  ``Λ`` there depends on the basis it happens to return; its sum over the complement does not (a
+  trace). The complement therefore gets one value per block row or column: ``Λ`` has shape
+  ``(r_G [+1], r_A [+1])`` (``(r_G [+1],)`` for a bias), the extra row / column present where that
+  factor is implicit; ``Λ[i, j]`` for ``i < r_G, j < r_A`` as above, ``Λ[i, r_A]`` the mean of the
+  dense ``Λ_ij`` over the complement columns ``j`` (for any basis of ``N_A``), ``Λ[r_G, j]`` and
+  ``Λ[r_G, r_A]`` likewise, i.e. ``Σ_n Σ_c ‖q_Giᵀ G_nc N_A‖² / (d_A - r_A)`` and so on
+  ([`complement_values`][laplace_debiased.ekfac.passes.complement_values]). Among the EKFAC diagonals
+  that do not depend on the choice of basis inside ``N`` these are the Frobenius-nearest to
+  ``C_B̃`` (EKFAC's criterion, George et al. 2018, Sec. 3.2, restricted to them): the block is the
+  Frobenius projection of ``C_B̃`` onto the span of ``P_a ⊗ P_b``, with ``P_a`` running over
+  ``q_i q_iᵀ`` and ``N`` of each factor. With B̃ = B the samples' vectors lie in the range of B's
+  factors, so the complement values are 0 up to round-off, as the dense route's are.
+
 The per-sample rotation and squaring is curvlinops' EKFAC eigenvalue correction
 (``curvlinops.EKFACLinearOperator``);
 [`measure_ekfac_eigenvalues`][laplace_debiased.ekfac.passes.measure_ekfac_eigenvalues] runs it on B̃ with
-B's eigenvectors installed instead of the ones curvlinops would compute from B̃.
+B's eigenvectors installed instead of the ones curvlinops would compute from B̃ (``(d, r)``
+ones give the range block); the complement values come from hooks on the same backward passes.
 """
 
 from __future__ import annotations
@@ -42,12 +61,22 @@ from typing import Any
 
 import torch
 from curvlinops import EKFACLinearOperator, FisherType
+from curvlinops.kfac_utils import extract_patches
 from torch import Tensor, nn
 
 from laplace_debiased.curvature.inputs import target_rows, unpadded_samples
-from laplace_debiased.curvature.linalg import check_square, symmetric_eigh64
+from laplace_debiased.curvature.linalg import (
+    check_square,
+    frobenius_tolerance,
+    gram_eigenpairs,
+    roundoff_tolerance,
+    symmetric_eigh64,
+)
 
 __all__ = [
+    "complement_values",
+    "extended_shape",
+    "implicit",
     "kron_eigenbasis",
     "measure_ekfac_eigenvalues",
     "ekfac_block_dense",
@@ -55,26 +84,55 @@ __all__ = [
 ]
 
 
-def kron_eigenbasis(kfacs: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
-    """Eigenvectors (float64 ``eigh``, cast back) of every factor of every K-FAC block.
+def kron_eigenbasis(
+    kfacs: Sequence[Sequence[Tensor]],
+    rows: Sequence[Sequence[Tensor | None]] | None = None,
+    terms: Sequence[Sequence[int]] | None = None,
+) -> list[list[Tensor]]:
+    """Eigenvectors of every factor of every K-FAC block (float64, cast back to the factor's dtype).
+
+    A factor summed from fewer rank-one terms than its width ``d`` (rows ``X`` ``(n, d)``,
+    ``F = XᵀX``, ``n < d``) keeps only its eigenvectors with eigenvalues above
+    [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance] ``(F)``, ``(d, r)``; the
+    complement, B's null space, stays implicit (module docstring). They come from the Gram matrix
+    of the rows where these are given
+    ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs], ``O(d n²)``, nothing of size
+    ``d × d``), else from ``eigh`` of ``F`` (e.g. under a process group, where the rows are
+    spread over the ranks). Every other factor: all ``d`` eigenvectors of ``eigh``.
 
     Args:
         kfacs: laplace-torch ``Kron.kfacs`` (``[[G, A], [G_bias], ...]``) of batch B.
+        rows: ``None``, or per block and factor the rows of B's factor where known, else ``None``.
+        terms: ``None``, or per block and factor the rank-one terms summed into it.
 
     Returns:
-        ``[[Q_G, Q_A], [Q_G_bias], ...]`` in the same layout.
+        ``[[Q_G, Q_A], [Q_G_bias], ...]`` in the same layout, each ``(d, d)`` or ``(d, r)``.
     """
     basis = []
     for i, block in enumerate(kfacs):
         if len(block) not in (1, 2):
             raise ValueError(f"K-FAC block {i} has {len(block)} factors; expected 1 or 2.")
+        block_rows = rows[i] if rows is not None else [None] * len(block)
+        block_terms = terms[i] if terms is not None else [None] * len(block)
         try:
-            for F in block:
-                check_square(F, "K-FAC factor")
-            basis.append([symmetric_eigh64(F)[1].to(F.dtype) for F in block])
+            basis.append([_factor_eigenvectors(*args) for args in zip(block, block_rows, block_terms)])
         except ValueError as err:
             raise ValueError(f"K-FAC block {i}: {err}") from err
     return basis
+
+
+def _factor_eigenvectors(F: Tensor, X: Tensor | None, terms: int | None) -> Tensor:
+    """One factor's eigenvectors ([`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis])."""
+    check_square(F, "K-FAC factor")
+    d = F.shape[0]
+    if X is not None and len(X) < d:
+        L, E = gram_eigenpairs(X)
+        tol = frobenius_tolerance(d, F.dtype, float(torch.linalg.vector_norm(L)))  # ‖F‖_F from the Gram spectrum
+        return E[:, L > tol].to(F.dtype)
+    L, V = symmetric_eigh64(F)
+    if terms is not None and terms < d:
+        V = V[:, L > roundoff_tolerance(F)]
+    return V.to(F.dtype)
 
 
 def _module_bases(
@@ -137,7 +195,8 @@ def measure_ekfac_eigenvalues(
             model consumes); outputs ``(n, C)``, or ``(n, tokens, C)`` with every token a loss term
             (module docstring).
         eigenvectors: per parameter a list of blocks ``[[Q_G, Q_A], [Q_G], ...]`` (see
-            [`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]), e.g. from B.
+            [`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]), e.g. from B; each
+            ``(d, d)``, or ``(d, r)`` with an implicit complement (module docstring).
         fisher_type: a ``curvlinops.FisherType``: ``TYPE2`` (exact GGN), ``MC`` (sampled Fisher) or
             ``EMPIRICAL`` (empirical Fisher).
         mc_samples: samples per input for ``fisher_type=MC``.
@@ -149,7 +208,8 @@ def measure_ekfac_eigenvalues(
             every bias block's ``Q_G`` replaced by its layer's weight ``Q_G`` (both come from the same
             factor ``G``, up to scale, but ``eigh`` may pick different bases of a degenerate eigenspace;
             EKFAC needs one ``Q_G`` per layer); and per block ``Λ`` ``(d_out, d_in)`` (weights) or
-            ``(d_out,)`` (biases), ``Σ_{n∈batches} Σ_c ((Q_Gᵀ G_nc Q_A)_ij)²`` (module docstring).
+            ``(d_out,)`` (biases), ``Σ_{n∈batches} Σ_c ((Q_Gᵀ G_nc Q_A)_ij)²`` (module docstring), of
+            [`extended_shape`][laplace_debiased.ekfac.passes.extended_shape] where a complement is implicit.
     """
     if getattr(loss_func, "reduction", None) != "sum":
         raise ValueError("the loss must use reduction='sum' (laplace-torch's convention).")
@@ -242,13 +302,23 @@ def _eigenvalue_correction(
     # without them.
     op._gradient_covariances_eigenvectors = out_side
     op._input_covariances_eigenvectors = in_side
-    op.compute_eigenvalue_correction()
+    complements: dict[int, Tensor] = {}
+    handles = _install_complement_hooks(model, op._mapping, out_side, in_side, 1.0 / mc_samples, complements)
+    try:
+        op.compute_eigenvalue_correction()
+    finally:
+        for handle in handles:
+            handle.remove()
     values: list[Tensor | None] = [None] * len(params)
     for name, pos in op._mapping.items():
         if "bias" in pos:
             cast[pos["bias"]] = [out_side[name]]
         for p_name, i in pos.items():
             lam = op._corrected_eigenvalues[name][i]
+            if i in complements:  # the range block in front of the complement's values
+                full = complements[i].to(lam.dtype)
+                full[tuple(slice(0, n) for n in lam.shape)] = lam
+                lam = full
             if not torch.isfinite(lam).all():
                 raise ValueError(
                     f"EKFAC eigenvalues of '{name}.{p_name}' contain NaN or Inf; the curvature "
@@ -258,9 +328,124 @@ def _eigenvalue_correction(
     return values
 
 
+def implicit(Q: Tensor) -> bool:
+    """Whether the eigenvectors ``Q`` ``(d, r)`` leave a complement implicit (``r < d``)."""
+    return Q.shape[1] < Q.shape[0]
+
+
+def extended_shape(Qs: Sequence[Tensor]) -> tuple[int, ...]:
+    """The shape of a block's ``Λ`` (module docstring): per factor ``r``, plus one for an implicit
+    complement."""
+    return tuple(Q.shape[1] + implicit(Q) for Q in Qs)
+
+
+def complement_values(g: Tensor, Q_G: Tensor, a: Tensor | None, Q_A: Tensor | None) -> Tensor | None:
+    """The complement entries of ``Λ`` (module docstring) that one backward pass adds, in float64.
+
+    Args:
+        g: output-side vectors ``(n, S, d_out)`` of the pass (``S`` weight-sharing positions).
+        Q_G: output-side eigenvectors ``(d_out, r_G)``.
+        a: the layer's inputs ``(n, S, d_in)`` (unfolded patches for a convolution); ``None``
+            for a bias block.
+        Q_A: input-side eigenvectors ``(d_in, r_A)``; ``None`` for a bias block.
+
+    Returns:
+        ``Λ``'s shape ([`extended_shape`][laplace_debiased.ekfac.passes.extended_shape]) with zeros on
+        the range block ``(r_G, r_A)``, or ``None`` when neither factor is implicit. With
+        ``G_n = Σ_s g_ns a_nsᵀ``, ``N_G = I - Q_G Q_Gᵀ``, ``N_A = I - Q_A Q_Aᵀ``:
+        ``Λ[i, r_A] = Σ_n ‖q_Giᵀ G_n N_A‖² / (d_in - r_A)``,
+        ``Λ[r_G, j] = Σ_n ‖N_G G_n q_Aj‖² / (d_out - r_G)``,
+        ``Λ[r_G, r_A] = Σ_n ‖N_G G_n N_A‖_F² / ((d_out - r_G)(d_in - r_A))``; a bias block
+        (``G_n = Σ_s g_ns``): ``Λ[r_G] = Σ_n ‖N_G G_n‖² / (d_out - r_G)``. Each is computed from
+        the ``S × S`` Gram matrices of the residuals ``N_G g_ns``, ``N_A a_ns``, nothing of size
+        ``d²``.
+    """
+    Qs = [Q_G] if Q_A is None else [Q_G, Q_A]
+    if not any(map(implicit, Qs)):
+        return None
+    g64, QG = g.double(), Q_G.double()
+    rG, gaps = QG.shape[1], [Q.shape[0] - Q.shape[1] for Q in Qs]
+    out = g64.new_zeros(extended_shape(Qs))
+    Yr = g64 @ QG
+    if a is None:
+        out[rG] = (g64 - Yr @ QG.T).sum(1).square().sum() / gaps[0]
+        return out
+    a64, QA = a.double(), Q_A.double()
+    rA = QA.shape[1]
+    Xr = a64 @ QA
+    if implicit(Q_A):
+        Ra = a64 - Xr @ QA.T
+        Ka = Ra @ Ra.mT  # (n, S, S)
+        out[:rG, rA] = ((Ka @ Yr) * Yr).sum((0, 1)) / gaps[1]
+    if implicit(Q_G):
+        Rg = g64 - Yr @ QG.T
+        Kg = Rg @ Rg.mT
+        out[rG, :rA] = ((Kg @ Xr) * Xr).sum((0, 1)) / gaps[0]
+        if implicit(Q_A):
+            out[rG, rA] = (Kg * Ka).sum() / (gaps[0] * gaps[1])
+    return out
+
+
+def _install_complement_hooks(
+    model: nn.Module,
+    mapping: dict[str, dict[str, int]],
+    out_side: dict[str, Tensor],
+    in_side: dict[str, Tensor],
+    scale: float,
+    into: dict[int, Tensor],
+) -> list:
+    """Hooks on the layers whose basis leaves a complement implicit: every backward pass of the
+    eigenvalue correction adds ``scale ·`` [`complement_values`][laplace_debiased.ekfac.passes.complement_values]
+    of its output gradients and the layer's inputs to ``into[block]`` (the same ``g`` and ``a`` as
+    curvlinops' correction, rearranged as it does). Returns the handles."""
+    handles, inputs = [], {}
+    for name, pos in mapping.items():
+        Q_G, Q_A = out_side[name], in_side.get(name)
+        if not any(implicit(Q) for Q in (Q_G, Q_A) if Q is not None):
+            continue
+        module = model.get_submodule(name)
+
+        def cache(mod: nn.Module, args: tuple, name: str = name) -> None:
+            inputs[name] = args[0].detach()
+
+        def accumulate(grad: Tensor, mod: nn.Module, name: str, pos: dict[str, int], Q_G: Tensor,
+                       Q_A: Tensor | None) -> None:
+            g = grad.detach().movedim(1, -1) if isinstance(mod, nn.Conv2d) else grad.detach()
+            g = g.reshape(g.shape[0], -1, g.shape[-1])
+            for p_name, i in pos.items():
+                a = None
+                if p_name == "weight":
+                    a = inputs[name]
+                    if isinstance(mod, nn.Conv2d):
+                        a = extract_patches(a, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.groups)
+                    a = a.reshape(a.shape[0], -1, a.shape[-1])
+                values = complement_values(g, Q_G, a, Q_A if p_name == "weight" else None)
+                if values is not None:
+                    into[i] = scale * values + into[i] if i in into else scale * values
+
+        def on_output(mod: nn.Module, args: tuple, output: Tensor, name: str = name, pos: dict = pos,
+                      Q_G: Tensor = Q_G, Q_A: Tensor | None = Q_A) -> None:
+            output.register_hook(lambda grad: accumulate(grad, mod, name, pos, Q_G, Q_A))
+
+        if "weight" in pos:
+            handles.append(module.register_forward_pre_hook(cache))
+        handles.append(module.register_forward_hook(on_output))
+    return handles
+
+
 def ekfac_block_dense(Qs: Sequence[Tensor], lam: Tensor, delta: float | Tensor = 0.0, exponent: float = 1.0) -> Tensor:
-    """Dense block ``Q diag((vec Λ + δ)^exponent) Qᵀ`` with ``Q = Q_G ⊗ Q_A`` (or ``Q_G``)."""
-    Q = torch.kron(Qs[0], Qs[1]) if len(Qs) == 2 else Qs[0]
+    """Dense block ``Q diag((vec Λ + δ)^exponent) Qᵀ`` with ``Q = Q_G ⊗ Q_A`` (or ``Q_G``); an
+    implicit complement is completed (complete QR) and every direction in it takes its
+    complement entry of ``Λ`` (module docstring)."""
+    full, index = [], []
+    for Q in Qs:
+        r, d = Q.shape[1], Q.shape[0]
+        if implicit(Q):
+            Q = torch.cat([Q, torch.linalg.qr(Q.double(), mode="complete").Q[:, r:].to(Q.dtype)], dim=1)
+        full.append(Q.contiguous())
+        index.append(torch.cat([torch.arange(r), torch.full((d - r,), r)]).to(lam.device))
+    lam = lam[index[0]] if len(Qs) == 1 else lam[index[0]][:, index[1]]
+    Q = torch.kron(full[0], full[1]) if len(Qs) == 2 else full[0]
     return (Q * torch.pow(lam.reshape(-1) + delta, exponent)) @ Q.T
 
 

@@ -1,6 +1,14 @@
 """The debiased EKFAC posterior: per parameter block ``Q diag(vec Λ + δ) Qᵀ`` with ``Q = Q_G ⊗ Q_A``
 (laplace-torch's ``KronDecomposed`` interface), and its grid structure.
 
+A factor with fewer rows than its width keeps its complement ``N = I - QQᵀ`` implicit (``Q``
+``(d, r)``, one more row or column of ``Λ``: [`laplace_debiased.ekfac.passes`][laplace_debiased.ekfac.passes]).
+Each block is then ``Σ_ab (Λ_ab + δ) P_a ⊗ P_b`` over the eigenprojections ``P_a`` of each factor
+(``q q ᵀ`` and ``N``, multiplicities ``1`` and ``d - r``), applied as
+[`ImplicitKronDecomposed`][laplace_debiased.kron.posterior.ImplicitKronDecomposed] applies its
+blocks, with ``Λ`` in place of the outer product of the factors' spectra; nothing of size ``d × d``
+is formed except in ``to_matrix``.
+
 ``EKFACDecomposed`` is the ``la.H`` of a ``debiased_ekfac`` fit, ``SpannedEKFACDecomposed`` the same
 where a block spans several parameter tensors; ``EKFACStructure`` / ``SpannedEKFACStructure`` rotate
 Jacobians once into their eigenbasis for the grid predictive
@@ -9,17 +17,32 @@ Jacobians once into their eigenbasis for the grid predictive
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from laplace.utils.utils import _is_valid_scalar
 from torch import Tensor
 
-from laplace_debiased.ekfac.passes import ekfac_to_dense
+from laplace_debiased.ekfac.passes import ekfac_to_dense, extended_shape, implicit
+from laplace_debiased.kron.posterior import ImplicitKronStructure, apply_one, apply_two, diag_weights
 from laplace_debiased.posterior.kron_structure import KronStructure
 from laplace_debiased.kron.spanned import Spanned, SpannedStructure
 
-__all__ = ["EKFACDecomposed", "EKFACStructure", "SpannedEKFACDecomposed", "SpannedEKFACStructure"]
+__all__ = [
+    "EKFACDecomposed",
+    "EKFACStructure",
+    "ImplicitEKFACStructure",
+    "SpannedEKFACDecomposed",
+    "SpannedEKFACStructure",
+    "SpannedImplicitEKFACStructure",
+]
+
+
+def multiplicities(Q: Tensor) -> Tensor:
+    """``(r [+1],)``: ones, and ``d - r`` for an implicit complement (module docstring)."""
+    ones = torch.ones(Q.shape[1], dtype=Q.dtype, device=Q.device)
+    return torch.cat([ones, ones.new_full((1,), Q.shape[0] - Q.shape[1])]) if implicit(Q) else ones
 
 
 class EKFACDecomposed:
@@ -32,8 +55,10 @@ class EKFACDecomposed:
 
     Args:
         eigenvectors: Per block ``[Q_G (d_out, d_out), Q_A (d_in, d_in)]`` or ``[Q (d, d)]``,
-            orthonormal.
-        eigenvalues: Per block ``Λ`` of shape ``(d_out, d_in)`` or ``(d,)``.
+            orthonormal; a factor ``(d, r)``, ``r < d``, with its complement implicit (module
+            docstring).
+        eigenvalues: Per block ``Λ`` of shape ``(d_out, d_in)`` or ``(d,)``; per implicit factor
+            one more row or column ([`extended_shape`][laplace_debiased.ekfac.passes.extended_shape]).
         deltas: The added prior precisions, a scalar or one per block (default 0).
 
     Raises:
@@ -52,7 +77,7 @@ class EKFACDecomposed:
                 f"{len(eigenvectors)} eigenvector blocks but {len(eigenvalues)} eigenvalue blocks."
             )
         for i, (Qs, lam) in enumerate(zip(eigenvectors, eigenvalues)):
-            shape = tuple(len(Q) for Q in Qs)
+            shape = extended_shape(Qs)
             if tuple(lam.shape) != shape:
                 raise ValueError(
                     f"block {i}: eigenvalues of shape {tuple(lam.shape)} do not match the "
@@ -102,10 +127,14 @@ class EKFACDecomposed:
         return torch.pow(lam.double() + self.deltas[k].double(), exponent).to(lam.dtype)
 
     def logdet(self) -> Tensor:
-        """``log det`` of the whole block-diagonal matrix (with the added ``deltas``)."""
-        total = sum(
-            torch.log(lam.double() + d.double()).sum() for lam, d in zip(self.eigenvalues, self.deltas)
-        )
+        """``log det`` of the whole block-diagonal matrix (with the added ``deltas``; a complement
+        entry counted with its multiplicity)."""
+        total = 0
+        for Qs, lam, d in zip(self.eigenvectors, self.eigenvalues, self.deltas):
+            mult = multiplicities(Qs[0].double())
+            if len(Qs) == 2:
+                mult = torch.outer(mult, multiplicities(Qs[1].double()))
+            total = total + (mult * torch.log(lam.double() + d.double())).sum()
         return total.to(self.eigenvalues[0].dtype)
 
     def _bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
@@ -115,15 +144,13 @@ class EKFACDecomposed:
         out, start = [], 0
         for k, Qs in enumerate(self.eigenvectors):
             power = self._powered(k, exponent)
-            p = power.numel()
+            sizes = [Q.shape[0] for Q in Qs]
+            p = math.prod(sizes)
             Wk = W[:, start : start + p]
             if len(Qs) == 2:
-                Q_G, Q_A = Qs
-                Wk = Wk.reshape(B * K, *power.shape)
-                Wk = Q_G @ ((Q_G.T @ Wk @ Q_A) * power) @ Q_A.T
+                Wk = apply_two(Wk.reshape(B * K, *sizes), *Qs, power)
             else:
-                Q = Qs[0]
-                Wk = ((Wk @ Q) * power) @ Q.T
+                Wk = apply_one(Wk, Qs[0], power)
             out.append(Wk.reshape(B * K, p))
             start += p
         if start != P:
@@ -174,11 +201,8 @@ class EKFACDecomposed:
         diags = []
         for k, Qs in enumerate(self.eigenvectors):
             power = self._powered(k, exponent)
-            if len(Qs) == 2:
-                Q_G, Q_A = Qs
-                diags.append(torch.einsum("ap,bq,pq->ab", Q_G.square(), Q_A.square(), power).flatten())
-            else:
-                diags.append(Qs[0].square() @ power)
+            E = [diag_weights(Q) for Q in Qs]
+            diags.append((E[0] @ power @ E[1].T).flatten() if len(Qs) == 2 else E[0] @ power)
         return torch.cat(diags)
 
     def to_matrix(self, exponent: float = 1) -> Tensor:
@@ -202,8 +226,11 @@ class EKFACDecomposed:
 
         Returns:
             An [`EKFACStructure`][laplace_debiased.ekfac.posterior.EKFACStructure] of this curvature without
-            its ``deltas``.
+            its ``deltas``, an [`ImplicitEKFACStructure`][laplace_debiased.ekfac.posterior.ImplicitEKFACStructure]
+            where a factor's complement is implicit.
         """
+        if any(implicit(Q) for Qs in self.eigenvectors for Q in Qs):
+            return ImplicitEKFACStructure(self, h_factor, numels)
         return EKFACStructure(self, h_factor, numels)
 
 
@@ -239,9 +266,51 @@ class EKFACStructure(KronStructure):
         return 1.0 / (self.s * self.ls[k] + delta)
 
 
+class ImplicitEKFACStructure(ImplicitKronStructure, EKFACStructure):
+    """[`EKFACStructure`][laplace_debiased.ekfac.posterior.EKFACStructure] of an
+    [`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] with implicit complements:
+    Jacobians rotated as [`ImplicitKronStructure`][laplace_debiased.kron.posterior.ImplicitKronStructure]
+    rotates them (a complement's columns sharing its weight), the weight of the columns of
+    ``(P_a, P_b)`` being ``1 / (s Λ_ab + δ)``. Nothing of size ``d × d`` is formed for a ``Linear``
+    weight's ``g ⊗ a`` Jacobian (``O(C d r)`` per input).
+
+    Args:
+        H: The curvature.
+        h_factor: The curvature scale ``s``.
+        numels: The sizes of the parameter tensors, one per block.
+
+    Raises:
+        ValueError: Block sizes other than ``numels``.
+    """
+
+    def __init__(self, H: EKFACDecomposed, h_factor: float | Tensor, numels: Sequence[int]) -> None:
+        shared: dict[int, Tensor] = {}  # a bias shares its weight's output-side eigenvectors
+        self.Qs = []
+        for Qs in H.eigenvectors:
+            for Q in Qs:
+                if id(Q) not in shared:
+                    shared[id(Q)] = Q.double()
+            self.Qs.append([shared[id(Q)] for Q in Qs])
+        self.ls = [lam.double().clamp_min(0.0) for lam in H.eigenvalues]
+        self.damping = False
+        self.s = float(h_factor)
+        self._maps: list[list[Tensor]] = [[] for _ in self.Qs]
+        sizes = [math.prod(Q.shape[0] for Q in Qs) for Qs in self.Qs]
+        if sizes != list(numels):
+            raise ValueError(
+                f"EKFAC blocks have sizes {sizes} but the Laplace parameters have "
+                f"{list(numels)}; the posterior and the model do not match"
+            )
+
+
 class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
     """[`EKFACStructure`][laplace_debiased.ekfac.posterior.EKFACStructure] over blocks spanning several
     parameter tensors."""
+
+
+class SpannedImplicitEKFACStructure(SpannedStructure, ImplicitEKFACStructure):
+    """[`ImplicitEKFACStructure`][laplace_debiased.ekfac.posterior.ImplicitEKFACStructure] over blocks
+    spanning several parameter tensors."""
 
 
 class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
@@ -250,6 +319,7 @@ class SpannedEKFACDecomposed(Spanned, EKFACDecomposed):
     [`laplace_debiased.curvature.layer_blocks`][laplace_debiased.curvature.layer_blocks])."""
 
     _structure = SpannedEKFACStructure
+    _implicit_structure = SpannedImplicitEKFACStructure
 
     def __init__(self, eigenvectors, eigenvalues, spans: Sequence[int], deltas: Tensor | None = None) -> None:
         super().__init__(eigenvectors, eigenvalues, deltas)

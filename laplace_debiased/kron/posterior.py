@@ -40,7 +40,7 @@ from laplace_debiased.posterior.grams import jacobian_float64
 from laplace_debiased.posterior.jacobians import LayerJacobian
 from laplace_debiased.posterior.kron_structure import KronStructure, live_positions, rows_times
 
-__all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "complete_basis"]
+__all__ = ["ImplicitKronDecomposed", "ImplicitKronStructure", "apply_one", "apply_two", "complete_basis", "diag_weights"]
 
 
 def complete_basis(Q: Tensor, eigenvalues: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,7 +65,7 @@ def _block_eigenvalues(ls: Sequence[Tensor], delta: Tensor, damping: bool) -> Te
     return torch.outer(ls[0], ls[1]) + delta
 
 
-def _apply_one(W: Tensor, Q: Tensor, f: Tensor) -> Tensor:
+def apply_one(W: Tensor, Q: Tensor, f: Tensor) -> Tensor:
     """``Σ_a f_a P_a`` applied to the rows of ``W`` (m, d) for one factor (extended ``f``)."""
     r = Q.shape[1]
     WQ = W @ Q
@@ -75,7 +75,7 @@ def _apply_one(W: Tensor, Q: Tensor, f: Tensor) -> Tensor:
     return out
 
 
-def _apply_two(W: Tensor, Q1: Tensor, Q2: Tensor, F: Tensor) -> Tensor:
+def apply_two(W: Tensor, Q1: Tensor, Q2: Tensor, F: Tensor) -> Tensor:
     """``Σ_ab F_ab P_a W P_b`` for ``W`` (m, d_1, d_2), extended ``F`` (module docstring)."""
     r1, r2 = Q1.shape[1], Q2.shape[1]
     WQ2 = W @ Q2
@@ -93,7 +93,7 @@ def _apply_two(W: Tensor, Q1: Tensor, Q2: Tensor, F: Tensor) -> Tensor:
     return out
 
 
-def _diag_weights(Q: Tensor) -> Tensor:
+def diag_weights(Q: Tensor) -> Tensor:
     """``(d, r[+1])``: ``diag(q_k q_kᵀ) = q_k²`` and, with a null space, ``diag N``."""
     Q2 = Q.square()
     if Q.shape[1] == Q.shape[0]:
@@ -145,9 +145,9 @@ class ImplicitKronDecomposed(KronDecomposed):
             sizes = [Q.shape[0] for Q in Qs]
             Wp = W[:, start : start + math.prod(sizes)]
             if len(Qs) == 1:
-                out.append(_apply_one(Wp, Qs[0], F))
+                out.append(apply_one(Wp, Qs[0], F))
             else:
-                out.append(_apply_two(Wp.reshape(-1, *sizes), *Qs, F).flatten(1))
+                out.append(apply_two(Wp.reshape(-1, *sizes), *Qs, F).flatten(1))
             start += math.prod(sizes)
         return torch.cat(out, dim=1).reshape(B, K, P)
 
@@ -155,7 +155,7 @@ class ImplicitKronDecomposed(KronDecomposed):
         diags = []
         for Qs, ls, _, delta in self._blocks():
             F = torch.pow(_block_eigenvalues(ls, delta, self.damping), exponent)
-            E = [_diag_weights(Q) for Q in Qs]
+            E = [diag_weights(Q) for Q in Qs]
             diags.append(E[0] @ F if len(Qs) == 1 else (E[0] @ F @ E[1].T).flatten())
         return torch.cat(diags)
 
