@@ -299,7 +299,8 @@ def test_factory_passes_the_estimate_to_the_constructor():
         ("debiased_ekfac", {"estimator": "shrunk"}, ValueError, "debiased_ekfac offers estimator in"),
         ("debiased_ekfac", {"null_space": "aligned"}, TypeError, "null_space"),
         ("debiased_full", {"n_magnitude_batches": "auto"}, ValueError, "has no K-FAC factors"),
-        ("debiased_lowrank", {"estimator": "paper"}, TypeError, "estimator"),
+        ("debiased_lowrank", {"estimator": "stein"}, ValueError, "debiased_lowrank offers estimator in"),
+        ("debiased_full", {"estimator": "corrected"}, TypeError, "estimator"),
     ],
 )
 def test_options_are_checked_at_construction(structure, options, error, message):
