@@ -71,17 +71,28 @@ class RowsKron(Kron):
     """laplace-torch's ``Kron`` whose factors may be held as rows: ``factors`` holds per block the
     factors as fitted, a ``(d, d)`` tensor or a
     [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] (a factor with fewer rows than its
-    width, never formed densely by the fit). ``kfacs`` (laplace-torch's attribute, for users and
-    laplace-torch's methods) forms such factors densely on each access; assigning ``kfacs`` sets
-    ``factors``."""
+    width, never formed densely by the fit). Reading ``kfacs`` (laplace-torch's attribute, for users
+    and laplace-torch's methods, e.g. ``state_dict``) forms such factors densely, once: they replace
+    the rows in ``factors``, so the list can be modified in place as laplace-torch's; assigning
+    ``kfacs`` sets ``factors``."""
 
     def __init__(self, factors: list[list[torch.Tensor | RowFactor]]) -> None:
         super().__init__(factors)
 
     @property
     def kfacs(self) -> list[list[torch.Tensor]]:
-        """The factors as ``(d, d)`` tensors, those held as rows formed here (``XᵀX``)."""
-        return [[dense_factor(F) for F in block] for block in self.factors]
+        """The factors as ``(d, d)`` tensors, those held as rows formed here (``XᵀX``, one tensor per
+        ``RowFactor`` shared by several blocks) and kept in their place."""
+        if any(isinstance(F, RowFactor) for block in self.factors for F in block):
+            formed: dict[int, torch.Tensor] = {}
+
+            def form(F: torch.Tensor | RowFactor) -> torch.Tensor:
+                if id(F) not in formed:
+                    formed[id(F)] = dense_factor(F)
+                return formed[id(F)]
+
+            self.factors = [[form(F) for F in block] for block in self.factors]
+        return self.factors
 
     @kfacs.setter
     def kfacs(self, value: list[list[torch.Tensor | RowFactor]]) -> None:

@@ -160,12 +160,15 @@ def test_debiased_ekfac_fit_forms_no_square_matrix_of_a_wide_factor(cross_fit, m
 
 def test_dense_factors_are_formed_where_read():
     """``H_facs.kfacs`` (laplace-torch's attribute, also what ``state_dict`` saves) forms a factor held
-    as rows densely where it is read; the fit keeps the rows."""
+    as rows densely where it is read, once, in its place (so laplace-torch's in-place edits hold); the
+    fit keeps the rows."""
     la = DebiasedKronLaplace(_wide_model(), "classification", estimator="paper")
     la.fit(loader(_data(16), 8))
     F = la.H_facs.factors[0][1]
     assert isinstance(F, RowFactor) and tuple(F.rows.shape) == (8, D_IN)
     torch.testing.assert_close(la.H_facs.kfacs[0][1], F.rows.T @ F.rows, rtol=0, atol=0)
+    assert la.H_facs.factors[0][1] is la.H_facs.kfacs[0][1]
+    assert la.H_facs.kfacs[0][0] is la.H_facs.kfacs[1][0]  # the weight's and the bias's output factor (c = 1)
     assert tuple(la.state_dict()["H"][0][1].shape) == (D_IN, D_IN)
 
 
