@@ -355,7 +355,7 @@ def debiased_kron_curvature(
     result = decompose_two_batch(
         kron_factors(direction), kron_factors(magnitude), rows=(rows[0], rows[-1]), null_space=null_space,
         estimator=estimator, cross_fit=cross_fit, sizes=sizes, n_data=n_data,
-        names=block_names(layers, len(direction.kfacs)), reducer=current_reducer(), terms=terms,
+        names=block_names(layers, len(kron_factors(direction))), reducer=current_reducer(), terms=terms,
     )
     modules = curvature_modules(layers)
     H = kron_decomposed(result.eigenvectors, result.eigenvalues, damping, modules)
