@@ -266,8 +266,9 @@ def _install_sum_hooks(
     kept: torch.Tensor | None = None, hooked: list[torch.Tensor] | None = None,
 ) -> list:
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
-    (and keep its rows in ``into.input_rows`` where wanted, ``_keep_rows``) and hook the
-    outputs so that every backward pass adds its output-gradient sums to ``into.output``;
+    (or keep its rows in ``into.input_rows`` where wanted, ``_add_to_factor``) and hook the
+    outputs so that every backward pass adds its output-gradient sums to ``into.output`` (or their
+    rows to ``into.output_rows``);
     the projections of an ``nn.MultiheadAttention`` through one hook on the attention
     (``_install_attention_hooks``). A layer whose input holds the ``n_rows`` samples of the
     pass along its second dimension is refused (``_check_batch_first``). Returns the
