@@ -185,3 +185,29 @@ def test_row_factor_operations_equal_those_of_the_dense_factor():
     assert F.isfinite() and not RowFactor(X.where(X > 0, torch.nan)).isfinite()
     with pytest.raises(ValueError, match="s >= 0"):
         F * -1.0
+
+
+def test_same_batch_through_the_rows_is_stock_kron_without_square_matrices(monkeypatch):
+    """B̃ = B (one loader object) with 2 × 8 rows narrower than every wide factor (40 inputs, 45
+    hidden, 16 output rows): no ``d × d`` tensor of those factors in the fit, and the posterior
+    precision equals laplace-torch's ``KronLaplace`` to float64 round-off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 45), nn.Tanh(), nn.Linear(45, CLASSES)).double()
+    dl = loader(toy_data(8, (40,), CLASSES, "classification", seed=4), 8)
+    la = DebiasedKronLaplace(copy.deepcopy(model), "classification", prior_precision=0.7)
+    recorder = _SquareRecorder((40, 45))
+    fit_two_batch = DebiasedKronLaplace._fit_two_batch
+
+    def recorded(self, *args, **kwargs):
+        with recorder:
+            return fit_two_batch(self, *args, **kwargs)
+
+    monkeypatch.setattr(DebiasedKronLaplace, "_fit_two_batch", recorded)
+    la.fit(dl, magnitude_loader=dl)
+    assert recorder.seen == []
+    assert isinstance(la.H_facs.factors[0][1], RowFactor)
+    ref = KronLaplace(model, "classification", prior_precision=0.7)
+    ref.fit(dl)
+    want = ref.posterior_precision.to_matrix()
+    torch.testing.assert_close(la.posterior_precision.to_matrix(), want, rtol=1e-10,
+                               atol=1e-10 * float(want.abs().max()))
