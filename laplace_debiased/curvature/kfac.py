@@ -36,11 +36,13 @@ As in curvlinops (laplace-torch's stock K-FAC), where such a layer's rows are as
 the pass, the input side sums them per sample, ``Σ_{n} Σ_{r=1..k} (1/T) Σ_t a_nrt a_nrtᵀ``, and
 the mean divides by the samples.
 
-With ``keep_rows=True`` the rows of each group are kept as well (input side ``a_nt / √T``,
-[`input_factor_rows`][laplace_debiased.curvature.kfac.input_factor_rows]; output side ``g_ntc``, [`output_factor_rows`][laplace_debiased.curvature.kfac.output_factor_rows]), while every group
-has fewer of them than the factor's dimension: a factor of rank ``< d`` is then decomposed through
-its Gram matrix instead of its ``d × d`` sum
+With ``keep_rows=True`` a ``Linear`` / ``Conv2d`` factor keeps the rows of each group *instead of*
+its sum (input side ``a_nt / √T``, output side ``g_ntc``; [`factor_rows_of`][laplace_debiased.curvature.kfac.factor_rows_of]) while
+every group has fewer of them than the factor's dimension ``d``: nothing of size ``d × d`` is formed,
+and a factor of rank ``< d`` is decomposed through its Gram matrix
 ([`laplace_debiased.curvature.linalg.lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor]).
+When a group's rows reach ``d``, the sum is formed once from the rows kept so far (the same
+products in the same order as without rows) and the pass continues densely.
 """
 
 from __future__ import annotations
@@ -65,9 +67,9 @@ from laplace_debiased.curvature.dense_blocks import (
 
 __all__ = [
     "GroupKfacSums",
+    "RowChunk",
     "group_kfac_sums",
-    "input_factor_rows",
-    "output_factor_rows",
+    "factor_rows_of",
     "layer_positions",
     "loss_hessian_sqrt",
     "loss_hessian_sqrt_columns",
@@ -82,19 +84,25 @@ __all__ = [
 ]
 
 
+#: rows ``a`` ``(n, d)`` and the weight ``α`` with which ``α aᵀa`` enters a factor's sum
+RowChunk = tuple[torch.Tensor, float]
+
+
 @dataclass
 class GroupKfacSums:
     """Per-group K-FAC sums of one or more passes (module docstring conventions).
 
     Attributes:
         output: one ``(n_groups, d_out, d_out)`` tensor per hooked module
-            (output-side sums).
+            (output-side sums); ``None`` while the side is kept as rows (``output_rows``).
         input: one ``(n_groups, d_in, d_in)`` tensor per hooked module
-            whose weight is trainable (input-side sums), ``None`` for modules with only a trainable bias.
+            whose weight is trainable (input-side sums), ``None`` for modules with only a trainable bias
+            (then ``input_weight`` is ``None`` too) and while the side is kept as rows (``input_rows``).
         loss: ``(n_groups,)`` summed loss ``factor * lossfunc`` of each group.
         input_rows: per hooked module, ``None`` (rows not kept, or as many rows as inputs
-            reached) or per group the list of row chunks ``a_nt / √T`` whose ``XᵀX`` is the group's
-            input-side sum.
+            reached: the sum is in ``input``) or per group the list of row chunks ``(a, α)`` whose
+            ``Σ α aᵀa`` is the group's input-side sum (``α = k/T``, module docstring;
+            [`factor_rows_of`][laplace_debiased.curvature.kfac.factor_rows_of]).
         input_weight: per hooked module with an input side, ``(n_groups,)`` sums ``Σ_nt w_nt`` of
             the position weights ([`position_weights`][laplace_debiased.curvature.kfac.position_weights]; the samples, without padding), else
             ``None``.
@@ -102,23 +110,25 @@ class GroupKfacSums:
             into its output side (samples × positions × backward passes, i.e. loss-Hessian
             columns) and input side (samples × positions): what the float32 round-off of a factor
             grows with ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
-        output_rows: the same for the output side: row chunks ``g_ntc`` (one per position, sample
-            and backward pass) whose ``XᵀX`` is the group's output-side sum.
+        output_rows: the same for the output side: row chunks ``(g, 1)`` (one row per position, sample
+            and backward pass) whose ``Σ gᵀg`` is the group's output-side sum.
     """
 
-    output: list[torch.Tensor]
+    output: list[torch.Tensor | None]
     input: list[torch.Tensor | None]
     loss: torch.Tensor
-    input_rows: list[list[list[torch.Tensor]] | None] = field(default_factory=list)
+    input_rows: list[list[list[RowChunk]] | None] = field(default_factory=list)
     input_weight: list[torch.Tensor | None] = field(default_factory=list)
     terms: list[torch.Tensor] = field(default_factory=list)
-    output_rows: list[list[list[torch.Tensor]] | None] = field(default_factory=list)
+    output_rows: list[list[list[RowChunk]] | None] = field(default_factory=list)
 
     def tensors(self) -> list[torch.Tensor]:
-        """All sums as one flat list (for in-place collectives such as ``all_reduce``)."""
+        """All sums as one flat list (for in-place collectives such as ``all_reduce``; no side is kept
+        as rows under a process group)."""
+        outputs = [G for G in self.output if G is not None]
         inputs = [A for A in self.input if A is not None]
         weights = [w for w in self.input_weight if w is not None]
-        return [*self.output, *inputs, *weights, *self.terms, self.loss]
+        return [*outputs, *inputs, *weights, *self.terms, self.loss]
 
     def mean_divisor(self, module: int, group: int) -> float:
         """What the input-side sum of ``module`` in ``group`` is divided by for its mean: the sum
@@ -221,16 +231,34 @@ def layer_positions(model: nn.Module, modules: Sequence[nn.Module], X: object) -
     return positions
 
 
-def _keep_rows(
-    rows: list[list[torch.Tensor]], a: torch.Tensor, segments: Sequence[tuple[int, int, int]], scale: float
-) -> bool:
-    """Append each segment's rows ``scale · a`` (``a`` ``(n, T, d)``) to its group's chunks; return
-    whether every group's kept rows are still fewer than ``d`` (else they are no cheaper than the
-    sum; a factor pair goes through the rows of each batch narrower than it)."""
-    scaled = a * scale
+def _add_to_factor(
+    sums: list[torch.Tensor | None], kept: list[list[list[RowChunk]] | None], i: int, a: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]], alpha: float, like: torch.Tensor,
+) -> None:
+    """Add ``alpha Σ_{rows r of the segment} r rᵀ`` (``a`` ``(n, T, d)``) to module ``i``'s side per
+    segment: to its kept rows (``kept[i]``) while every group's are fewer than ``d`` (else they are no
+    cheaper than the sum; a factor pair goes through the rows of each batch narrower than it), else to
+    its sum ``sums[i]``, formed once from the rows kept so far (``_sum_of_chunks``) when they reach
+    ``d``. ``like``: a tensor of the sums' dtype and device."""
+    rows = kept[i]
+    if rows is None:
+        _segment_sums(a, segments, sums[i], alpha)
+        return
     for start, stop, group in segments:
-        rows[group].append(scaled[start:stop].reshape(-1, a.shape[-1]))
-    return max(sum(len(c) for c in chunks) for chunks in rows) < a.shape[-1]
+        rows[group].append((a[start:stop].reshape(-1, a.shape[-1]).clone(), alpha))  # a copy, not a view
+    if max(sum(len(r) for r, _ in chunks) for chunks in rows) >= a.shape[-1]:
+        sums[i], kept[i] = _sum_of_chunks(rows, a.shape[-1], like), None
+
+
+def _sum_of_chunks(rows: list[list[RowChunk]], d: int, like: torch.Tensor) -> torch.Tensor:
+    """``(n_groups, d, d)``: per group ``Σ α rᵀr`` over its chunks ``(r, α)`` in the order they were
+    kept (the products and order of ``_segment_sums``, so the sum is the one a pass without rows
+    forms)."""
+    out = torch.zeros(len(rows), d, d, dtype=like.dtype, device=like.device)
+    for group, chunks in enumerate(rows):
+        for r, alpha in chunks:
+            out[group].addmm_(r.T, r, alpha=alpha)
+    return out
 
 
 def _install_sum_hooks(
@@ -238,8 +266,9 @@ def _install_sum_hooks(
     kept: torch.Tensor | None = None, hooked: list[torch.Tensor] | None = None,
 ) -> list:
     """Forward hooks on ``modules`` that add each segment's input-side sum to ``into.input``
-    (and keep its rows in ``into.input_rows`` where wanted, ``_keep_rows``) and hook the
-    outputs so that every backward pass adds its output-gradient sums to ``into.output``;
+    (or keep its rows in ``into.input_rows`` where wanted, ``_add_to_factor``) and hook the
+    outputs so that every backward pass adds its output-gradient sums to ``into.output`` (or their
+    rows to ``into.output_rows``);
     the projections of an ``nn.MultiheadAttention`` through one hook on the attention
     (``_install_attention_hooks``). A layer whose input holds the ``n_rows`` samples of the
     pass along its second dimension is refused (``_check_batch_first``). Returns the
@@ -252,10 +281,8 @@ def _install_sum_hooks(
             rows = rows.reshape(n_rows, -1, rows.shape[-1]).sum(1, keepdim=True)  # a sample's k rows add up
         else:
             rows = _per_sample(_rows(grad.detach(), modules[i]), n_rows)
-        _segment_sums(rows, segments, into.output[i], 1.0)
+        _add_to_factor(into.output, into.output_rows, i, rows, segments, 1.0, into.loss)
         _count_terms(into.terms[i], 0, segments, rows.shape[1])
-        if into.output_rows[i] is not None and not _keep_rows(into.output_rows[i], rows, segments, 1.0):
-            into.output_rows[i] = None
 
     def on_forward(
         module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, i: int
@@ -276,7 +303,7 @@ def _install_sum_hooks(
             embedding_input_sums(module, x, segments, into.input[i], None if weights is None else k * weights)
             _count_terms(into.terms[i], 1, segments, x.reshape(n_rows, -1).shape[1])
             _add_input_weight(into, i, segments, None if kept is None else weights)
-        elif into.input[i] is not None:
+        elif into.input_weight[i] is not None:
             _input_sums(x.detach(), module, segments, into, i, n_rows, kept)
         output.register_hook(partial(on_output_grad, i=i))
         if hooked is not None:
@@ -358,11 +385,9 @@ def _input_sums(
     weights = None if kept is None else position_weights(kept, a.shape[1], a.dtype)
     if weights is not None:
         a = a * (weights > 0).unsqueeze(-1).to(a.dtype)  # w_nt = 1/T at kept positions, else 0
-    _segment_sums(a, segments, into.input[i], k / a.shape[1])
+    _add_to_factor(into.input, into.input_rows, i, a, segments, k / a.shape[1], into.loss)
     _count_terms(into.terms[i], 1, segments, a.shape[1])
     _add_input_weight(into, i, segments, weights)
-    if into.input_rows[i] is not None and not _keep_rows(into.input_rows[i], a, segments, (k / a.shape[1]) ** 0.5):
-        into.input_rows[i] = None
 
 
 def _count_terms(terms: torch.Tensor, side: int, segments: Sequence[tuple[int, int, int]], positions: int) -> None:
@@ -405,7 +430,7 @@ def _install_attention_hooks(
             i = slots[id(module)].get(part)
             if i is None:
                 continue
-            if into.input[i] is not None:
+            if into.input_weight[i] is not None:
                 _input_sums(a.detach(), modules[i], segments, into, i, n_rows, kept)
             out.register_hook(partial(on_output_grad, i=i))
             if hooked is not None:
@@ -475,7 +500,8 @@ def group_kfac_sums(
         fisher: ``"type2"``, exact GGN (loss-Hessian square root, ``C`` backward
             passes), or ``"empirical"``, empirical Fisher.
         into: sums to add to, updated in place; ``None`` starts from zeros.
-        keep_rows: keep the input-side rows of a new ``into`` (module docstring).
+        keep_rows: keep the ``Linear`` / ``Conv2d`` factors of a new ``into`` as rows while they are
+            fewer than the factor's dimension (module docstring).
 
     Returns:
         ``GroupKfacSums``: ``into`` updated in place, or a new one. The output side carries no
@@ -586,49 +612,37 @@ def zero_sums(
         modules: The hooked modules, one block each.
         n_groups: The number of groups (batches summed separately).
         like: A tensor whose dtype and device the sums take.
-        keep_rows: Also start empty row lists for the input and output sides of ``nn.Linear`` /
-            ``nn.Conv2d`` layers (the other layers' blocks are debiased from their sums).
+        keep_rows: Keep the input and output sides of ``nn.Linear`` / ``nn.Conv2d`` layers as rows,
+            empty row lists and no sums (module docstring; the other layers' blocks are debiased from
+            their sums).
 
     Returns:
         The sums, all zero: ``output`` ``(n_groups, d_out, d_out)``, ``input``
-        ``(n_groups, d_in, d_in)`` and ``input_weight`` ``(n_groups,)`` per module, ``loss``
-        ``(n_groups,)``.
+        ``(n_groups, d_in, d_in)`` (``None`` where kept as rows) and ``input_weight`` ``(n_groups,)``
+        per module, ``loss`` ``(n_groups,)``.
     """
     def z(d: int) -> torch.Tensor:
         return torch.zeros(n_groups, d, d, dtype=like.dtype, device=like.device)
 
-    output, inputs = [], []
+    def empty() -> list[list[RowChunk]]:
+        return [[] for _ in range(n_groups)]
+
+    output, inputs, out_rows, rows = [], [], [], []
     for m in modules:
         d_out, d_in = block_dims(m)
-        output.append(z(d_out))
-        inputs.append(None if d_in is None else z(d_in))
+        keep = keep_rows and isinstance(m, (nn.Linear, nn.Conv2d))
+        output.append(None if keep else z(d_out))
+        inputs.append(None if d_in is None or keep else z(d_in))
+        out_rows.append(empty() if keep else None)
+        rows.append(empty() if keep and d_in is not None else None)
     loss = torch.zeros(n_groups, dtype=like.dtype, device=like.device)
-    rows = [
-        [[] for _ in range(n_groups)] if keep_rows and A is not None and isinstance(m, (nn.Linear, nn.Conv2d)) else None
-        for m, A in zip(modules, inputs)
-    ]
-    weights = [None if A is None else torch.zeros_like(loss) for A in inputs]
+    weights = [None if block_dims(m)[1] is None else torch.zeros_like(loss) for m in modules]
     terms = [torch.zeros(n_groups, 2, dtype=torch.float64, device=like.device) for _ in modules]
-    out_rows = [[[] for _ in range(n_groups)] if keep_rows and isinstance(m, (nn.Linear, nn.Conv2d)) else None
-                for m in modules]
     return GroupKfacSums(output, inputs, loss, rows, weights, terms, out_rows)
 
 
-def input_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[torch.Tensor | None]:
-    """Per module, the rows ``X`` (n, d_in) of ``group`` with ``XᵀX = scale · (mean input factor)``,
-    the mean dividing the input-side sum by [`GroupKfacSums.mean_divisor`][laplace_debiased.curvature.kfac.GroupKfacSums.mean_divisor] (``None`` where no
-    rows were kept)."""
-    return [
-        None if rows is None or not rows[group]
-        else torch.cat(rows[group]) * (scale / sums.mean_divisor(i, group)) ** 0.5
-        for i, rows in enumerate(sums.input_rows)
-    ]
-
-
-def output_factor_rows(sums: GroupKfacSums, group: int, scale: float) -> list[torch.Tensor | None]:
-    """Per module, the rows ``X`` (n, d_out) of ``group`` with ``XᵀX = scale · (output-side sum)``
-    (``None`` where no rows were kept)."""
-    return [
-        None if rows is None or not rows[group] else torch.cat(rows[group]) * scale**0.5
-        for rows in sums.output_rows
-    ]
+def factor_rows_of(chunks: list[RowChunk]) -> torch.Tensor:
+    """The rows ``X`` ``(n, d)`` of one group's kept chunks ``(r, α)``
+    ([`GroupKfacSums.input_rows`][laplace_debiased.curvature.kfac.GroupKfacSums.input_rows]), ``XᵀX = Σ α rᵀr``
+    the group's sum (``√α r`` stacked)."""
+    return torch.cat([r if alpha == 1.0 else r * alpha**0.5 for r, alpha in chunks])

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from laplace_debiased.curvature.attention import AttentionProjection, check_attention, is_conv1d
 from laplace_debiased.curvature.dense_blocks import NORM_LAYERS
+from laplace_debiased.curvature.linalg import RowFactor
 
 __all__ = [
     "CURVATURE_LAYERS",
@@ -102,13 +103,16 @@ def named_curvature_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def module_blocks(module: nn.Module, G: Tensor, A: Tensor | None, m: float) -> list[list[Tensor]]:
+def module_blocks(
+    module: nn.Module, G: Tensor | RowFactor, A: Tensor | RowFactor | None, m: float
+) -> list[list[Tensor | RowFactor]]:
     """The curvature blocks of one module from the sums of ``m`` samples (the weight of the input
     side's mean, [`mean_divisor`][laplace_debiased.curvature.kfac.GroupKfacSums.mean_divisor]), ``G`` (output side)
     and ``A`` (input side), in module-docstring order, with the first factor the sum (to be
     scaled to ``N`` points) and the second the mean: ``[G, A/m]`` for a weight, ``[G]`` for a
     bias or a normalisation layer, ``[A, G/m]`` for an embedding or a ``Conv1D`` weight
-    (``A ⊗ G/m = (A/m) ⊗ G``)."""
+    (``A ⊗ G/m = (A/m) ⊗ G``). A side may be held as rows
+    ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor], scaled alike)."""
     if isinstance(module, NORM_LAYERS):
         return [[G]]
     if isinstance(module, nn.Embedding):

@@ -49,6 +49,8 @@ __all__ = [
     "lowrank_debiased_factor",
     "through_rows",
     "FactorRows",
+    "RowFactor",
+    "dense_factor",
     "factor_rows",
     "gram_spectrum",
     "row_rank",
@@ -91,6 +93,70 @@ class FactorRows(tuple):
                           torch.cat([self.block(1, 0), self.block(1, 1)], 1)])
 
 
+class RowFactor:
+    """A PSD factor ``F = XᵀX`` ``(d, d)`` held as its rows ``X`` ``(n, d)`` (fewer than ``d``), so
+    that nothing of size ``d × d`` is formed unless a consumer asks for it
+    ([`dense`][laplace_debiased.curvature.linalg.RowFactor.dense]).
+
+    It offers what the K-FAC code reads of a factor: ``shape``, ``dtype``, ``device``, scaling by a
+    non-negative number (``F * s`` and ``F / s`` scale the rows by ``√s``), the Frobenius norm and the
+    trace (from the Gram matrix ``XXᵀ``: ``‖XᵀX‖_F = ‖XXᵀ‖_F``, ``tr XᵀX = ‖X‖_F²``) and finiteness.
+    """
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        if rows.ndim != 2:
+            raise ValueError(f"the rows of a factor must be (n, d), got shape {tuple(rows.shape)}.")
+        self.rows = rows
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(d, d)``."""
+        return torch.Size((self.rows.shape[1], self.rows.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows (that of the dense factor)."""
+        return self.rows.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the rows."""
+        return self.rows.device
+
+    def __mul__(self, s: float) -> RowFactor:
+        if s < 0:
+            raise ValueError(f"a PSD factor held as rows can only be scaled by s >= 0, got {s}.")
+        return RowFactor(self.rows * s**0.5)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, s: float) -> RowFactor:
+        return self * (1.0 / s)
+
+    def dense(self) -> torch.Tensor:
+        """``XᵀX`` ``(d, d)`` in the rows' dtype, formed on each call."""
+        return self.rows.T @ self.rows
+
+    def frobenius(self) -> float:
+        """``‖XᵀX‖_F = ‖XXᵀ‖_F`` in float64."""
+        X = self.rows.double()
+        return float(torch.linalg.matrix_norm(X @ X.T))
+
+    def trace(self) -> float:
+        """``tr XᵀX = ‖X‖_F²`` in float64."""
+        return float(self.rows.double().square().sum())
+
+    def isfinite(self) -> bool:
+        """Whether every row entry (so every entry of ``XᵀX``) is finite."""
+        return bool(torch.isfinite(self.rows).all())
+
+
+def dense_factor(F: torch.Tensor | RowFactor) -> torch.Tensor:
+    """``F`` as a ``(d, d)`` tensor: itself, or formed from its rows
+    ([`RowFactor.dense`][laplace_debiased.curvature.linalg.RowFactor.dense])."""
+    return F.dense() if isinstance(F, RowFactor) else F
+
+
 def factor_rows(rows: Sequence[torch.Tensor]) -> FactorRows:
     """``rows`` as [`FactorRows`][laplace_debiased.curvature.linalg.FactorRows] (itself when it is one, keeping its Gram matrix)."""
     return rows if isinstance(rows, FactorRows) else FactorRows(*rows)
@@ -122,8 +188,9 @@ def check_square(M: torch.Tensor, name: str) -> None:
         )
 
 
-def roundoff_tolerance(C: torch.Tensor, terms: int = 0) -> float:
-    """Largest negative Rayleigh quotient of a PSD ``C`` (n, n) attributable to round-off.
+def roundoff_tolerance(C: torch.Tensor | RowFactor, terms: int = 0) -> float:
+    """Largest negative Rayleigh quotient of a PSD ``C`` (n, n) attributable to round-off (``C``
+    dense or held as rows, [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]).
 
     ``ROUNDOFF_FACTOR · n · eps · ‖C‖_F + terms · eps · tr(C)``, with ``eps = 2u`` (``u`` the
     unit round-off) of the precision ``C`` was *computed* in (a float32 factor is only PSD up to
@@ -143,6 +210,8 @@ def roundoff_tolerance(C: torch.Tensor, terms: int = 0) -> float:
     beyond a tolerance counting only the samples. Counts of ranks and degenerate groups use
     ``terms = 0``.
     """
+    if isinstance(C, RowFactor):
+        return frobenius_tolerance(C.shape[0], C.dtype, C.frobenius()) + terms * torch.finfo(C.dtype).eps * C.trace()
     C64 = C.double()
     return frobenius_tolerance(C.shape[0], C.dtype, float(torch.linalg.matrix_norm(C64))) + (
         terms * torch.finfo(C.dtype).eps * float(C64.diagonal().abs().sum())
@@ -336,7 +405,8 @@ def debiased_kron(
 
     Args:
         direction_kfacs: B's factors, one entry per parameter block in laplace-torch ``Kron.kfacs``
-            order; each block is a list of one or two dense square factors.
+            order; each block is a list of one or two square factors (tensors, or
+            [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] where held as rows).
         magnitude_kfacs: B̃'s factors, in the same layout.
         rows: ``None``, or per block and factor a pair ``(direction_rows, magnitude_rows)``: the rows of
             B's and B̃'s factor (``F = XᵀX``, same scaling as the dense factors) where known: a factor
@@ -403,8 +473,8 @@ def _debiased_block(
 
 
 def _debiased_factor_route(
-    direction: torch.Tensor,
-    magnitude: torch.Tensor,
+    direction: torch.Tensor | RowFactor,
+    magnitude: torch.Tensor | RowFactor,
     rows: FactorRows | None,
     factor: FactorRule,
     null_space: str,
@@ -413,11 +483,13 @@ def _debiased_factor_route(
     """[`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] (with ``null_space``) where
     [`through_rows`][laplace_debiased.curvature.linalg.through_rows], or, for ``null_space="isotropic"`` (which reads B̃
     only through its Rayleigh quotients and its mass on B's null space), where B alone has fewer rows than the
-    dimension; else ``factor`` on the dense matrices (``terms``: those summed into ``magnitude``)."""
+    dimension; else ``factor`` on the dense matrices (``terms``: those summed into ``magnitude``), formed from
+    the rows here where a factor is held as rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor])."""
     d = direction.shape[0]
     if through_rows(rows, d) or (null_space == "isotropic" and rows is not None and len(rows[0]) < d):
         return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space, rows=factor_rows(rows))
-    return factor(direction, magnitude, terms)
+    D = dense_factor(direction)
+    return factor(D, D if magnitude is direction else dense_factor(magnitude), terms)
 
 
 def through_rows(rows: FactorRows | None, dimension: int) -> bool:

@@ -44,7 +44,7 @@ from laplace_debiased.parallel.distributed import local_shards
 from laplace_debiased.parallel.reducer import current_reducer
 from laplace_debiased.ekfac.posterior import EKFACDecomposed, SpannedEKFACDecomposed
 from laplace_debiased.two_batch.cross_fit import CrossFitDecomposed
-from laplace_debiased.kron.laplace import fit_kfacs, kron_fit_options
+from laplace_debiased.kron.laplace import fit_kfacs, kron_factors, kron_fit_options
 from laplace_debiased.kron.layers import single_pass_fisher
 from laplace_debiased.two_batch.base import TwoBatchLaplace
 
@@ -314,7 +314,8 @@ class DebiasedEKFACLaplace(TwoBatchLaplace, KronLaplace):
             dict_key_y=self.dict_key_y, dtype=self._dtype,
         )
         self.H = debiased_ekfac_curvature(
-            direction.kfacs, magnitude.kfacs, (direction_batches, magnitude_batches), measure, modules, swap=swap,
+            kron_factors(direction), kron_factors(magnitude), (direction_batches, magnitude_batches), measure, modules,
+            swap=swap,
             rows=(rows[0], rows[-1]) if rows else (None, None), terms=(terms[0], terms[-1]) if terms else (None, None),
         )
         self.H_facs, self.H_facs_magnitude = direction, (magnitude if swap else None)

@@ -66,7 +66,9 @@ from torch import Tensor, nn
 
 from laplace_debiased.curvature.inputs import target_rows, unpadded_samples
 from laplace_debiased.curvature.linalg import (
+    RowFactor,
     check_square,
+    dense_factor,
     frobenius_tolerance,
     gram_eigenpairs,
     roundoff_tolerance,
@@ -121,15 +123,22 @@ def kron_eigenbasis(
     return basis
 
 
-def _factor_eigenvectors(F: Tensor, X: Tensor | None, terms: int | None) -> Tensor:
-    """One factor's eigenvectors ([`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis])."""
-    check_square(F, "K-FAC factor")
+def _factor_eigenvectors(F: Tensor | RowFactor, X: Tensor | None, terms: int | None) -> Tensor:
+    """One factor's eigenvectors ([`kron_eigenbasis`][laplace_debiased.ekfac.passes.kron_eigenbasis]); a
+    factor held as rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]) through them."""
+    if isinstance(F, RowFactor):
+        if not F.isfinite():
+            raise ValueError("K-FAC factor contains NaN or Inf; the curvature of this batch is not finite. "
+                             "Check the inputs and the model output on that batch.")
+        X = F.rows
+    else:
+        check_square(F, "K-FAC factor")
     d = F.shape[0]
     if X is not None and len(X) < d:
         L, E = gram_eigenpairs(X)
         tol = frobenius_tolerance(d, F.dtype, float(torch.linalg.vector_norm(L)))  # ‖F‖_F from the Gram spectrum
         return E[:, L > tol].to(F.dtype)
-    L, V = symmetric_eigh64(F)
+    L, V = symmetric_eigh64(dense_factor(F))
     if terms is not None and terms < d:
         V = V[:, L > roundoff_tolerance(F)]
     return V.to(F.dtype)

@@ -141,6 +141,8 @@ import torch
 from laplace_debiased.curvature.completion import group_means
 from laplace_debiased.curvature.linalg import (
     FactorRows,
+    RowFactor,
+    dense_factor,
     factor_rows,
     frobenius_tolerance,
     gram_eigenpairs,
@@ -214,8 +216,9 @@ def _same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: i
     return group_means(L - cross, tied_groups(L, roundoff_tolerance(direction))), L
 
 
-def check_finite(F: torch.Tensor, batch: str) -> None:
-    if not torch.isfinite(F).all():
+def check_finite(F: torch.Tensor | RowFactor, batch: str) -> None:
+    """Raise a ``ValueError`` naming ``batch`` where the factor ``F`` (dense or held as rows) is not finite."""
+    if not (F.isfinite() if isinstance(F, RowFactor) else bool(torch.isfinite(F).all())):
         raise ValueError(f"the curvature factor of {batch} contains NaN or Inf; check the inputs and the model output on that batch.")
 
 
@@ -480,7 +483,8 @@ def corrected_kron(
 
     Args:
         direction_kfacs: B's factors, one entry per parameter block in laplace-torch
-            ``Kron.kfacs`` order, each a list of one or two dense square factors.
+            ``Kron.kfacs`` order, each a list of one or two square factors (tensors, or
+            [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] where held as rows).
         magnitude_kfacs: B̃'s factors, the same blocks.
         m_direction: samples in B.
         m_magnitude: samples in B̃.
@@ -519,12 +523,13 @@ def corrected_kron(
 
 
 def _corrected_route(
-    direction: torch.Tensor, magnitude: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
+    direction: torch.Tensor | RowFactor, magnitude: torch.Tensor | RowFactor, rows: tuple[torch.Tensor, torch.Tensor] | None,
     m_direction: int, m_magnitude: int, terms: int, n_data: int | None, rule: str, spectra: Spectra | None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """[`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows] where [`through_rows`][laplace_debiased.curvature.linalg.through_rows]
     (and it applies), else [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors (with the gaps of a batch
-    narrower than the factor through its rows)."""
+    narrower than the factor through its rows), formed from the rows here where a factor is held as rows
+    ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor])."""
     if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")
@@ -532,5 +537,5 @@ def _corrected_route(
                                        rows=factor_rows(rows))
         if result is not None:
             return result
-    return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, rule,
-                            rows=None if rows is None else factor_rows(rows), spectra=spectra)
+    return corrected_factor(dense_factor(direction), dense_factor(magnitude), m_direction, m_magnitude, terms, n_data,
+                            rule, rows=None if rows is None else factor_rows(rows), spectra=spectra)

@@ -15,7 +15,11 @@ likewise) and ``A = mean a aᵀ`` (input side), so ``G ⊗ A`` estimates the K-F
 loss over ``N`` points.
 
 Factors are laplace-torch's ``Kron.kfacs`` layout: a list with one entry per parameter block,
-each a list of one (bias, dense block) or two (output side, input side) square tensors.
+each a list of one (bias, dense block) or two (output side, input side) square factors: tensors, or
+for a factor with fewer rows than its width its rows
+([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]), which every decomposition and record here
+reads without forming the ``d × d`` matrix (formed only on a dense route: a factor pair with as many rows
+as its width, or without its rows).
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ from laplace_debiased.two_batch.coverage import BlockCoverage, Coverage, coverag
 from laplace_debiased.kron.corrected import Spectra
 from laplace_debiased.kron.estimators import CORRECTED, Correction, corrected_decomposition, on_rank0
 from laplace_debiased.curvature.completion import debiased_factor_mode
-from laplace_debiased.curvature.linalg import FactorRows, debiased_kron
+from laplace_debiased.curvature.linalg import FactorRows, RowFactor, debiased_kron
 from laplace_debiased.parallel.reducer import Reducer
 
 __all__ = ["KronDecomposition", "combine_kfacs", "decompose_two_batch", "paired_rows"]
 
-#: blocks of 1 or 2 square factors (``Kron.kfacs`` layout)
-Kfacs = list[list[torch.Tensor]]
+#: blocks of 1 or 2 square factors (``Kron.kfacs`` layout), each a tensor or held as rows
+#: ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor])
+Kfacs = list[list[torch.Tensor | RowFactor]]
 #: per block and factor, the rows ``X`` with ``F = XᵀX`` where known, else ``None``
 Rows = list[list[torch.Tensor | None]]
 #: per block and factor, the rank-one terms summed into the factor
@@ -119,8 +124,19 @@ def proportional_blocks(direction: Kfacs, magnitude: Kfacs) -> dict[int, tuple[i
     return found
 
 
-def _ratio(F: torch.Tensor, G: torch.Tensor) -> float | None:
-    """``s`` with ``F = s G`` up to a few roundings of ``F``'s dtype, else ``None``."""
+def _ratio(F: torch.Tensor | RowFactor, G: torch.Tensor | RowFactor) -> float | None:
+    """``s`` with ``F = s G`` up to a few roundings of ``F``'s dtype, else ``None``; for factors held
+    as rows ``F = XᵀX``, ``G = YᵀY``: ``X = √s Y`` up to as many roundings (then ``F = s G``)."""
+    if isinstance(F, RowFactor) or isinstance(G, RowFactor):
+        if not (isinstance(F, RowFactor) and isinstance(G, RowFactor)) or F.rows.shape != G.rows.shape:
+            return None
+        trace = G.trace()
+        if trace <= 0:
+            return None
+        s = F.trace() / trace
+        X, Y = F.rows.double(), G.rows.double()
+        tol = 8 * torch.finfo(F.dtype).eps * float(torch.linalg.vector_norm(X))
+        return s if float(torch.linalg.vector_norm(X - s**0.5 * Y)) <= tol else None
     trace = float(G.diagonal().sum())
     if trace <= 0:
         return None

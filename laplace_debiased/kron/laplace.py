@@ -35,6 +35,7 @@ from laplace_debiased.kron.decompose import combine_kfacs, decompose_two_batch
 from laplace_debiased.kron.estimators import ESTIMATORS, Correction, resolve_estimator
 from laplace_debiased.kron.passes import single_pass_kfacs
 from laplace_debiased.curvature.completion import NULL_SPACE_MODES
+from laplace_debiased.curvature.linalg import RowFactor, dense_factor
 from laplace_debiased.curvature.layer_blocks import block_spans, curvature_modules
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.reducer import current_reducer
@@ -54,14 +55,48 @@ __all__ = [
     "DebiasedKronDecomposed",
     "DebiasedKronLaplace",
     "DebiasedKronLLLaplace",
+    "RowsKron",
     "backend_kfacs",
     "debiased_kron_curvature",
     "fit_kfacs",
     "kron_decomposed",
+    "kron_factors",
     "kron_fit_options",
     "kron_from_state",
     "kron_state",
 ]
+
+
+class RowsKron(Kron):
+    """laplace-torch's ``Kron`` whose factors may be held as rows: ``factors`` holds per block the
+    factors as fitted, a ``(d, d)`` tensor or a
+    [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] (a factor with fewer rows than its
+    width, never formed densely by the fit). Reading ``kfacs`` (laplace-torch's attribute, for users
+    and laplace-torch's methods, e.g. ``state_dict``) forms such factors densely, once: they replace
+    the rows in ``factors``, so the list can be modified in place as laplace-torch's; assigning
+    ``kfacs`` sets ``factors``."""
+
+    def __init__(self, factors: list[list[torch.Tensor | RowFactor]]) -> None:
+        super().__init__(factors)
+
+    @property
+    def kfacs(self) -> list[list[torch.Tensor]]:
+        """The factors as ``(d, d)`` tensors, those held as rows formed here (``XᵀX``, one tensor per
+        ``RowFactor`` shared by several blocks) and kept in their place."""
+        if any(isinstance(F, RowFactor) for block in self.factors for F in block):
+            formed: dict[int, torch.Tensor] = {}
+
+            def form(F: torch.Tensor | RowFactor) -> torch.Tensor:
+                if id(F) not in formed:
+                    formed[id(F)] = dense_factor(F)
+                return formed[id(F)]
+
+            self.factors = [[form(F) for F in block] for block in self.factors]
+        return self.factors
+
+    @kfacs.setter
+    def kfacs(self, value: list[list[torch.Tensor | RowFactor]]) -> None:
+        self.factors = value
 
 
 class DebiasedKronDecomposed(ImplicitKronDecomposed):
@@ -219,7 +254,7 @@ def fit_kfacs(
     mean: torch.Tensor,
     dict_key_x: str,
     dict_key_y: str,
-) -> tuple[torch.Tensor, list[Kron], list | None]:
+) -> tuple[torch.Tensor, list[Kron], list | None, list | None]:
     """K-FAC of each batch set, scaled to ``N`` points, and the summed loss over all of them: one
     shared pass ([`single_pass_kfacs`][laplace_debiased.kron.passes.single_pass_kfacs]) where the
     backend allows, else [`backend_kfacs`][laplace_debiased.kron.laplace.backend_kfacs]; the layers and the
@@ -241,9 +276,10 @@ def fit_kfacs(
         dict_key_y: Key of the targets in a mapping batch.
 
     Returns:
-        The summed loss, one ``Kron`` per set, the shared pass's factor rows and per set, block
-        and factor the rank-one terms summed into the factor (both ``None`` for
-        [`backend_kfacs`][laplace_debiased.kron.laplace.backend_kfacs]).
+        The summed loss, one ``Kron`` per set (a [`RowsKron`][laplace_debiased.kron.laplace.RowsKron] from
+        the shared pass, whose factors with fewer rows than their width are held as rows), the shared
+        pass's factor rows and per set, block and factor the rank-one terms summed into the factor (both
+        ``None`` for [`backend_kfacs`][laplace_debiased.kron.laplace.backend_kfacs]).
 
     Raises:
         ValueError: What the backend would get wrong for these layers and batches
@@ -266,7 +302,13 @@ def fit_kfacs(
     )
     for blocks in kfacs:
         check_blocks(blocks, modules, backend)
-    return loss, [Kron(blocks) for blocks in kfacs], rows, terms
+    return loss, [RowsKron(blocks) for blocks in kfacs], rows, terms
+
+
+def kron_factors(kron: Kron) -> list[list[torch.Tensor | RowFactor]]:
+    """The factors of ``kron`` as fitted: a [`RowsKron`][laplace_debiased.kron.laplace.RowsKron]'s
+    ``factors`` (some held as rows), else laplace-torch's ``kfacs``."""
+    return kron.factors if isinstance(kron, RowsKron) else kron.kfacs
 
 
 def _added_terms(old: list | None, new: list) -> list | None:
@@ -311,9 +353,9 @@ def debiased_kron_curvature(
     """
     rows = rows or [None]
     result = decompose_two_batch(
-        direction.kfacs, magnitude.kfacs, rows=(rows[0], rows[-1]), null_space=null_space,
+        kron_factors(direction), kron_factors(magnitude), rows=(rows[0], rows[-1]), null_space=null_space,
         estimator=estimator, cross_fit=cross_fit, sizes=sizes, n_data=n_data,
-        names=block_names(layers, len(direction.kfacs)), reducer=current_reducer(), terms=terms,
+        names=block_names(layers, len(kron_factors(direction))), reducer=current_reducer(), terms=terms,
     )
     modules = curvature_modules(layers)
     H = kron_decomposed(result.eigenvectors, result.eigenvalues, damping, modules)
@@ -365,7 +407,9 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     subset_of_weights="all", hessian_structure="debiased_kron")``).
 
     After ``fit``, ``H_facs`` / ``H_facs_magnitude``
-    are the ``Kron`` factors of B and B̃ (scaled to ``n_data``) and ``H`` a
+    are the ``Kron`` factors of B and B̃ (scaled to ``n_data``; a
+    [`RowsKron`][laplace_debiased.kron.laplace.RowsKron] whose factors with fewer rows than their width
+    are formed densely only where ``kfacs`` is read, as by ``state_dict``) and ``H`` a
     [`DebiasedKronDecomposed`][laplace_debiased.kron.laplace.DebiasedKronDecomposed]: by default the pooled
     eigenvectors of B ∪ B̃ with corrected eigenvalues, the correction shrunk by its noise; with
     ``estimator="paper"`` B's eigenvectors and B̃'s Rayleigh quotients (cross-fitted: a

@@ -22,15 +22,16 @@ from torch import nn
 
 from laplace_debiased.curvature.kfac import (
     GroupKfacSums,
+    RowChunk,
+    factor_rows_of,
     group_kfac_sums,
-    input_factor_rows,
-    output_factor_rows,
     zero_sums,
 )
+from laplace_debiased.curvature.linalg import RowFactor
 from laplace_debiased.data.batch import Batch, batch_inputs_targets, batch_size
 from laplace_debiased.parallel.distributed import shard_batch
 from laplace_debiased.parallel.reducer import Reducer
-from laplace_debiased.curvature.layer_blocks import is_extra, module_blocks
+from laplace_debiased.curvature.layer_blocks import module_blocks
 
 __all__ = ["single_pass_kfacs"]
 
@@ -98,12 +99,18 @@ def _group_sums(
     return sums
 
 
-def _scaled(kfacs: list[list[torch.Tensor]], c: float, first: float) -> list[list[torch.Tensor]]:
+def _group_factor(total: torch.Tensor | None, rows: list[list[RowChunk]] | None, g: int) -> torch.Tensor | RowFactor:
+    """Group ``g``'s sum of one side of a module: ``total[g]``, or its kept rows as a
+    [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] where the side was kept as rows."""
+    return total[g] if total is not None else RowFactor(factor_rows_of(rows[g]))
+
+
+def _scaled(kfacs: list[list[torch.Tensor | RowFactor]], c: float, first: float) -> list[list[torch.Tensor | RowFactor]]:
     """Each factor of a block of ``k`` factors times ``c^(1/k)``, the first also times ``first``;
     factors of one tensor with the same scale stay one tensor."""
     done: dict[tuple[int, float], torch.Tensor] = {}
 
-    def scale(f: torch.Tensor, s: float) -> torch.Tensor:
+    def scale(f: torch.Tensor | RowFactor, s: float) -> torch.Tensor | RowFactor:
         key = (id(f), s)
         if key not in done:
             done[key] = f * s
@@ -115,7 +122,7 @@ def _scaled(kfacs: list[list[torch.Tensor]], c: float, first: float) -> list[lis
 def single_pass_kfacs(
     model: nn.Module, modules: list[nn.Module], groups: list[list[Batch]], N: int,
     *, likelihood: str, backend: CurvatureInterface, fisher: str, keys: tuple[str, str], mean: Any, reducer: Reducer,
-) -> tuple[torch.Tensor, list[list[list[torch.Tensor]]], FactorRows | None, FactorTerms]:
+) -> tuple[torch.Tensor, list[list[list[torch.Tensor | RowFactor]]], FactorRows | None, FactorTerms]:
     """K-FAC of each batch set in ``groups``, scaled to ``N`` points (module docstring).
 
     Args:
@@ -132,9 +139,11 @@ def single_pass_kfacs(
 
     Returns:
         ``(loss, kfacs, rows, terms)``: the summed loss over all batches (unscaled), per batch set
-        its factors (blocks of 1 or 2 square tensors, laplace-torch's ``Kron.kfacs`` layout), per
-        batch set the factor rows of the Linear/Conv2d blocks, ``XᵀX`` the factor as returned
-        (``None`` under a process group, where each rank holds only its rows), and per batch set,
+        its factors (blocks of 1 or 2 square factors, laplace-torch's ``Kron.kfacs`` layout): a
+        ``(d, d)`` tensor, or for a Linear/Conv2d factor with fewer rows than ``d`` in every batch set
+        a [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] (its ``d × d`` sum never formed);
+        per batch set and factor the rows ``X`` of a ``RowFactor`` (``XᵀX`` the factor as returned), else
+        ``None`` (``None`` in all under a process group, where each rank holds only its rows); and per batch set,
         block and factor the rank-one terms summed into the factor (their float32 round-off,
         [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
     """
@@ -144,22 +153,19 @@ def single_pass_kfacs(
                        fisher=fisher, keys=keys, keep_rows=keep_rows, mean=mean, reducer=reducer)
     krons, all_rows, all_terms = [], [], []
     for g, m in enumerate(sum(s) for s in sizes):
-        kfacs, rows, terms = [], [], []
-        X_in = input_factor_rows(sums, g, backend.factor**0.5)
-        # the output side of a weight block carries √c N/m, a bias block's c N/m (scaled below)
-        X_out = output_factor_rows(sums, g, backend.factor**0.5 * N / m)
-        X_bias = output_factor_rows(sums, g, backend.factor * N / m)
-        for i, (module, G, A, X, Y, Z) in enumerate(zip(modules, sums.output, sums.input, X_in, X_out, X_bias)):
-            blocks = module_blocks(module, G[g], None, m) if A is None else module_blocks(
-                module, G[g], A[g], sums.mean_divisor(i, g))
+        kfacs, terms = [], []
+        for i, module in enumerate(modules):
+            G = _group_factor(sums.output[i], sums.output_rows[i], g)
+            has_input = sums.input_weight[i] is not None
+            blocks = module_blocks(module, G, None, m) if not has_input else module_blocks(
+                module, G, _group_factor(sums.input[i], sums.input_rows[i], g), sums.mean_divisor(i, g))
             counts = sums.terms[i][g]  # the counts in the blocks' layout (a mean divides by 1)
-            count_blocks = module_blocks(module, counts[0], None if A is None else counts[1], 1.0)
+            count_blocks = module_blocks(module, counts[0], counts[1] if has_input else None, 1.0)
             terms.extend([[int(t) for t in b] for b in count_blocks])
-            kfacs.extend(blocks)  # rows only for Linear/Conv2d blocks
-            rows.extend(([Y, X] if len(b) == 2 else [Z]) if not is_extra(module) else [None] * len(b) for b in blocks)
-        all_rows.append(rows)
+            kfacs.extend(blocks)
         all_terms.append(terms)
         # the loss factor c scales a block by c: each of two factors by √c (as Kron * c does); one
         # product per factor, and one tensor for equal factors (a bias and its weight's output side at c = 1)
         krons.append(_scaled(kfacs, backend.factor, N / m))
+        all_rows.append([[F.rows if isinstance(F, RowFactor) else None for F in block] for block in krons[-1]])
     return sums.loss.sum(), krons, all_rows if keep_rows else None, all_terms

@@ -79,7 +79,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from laplace_debiased.curvature.linalg import FactorRows, eigenvalues_above, factor_rows, roundoff_tolerance, row_rank
+from laplace_debiased.curvature.linalg import (
+    FactorRows,
+    RowFactor,
+    dense_factor,
+    eigenvalues_above,
+    factor_rows,
+    frobenius_tolerance,
+    roundoff_tolerance,
+    row_rank,
+)
 from laplace_debiased.curvature.completion import extended_spectrum
 
 __all__ = ["FactorCoverage", "BlockCoverage", "Coverage", "coverage_record", "factor_ranks", "numerical_rank",
@@ -100,7 +109,7 @@ def numerical_rank(F: torch.Tensor, tolerance: float | None = None) -> int:
     return eigenvalues_above(F, roundoff_tolerance(F) if tolerance is None else tolerance)
 
 
-def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = None,
+def factor_ranks(Fd: torch.Tensor | RowFactor, Fm: torch.Tensor | RowFactor, rows: FactorRows | None = None,
                  spectra: dict | None = None) -> tuple[int, int, int]:
     """Numerical ranks of B's factor ``Fd``, B̃'s factor ``Fm`` and their union (``Fd + Fm``;
     ``Fd`` alone when ``Fm is Fd``, B̃ = B), each ``(d, d)`` PSD, from the rows where known.
@@ -109,7 +118,10 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
     [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]: by Weyl's inequality
     ``λ_i(Fd + Fm) ≥ λ_i(Fd)``, so ``rank(B ∪ B̃) ≥ max(rank B, rank B̃)``. (Each matrix at its own
     norm-relative tolerance breaks this: the sum's norm is larger, and a part's eigenvalues between
-    its tolerance and the sum's count for the part but not for the union.)
+    its tolerance and the sum's count for the part but not for the union.) Where a factor is held as
+    rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]) the union's norm comes from the
+    rows' Gram matrix (``‖XᵀX‖_F = ‖XXᵀ‖_F``) and the union is formed densely only where neither the
+    rows nor the spectra decide its rank.
 
     Args:
         Fd: B's factor ``(d, d)``.
@@ -125,12 +137,20 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
         ``(rank B, rank B̃, rank B ∪ B̃)``.
     """
     same = Fm is Fd
-    union = Fd if same else Fd + Fm
-    tol = roundoff_tolerance(union)
     spectra = spectra or {}
+    held_as_rows = isinstance(Fd, RowFactor) or isinstance(Fm, RowFactor)
+    if rows is None or not held_as_rows:
+        dense_d = dense_factor(Fd)
+        union = dense_d if same else dense_d + dense_factor(Fm)
+        tol = roundoff_tolerance(union)
+    else:
+        rows = factor_rows(rows)
+        union = None  # formed only where needed (_union_rank)
+        K = rows.block(0, 0) if same else rows.gram
+        tol = frobenius_tolerance(Fd.shape[0], Fd.dtype, float(torch.linalg.matrix_norm(K)))
     if rows is None:
         rank_d, rank_m = _rank(Fd, None, tol, None, spectra.get(0)), _rank(Fm, None, tol, None, spectra.get(1))
-        return rank_d, rank_m, rank_d if same else _union_rank(union, tol, spectra)
+        return rank_d, rank_m, rank_d if same else _union_rank(Fd, Fm, union, tol, spectra)
     rows = factor_rows(rows)  # one Gram matrix for the three counts
     Xd, Xm = rows
     d = Fd.shape[0]
@@ -139,13 +159,15 @@ def factor_ranks(Fd: torch.Tensor, Fm: torch.Tensor, rows: FactorRows | None = N
     if same:
         return rank_d, rank_m, rank_d
     if len(Xd) + len(Xm) >= d:
-        return rank_d, rank_m, _union_rank(union, tol, spectra)
-    return rank_d, rank_m, _rank(union, torch.cat([Xd, Xm]), tol, rows.gram)
+        return rank_d, rank_m, _union_rank(Fd, Fm, union, tol, spectra)
+    return rank_d, rank_m, _rank(Fd, torch.cat([Xd, Xm]), tol, rows.gram)
 
 
-def _union_rank(union: torch.Tensor, tolerance: float, spectra: dict) -> int:
+def _union_rank(Fd: torch.Tensor | RowFactor, Fm: torch.Tensor | RowFactor, union: torch.Tensor | None,
+                tolerance: float, spectra: dict) -> int:
     """The rank of ``union = F_B + F_B̃`` at ``tolerance``, from a pooled spectrum in ``spectra`` where it
-    decides it, else by inertia ([`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank]).
+    decides it, else by inertia ([`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank];
+    ``union`` formed from ``Fd`` and ``Fm`` there where not given).
 
     The pooled factor ``P = w_B F_B + w_B̃ F_B̃`` (``w`` positive) lies between ``min(w) U`` and ``max(w) U``
     in the Loewner order, so (Weyl) ``λ_i(P) / max(w) ≤ λ_i(U) ≤ λ_i(P) / min(w)``: where both bounds count
@@ -155,7 +177,7 @@ def _union_rank(union: torch.Tensor, tolerance: float, spectra: dict) -> int:
             lower, upper = int((L > tolerance * max(weights)).sum()), int((L > tolerance * min(weights)).sum())
             if lower == upper:
                 return lower
-    return numerical_rank(union, tolerance)
+    return numerical_rank(dense_factor(Fd) + dense_factor(Fm) if union is None else union, tolerance)
 
 
 @dataclass(frozen=True)
@@ -283,7 +305,7 @@ class Coverage:
         )
 
 
-def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float, K: torch.Tensor | None = None,
+def _rank(F: torch.Tensor | RowFactor, X: torch.Tensor | None, tolerance: float, K: torch.Tensor | None = None,
           spectrum: torch.Tensor | None = None) -> int:
     """[`numerical_rank`][laplace_debiased.two_batch.coverage.numerical_rank] ``(F, tolerance)``; from the rows ``X`` (``XᵀX = F``, Gram matrix ``K``
     where formed) when they are fewer than ``F``'s dimension
@@ -293,20 +315,26 @@ def _rank(F: torch.Tensor, X: torch.Tensor | None, tolerance: float, K: torch.Te
         return row_rank(X, F.dtype, tolerance, K)
     if spectrum is not None:
         return int((spectrum > tolerance).sum())
-    return numerical_rank(F, tolerance)
+    return numerical_rank(dense_factor(F), tolerance)
 
 
 def _factor(
-    name: str, Fd: torch.Tensor, Fm: torch.Tensor, Q: torch.Tensor, lam: torch.Tensor, rows: FactorRows | None,
-    spectra: dict | None,
+    name: str, Fd: torch.Tensor | RowFactor, Fm: torch.Tensor | RowFactor, Q: torch.Tensor, lam: torch.Tensor,
+    rows: FactorRows | None, spectra: dict | None,
 ) -> FactorCoverage:
     """Ranks of B's, B̃'s and the summed factor (from ``rows`` or ``spectra`` where known), and the zero count
-    of the debiased factor ``(Q, lam)`` (implicit null space counted ``d - r`` times)."""
+    of the debiased factor ``(Q, lam)`` (implicit null space counted ``d - r`` times; the tolerance of
+    ``Fm`` from its rows' Gram matrix where it is held as rows)."""
     rank_d, rank_m, rank_u = factor_ranks(Fd, Fm, rows, spectra)
+    if isinstance(Fm, RowFactor) and rows is not None:
+        K = factor_rows(rows).block(1, 1)
+        tol = frobenius_tolerance(Fm.shape[0], Fm.dtype, float(torch.linalg.matrix_norm(K)))
+    else:
+        tol = roundoff_tolerance(Fm)
     ext, multiplicity = extended_spectrum(Q, lam)
     return FactorCoverage(
         factor=name, dimension=Fd.shape[0], rank_direction=rank_d, rank_magnitude=rank_m, rank_union=rank_u,
-        zero_eigenvalues=int(multiplicity[ext <= roundoff_tolerance(Fm)].sum()), completed=0,
+        zero_eigenvalues=int(multiplicity[ext <= tol].sum()), completed=0,
     )
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from laplace.utils.matrix import KronDecomposed
 from torch import nn
 
-from laplace_debiased.curvature.kfac import group_kfac_sums, input_factor_rows
+from laplace_debiased.curvature.kfac import factor_rows_of, group_kfac_sums
 from laplace_debiased.curvature.linalg import (
     debiased_factor,
     degenerate_groups,
@@ -311,13 +311,15 @@ def test_group_kfac_sums_drops_rows_once_a_group_has_as_many_as_inputs():
     model = _wide_mlp()
     X = torch.randn(35, 40, dtype=torch.float64)
     y = torch.randint(0, 4, (35,))
-    sums = group_kfac_sums(
+    sums = [group_kfac_sums(
         model, [model[0], model[2]], X, y, [(0, 5, 0), (5, 35, 1)], 2,
-        likelihood="classification", lossfunc=nn.CrossEntropyLoss(reduction="sum"), factor=1.0, keep_rows=True,
-    )
-    first, second = input_factor_rows(sums, 1, 1.0)
-    assert second is None  # group 1's 30 rows ≥ 30 inputs of the second layer
-    torch.testing.assert_close(first.T @ first, sums.input[0][1] / 30, **F64)  # the mean over group 1's 30 samples
+        likelihood="classification", lossfunc=nn.CrossEntropyLoss(reduction="sum"), factor=1.0, keep_rows=keep,
+    ) for keep in (True, False)]
+    assert sums[0].input_rows[1] is None  # group 1's 30 rows ≥ 30 inputs of the second layer: its sum
+    torch.testing.assert_close(sums[0].input[1], sums[1].input[1], rtol=0, atol=0)
+    assert sums[0].input[0] is None  # 5 and 30 rows < 40 inputs: rows, no sum
+    first = factor_rows_of(sums[0].input_rows[0][1])
+    torch.testing.assert_close(first.T @ first, sums[1].input[0][1], **F64)
 
 
 def test_state_dict_round_trip_keeps_the_implicit_factors():
