@@ -231,7 +231,7 @@ def _components(la):
     return getattr(la.H, "components", (la.H,))
 
 
-def test_input_factor_rows_give_the_factor():
+def test_kept_input_rows_give_the_factor():
     la, _ = _pair(b=8)
     (rows_B, _), kfacs = la._factor_rows, la.H_facs.kfacs
     torch.testing.assert_close(rows_B[0][1].T @ rows_B[0][1], kfacs[0][1], **F64)
@@ -374,7 +374,7 @@ def _wider_pair(estimator: str, dtype=torch.float64, b: int = 8, **fit_kw):
     return la, ref
 
 
-def test_output_factor_rows_give_the_factor():
+def test_kept_output_rows_give_the_factor():
     la, _ = _wider_pair("paper")
     for rows, kron in zip(la._factor_rows, (la.H_facs, la.H_facs_magnitude)):
         for k in (0, 1, 2):  # hidden weight [G, A] (G through rows), hidden bias [G], output weight [G, A]
