@@ -46,9 +46,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.known_truth import mean, scores, spectra, stderr  # noqa: E402
 
 from laplace_debiased.kron.corrected import (
     correction_variance,
@@ -64,20 +68,7 @@ CANDIDATES = ("single", "paper", "corrected", "shrunk", "stein", "stein-abs", "b
 SELECTABLE = CANDIDATES[:-1]
 
 
-def _clusters() -> torch.Tensor:
-    g = torch.Generator().manual_seed(123)
-    levels = torch.tensor([1.0, 0.1, 0.01], dtype=torch.float64).repeat_interleave(D // 3)
-    return levels * (1 + 0.01 * torch.rand(D, generator=g, dtype=torch.float64))
-
-
-SPECTRA = {
-    "spiked (50, 20, 10, rest 0.1)": lambda: torch.cat([torch.tensor([50.0, 20, 10]), torch.full((D - 3,), 0.1)]).double(),
-    "power 1/i^1.5": lambda: 1.0 / torch.arange(1, D + 1, dtype=torch.float64) ** 1.5,
-    "clustered bulk (3 × 20 at 1, 0.1, 0.01, ±1 %)": _clusters,
-    "rank 20 of 60 (1/i)": lambda: torch.cat([1.0 / torch.arange(1, 21, dtype=torch.float64),
-                                             torch.zeros(D - 20, dtype=torch.float64)]),
-    "flat": lambda: torch.ones(D, dtype=torch.float64),
-}
+SPECTRA = spectra(D)
 
 
 def _weight(x: torch.Tensor, V: torch.Tensor, a: torch.Tensor) -> float:
@@ -130,21 +121,6 @@ def candidates(XB: torch.Tensor, XM: torch.Tensor, F: torch.Tensor) -> tuple[dic
     return out, w
 
 
-def scores(F_hat: torch.Tensor, F: torch.Tensor, tests: torch.Tensor) -> dict[str, float]:
-    """kl_fwd, kl_rev, kl (each the max over δ) and var (module docstring)."""
-    I = torch.eye(D, dtype=torch.float64)
-    fwd, rev, both, var = [], [], [], []
-    for delta in DELTAS:
-        P1, P0 = N * F_hat + delta * I, N * F + delta * I
-        C1, C0 = torch.linalg.inv(P1), torch.linalg.inv(P0)
-        ld = torch.logdet(P1) - torch.logdet(P0)
-        f = 0.5 * float(torch.trace(P0 @ C1) - D + ld)
-        r = 0.5 * float(torch.trace(P1 @ C0) - D - ld)
-        fwd.append(f), rev.append(r), both.append(f + r)
-        s1, s0 = ((tests @ C1) * tests).sum(1), ((tests @ C0) * tests).sum(1)
-        var.append(float((s1.log() - s0.log()).abs().mean()))
-    return {"kl": max(both), "kl_fwd": max(fwd), "kl_rev": max(rev), "var": max(var)}
-
 
 def run(draws: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -165,21 +141,13 @@ def run(draws: int, seed: int) -> dict:
                     for key, value in w.items():
                         weights.setdefault(key, []).append(value)
                     for c, F_hat in ests.items():
-                        for key, value in scores(F_hat, F, tests).items():
+                        for key, value in scores(F_hat, F, tests, N, DELTAS).items():
                             per[c].setdefault(key, []).append(value)
-                cell = {c: {key: (_mean(v), _se(v)) for key, v in sc.items()} for c, sc in per.items()}
-                cell["weights"] = {key: _mean(v) for key, v in weights.items()}
+                cell = {c: {key: (mean(v), stderr(v)) for key, v in sc.items()} for c, sc in per.items()}
+                cell["weights"] = {key: mean(v) for key, v in weights.items()}
                 results[f"{name} | {mb}+{mm}"] = cell
     return results
 
-
-def _mean(v: list[float]) -> float:
-    return sum(v) / len(v)
-
-
-def _se(v: list[float]) -> float:
-    mu = _mean(v)
-    return math.sqrt(sum((x - mu) ** 2 for x in v) / (len(v) - 1) / len(v))
 
 
 def worst_case_ratio(results: dict, metric: str, against: str | None = None) -> dict[str, float]:

@@ -55,9 +55,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.known_truth import mean, scores, spectra, stderr  # noqa: E402
 
 from laplace_debiased.curvature.eigen import dense_range_eigenpairs, dense_top_eigenpairs
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
@@ -73,20 +77,7 @@ LOWRANK = ("lr-single", "lr-paper", "lr-corrected")
 CANDIDATES = FULL + LOWRANK
 
 
-def _clusters() -> torch.Tensor:
-    g = torch.Generator().manual_seed(123)
-    levels = torch.tensor([1.0, 0.1, 0.01], dtype=torch.float64).repeat_interleave(P // 3)
-    return levels * (1 + 0.01 * torch.rand(P, generator=g, dtype=torch.float64))
-
-
-SPECTRA = {
-    "spiked (50, 20, 10, rest 0.1)": lambda: torch.cat([torch.tensor([50.0, 20, 10]), torch.full((P - 3,), 0.1)]).double(),
-    "power 1/i^1.5": lambda: 1.0 / torch.arange(1, P + 1, dtype=torch.float64) ** 1.5,
-    "clustered bulk (3 × 40 at 1, 0.1, 0.01, ±1 %)": _clusters,
-    "rank 40 of 120 (1/i)": lambda: torch.cat([1.0 / torch.arange(1, 41, dtype=torch.float64),
-                                              torch.zeros(P - 40, dtype=torch.float64)]),
-    "flat": lambda: torch.ones(P, dtype=torch.float64),
-}
+SPECTRA = spectra(P)
 
 
 def batch_matrix(samples: int, root: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -133,29 +124,6 @@ def candidates(GB: torch.Tensor, GM: torch.Tensor, mb: int, mm: int) -> tuple[di
     return out, kept
 
 
-def scores(G_hat: torch.Tensor, G: torch.Tensor, tests: torch.Tensor) -> dict[str, float]:
-    """kl_fwd, kl_rev, kl (each the largest over δ) and var (module docstring)."""
-    I = torch.eye(P, dtype=torch.float64)
-    fwd, rev, both, var = [], [], [], []
-    for delta in DELTAS:
-        P1, P0 = N * G_hat + delta * I, N * G + delta * I
-        C1, C0 = torch.linalg.inv(P1), torch.linalg.inv(P0)
-        ld = torch.logdet(P1) - torch.logdet(P0)
-        f = 0.5 * float(torch.trace(P0 @ C1) - P + ld)
-        r = 0.5 * float(torch.trace(P1 @ C0) - P - ld)
-        fwd.append(f), rev.append(r), both.append(f + r)
-        s1, s0 = ((tests @ C1) * tests).sum(1), ((tests @ C0) * tests).sum(1)
-        var.append(float((s1.log() - s0.log()).abs().mean()))
-    return {"kl": max(both), "kl_fwd": max(fwd), "kl_rev": max(rev), "var": max(var)}
-
-
-def _mean(v: list[float]) -> float:
-    return sum(v) / len(v)
-
-
-def _se(v: list[float]) -> float:
-    mu = _mean(v)
-    return math.sqrt(sum((x - mu) ** 2 for x in v) / (len(v) - 1) / len(v))
 
 
 def run(draws: int, seed: int) -> dict:
@@ -178,10 +146,10 @@ def run(draws: int, seed: int) -> dict:
                     for key, value in w.items():
                         kept.setdefault(key, []).append(value)
                     for c, G_hat in ests.items():
-                        for key, value in scores(G_hat, G_k if c in LOWRANK else G, tests).items():
+                        for key, value in scores(G_hat, G_k if c in LOWRANK else G, tests, N, DELTAS).items():
                             per[c].setdefault(key, []).append(value)
-                cell = {c: {key: (_mean(v), _se(v)) for key, v in sc.items()} for c, sc in per.items()}
-                cell["kept"] = {key: _mean(v) for key, v in kept.items()}
+                cell = {c: {key: (mean(v), stderr(v)) for key, v in sc.items()} for c, sc in per.items()}
+                cell["kept"] = {key: mean(v) for key, v in kept.items()}
                 results[f"{name} | {mb}+{mm}"] = cell
                 print(f"{name} {mb}+{mm} done", flush=True)
     return results
