@@ -234,6 +234,15 @@ class EKFACDecomposed:
         return EKFACStructure(self, h_factor, numels)
 
 
+def _check_block_sizes(sizes: list[int], numels: Sequence[int]) -> None:
+    """Refuse a posterior whose block sizes are not the Laplace parameters' ``numels``."""
+    if sizes != list(numels):
+        raise ValueError(
+            f"EKFAC blocks have sizes {sizes} but the Laplace parameters have "
+            f"{list(numels)}; the posterior and the model do not match"
+        )
+
+
 class EKFACStructure(KronStructure):
     """[`GridPredictive`][laplace_debiased.posterior.grid.GridPredictive] structure of an
     [`EKFACDecomposed`][laplace_debiased.ekfac.posterior.EKFACDecomposed] curvature: same eigenbasis rotation
@@ -256,11 +265,7 @@ class EKFACStructure(KronStructure):
         self.damping = False
         self.s = float(h_factor)
         sizes = [lam.numel() for lam in self.ls]
-        if sizes != list(numels):
-            raise ValueError(
-                f"EKFAC blocks have sizes {sizes} but the Laplace parameters have "
-                f"{list(numels)}; the posterior and the model do not match"
-            )
+        _check_block_sizes(sizes, numels)
 
     def _inverse_eigenvalues(self, k: int, delta: Tensor) -> Tensor:
         return 1.0 / (self.s * self.ls[k] + delta)
@@ -296,11 +301,7 @@ class ImplicitEKFACStructure(ImplicitKronStructure, EKFACStructure):
         self.s = float(h_factor)
         self._maps: list[list[Tensor]] = [[] for _ in self.Qs]
         sizes = [math.prod(Q.shape[0] for Q in Qs) for Qs in self.Qs]
-        if sizes != list(numels):
-            raise ValueError(
-                f"EKFAC blocks have sizes {sizes} but the Laplace parameters have "
-                f"{list(numels)}; the posterior and the model do not match"
-            )
+        _check_block_sizes(sizes, numels)
 
 
 class SpannedEKFACStructure(SpannedStructure, EKFACStructure):
