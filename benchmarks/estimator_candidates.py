@@ -121,7 +121,6 @@ def candidates(XB: torch.Tensor, XM: torch.Tensor, F: torch.Tensor) -> tuple[dic
     return out, w
 
 
-
 def run(draws: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     Q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
@@ -147,7 +146,6 @@ def run(draws: int, seed: int) -> dict:
                 cell["weights"] = {key: mean(v) for key, v in weights.items()}
                 results[f"{name} | {mb}+{mm}"] = cell
     return results
-
 
 
 def worst_case_ratio(results: dict, metric: str, against: str | None = None) -> dict[str, float]:

@@ -124,8 +124,6 @@ def candidates(GB: torch.Tensor, GM: torch.Tensor, mb: int, mm: int) -> tuple[di
     return out, kept
 
 
-
-
 def run(draws: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     Q, _ = torch.linalg.qr(torch.randn(P, P, generator=g, dtype=torch.float64))
