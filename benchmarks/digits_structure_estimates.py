@@ -56,8 +56,9 @@ from torch.func import functional_call, jacrev, vmap
 
 from laplace_debiased.curvature.linalg import gram_eigenpairs
 from laplace_debiased.curvature.thresholds import EigenPairs
-from laplace_debiased.eigen.decompose import decompose_debiased_full
 from laplace_debiased.curvature.linalg import order_weights
+from laplace_debiased.eigen.decompose import decompose_debiased_full
+from laplace_debiased.evaluation.tracking import largest_gap, mean_stderr
 from laplace_debiased.kron.corrected import corrected_factor, corrected_factor_rows
 
 HERE = Path(__file__).resolve().parent
@@ -206,16 +207,6 @@ def run(seeds: list[int], batch_sizes: list[int], cache: Path) -> None:
 T15, MARGIN, FLOOR = 1.753, 1.0, 2.0
 
 
-def _gap(nll: list[float], ref: list[float]) -> float:
-    """M: the largest relative test-NLL gap to the reference over δ, in points."""
-    return 100 * max(abs(a - r) / r for a, r in zip(nll, ref))
-
-
-def _ms(v: list[float]) -> tuple[float, float]:
-    mu = sum(v) / len(v)
-    return mu, (math.sqrt(sum((x - mu) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else float("nan"))
-
-
 STRUCTURES = {  # structure: (its candidates, the present estimate, the single batch, the reference)
     "debiased_full": (FULL, "paper", "single", "full"),
     "debiased_lowrank": (LOWRANK, "lr-paper", "lr-single", "lowrank"),
@@ -231,16 +222,16 @@ def summary(cache: Path) -> dict:
             records = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*.json"))]
             if not records:
                 continue
-            M = {c: [_gap(r["nll"][c], r["reference"][ref_key]) for r in records] for c in group}
+            M = {c: [100 * largest_gap(r["nll"][c], r["reference"][ref_key]) for r in records] for c in group}
             cell = {"draws": len(records), "seeds": [r["seed"] for r in records], "M_draws": M,
-                    "M": {c: _ms(v) for c, v in M.items()}, "D_present": {}, "D_single": {},
+                    "M": {c: mean_stderr(v) for c, v in M.items()}, "D_present": {}, "D_single": {},
                     "worse_than_present": {}, "worse_than_single": {}}
             for c in group:
                 for key, against in (("present", present), ("single", single)):
                     d = [a - b for a, b in zip(M[c], M[against])]
-                    cell[f"D_{key}"][c] = _ms(d)
+                    cell[f"D_{key}"][c] = mean_stderr(d)
                     cell[f"worse_than_{key}"][c] = sum(x > 0 for x in d)
-            cell["kept"] = {k: _ms([r["kept"][k] for r in records])[0] for k in ("shrunk", "stein")}
+            cell["kept"] = {k: mean_stderr([r["kept"][k] for r in records])[0] for k in ("shrunk", "stein")}
             cells[int(folder.name[1:])] = cell
         decision = {}
         for c in group:
@@ -258,7 +249,7 @@ def summary(cache: Path) -> dict:
         if offered and "stein" in improving and offered != "stein":
             worst_b = max(cells, key=lambda b: cells[b]["D_present"]["stein"][0])
             paired = [a - b for a, b in zip(cells[worst_b]["M_draws"]["stein"], cells[worst_b]["M_draws"][offered])]
-            if decision["stein"]["W"] - decision[offered]["W"] <= 2 * _ms(paired)[1]:
+            if decision["stein"]["W"] - decision[offered]["W"] <= 2 * mean_stderr(paired)[1]:
                 offered = "stein"
         out[name] = {"cells": cells, "decision": decision, "offered": offered, "present": present, "single": single}
     return out

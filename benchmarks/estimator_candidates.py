@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.known_truth import mean, scores, spectra, stderr  # noqa: E402
+from benchmarks.known_truth import scores, spectra  # noqa: E402
+from laplace_debiased.evaluation.tracking import mean_stderr  # noqa: E402
 
 from laplace_debiased.kron.corrected import (
     correction_variance,
@@ -142,8 +142,8 @@ def run(draws: int, seed: int) -> dict:
                     for c, F_hat in ests.items():
                         for key, value in scores(F_hat, F, tests, N, DELTAS).items():
                             per[c].setdefault(key, []).append(value)
-                cell = {c: {key: (mean(v), stderr(v)) for key, v in sc.items()} for c, sc in per.items()}
-                cell["weights"] = {key: mean(v) for key, v in weights.items()}
+                cell = {c: {key: mean_stderr(v) for key, v in sc.items()} for c, sc in per.items()}
+                cell["weights"] = {key: mean_stderr(v)[0] for key, v in weights.items()}
                 results[f"{name} | {mb}+{mm}"] = cell
     return results
 

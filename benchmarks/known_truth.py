@@ -1,10 +1,8 @@
 """What the known-truth studies of the two-batch estimates share (``estimator_candidates.py``,
-``structure_estimates.py``): the test spectra, the scores of an estimate against its truth, and the
-mean and standard error over draws."""
+``structure_estimates.py``): the test spectra, the scores of an estimate against its truth."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -48,12 +46,3 @@ def scores(F_hat: torch.Tensor, F: torch.Tensor, tests: torch.Tensor, n: int, de
         var.append(float((s1.log() - s0.log()).abs().mean()))
     return {"kl": max(both), "kl_fwd": max(fwd), "kl_rev": max(rev), "var": max(var)}
 
-
-def mean(v: list[float]) -> float:
-    return sum(v) / len(v)
-
-
-def stderr(v: list[float]) -> float:
-    """The standard error of the mean of ``v`` (at least two values)."""
-    mu = mean(v)
-    return math.sqrt(sum((x - mu) ** 2 for x in v) / (len(v) - 1) / len(v))

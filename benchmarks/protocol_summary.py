@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from laplace_debiased.evaluation.sweep import load_rows
-from laplace_debiased.evaluation.tracking import gap_curves
+from laplace_debiased.evaluation.tracking import gap_curves, mean_stderr
 
 HERE = Path(__file__).resolve().parent
 CANDIDATES = ("single", "paper", "corrected", "shrunk", "stein")
@@ -61,32 +61,28 @@ def digits_mlp(root: Path) -> dict[int, dict[str, dict[int, dict[float, float]]]
     return out
 
 
-def _mean_se(x: np.ndarray) -> tuple[float, float]:
-    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
-
-
 def cell(curves: dict[str, dict[int, dict[float, float]]]) -> dict:
     """The metrics of one (setting, b) from its candidates' curves (draws paired by key)."""
     draws = sorted(set.intersection(*(set(curves[c]) for c in CANDIDATES)))
     M = {c: 100 * np.array([max(abs(g) for g in curves[c][k].values()) for k in draws]) for c in CANDIDATES}
-    out = {"draws": len(draws), "M": {c: _mean_se(M[c]) for c in CANDIDATES}, "D": {}, "per_delta": {}}
+    out = {"draws": len(draws), "M": {c: mean_stderr(M[c]) for c in CANDIDATES}, "D": {}, "per_delta": {}}
     single_mean, single_se = out["M"]["single"]
     outside = single_mean - 2 * single_se > FLOOR
     out["single_outside_floor"] = bool(outside)
     for c in CANDIDATES[1:]:
         D = M[c] - M["single"]
-        mean, se = _mean_se(D)
+        mean, se = mean_stderr(D)
         upper = mean + T15 * se
         out["D"][c] = {"mean": mean, "se": se, "worse": int((D > 0).sum()), "upper": upper,
                        "non_inferior": bool(upper < MARGIN), "better": bool(upper < 0),
                        "meets": bool(upper < MARGIN and (upper < 0 or not outside))}
         deltas = sorted(set.intersection(*(set(curves[c][k]) & set(curves["single"][k]) for k in draws)))
-        out["per_delta"][c] = {str(d): _mean_se(100 * np.array([curves[c][k][d] - curves["single"][k][d]
+        out["per_delta"][c] = {str(d): mean_stderr(100 * np.array([curves[c][k][d] - curves["single"][k][d]
                                                                  for k in draws])) for d in deltas}
     out["M_raw"] = {c: M[c].tolist() for c in CANDIDATES}
     best = min(CANDIDATES[1:], key=lambda c: out["M"][c][0])
     out["best"] = best
-    out["vs_best"] = {c: _mean_se(M[c] - M[best]) for c in CANDIDATES[1:]}
+    out["vs_best"] = {c: mean_stderr(M[c] - M[best]) for c in CANDIDATES[1:]}
     return out
 
 

@@ -61,7 +61,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.known_truth import mean, scores, spectra, stderr  # noqa: E402
+from benchmarks.known_truth import scores, spectra  # noqa: E402
+from laplace_debiased.evaluation.tracking import mean_stderr  # noqa: E402
 
 from laplace_debiased.curvature.eigen import dense_range_eigenpairs, dense_top_eigenpairs
 from laplace_debiased.curvature.linalg import remeasure_eigenvalues
@@ -146,8 +147,8 @@ def run(draws: int, seed: int) -> dict:
                     for c, G_hat in ests.items():
                         for key, value in scores(G_hat, G_k if c in LOWRANK else G, tests, N, DELTAS).items():
                             per[c].setdefault(key, []).append(value)
-                cell = {c: {key: (mean(v), stderr(v)) for key, v in sc.items()} for c, sc in per.items()}
-                cell["kept"] = {key: mean(v) for key, v in kept.items()}
+                cell = {c: {key: mean_stderr(v) for key, v in sc.items()} for c, sc in per.items()}
+                cell["kept"] = {key: mean_stderr(v)[0] for key, v in kept.items()}
                 results[f"{name} | {mb}+{mm}"] = cell
                 print(f"{name} {mb}+{mm} done", flush=True)
     return results

@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 
-from benchmarks.digits_structure_estimates import N_TRAIN, _gap, candidates, data, ggn_rows, jacobians, test_nll, train_map
+from benchmarks.digits_structure_estimates import N_TRAIN, candidates, data, ggn_rows, jacobians, test_nll, train_map
+from laplace_debiased.evaluation.tracking import largest_gap, mean_stderr
 
 HERE = Path(__file__).resolve().parent
 SHOWN = ("single", "paper", "corrected", "corrected-nofill", "stein", "stein-nofill")
-
-
-def _ms(v: list[float]) -> tuple[float, float]:
-    mu = sum(v) / len(v)
-    return mu, math.sqrt(sum((x - mu) ** 2 for x in v) / (len(v) - 1) / len(v))
 
 
 def main() -> int:
@@ -49,10 +44,10 @@ def main() -> int:
         ests, _ = candidates(V[perm[:args.b // 2]], V[perm[args.b // 2:args.b]])
         for rule in ("corrected", "stein"):
             ests[rule + "-nofill"] = (*ests[rule][:2], 0.0)
-        rows.append({"seed": seed, **{c: _gap(test_nll(ests[c], J, f_mu, yte), ref) for c in SHOWN}})
+        rows.append({"seed": seed, **{c: 100 * largest_gap(test_nll(ests[c], J, f_mu, yte), ref) for c in SHOWN}})
         print(rows[-1], flush=True)
-    paired = {f"{c} − paper": _ms([r[c] - r["paper"] for r in rows]) for c in SHOWN[2:]}
-    paired.update({f"{r} − {r}-nofill": _ms([x[r] - x[r + "-nofill"] for x in rows]) for r in ("corrected", "stein")})
+    paired = {f"{c} − paper": mean_stderr([r[c] - r["paper"] for r in rows]) for c in SHOWN[2:]}
+    paired.update({f"{r} − {r}-nofill": mean_stderr([x[r] - x[r + "-nofill"] for x in rows]) for r in ("corrected", "stein")})
     (HERE / "results" / "structures_null_fill.json").write_text(
         json.dumps({"b": args.b, "seeds": list(range(*args.seeds)), "draws": rows, "paired": paired}, indent=1) + "\n")
     cmd = "OMP_NUM_THREADS=1 python benchmarks/structures_null_fill.py" + (
@@ -62,7 +57,7 @@ def main() -> int:
              f"b = {args.b}, seeds {args.seeds[0]} … {args.seeds[1] - 1}. M: largest relative test-NLL gap over δ to "
              "the full batch (points).", "",
              "| " + " | ".join(SHOWN) + " |", "|" + "---|" * len(SHOWN),
-             "| " + " | ".join("{:.2f} ± {:.2f}".format(*_ms([r[c] for r in rows])) for c in SHOWN) + " |", "",
+             "| " + " | ".join("{:.2f} ± {:.2f}".format(*mean_stderr([r[c] for r in rows])) for c in SHOWN) + " |", "",
              "| paired difference (points) | mean ± s.e. |", "|---|---|"]
     lines += [f"| {k} | {m:+.2f} ± {se:.2f} |" for k, (m, se) in paired.items()]
     (HERE / "results" / "structures_null_fill.md").write_text("\n".join(lines) + "\n")
