@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.protocol_summary import CANDIDATES, cell, decide
+from benchmarks.protocol_summary import CANDIDATES, cell, decide, decide_v2
 
 
 def _curves(levels: dict[str, float], rng: np.random.Generator, draws: int = 16) -> dict:
@@ -44,3 +44,46 @@ def test_a_candidate_worse_than_the_single_batch_beyond_the_margin_is_not_eligib
     assert "paper" not in d["eligible"]
     # shrunk and stein differ by 0.05 pt, within twice the s.e. of their paired difference: no switch
     assert d["default"] == "shrunk"
+
+
+def test_second_registration_floor_is_the_paper_split_being_detectably_closer():
+    rng = np.random.default_rng(2)
+    # the paper's split is no closer than the single batch: inside the measured floor, so
+    # non-inferiority suffices although the single batch's gap (10 pt) is far above the fixed floor
+    levels = {"single": 0.10, "paper": 0.105, "corrected": 0.102, "shrunk": 0.101, "stein": 0.1005}
+    c = cell(_curves(levels, rng), t=1.729)
+    assert c["single_outside_floor"] and not c["single_outside_floor_v2"]
+    assert c["D"]["stein"]["meets_v2"] and not c["D"]["stein"]["meets"]
+    # the paper's split 3 pt closer: outside the floor, so a candidate no better than single fails
+    levels = {"single": 0.10, "paper": 0.07, "corrected": 0.06, "shrunk": 0.10, "stein": 0.065}
+    c = cell(_curves(levels, rng), t=1.729)
+    assert c["single_outside_floor_v2"]
+    assert not c["D"]["shrunk"]["meets_v2"] and c["D"]["shrunk"]["non_inferior"]
+    assert c["D"]["corrected"]["meets_v2"] and c["D"]["stein"]["meets_v2"]  # 0.5 pt from the best: within
+
+
+def test_second_registration_asks_for_the_best_within_the_margin_and_falls_back_on_regret():
+    rng = np.random.default_rng(3)
+    # cell one: corrected best, stein 2.5 pt behind; cell two: stein best, corrected 2 pt behind; shrunk
+    # 4 pt behind in both; none better than single is needed (the paper is further than single)
+    one = cell(_curves({"single": 0.20, "paper": 0.21, "corrected": 0.10, "shrunk": 0.14, "stein": 0.125}, rng), t=1.729)
+    two = cell(_curves({"single": 0.20, "paper": 0.21, "corrected": 0.12, "shrunk": 0.14, "stein": 0.10}, rng), t=1.729)
+    assert not one["D"]["stein"]["near_best"] and one["D"]["corrected"]["near_best"]
+    assert not two["D"]["corrected"]["near_best"] and two["D"]["stein"]["near_best"]
+    d = decide_v2({"s": {32: one, 64: two}})
+    assert d["eligible"] == []
+    # regret: corrected 2 pt, stein 2.5, shrunk 4, paper 11 (each ± a few hundredths)
+    assert abs(d["R"]["corrected"] - 2.0) < 0.3 and abs(d["R"]["stein"] - 2.5) < 0.3 and abs(d["R"]["shrunk"] - 4.0) < 0.3
+    assert d["default"] == "corrected"
+    # with stein within the margin in both cells it is eligible and wins on the worst-case loss W
+    three = cell(_curves({"single": 0.20, "paper": 0.21, "corrected": 0.10, "shrunk": 0.14, "stein": 0.105}, rng),
+                 t=1.729)
+    d = decide_v2({"s": {32: three, 64: two}})
+    assert d["eligible"] == ["stein"] and d["default"] == "stein"
+
+
+def test_second_registration_keeps_the_default_when_nothing_is_non_inferior():
+    rng = np.random.default_rng(4)
+    c = cell(_curves({"single": 0.05, "paper": 0.10, "corrected": 0.08, "shrunk": 0.09, "stein": 0.07}, rng), t=1.729)
+    d = decide_v2({"s": {32: c}})
+    assert d["eligible"] == [] and d["default"] == "shrunk" and "non-inferior" in d["why"]
