@@ -618,22 +618,24 @@ def _ritz(V: torch.Tensor, M: torch.Tensor | RowFactor) -> tuple[torch.Tensor, t
 
 
 def _null_group_eigenpairs(V: torch.Tensor, M: torch.Tensor | RowFactor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nonzero eigenpairs of ``P M P`` (``P = I - VVᵀ``, ``M`` B̃'s factor) in float64: the compression of B̃'s
-    factor onto the complement of ``V`` (d, k), from the Gram matrix of ``Xm P`` for ``M = XmᵀXm`` held as rows
-    ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]), else from ``P M P`` itself
-    (of its ``d - k`` largest eigenvalues those above ``(d - k) · eps · λ_max``, as
-    [`gram_spectrum`][laplace_debiased.curvature.linalg.gram_spectrum] keeps them), re-orthogonalised against
-    ``V`` and Ritz-refined."""
+    """Eigenpairs of ``P M P`` (``P = I - VVᵀ``, ``M`` B̃'s factor) in float64 outside its null space: the
+    compression of B̃'s factor onto the complement of ``V`` (d, k), from the Gram matrix of ``Xm P`` for
+    ``M = XmᵀXm`` held as rows ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]), else from
+    ``P M P`` itself, re-orthogonalised against ``V`` and Ritz-refined. Kept: at most ``d - k`` (the complement's
+    dimension) of the largest eigenvalues, those above ``d · eps · ‖M‖_F`` (below it, B̃'s curvature on the
+    complement is round-off of ``M``: with B̃ = B, ``Xm P`` is round-off and its Gram eigenvectors are not in the
+    complement)."""
+    d, k = V.shape
     if isinstance(M, RowFactor):
         Xm = M.rows
-        _, W = gram_eigenpairs(Xm - (Xm @ V) @ V.T)
+        L, W = gram_eigenpairs(Xm - (Xm @ V) @ V.T)
+        norm = M.frobenius()
     else:
         MV = M @ V
-        C = V.T @ MV
-        L, U = symmetric_eigh64(M - MV @ V.T - V @ MV.T + V @ C @ V.T)
-        L, U = L[V.shape[1]:], U[:, V.shape[1]:]  # V's k directions are zeros of P M P, at most round-off
-        floor = L.numel() * torch.finfo(torch.float64).eps * float(L[-1]) if L.numel() else 0.0
-        W = U[:, L > floor]
+        L, W = symmetric_eigh64(M - MV @ V.T - V @ MV.T + V @ (V.T @ MV) @ V.T)
+        norm = float(torch.linalg.matrix_norm(M))
+    keep = (L > d * torch.finfo(torch.float64).eps * norm).nonzero().squeeze(1)[-(d - k):] if d > k else []
+    W = W[:, keep]
     W = torch.linalg.qr(W - V @ (V.T @ W)).Q
     return _ritz(W, M)
 
@@ -672,7 +674,8 @@ def lowrank_debiased_factor(
 
     ``rows``: the same rows as [`FactorRows`][laplace_debiased.curvature.linalg.FactorRows] whose Gram matrix is shared (formed here otherwise).
     Cost ``O(d (n + m)²)`` (with a dense B̃: ``O(d² n)``, and for ``"aligned"`` one ``d × d`` eigendecomposition of
-    B̃ compressed onto B's null space); results in ``dtype``.
+    B̃ compressed onto B's null space); results in ``dtype``. With B̃ = B (the same rows) the result is B's
+    eigendecomposition: the null group carries no eigenpairs (``_null_group_eigenpairs``).
     """
     if (magnitude_rows is None) == (magnitude is None):
         raise ValueError("give B̃ either as its rows (magnitude_rows) or as its dense factor (magnitude), not both.")

@@ -195,15 +195,18 @@ def test_row_factor_operations_equal_those_of_the_dense_factor():
         F * -1.0
 
 
-def test_same_batch_through_the_rows_is_stock_kron_without_square_matrices(monkeypatch):
-    """B̃ = B (one loader object) with 2 × 8 rows narrower than every wide factor (40 inputs, 45
-    hidden, 16 output rows): no ``d × d`` tensor of those factors in the fit, and the posterior
-    precision equals laplace-torch's ``KronLaplace`` to float64 round-off."""
+@pytest.mark.parametrize("n, d_in, hidden", [(8, 40, 45), (12, 20, 26)])
+def test_same_batch_through_the_rows_is_stock_kron_without_square_matrices(n, d_in, hidden, monkeypatch):
+    """B̃ = B (one loader object) with ``n`` samples narrower than every wide factor (``d_in`` inputs, ``hidden``
+    hidden units, ``2n`` hidden output rows): no ``d × d`` tensor of those factors in the fit, and the posterior
+    precision equals laplace-torch's ``KronLaplace`` to float64 round-off. At 12 samples the input factor
+    (``12 < 20 ≤ 2 · 12``) and the hidden output factor (``24 < 26 ≤ 48``) are narrower than their width only
+    if the rows are counted once."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(40, 45), nn.Tanh(), nn.Linear(45, CLASSES)).double()
-    dl = loader(toy_data(8, (40,), CLASSES, "classification", seed=4), 8)
+    model = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, CLASSES)).double()
+    dl = loader(toy_data(n, (d_in,), CLASSES, "classification", seed=4), n)
     la = DebiasedKronLaplace(copy.deepcopy(model), "classification", prior_precision=0.7)
-    recorder = _SquareRecorder((40, 45))
+    recorder = _SquareRecorder((d_in, hidden))
     fit_two_batch = DebiasedKronLaplace._fit_two_batch
 
     def recorded(self, *args, **kwargs):

@@ -307,7 +307,7 @@ def test_dense_route_where_the_rows_do_not_help():
     assert all(Q.shape[0] == Q.shape[1] for Qs in la2.H.eigenvectors for Q in Qs)
 
 
-def test_group_kfac_sums_drops_rows_once_a_group_has_as_many_as_inputs():
+def test_group_kfac_sums_drops_the_rows_of_a_group_once_it_has_as_many_as_inputs():
     model = _wide_mlp()
     X = torch.randn(35, 40, dtype=torch.float64)
     y = torch.randint(0, 4, (35,))
@@ -315,8 +315,12 @@ def test_group_kfac_sums_drops_rows_once_a_group_has_as_many_as_inputs():
         model, [model[0], model[2]], X, y, [(0, 5, 0), (5, 35, 1)], 2,
         likelihood="classification", lossfunc=nn.CrossEntropyLoss(reduction="sum"), factor=1.0, keep_rows=keep,
     ) for keep in (True, False)]
-    assert sums[0].input_rows[1] is None  # group 1's 30 rows ≥ 30 inputs of the second layer: its sum
-    torch.testing.assert_close(sums[0].input[1], sums[1].input[1], rtol=0, atol=0)
+    # group 1's 30 rows ≥ 30 inputs of the second layer: its sum; group 0's 5 rows stay rows beside it
+    assert sums[0].input[1] is None
+    torch.testing.assert_close(sums[0].input_rows[1][1], sums[1].input[1][1], rtol=0, atol=0)
+    narrow = factor_rows_of(sums[0].input_rows[1][0])
+    assert tuple(narrow.shape) == (5, 30)
+    torch.testing.assert_close(narrow.T @ narrow, sums[1].input[1][0], **F64)
     assert sums[0].input[0] is None  # 5 and 30 rows < 40 inputs: rows, no sum
     first = factor_rows_of(sums[0].input_rows[0][1])
     torch.testing.assert_close(first.T @ first, sums[1].input[0][1], **F64)
