@@ -224,10 +224,11 @@ def test_same_batch_through_the_rows_is_stock_kron_without_square_matrices(n, d_
                                atol=1e-10 * float(want.abs().max()))
 
 
-def _unequal_fit(options: dict) -> DebiasedKronLaplace:
-    """B: 8 samples, narrower than every wide factor (8 < 57 inputs, 2 × 8 < 61 hidden outputs, 8 < 61 hidden
-    inputs); B̃: 64 samples, as wide as each of them."""
-    la = DebiasedKronLaplace(_wide_model(), "classification", n_magnitude_batches=8, **options)
+def _unequal_fit(options: dict, batches: tuple[int, int]) -> DebiasedKronLaplace:
+    """``batches`` loader batches of 8 samples in B and B̃: a batch set of 8 is narrower than every wide factor
+    (8 < 57 inputs, 2 × 8 < 61 hidden outputs, 8 < 61 hidden inputs), one of 64 as wide as each of them."""
+    la = DebiasedKronLaplace(_wide_model(), "classification", n_direction_batches=batches[0],
+                             n_magnitude_batches=batches[1], **options)
     la.fit(loader(_data(72), 8))
     return la
 
@@ -246,17 +247,21 @@ def _dense_refit(la: DebiasedKronLaplace) -> DebiasedKronLaplace:
 ESTIMATES = [{"estimator": "paper"}, {"estimator": "paper", "null_space": "aligned"},
              {"estimator": "paper", "cross_fit": True}, {"estimator": "corrected"}, {"estimator": "shrunk"},
              {"estimator": "stein"}]
+#: B's and B̃'s loader batches: B narrower than the wide factors and B̃ not, and the reverse
+UNEQUAL = [(1, 8), (8, 1)]
 
 
+@pytest.mark.parametrize("batches", UNEQUAL)
 @pytest.mark.parametrize("options", ESTIMATES)
-def test_unequal_batches_keep_the_narrow_batch_as_rows_and_equal_the_dense_route(options):
-    """|B| = 8, |B̃| = 64: B's wide factors stay rows while B̃'s are formed (as wide as their rows), and
-    every estimate of the mixed pairs equals the dense route to float64 round-off (the curvature and the
-    coverage record)."""
-    la = _unequal_fit(options)
-    kinds = [[isinstance(F, RowFactor) for F in block] for block in la.H_facs.factors]
+def test_unequal_batches_keep_the_narrow_batch_as_rows_and_equal_the_dense_route(options, batches):
+    """|B| = 8, |B̃| = 64 (and the reverse): the narrow batch's wide factors stay rows while the other's are formed
+    (as wide as their rows), and every estimate of the mixed pairs equals the dense route to float64 round-off (the
+    curvature and the coverage record)."""
+    la = _unequal_fit(options, batches)
+    narrow, wide = (la.H_facs, la.H_facs_magnitude) if batches[0] < batches[1] else (la.H_facs_magnitude, la.H_facs)
+    kinds = [[isinstance(F, RowFactor) for F in block] for block in narrow.factors]
     assert kinds == [[True, True], [True], [False, True], [False]]
-    assert not any(isinstance(F, RowFactor) for block in la.H_facs_magnitude.factors for F in block)
+    assert not any(isinstance(F, RowFactor) for block in wide.factors for F in block)
     ref = _dense_refit(la)
     for obj in (la, ref):
         obj.prior_precision = 1e-2
@@ -279,19 +284,22 @@ class _EighRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-#: the ``d × d`` eigendecompositions a mixed pair (narrow B, wide B̃) needs, per wide factor: none for the paper's
-#: estimate (B's eigenvectors from its Gram matrix, B̃ only measures); B̃'s factor compressed onto B's null space
-#: with the aligned null space; the role swap decomposes B̃; the corrected estimates decompose the pooled factor and
-#: B̃ (its order's gaps), not B
-MIXED_EIGHS = {"paper": 0, "aligned": 1, "cross_fit": 1, "corrected": 2, "shrunk": 2, "stein": 2}
+#: per wide factor, the ``d × d`` eigendecompositions a mixed pair needs, for a narrow B beside a wide B̃ and the
+#: reverse: the paper's estimate decomposes a wide B only (a narrow B's eigenvectors come from its Gram matrix, B̃
+#: only measures); the aligned null space of a narrow B compresses B̃'s factor onto it; the role swap decomposes the
+#: other batch likewise; the corrected estimates decompose the pooled factor and the wide batch (its order's gaps)
+MIXED_EIGHS = {"paper": (0, 1), "aligned": (1, 1), "cross_fit": (1, 1), "corrected": (2, 2), "shrunk": (2, 2),
+               "stein": (2, 2)}
 
 
+@pytest.mark.parametrize("batches", UNEQUAL)
 @pytest.mark.parametrize("options", ESTIMATES)
-def test_unequal_batches_never_form_or_decompose_the_narrow_factor(options, monkeypatch):
-    """|B| = 8, |B̃| = 64: B's factors held as rows are never formed (``RowFactor.dense``), and each wide factor
-    (57 and 61, three of them) gets only the ``d × d`` eigendecompositions B̃ and the pooled factor need
-    (``MIXED_EIGHS``), none of B's."""
-    la = DebiasedKronLaplace(_wide_model(), "classification", n_magnitude_batches=8, **options)
+def test_unequal_batches_never_form_or_decompose_the_narrow_factor(options, batches, monkeypatch):
+    """|B| = 8, |B̃| = 64 (and the reverse): the narrow batch's factors held as rows are never formed
+    (``RowFactor.dense``), and each wide factor (57 and 61, three of them) gets only the ``d × d``
+    eigendecompositions the wide batch and the pooled factor need (``MIXED_EIGHS``), none of the narrow batch's."""
+    la = DebiasedKronLaplace(_wide_model(), "classification", n_direction_batches=batches[0],
+                             n_magnitude_batches=batches[1], **options)
     recorder = _EighRecorder()
     fit_two_batch = DebiasedKronLaplace._fit_two_batch
 
@@ -307,4 +315,4 @@ def test_unequal_batches_never_form_or_decompose_the_narrow_factor(options, monk
     la.fit(loader(_data(72), 8))
     key = "aligned" if "null_space" in options else "cross_fit" if "cross_fit" in options else options["estimator"]
     wide = [s for s in recorder.shapes if s in ((D_IN, D_IN), (HIDDEN, HIDDEN))]
-    assert len(wide) == 3 * MIXED_EIGHS[key]
+    assert len(wide) == 3 * MIXED_EIGHS[key][batches[0] > batches[1]]
