@@ -17,7 +17,9 @@ from laplace.utils.matrix import KronDecomposed
 from torch import nn
 
 from laplace_debiased.curvature.kfac import factor_rows_of, group_kfac_sums
+from laplace_debiased.curvature.completion import isotropic_factor
 from laplace_debiased.curvature.linalg import (
+    RowFactor,
     debiased_factor,
     degenerate_groups,
     gram_eigenpairs,
@@ -106,6 +108,28 @@ def test_lowrank_factor_rotates_tied_eigenvalues_like_the_dense_route():
     torch.testing.assert_close(_dense(Q, mu), _dense(U, lam), **F64)
     Q, mu = lowrank_debiased_factor(Xd, Xm, torch.float64, null_space="isotropic")
     torch.testing.assert_close(_dense(Q, mu), _isotropic_dense(Xd.T @ Xd, Xm.T @ Xm, torch.float64), **F64)
+
+
+@SETTINGS
+@given(n=st.integers(1, 12), extra=st.integers(1, 20), wide=st.integers(-5, 20), seed=st.integers(0, 2**16),
+       duplicate=st.booleans())
+def test_a_factor_held_as_rows_beside_a_dense_one_equals_dense_route(n, extra, wide, seed, duplicate):
+    """B's rows (``n < d``) beside B̃'s dense factor (B̃ from ``d + wide`` rows, rank-deficient below ``d``): the
+    same factor as the dense route, aligned and isotropic, with ``Q`` orthonormal and nothing of B formed; and
+    the reverse, B dense beside B̃'s rows (``RowFactor``), read through them."""
+    d = n + extra
+    Xd, Xm = _rows(n, d, seed, duplicate), _rows(max(d + wide, 1), d, seed + 1)
+    G, C = Xd.T @ Xd, Xm.T @ Xm
+    tol = dict(rtol=1e-10, atol=1e-12 * float(C.abs().max()))
+    Q, mu = lowrank_debiased_factor(Xd, None, torch.float64, magnitude=C)
+    U, lam = debiased_factor(G, C)
+    torch.testing.assert_close(_dense(Q, mu), _dense(U, lam), **tol)
+    torch.testing.assert_close(Q.T @ Q, torch.eye(Q.shape[1], dtype=torch.float64), **F64)
+    Q, mu = lowrank_debiased_factor(Xd, None, torch.float64, null_space="isotropic", magnitude=C)
+    assert Q.shape[1] <= n
+    torch.testing.assert_close(_dense(Q, mu), _dense(*isotropic_factor(G, C)), **tol)
+    for rule in (debiased_factor, isotropic_factor):  # the reverse: B̃ narrow, read through its rows
+        torch.testing.assert_close(_dense(*rule(C, RowFactor(Xd))), _dense(*rule(C, G)), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
