@@ -267,9 +267,9 @@ def _add_to_factor(
 def _sum_of_chunks(chunks: list[RowChunk], d: int, like: torch.Tensor, group: int) -> torch.Tensor:
     """``(d, d)``: one group's ``Σ α rᵀr`` over its chunks ``(r, α)`` in the order they were kept (the
     products and order of ``_segment_sums``, so the sum is the one a pass without rows forms). It starts at the
-    byte offset modulo 64 (the allocator's alignment) that ``group``'s sum has in a stacked
+    byte offset modulo 64 (the CPU allocator's alignment) that ``group``'s sum has in a stacked
     ``(n_groups, d, d)`` tensor, so that BLAS takes the same kernels and the sum is that of a pass without rows
-    bit for bit."""
+    bit for bit (BLAS kernels may round differently at another alignment)."""
     pad = group * d * d % max(64 // like.element_size(), 1)
     out = torch.zeros(pad + d * d, dtype=like.dtype, device=like.device)[pad:].view(d, d)
     for r, alpha in chunks:
