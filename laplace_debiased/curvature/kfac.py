@@ -259,19 +259,16 @@ def _add_to_factor(
             rows[group].append((r.clone(), alpha))  # a copy, not a view
     for group, chunks in enumerate(rows):
         if not isinstance(chunks, torch.Tensor) and sum(len(r) for r, _ in chunks) >= d:
-            rows[group] = _sum_of_chunks(chunks, d, like, group)
+            rows[group] = _sum_of_chunks(chunks, d, like)
     if all(isinstance(chunks, torch.Tensor) for chunks in rows):
         sums[i], kept[i] = torch.stack(rows), None
 
 
-def _sum_of_chunks(chunks: list[RowChunk], d: int, like: torch.Tensor, group: int) -> torch.Tensor:
+def _sum_of_chunks(chunks: list[RowChunk], d: int, like: torch.Tensor) -> torch.Tensor:
     """``(d, d)``: one group's ``Σ α rᵀr`` over its chunks ``(r, α)`` in the order they were kept (the
-    products and order of ``_segment_sums``, so the sum is the one a pass without rows forms). It starts at the
-    byte offset modulo 64 (the CPU allocator's alignment) that ``group``'s sum has in a stacked
-    ``(n_groups, d, d)`` tensor, so that BLAS takes the same kernels and the sum is that of a pass without rows
-    bit for bit (BLAS kernels may round differently at another alignment)."""
-    pad = group * d * d % max(64 // like.element_size(), 1)
-    out = torch.zeros(pad + d * d, dtype=like.dtype, device=like.device)[pad:].view(d, d)
+    products and order of ``_segment_sums``, so the sum is the one a pass without rows forms, to round-off:
+    BLAS may round a buffer at another memory offset differently)."""
+    out = torch.zeros(d, d, dtype=like.dtype, device=like.device)
     for r, alpha in chunks:
         out.addmm_(r.T, r, alpha=alpha)
     return out

@@ -49,12 +49,13 @@ def _sums(keep_rows: bool):
 def test_pass_keeps_rows_instead_of_the_sum_of_a_factor_wider_than_them():
     """First layer's input side: 10 and 30 rows against 57 inputs, kept as rows, no sum; its output
     side: 2 × 30 rows ≥ 61 in group 1, so the sum, formed from the rows kept until then, equals a pass
-    without rows exactly; second layer: 30 < 61 inputs (rows), 2 × 30 ≥ 3 outputs (the sum)."""
+    without rows to round-off; second layer: 30 < 61 inputs (rows), 2 × 30 ≥ 3 outputs (the sum)."""
     rows, dense = _sums(True), _sums(False)
     assert rows.input[0] is None and rows.input_rows[0] is not None
     assert rows.input[1] is None and rows.input_rows[1] is not None
     assert rows.output[0] is None and rows.output_rows[0] is not None  # 2 × 10 and 2 × 30 rows < 61
-    assert rows.output_rows[1] is None and torch.equal(rows.output[1], dense.output[1])
+    assert rows.output_rows[1] is None
+    torch.testing.assert_close(rows.output[1], dense.output[1], **F64)
     for i in (0, 1):
         for g in (0, 1):
             X = factor_rows_of(rows.input_rows[i][g])
@@ -67,7 +68,7 @@ def test_pass_keeps_rows_instead_of_the_sum_of_a_factor_wider_than_them():
 
 def test_pass_forms_the_sum_once_the_rows_reach_the_width():
     """Group 1 with 61 samples: the first layer's sides reach their widths within the pass and continue
-    densely; the sums equal a pass without rows bit for bit (same products, same order). Group 0 with 9 samples
+    densely; the sums equal a pass without rows to round-off (same products, same order). Group 0 with 9 samples
     keeps its rows beside them (18 < 61 outputs, 9 < 57 and 9 < 61 inputs)."""
     model = _wide_model()
     X, y = _data(70).tensors
@@ -81,11 +82,12 @@ def test_pass_forms_the_sum_once_the_rows_reach_the_width():
     assert rows.output[0] is None and rows.input[0] is None and rows.input[1] is None
     for kept, want in ((rows.output_rows[0], dense.output[0]), (rows.input_rows[0], dense.input[0]),
                        (rows.input_rows[1], dense.input[1])):
-        assert torch.equal(kept[1], want[1])
+        torch.testing.assert_close(kept[1], want[1], **F64)
         X = factor_rows_of(kept[0])
         assert X.shape[0] < X.shape[1]
         torch.testing.assert_close(X.T @ X, want[0], **F64)
-    assert rows.output_rows[1] is None and torch.equal(rows.output[1], dense.output[1])
+    assert rows.output_rows[1] is None
+    torch.testing.assert_close(rows.output[1], dense.output[1], **F64)
 
 
 def test_single_pass_returns_wide_factors_as_rows_equal_to_stock_kfac():
