@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from laplace_debiased.curvature.linalg import (
+    RowFactor,
     check_square,
     clamp_roundoff_negatives,
     remeasure_eigenvalues,
@@ -62,13 +63,14 @@ def group_means(values: torch.Tensor, groups: list[slice]) -> torch.Tensor:
 
 
 def isotropic_factor(
-    direction: torch.Tensor, magnitude: torch.Tensor, terms: int = 0
+    direction: torch.Tensor, magnitude: torch.Tensor | RowFactor, terms: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Debias one factor with isotropic degenerate eigenspaces (module docstring).
 
     Args:
         direction: ``(n, n)`` PSD factor of B (only its eigenvectors and their degeneracy are used).
-        magnitude: ``(n, n)`` PSD factor of B̃, same layer and position.
+        magnitude: ``(n, n)`` PSD factor of B̃, same layer and position, or held as rows
+            ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor], read through them).
         terms: rank-one terms summed into ``magnitude`` (its round-off tolerance,
             [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
@@ -157,13 +159,13 @@ def _nested_null_space(V: torch.Tensor, choose: torch.Tensor, measure: torch.Ten
 
 
 def debiased_factor_mode(
-    direction: torch.Tensor, magnitude: torch.Tensor, null_space: str, terms: int = 0
+    direction: torch.Tensor, magnitude: torch.Tensor | RowFactor, null_space: str, terms: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Debias one factor with the treatment of B's null space that ``null_space`` names.
 
     Args:
         direction: B's ``(n, n)`` PSD factor.
-        magnitude: B̃'s ``(n, n)`` PSD factor, same layer and position.
+        magnitude: B̃'s ``(n, n)`` PSD factor, same layer and position (or held as rows).
         null_space: ``"isotropic"`` ([`isotropic_factor`][laplace_debiased.curvature.completion.isotropic_factor]) or ``"aligned"``
             ([`debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor]).
         terms: The rank-one terms summed into ``magnitude`` (its round-off tolerance).

@@ -38,11 +38,12 @@ the mean divides by the samples.
 
 With ``keep_rows=True`` a ``Linear`` / ``Conv2d`` factor keeps the rows of each group *instead of*
 its sum (input side ``a_nt / √T``, output side ``g_ntc``; [`factor_rows_of`][laplace_debiased.curvature.kfac.factor_rows_of]) while
-every group has fewer of them than the factor's dimension ``d``: nothing of size ``d × d`` is formed,
-and a factor of rank ``< d`` is decomposed through its Gram matrix
+the group has fewer of them than the factor's dimension ``d``: nothing of size ``d × d`` is formed for
+that group, and a factor of rank ``< d`` is decomposed through its Gram matrix
 ([`laplace_debiased.curvature.linalg.lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor]).
-When a group's rows reach ``d``, the sum is formed once from the rows kept so far (the same
-products in the same order as without rows) and the pass continues densely.
+When a group's rows reach ``d``, its sum is formed once from the rows kept so far (the same
+products in the same order as without rows) and the pass continues densely for that group; the
+other groups keep their rows while they are fewer than ``d`` (a small B beside a large B̃).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from laplace_debiased.curvature.dense_blocks import (
 
 __all__ = [
     "GroupKfacSums",
+    "KeptFactor",
     "RowChunk",
     "group_kfac_sums",
     "factor_rows_of",
@@ -86,6 +88,8 @@ __all__ = [
 
 #: rows ``a`` ``(n, d)`` and the weight ``α`` with which ``α aᵀa`` enters a factor's sum
 RowChunk = tuple[torch.Tensor, float]
+#: one group's side of a module kept as rows: its row chunks, or its ``(d, d)`` sum once they reached ``d``
+KeptFactor = list[RowChunk] | torch.Tensor
 
 
 @dataclass
@@ -99,10 +103,11 @@ class GroupKfacSums:
             whose weight is trainable (input-side sums), ``None`` for modules with only a trainable bias
             (then ``input_weight`` is ``None`` too) and while the side is kept as rows (``input_rows``).
         loss: ``(n_groups,)`` summed loss ``factor * lossfunc`` of each group.
-        input_rows: per hooked module, ``None`` (rows not kept, or as many rows as inputs
-            reached: the sum is in ``input``) or per group the list of row chunks ``(a, α)`` whose
+        input_rows: per hooked module, ``None`` (rows not kept, or every group's rows reached the
+            width: the sums are in ``input``) or per group the list of row chunks ``(a, α)`` whose
             ``Σ α aᵀa`` is the group's input-side sum (``α = k/T``, module docstring;
-            [`factor_rows_of`][laplace_debiased.curvature.kfac.factor_rows_of]).
+            [`factor_rows_of`][laplace_debiased.curvature.kfac.factor_rows_of]), or that sum
+            ``(d_in, d_in)`` for a group whose rows reached the width.
         input_weight: per hooked module with an input side, ``(n_groups,)`` sums ``Σ_nt w_nt`` of
             the position weights ([`position_weights`][laplace_debiased.curvature.kfac.position_weights]; the samples, without padding), else
             ``None``.
@@ -111,16 +116,16 @@ class GroupKfacSums:
             columns) and input side (samples × positions): what the float32 round-off of a factor
             grows with ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
         output_rows: the same for the output side: row chunks ``(g, 1)`` (one row per position, sample
-            and backward pass) whose ``Σ gᵀg`` is the group's output-side sum.
+            and backward pass) whose ``Σ gᵀg`` is the group's output-side sum, or that sum.
     """
 
     output: list[torch.Tensor | None]
     input: list[torch.Tensor | None]
     loss: torch.Tensor
-    input_rows: list[list[list[RowChunk]] | None] = field(default_factory=list)
+    input_rows: list[list[KeptFactor] | None] = field(default_factory=list)
     input_weight: list[torch.Tensor | None] = field(default_factory=list)
     terms: list[torch.Tensor] = field(default_factory=list)
-    output_rows: list[list[list[RowChunk]] | None] = field(default_factory=list)
+    output_rows: list[list[KeptFactor] | None] = field(default_factory=list)
 
     def tensors(self) -> list[torch.Tensor]:
         """All sums as one flat list (for in-place collectives such as ``all_reduce``; no side is kept
@@ -232,32 +237,40 @@ def layer_positions(model: nn.Module, modules: Sequence[nn.Module], X: object) -
 
 
 def _add_to_factor(
-    sums: list[torch.Tensor | None], kept: list[list[list[RowChunk]] | None], i: int, a: torch.Tensor,
+    sums: list[torch.Tensor | None], kept: list[list[KeptFactor] | None], i: int, a: torch.Tensor,
     segments: Sequence[tuple[int, int, int]], alpha: float, like: torch.Tensor,
 ) -> None:
     """Add ``alpha Σ_{rows r of the segment} r rᵀ`` (``a`` ``(n, T, d)``) to module ``i``'s side per
-    segment: to its kept rows (``kept[i]``) while every group's are fewer than ``d`` (else they are no
-    cheaper than the sum; a factor pair goes through the rows of each batch narrower than it), else to
-    its sum ``sums[i]``, formed once from the rows kept so far (``_sum_of_chunks``) when they reach
-    ``d``. ``like``: a tensor of the sums' dtype and device."""
+    segment: to a group's kept rows (``kept[i][group]``) while they are fewer than ``d`` (else they are no
+    cheaper than the sum; each group is decided on its own, so a batch narrower than the factor keeps its rows
+    beside a wider one), else to the group's sum, formed once from its rows kept so far (``_sum_of_chunks``)
+    when they reach ``d``. Once every group's sum is formed they move to ``sums[i]`` ``(n_groups, d, d)``.
+    ``like``: a tensor of the sums' dtype and device."""
     rows = kept[i]
     if rows is None:
         _segment_sums(a, segments, sums[i], alpha)
         return
+    d = a.shape[-1]
     for start, stop, group in segments:
-        rows[group].append((a[start:stop].reshape(-1, a.shape[-1]).clone(), alpha))  # a copy, not a view
-    if max(sum(len(r) for r, _ in chunks) for chunks in rows) >= a.shape[-1]:
-        sums[i], kept[i] = _sum_of_chunks(rows, a.shape[-1], like), None
-
-
-def _sum_of_chunks(rows: list[list[RowChunk]], d: int, like: torch.Tensor) -> torch.Tensor:
-    """``(n_groups, d, d)``: per group ``Σ α rᵀr`` over its chunks ``(r, α)`` in the order they were
-    kept (the products and order of ``_segment_sums``, so the sum is the one a pass without rows
-    forms)."""
-    out = torch.zeros(len(rows), d, d, dtype=like.dtype, device=like.device)
+        r = a[start:stop].reshape(-1, d)
+        if isinstance(rows[group], torch.Tensor):
+            rows[group].addmm_(r.T, r, alpha=alpha)
+        else:
+            rows[group].append((r.clone(), alpha))  # a copy, not a view
     for group, chunks in enumerate(rows):
-        for r, alpha in chunks:
-            out[group].addmm_(r.T, r, alpha=alpha)
+        if not isinstance(chunks, torch.Tensor) and sum(len(r) for r, _ in chunks) >= d:
+            rows[group] = _sum_of_chunks(chunks, d, like)
+    if all(isinstance(chunks, torch.Tensor) for chunks in rows):
+        sums[i], kept[i] = torch.stack(rows), None
+
+
+def _sum_of_chunks(chunks: list[RowChunk], d: int, like: torch.Tensor) -> torch.Tensor:
+    """``(d, d)``: one group's ``Σ α rᵀr`` over its chunks ``(r, α)`` in the order they were kept (the
+    products and order of ``_segment_sums``, so the sum is the one a pass without rows forms, to round-off:
+    BLAS may round a buffer at another memory offset differently)."""
+    out = torch.zeros(d, d, dtype=like.dtype, device=like.device)
+    for r, alpha in chunks:
+        out.addmm_(r.T, r, alpha=alpha)
     return out
 
 
@@ -500,8 +513,8 @@ def group_kfac_sums(
         fisher: ``"type2"``, exact GGN (loss-Hessian square root, ``C`` backward
             passes), or ``"empirical"``, empirical Fisher.
         into: sums to add to, updated in place; ``None`` starts from zeros.
-        keep_rows: keep the ``Linear`` / ``Conv2d`` factors of a new ``into`` as rows while they are
-            fewer than the factor's dimension (module docstring).
+        keep_rows: keep the ``Linear`` / ``Conv2d`` factors of a new ``into`` as rows, per group while
+            they are fewer than the factor's dimension (module docstring).
 
     Returns:
         ``GroupKfacSums``: ``into`` updated in place, or a new one. The output side carries no
@@ -624,7 +637,7 @@ def zero_sums(
     def z(d: int) -> torch.Tensor:
         return torch.zeros(n_groups, d, d, dtype=like.dtype, device=like.device)
 
-    def empty() -> list[list[RowChunk]]:
+    def empty() -> list[KeptFactor]:
         return [[] for _ in range(n_groups)]
 
     output, inputs, out_rows, rows = [], [], [], []

@@ -48,6 +48,9 @@ __all__ = [
     "gram_eigenpairs",
     "lowrank_debiased_factor",
     "through_rows",
+    "check_factor",
+    "compress",
+    "compress_diagonal",
     "FactorRows",
     "RowFactor",
     "dense_factor",
@@ -188,6 +191,30 @@ def check_square(M: torch.Tensor, name: str) -> None:
         )
 
 
+def check_factor(F: torch.Tensor | RowFactor, name: str) -> None:
+    """[`check_square`][laplace_debiased.curvature.linalg.check_square] of a factor, or for one held as rows
+    ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]) that its rows are finite."""
+    if not isinstance(F, RowFactor):
+        check_square(F, name)
+    elif not F.isfinite():
+        raise ValueError(
+            f"{name} contains NaN or Inf; the curvature of this batch is not finite. "
+            "Check the inputs and the model output on that batch."
+        )
+
+
+def compress(F: torch.Tensor | RowFactor, V: torch.Tensor) -> torch.Tensor:
+    """``Vᵀ F V`` ``(k, k)`` (float64, symmetric) of a PSD factor ``F`` ``(d, d)`` on the columns of ``V``
+    ``(d, k)``: from the symmetric part of a dense ``F``, or ``(X V)ᵀ(X V)`` for one held as rows ``F = XᵀX``
+    ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor], never formed)."""
+    V64 = V.double()
+    if isinstance(F, RowFactor):
+        Y = F.rows.double() @ V64
+        return Y.T @ Y
+    F64 = F.double()
+    return V64.T @ (0.5 * (F64 + F64.T)) @ V64
+
+
 def roundoff_tolerance(C: torch.Tensor | RowFactor, terms: int = 0) -> float:
     """Largest negative Rayleigh quotient of a PSD ``C`` (n, n) attributable to round-off (``C``
     dense or held as rows, [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]).
@@ -259,14 +286,15 @@ def clamp_roundoff_negatives(
 
 
 def remeasure_eigenvalues(
-    U: torch.Tensor, C: torch.Tensor, terms: int = 0, dtype: torch.dtype | None = None
+    U: torch.Tensor, C: torch.Tensor | RowFactor, terms: int = 0, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Debiased eigenvalues ``diag(Uᵀ C U)``: curvature of ``C`` along the columns of ``U``.
 
     Args:
         U: ``(n, k)`` orthonormal directions (e.g. eigenvectors of batch B's curvature).
         C: ``(n, n)`` PSD curvature of the independent batch B̃, same scale convention as wanted for the
-            output.
+            output, or held as rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]: ``‖X u‖²``,
+            never formed).
         terms: rank-one terms summed into ``C`` (samples × positions × loss-Hessian columns):
             widen the round-off tolerance of the negativity check ([`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
         dtype: the dtype of the result (computed in float64 either way); default ``C.dtype``.
@@ -275,14 +303,12 @@ def remeasure_eigenvalues(
         ``(k,)`` non-negative values ``U[:, i]ᵀ C U[:, i]`` in ``dtype``; round-off negatives are clamped
             to 0, larger negatives raise ``ValueError``.
     """
-    check_square(C, "magnitude curvature")
+    check_factor(C, "magnitude curvature")
     if U.ndim != 2 or U.shape[0] != C.shape[0]:
         raise ValueError(
             f"directions U {tuple(U.shape)} do not match curvature C {tuple(C.shape)}."
         )
-    U64, C64 = U.double(), C.double()
-    C64 = 0.5 * (C64 + C64.T)
-    values = ((C64 @ U64) * U64).sum(dim=0)
+    values = compress_diagonal(C, U)
     values = clamp_roundoff_negatives(values, roundoff_tolerance(C, terms), "remeasured curvature")
     return values.to(dtype or C.dtype)
 
@@ -336,7 +362,7 @@ def tied_groups(eigenvalues: torch.Tensor, tolerance: float) -> list[slice]:
     return groups
 
 
-def aligned_eigenbasis(direction: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+def aligned_eigenbasis(direction: torch.Tensor, magnitude: torch.Tensor | RowFactor) -> torch.Tensor:
     """Eigenvectors ``(n, n)`` (float64) of ``direction``, unique up to signs and ties in B̃.
 
     Eigenvectors of ``direction`` (B's factor, ascending eigenvalues); inside each degenerate
@@ -345,30 +371,30 @@ def aligned_eigenbasis(direction: torch.Tensor, magnitude: torch.Tensor) -> torc
     rotated to the eigenvectors of ``magnitude`` (B̃'s factor) compressed onto that space, so
     ``U diag(diag(Uᵀ magnitude U)) Uᵀ`` equals ``P magnitude P`` on each such space ``P`` (basis-free, as
     ``debiased_full`` treats B's null space). With ``magnitude == direction`` the rotation is a no-op up to
-    round-off.
+    round-off. ``magnitude`` may be held as rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor],
+    compressed through them).
     """
     check_square(direction, "direction curvature")
-    check_square(magnitude, "magnitude curvature")
+    check_factor(magnitude, "magnitude curvature")
     L, V = symmetric_eigh64(direction)
-    M64 = magnitude.double()
-    M64 = 0.5 * (M64 + M64.T)
     for group in degenerate_groups(L, roundoff_tolerance(direction)):
         if group.stop - group.start > 1:
             Vg = V[:, group]
-            _, W = symmetric_eigh64(Vg.T @ M64 @ Vg)
+            _, W = symmetric_eigh64(compress(magnitude, Vg))
             V[:, group] = Vg @ W
     return V
 
 
 def debiased_factor(
-    direction: torch.Tensor, magnitude: torch.Tensor, terms: int = 0
+    direction: torch.Tensor, magnitude: torch.Tensor | RowFactor, terms: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Debias one symmetric factor: eigenvectors of ``direction``, eigenvalues from
     ``magnitude``.
 
     Args:
         direction: ``(n, n)`` PSD factor of batch B (only its eigenvectors are used).
-        magnitude: ``(n, n)`` PSD factor of batch B̃ (same position in the same layer).
+        magnitude: ``(n, n)`` PSD factor of batch B̃ (same position in the same layer), or held as rows
+            ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]).
         terms: rank-one terms summed into ``magnitude`` (its round-off tolerance, [`roundoff_tolerance`][laplace_debiased.curvature.linalg.roundoff_tolerance]).
 
     Returns:
@@ -483,20 +509,28 @@ def _debiased_factor_route(
     """[`lowrank_debiased_factor`][laplace_debiased.curvature.linalg.lowrank_debiased_factor] (with ``null_space``) where
     [`through_rows`][laplace_debiased.curvature.linalg.through_rows], or, for ``null_space="isotropic"`` (which reads B̃
     only through its Rayleigh quotients and its mass on B's null space), where B alone has fewer rows than the
-    dimension; else ``factor`` on the dense matrices (``terms``: those summed into ``magnitude``), formed from
-    the rows here where a factor is held as rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor])."""
+    dimension; the same with B̃'s dense factor where only B is held as rows
+    ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor], narrower than B̃); else ``factor`` on B's
+    dense matrix and B̃'s (``terms``: those summed into ``magnitude``), read through its rows where only B̃
+    is held as rows, formed from the rows here where both are."""
     d = direction.shape[0]
     if through_rows(rows, d) or (null_space == "isotropic" and rows is not None and len(rows[0]) < d):
         return lowrank_debiased_factor(*rows, dtype=direction.dtype, null_space=null_space, rows=factor_rows(rows))
+    if isinstance(direction, RowFactor) and not isinstance(magnitude, RowFactor):
+        return lowrank_debiased_factor(direction.rows, None, direction.dtype, null_space, magnitude=magnitude)
     D = dense_factor(direction)
-    return factor(D, D if magnitude is direction else dense_factor(magnitude), terms)
+    if magnitude is direction:
+        return factor(D, D, terms)
+    return factor(D, dense_factor(magnitude) if isinstance(direction, RowFactor) else magnitude, terms)
 
 
 def through_rows(rows: FactorRows | None, dimension: int) -> bool:
     """Whether a factor pair of ``dimension`` is decomposed through its rows' Gram matrices
     (``O(d (n + m)²)``, no ``d × d`` decomposition): its rows are known and B ∪ B̃ has fewer of
-    them, ``n + m < d``, than the dimension."""
-    return rows is not None and len(rows[0]) + len(rows[1]) < dimension
+    them, ``n + m < d``, than the dimension; B̃ = B (the same rows) counts them once, ``n < d``."""
+    if rows is None:
+        return False
+    return len(rows[0]) + (0 if rows[1] is rows[0] else len(rows[1])) < dimension
 
 
 # --------------------------------------------------------------------------------------------
@@ -575,33 +609,48 @@ def eigenvalues_above(S: torch.Tensor, threshold: float) -> int:
     return int((diag[~two] > 0).sum()) + int(pairs.sum())
 
 
-def _ritz(V: torch.Tensor, Xm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rayleigh–Ritz of ``C = XmᵀXm`` on the span of the orthonormal ``V`` (d, k): ``(V W,
-    μ)`` with ``(Xm V)ᵀ(Xm V) = W diag(μ) Wᵀ``, so ``diag((VW)ᵀ C (VW)) = μ`` (float64)."""
-    mu, W = symmetric_eigh64((Xm @ V).T @ (Xm @ V))
+def _ritz(V: torch.Tensor, M: torch.Tensor | RowFactor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rayleigh–Ritz of ``M`` (B̃'s factor, dense float64 or held as rows) on the span of the orthonormal
+    ``V`` (d, k): ``(V W, μ)`` with ``Vᵀ M V = W diag(μ) Wᵀ`` ([`compress`][laplace_debiased.curvature.linalg.compress]),
+    so ``diag((VW)ᵀ M (VW)) = μ`` (float64)."""
+    mu, W = symmetric_eigh64(compress(M, V))
     return V @ W, mu.clamp_min(0.0)
 
 
-def _null_group_eigenpairs(V: torch.Tensor, Xm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nonzero eigenpairs of ``P C P`` (``P = I - VVᵀ``, ``C = XmᵀXm``) in float64: the
-    compression of B̃'s factor onto the complement of ``V`` (d, k), from the Gram matrix of
-    ``Xm P`` ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]), re-orthogonalised
-    against ``V`` and Ritz-refined."""
-    Y = Xm - (Xm @ V) @ V.T
-    _, W = gram_eigenpairs(Y)
+def _null_group_eigenpairs(V: torch.Tensor, M: torch.Tensor | RowFactor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenpairs of ``P M P`` (``P = I - VVᵀ``, ``M`` B̃'s factor) in float64 outside its null space: the
+    compression of B̃'s factor onto the complement of ``V`` (d, k), from the Gram matrix of ``Xm P`` for
+    ``M = XmᵀXm`` held as rows ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]), else from
+    ``P M P`` itself, re-orthogonalised against ``V`` and Ritz-refined. Kept: at most ``d - k`` (the complement's
+    dimension) of the largest eigenvalues, those above ``d · eps · ‖M‖_F`` (below it, B̃'s curvature on the
+    complement is round-off of ``M``: with B̃ = B, ``Xm P`` is round-off and its Gram eigenvectors are not in the
+    complement)."""
+    d, k = V.shape
+    if isinstance(M, RowFactor):
+        Xm = M.rows
+        L, W = gram_eigenpairs(Xm - (Xm @ V) @ V.T)
+        norm = M.frobenius()
+    else:
+        MV = M @ V
+        L, W = symmetric_eigh64(M - MV @ V.T - V @ MV.T + V @ (V.T @ MV) @ V.T)
+        norm = float(torch.linalg.matrix_norm(M))
+    keep = (L > d * torch.finfo(torch.float64).eps * norm).nonzero().squeeze(1)[-(d - k):] if d > k else []
+    W = W[:, keep]
     W = torch.linalg.qr(W - V @ (V.T @ W)).Q
-    return _ritz(W, Xm)
+    return _ritz(W, M)
 
 
 def lowrank_debiased_factor(
     direction_rows: torch.Tensor,
-    magnitude_rows: torch.Tensor,
+    magnitude_rows: torch.Tensor | None,
     dtype: torch.dtype,
     null_space: str = "aligned",
     rows: FactorRows | None = None,
+    *,
+    magnitude: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The debiased factor of ``G = XdᵀXd`` and ``C = XmᵀXm`` from their rows, without a
-    ``d × d`` matrix: ``(Q (d, r), λ)``, ``Q`` orthonormal, the factor being
+    ``d × d`` matrix of B: ``(Q (d, r), λ)``, ``Q`` orthonormal, the factor being
     ``Q diag(λ[:r]) Qᵀ + λ[r] (I - QQᵀ)`` (``λ`` has ``r + 1`` entries, the last the eigenvalue
     of the implicit null space, when ``r < d``; ``r`` entries when ``r = d``).
 
@@ -612,6 +661,8 @@ def lowrank_debiased_factor(
     ([`gram_eigenpairs`][laplace_debiased.curvature.linalg.gram_eigenpairs]) plus ``d - k`` zeros, grouped by
     [`degenerate_groups`][laplace_debiased.curvature.linalg.degenerate_groups] as in the dense route; the
     group holding the zeros (with every eigenvalue chained to it) is B's null group, of dimension ``d - r_B``.
+    A B̃ with as many rows as ``d`` comes as its dense factor ``magnitude`` ``(d, d)`` instead of
+    ``magnitude_rows`` (``None``): B is still read through its rows alone.
 
     * ``null_space="aligned"`` ([`debiased_factor`][laplace_debiased.curvature.linalg.debiased_factor], to
       round-off): tied nonzero groups are rotated to B̃'s compression (``_ritz``); the null group carries the
@@ -619,20 +670,31 @@ def lowrank_debiased_factor(
     * ``null_space="isotropic"``: every group of
       [`tied_groups`][laplace_debiased.curvature.linalg.tied_groups] (spread at most the tolerance, not
       chained) gets the mean Rayleigh quotient of B̃ over it, ``tr(PCP)/dim P``; on the null group
-      ``‖Xm (I - QQᵀ)‖_F² / (d - r_B)``.
+      ``tr(C (I - QQᵀ)) / (d - r_B)`` (``‖Xm (I - QQᵀ)‖_F²`` from the rows).
 
     ``rows``: the same rows as [`FactorRows`][laplace_debiased.curvature.linalg.FactorRows] whose Gram matrix is shared (formed here otherwise).
-    Cost ``O(d (n + m)²)``; results in ``dtype``.
+    Cost ``O(d (n + m)²)`` (with a dense B̃: ``O(d² n)``, and for ``"aligned"`` one ``d × d`` eigendecomposition of
+    B̃ compressed onto B's null space); results in ``dtype``. With B̃ = B (the same rows) the result is B's
+    eigendecomposition: the null group carries no eigenpairs (``_null_group_eigenpairs``).
     """
-    if direction_rows.ndim != 2 or direction_rows.shape[1:] != magnitude_rows.shape[1:]:
+    if (magnitude_rows is None) == (magnitude is None):
+        raise ValueError("give B̃ either as its rows (magnitude_rows) or as its dense factor (magnitude), not both.")
+    width = magnitude_rows.shape[1:] if magnitude is None else magnitude.shape[:1]
+    if direction_rows.ndim != 2 or direction_rows.shape[1:] != width:
         raise ValueError(
-            f"direction rows {tuple(direction_rows.shape)} and magnitude rows "
-            f"{tuple(magnitude_rows.shape)} must be (n, d) and (m, d) with the same d."
+            f"direction rows {tuple(direction_rows.shape)} and magnitude "
+            f"{tuple((magnitude_rows if magnitude is None else magnitude).shape)} must be (n, d) and (m, d) "
+            "(or (d, d)) with the same d."
         )
     if null_space not in ("aligned", "isotropic"):
         raise ValueError(f"null_space must be 'aligned' or 'isotropic', got {null_space!r}.")
     d = direction_rows.shape[1]
-    Xd, Xm = rows.double if rows is not None else (direction_rows.double(), magnitude_rows.double())
+    if magnitude is None:
+        Xd, Xm = rows.double if rows is not None else (direction_rows.double(), magnitude_rows.double())
+        M: torch.Tensor | RowFactor = RowFactor(Xm)
+    else:
+        Xd, M = direction_rows.double(), magnitude.double()
+        M = 0.5 * (M + M.T)
     Kd = rows.block(0, 0) if rows is not None else Xd @ Xd.T
     L, E = gram_eigenpairs(Xd, Kd)
     tol = frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(Kd)))
@@ -642,22 +704,35 @@ def lowrank_debiased_factor(
     groups = grouping(torch.cat([L.new_zeros(shift), L]), tol)
     first = groups[0].stop - shift if shift else 0  # B's directions outside its null group
     Q = E[:, first:].clone()
-    mu = (Xm @ Q).square().sum(0)
+    mu = compress_diagonal(M, Q)
     for g in groups[shift:]:
         tied = slice(g.start - shift - first, g.stop - shift - first)
         if tied.stop - tied.start > 1 and null_space == "isotropic":
             mu[tied] = mu[tied].mean()
         elif tied.stop - tied.start > 1:
-            Q[:, tied], mu[tied] = _ritz(Q[:, tied], Xm)
+            Q[:, tied], mu[tied] = _ritz(Q[:, tied], M)
     mus = [mu]
     null_value = L.new_zeros(1)
     if shift and null_space == "aligned":
-        W, mu_w = _null_group_eigenpairs(Q, Xm)
+        W, mu_w = _null_group_eigenpairs(Q, M)
         Q, mus = torch.cat([Q, W], dim=1), [*mus, mu_w]
+    elif shift and isinstance(M, RowFactor):
+        null_value += (M.rows - (M.rows @ Q) @ Q.T).square().sum() / (d - Q.shape[1])
     elif shift:
-        null_value += (Xm - (Xm @ Q) @ Q.T).square().sum() / (d - Q.shape[1])
+        null_value += (M.diagonal().sum() - compress_diagonal(M, Q).sum()) / (d - Q.shape[1])
     lam = torch.cat([*mus, *([null_value] if Q.shape[1] < d else [])])
     return Q.to(dtype), lam.to(dtype)
+
+
+def compress_diagonal(F: torch.Tensor | RowFactor, V: torch.Tensor) -> torch.Tensor:
+    """``diag(Vᵀ F V)`` ``(k,)`` (float64) of a PSD factor ``F`` ``(d, d)``, dense (its symmetric part) or
+    held as rows (``‖X v‖²``), for the columns ``v`` of ``V`` ``(d, k)``: B̃'s Rayleigh quotients, without the
+    ``(k, k)`` compression."""
+    V64 = V.double()
+    if isinstance(F, RowFactor):
+        return (F.rows.double() @ V64).square().sum(0)
+    F64 = F.double()
+    return ((0.5 * (F64 + F64.T) @ V64) * V64).sum(0)
 
 
 def order_weight(m: int, n: int, n_data: int | None) -> float:

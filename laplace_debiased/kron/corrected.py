@@ -133,7 +133,7 @@ weight: the single batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +142,8 @@ from laplace_debiased.curvature.completion import group_means
 from laplace_debiased.curvature.linalg import (
     FactorRows,
     RowFactor,
+    compress,
+    compress_diagonal,
     dense_factor,
     factor_rows,
     frobenius_tolerance,
@@ -207,7 +209,8 @@ def same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: in
     return _same_minus_cross(direction, magnitude, terms)[0]
 
 
-def _same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _same_minus_cross(direction: torch.Tensor, magnitude: torch.Tensor | RowFactor, terms: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """[`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross] and the spectrum of ``direction`` (float64, ascending)."""
     check_finite(direction, "the direction batch")
     L, U = symmetric_eigh64(direction)
@@ -270,14 +273,16 @@ def _null_shifts(shift_b: torch.Tensor, shift_t: torch.Tensor, gaps_b: torch.Ten
 
 
 def corrected_factor(
-    direction: torch.Tensor, magnitude: torch.Tensor, m_direction: int, m_magnitude: int, terms: int = 0,
+    direction: torch.Tensor | RowFactor, magnitude: torch.Tensor | RowFactor, m_direction: int, m_magnitude: int, terms: int = 0,
     n_data: int | None = None, rule: str = "corrected", rows: FactorRows | None = None, spectra: Spectra | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """Pooled eigenvectors and corrected eigenvalues of one factor (module docstring).
 
     Args:
-        direction: ``(d, d)`` PSD factor of B, scaled as an estimate of the full-data factor.
-        magnitude: ``(d, d)`` PSD factor of B̃, same layer, position and scale.
+        direction: ``(d, d)`` PSD factor of B, scaled as an estimate of the full-data factor; or held as
+            rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]) beside a dense ``magnitude``: then
+            never formed alone (it enters the pooled factor, its order's gaps come from its Gram matrix).
+        magnitude: ``(d, d)`` PSD factor of B̃, same layer, position and scale (held as rows likewise).
         m_direction: samples in B (the pooled factor is the samples-weighted mean of the two,
             exactly the factor a single batch B ∪ B̃ gives).
         m_magnitude: samples in B̃.
@@ -305,7 +310,7 @@ def corrected_factor(
     check_finite(direction, "B")
     check_finite(magnitude, "B̃")
     n = m_direction + m_magnitude
-    pooled = (m_direction * direction.double() + m_magnitude * magnitude.double()) / n
+    pooled = _pooled(direction, magnitude, m_direction, m_magnitude)
     L, U = symmetric_eigh64(pooled)
     k_b, k_t = order_weights(m_direction, m_magnitude, n_data)
     spectra = {} if spectra is None else spectra
@@ -317,7 +322,7 @@ def corrected_factor(
     variance = None
     if rule == "stein":
         shift_b, shift_t = _null_shifts(shift_b, shift_t, gaps_b, gaps_t, order_weight(n, n, n_data) / 4, null)
-        difference = U.T @ (direction.double() - magnitude.double()) @ U
+        difference = _difference(direction, magnitude, U)
         variance = correction_variance(difference[null:, null:], L[null:], m_direction, m_magnitude, n_data, tol)
     lam, record = _corrected_values(L, shift_b, shift_t, null, rule, variance)
     return U.to(direction.dtype), lam.to(direction.dtype), record
@@ -326,11 +331,14 @@ def corrected_factor(
 def _order_gaps(direction: torch.Tensor, magnitude: torch.Tensor, chooser: int, terms: int,
                 rows: FactorRows | None, spectra: Spectra) -> torch.Tensor:
     """The gaps of the order in which batch ``chooser`` (``0``: B, ``1``: B̃) chooses the directions: through its
-    rows where they are fewer than the dimension (``_gaps_from_rows``), else densely
-    ([`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross]), its spectrum then kept in ``spectra[chooser]``."""
+    rows where they are fewer than the dimension (``_gaps_from_rows``; ``_gaps_beside_dense`` where only its factor
+    is held as rows), else densely ([`same_minus_cross`][laplace_debiased.kron.corrected.same_minus_cross], the other
+    factor read through its rows where held so), its spectrum then kept in ``spectra[chooser]``."""
     if rows is not None and len(rows[chooser]) < direction.shape[0]:
         return _gaps_from_rows(rows, chooser, direction.dtype)[0]
     chosen, other = (direction, magnitude) if chooser == 0 else (magnitude, direction)
+    if isinstance(chosen, RowFactor):
+        return _gaps_beside_dense(chosen.rows, other, direction.dtype)
     gaps, spectra[chooser] = _same_minus_cross(chosen, other, terms)
     return gaps
 
@@ -346,21 +354,60 @@ def _gaps_from_rows(rows: FactorRows, chooser: int, dtype: torch.dtype) -> tuple
     complement ``P`` of the eigenvectors outside it) the mean gap is ``(Σ_run λ - ‖Xm P‖_F²) / s``
     with ``‖Xm P‖_F² = tr(Xm Xmᵀ) - Σ_outside ‖Xm e‖²``, so its basis is never formed."""
     other = 1 - chooser
-    d = rows[0].shape[1]
-    K = rows.block(chooser, chooser)
+    return _gaps_of_gram(rows.block(chooser, chooser), rows[0].shape[1], dtype,
+                         lambda V: (rows.block(other, chooser) @ V).square().sum(0),
+                         float(rows.block(other, other).diagonal().sum()))
+
+
+def _gaps_beside_dense(chosen_rows: torch.Tensor, other: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``_gaps_from_rows`` of ``D = XdᵀXd`` (``chosen_rows`` ``(n, d)``, fewer than ``d``) against a dense
+    ``M`` ``(d, d)``: B̃ measures ``vᵀ (Xd M Xdᵀ) v / λ`` along ``e = Xdᵀ v / √λ`` and ``tr M`` in all, so
+    nothing of ``D`` is formed (``(d,)`` float64 gaps, ascending)."""
+    X = chosen_rows.double()
+    return _gaps_of_gram(X @ X.T, X.shape[1], dtype, lambda V: compress_diagonal(other, X.T @ V),
+                         float(other.double().diagonal().sum()))[0]
+
+
+def _gaps_of_gram(K: torch.Tensor, d: int, dtype: torch.dtype, measured: Callable[[torch.Tensor], torch.Tensor],
+                  other_trace: float) -> tuple[torch.Tensor, int]:
+    """The gaps of ``D = XᵀX`` (Gram matrix ``K = XXᵀ``, float64) against the other factor ``M``, given
+    ``measured(V) = diag(Vᵀ X M Xᵀ V)`` and ``tr M`` (``_gaps_from_rows``): ``(gaps (d,) float64 ascending,
+    size of D's null group)``."""
     L, V = gram_spectrum(K)
     zeros = d - L.numel()
     full = torch.cat([L.new_zeros(zeros), L])
     groups = tied_groups(full, frobenius_tolerance(d, dtype, float(torch.linalg.matrix_norm(K))))
     null = groups[0].stop if zeros else 0
     keep = slice(null - zeros, None)
-    cross = (rows.block(other, chooser) @ V[:, keep]).square().sum(0) / L[keep]
+    cross = measured(V[:, keep]) / L[keep]
     gaps = full.clone()
     gaps[null:] -= cross
     if null:
-        outside = float(rows.block(other, other).diagonal().sum()) - float(cross.sum())
+        outside = other_trace - float(cross.sum())
         gaps[:null] = (float(full[:null].sum()) - outside) / null
     return group_means(gaps, [g for g in groups if g.start >= null]), null
+
+
+def _pooled(direction: torch.Tensor | RowFactor, magnitude: torch.Tensor | RowFactor, m_direction: int,
+            m_magnitude: int) -> torch.Tensor:
+    """The pooled factor ``(m_B F_B + m_B̃ F_B̃) / n`` ``(d, d)`` in float64; a factor held as rows
+    ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]) enters as ``XᵀX`` added to the other, not
+    formed alone (both held as rows: both formed)."""
+    n = m_direction + m_magnitude
+    if isinstance(direction, RowFactor) == isinstance(magnitude, RowFactor):
+        return (m_direction * dense_factor(direction).double() + m_magnitude * dense_factor(magnitude).double()) / n
+    (X, m_rows), (F, m_dense) = sorted(((direction, m_direction), (magnitude, m_magnitude)),
+                                       key=lambda pair: not isinstance(pair[0], RowFactor))
+    X = X.rows.double()
+    return (m_dense * F.double()).addmm_(X.T, X, alpha=m_rows).div_(n)
+
+
+def _difference(direction: torch.Tensor | RowFactor, magnitude: torch.Tensor | RowFactor, U: torch.Tensor
+                ) -> torch.Tensor:
+    """``Uᵀ (F_B - F_B̃) U`` in float64 (``U`` ``(d, k)``), each factor compressed through its rows where held so."""
+    if not (isinstance(direction, RowFactor) or isinstance(magnitude, RowFactor)):
+        return U.T @ (direction.double() - magnitude.double()) @ U
+    return compress(direction, U) - compress(magnitude, U)
 
 
 def corrected_factor_rows(
@@ -528,8 +575,9 @@ def _corrected_route(
 ) -> tuple[torch.Tensor, torch.Tensor, FactorCorrection]:
     """[`corrected_factor_rows`][laplace_debiased.kron.corrected.corrected_factor_rows] where [`through_rows`][laplace_debiased.curvature.linalg.through_rows]
     (and it applies), else [`corrected_factor`][laplace_debiased.kron.corrected.corrected_factor] on the dense factors (with the gaps of a batch
-    narrower than the factor through its rows), formed from the rows here where a factor is held as rows
-    ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor])."""
+    narrower than the factor through its rows), formed from the rows here where both factors are held as rows
+    ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]); where only one is, it stays rows (``corrected_factor``
+    reads it through them)."""
     if through_rows(rows, direction.shape[0]):
         check_finite(direction, "B")
         check_finite(magnitude, "B̃")
@@ -537,5 +585,7 @@ def _corrected_route(
                                        rows=factor_rows(rows))
         if result is not None:
             return result
+    if isinstance(direction, RowFactor) != isinstance(magnitude, RowFactor):  # one narrower than the factor
+        return corrected_factor(direction, magnitude, m_direction, m_magnitude, terms, n_data, rule, spectra=spectra)
     return corrected_factor(dense_factor(direction), dense_factor(magnitude), m_direction, m_magnitude, terms, n_data,
                             rule, rows=None if rows is None else factor_rows(rows), spectra=spectra)

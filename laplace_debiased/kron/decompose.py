@@ -18,8 +18,10 @@ Factors are laplace-torch's ``Kron.kfacs`` layout: a list with one entry per par
 each a list of one (bias, dense block) or two (output side, input side) square factors: tensors, or
 for a factor with fewer rows than its width its rows
 ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]), which every decomposition and record here
-reads without forming the ``d × d`` matrix (formed only on a dense route: a factor pair with as many rows
-as its width, or without its rows).
+reads without forming the ``d × d`` matrix (formed only on a dense route: a factor pair both held as rows
+with as many rows together as its width, or without its rows). A factor held as rows beside the other batch's
+dense factor (a batch narrower than the width beside one as wide) is never formed: B's eigenvectors come from its
+Gram matrix, B̃'s Rayleigh quotients and the pooled factor of the corrected estimates from its rows.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from torch import nn
 
 from laplace_debiased.curvature.kfac import (
     GroupKfacSums,
-    RowChunk,
+    KeptFactor,
     factor_rows_of,
     group_kfac_sums,
     zero_sums,
@@ -99,10 +99,13 @@ def _group_sums(
     return sums
 
 
-def _group_factor(total: torch.Tensor | None, rows: list[list[RowChunk]] | None, g: int) -> torch.Tensor | RowFactor:
-    """Group ``g``'s sum of one side of a module: ``total[g]``, or its kept rows as a
-    [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] where the side was kept as rows."""
-    return total[g] if total is not None else RowFactor(factor_rows_of(rows[g]))
+def _group_factor(total: torch.Tensor | None, rows: list[KeptFactor] | None, g: int) -> torch.Tensor | RowFactor:
+    """Group ``g``'s sum of one side of a module: ``total[g]``, its sum among the kept rows of the other
+    groups, or its kept rows as a [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] where the group's
+    side was kept as rows."""
+    if total is not None:
+        return total[g]
+    return rows[g] if isinstance(rows[g], torch.Tensor) else RowFactor(factor_rows_of(rows[g]))
 
 
 def _scaled(kfacs: list[list[torch.Tensor | RowFactor]], c: float, first: float) -> list[list[torch.Tensor | RowFactor]]:
@@ -140,8 +143,9 @@ def single_pass_kfacs(
     Returns:
         ``(loss, kfacs, rows, terms)``: the summed loss over all batches (unscaled), per batch set
         its factors (blocks of 1 or 2 square factors, laplace-torch's ``Kron.kfacs`` layout): a
-        ``(d, d)`` tensor, or for a Linear/Conv2d factor with fewer rows than ``d`` in every batch set
-        a [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] (its ``d × d`` sum never formed);
+        ``(d, d)`` tensor, or for a Linear/Conv2d factor with fewer rows than ``d`` in that batch set
+        a [`RowFactor`][laplace_debiased.curvature.linalg.RowFactor] (its ``d × d`` sum never formed, whatever
+        the other batch sets' rows);
         per batch set and factor the rows ``X`` of a ``RowFactor`` (``XᵀX`` the factor as returned), else
         ``None`` (``None`` in all under a process group, where each rank holds only its rows); and per batch set,
         block and factor the rank-one terms summed into the factor (their float32 round-off,

@@ -144,6 +144,31 @@ def rows_times(X: Tensor, M: Tensor) -> Tensor:
     return (X.reshape(-1, X.shape[-1]) @ M).reshape(*X.shape[:-1], M.shape[-1])
 
 
+def held_entries(jac: LayerJacobian) -> int:
+    """Entries the factored GLM covariance of a K-FAC posterior holds for the Jacobian ``jac`` of one
+    block over its rows: the Jacobian as built (``g`` and ``a``, ``dense``, or a sum over positions' ``g``
+    and ``u``); for a sum over positions also its live positions
+    ([`live_positions`][laplace_debiased.posterior.kron_structure.live_positions], where cut) and the dense
+    rotated Jacobian ``(n, C, o·k)`` where [`KronStructure.rotate`][laplace_debiased.posterior.kron_structure.KronStructure.rotate]
+    or the covariance at one prior precision forms it
+    ([`positions_cheaper`][laplace_debiased.posterior.kron_structure.positions_cheaper],
+    [`pairs_cheaper`][laplace_debiased.posterior.kron_structure.pairs_cheaper]; ``o·k`` eigenvectors at most)."""
+    held = sum(t.numel() for t in (jac.g, jac.a, jac.dense) if t is not None)
+    if jac.positions is None:
+        return held
+    held += sum(t.numel() for t in jac.positions)
+    live = live_positions(jac)
+    if live is not jac:
+        held += sum(t.numel() for t in (live.g, live.a, *(live.positions or ())) if t is not None)
+    if live.positions is None:
+        return held
+    g, u = live.positions
+    if positions_cheaper(live.positions) and pairs_cheaper(g.transpose(-1, -2), u.transpose(-1, -2), 1, True):
+        return held
+    n, C, o, _ = g.shape
+    return held + n * C * o * u.shape[-2]
+
+
 def live_positions(jac: LayerJacobian) -> LayerJacobian:
     """``jac`` (a sum over positions) without the positions whose output gradient is zero for a
     row: the positions of each row are reordered, those with a nonzero ``g[n, :, :, t]`` first,

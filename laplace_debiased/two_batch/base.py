@@ -62,7 +62,8 @@ from laplace_debiased.parallel.distributed import check_same_fit_inputs, fail_to
 from laplace_debiased.parallel.reducer import Reducer, current_reducer
 from laplace_debiased.posterior.from_laplace import curvature_kind, laplace_params, posterior_structure
 from laplace_debiased.posterior.grid import GridPredictive
-from laplace_debiased.posterior.jacobians import closed_form, logit_rows
+from laplace_debiased.posterior.jacobians import closed_form, logit_jacobians, logit_rows
+from laplace_debiased.posterior.kron_structure import held_entries
 from laplace_debiased.posterior.links import normal_samples
 from laplace_debiased.two_batch.auto_magnitude import auto_magnitude_rule, sample_output_shape
 from laplace_debiased.two_batch.block_priors import block_marglik, prior_spans
@@ -603,18 +604,21 @@ class TwoBatchLaplace:
         parent = super().functional_samples
         return self._chunked(lambda c: parent(c, pred_type, n_samples, diagonal_output, generator), x, generator, dim=1)
 
-    def chunk_size(self) -> int:
+    def chunk_size(self, x: Any = None) -> int:
         """Inputs per chunk: ``predictive_chunk_size``, or
         [`auto_chunk_size`][laplace_debiased.two_batch.chunked.auto_chunk_size] where it is ``None`` (of the
-        Jacobian entries the predictive holds, ``_jacobian_entries``)."""
+        Jacobian entries the predictive holds, ``_jacobian_entries``; for token outputs those of the first input
+        of the inputs ``x`` of the call, every parameter without ``x``)."""
         outputs = math.prod(getattr(self, "fit_output_shape", (self.n_outputs or 1,)))
-        return checked_chunk_size(self.predictive_chunk_size, outputs, self._jacobian_entries(), self._dtype)
+        if self.predictive_chunk_size is not None:
+            return checked_chunk_size(self.predictive_chunk_size, outputs, 1, self._dtype)
+        return checked_chunk_size(None, outputs, self._jacobian_entries(x), self._dtype)
 
     def _chunked(self, predict: Callable[[Any], Output], x: Any, generator: torch.Generator | None, dim: int) -> Output:
         """[`chunked`][laplace_debiased.two_batch.chunked.chunked] at
         [`chunk_size`][laplace_debiased.two_batch.base.TwoBatchLaplace.chunk_size]."""
         return chunked(
-            predict, x, self.chunk_size(), dict_key_x=self.dict_key_x, generator=generator, device=self._device, dim=dim
+            predict, x, self.chunk_size(x), dict_key_x=self.dict_key_x, generator=generator, device=self._device, dim=dim
         )
 
     def _has_token_outputs(self) -> bool:
@@ -695,14 +699,22 @@ class TwoBatchLaplace:
             return False  # (the dense structures' curvature is not read: it may be formed lazily)
         return curvature_kind(self) in ("own", "kron") and self.prior_precision.numel() in (1, self.n_layers)
 
-    def _jacobian_entries(self) -> int:
+    def _jacobian_entries(self, x: Any = None) -> int:
         """Jacobian entries per output that the GLM predictive holds for one input: on the factored
-        route (``_factored_predictive``, closed-form Jacobians, no token outputs) ``d_out + d_in``
-        for a ``Linear`` weight (``g ⊗ a``), else every parameter."""
+        route (``_factored_predictive``, closed-form Jacobians) ``d_out + d_in`` for a ``Linear`` weight
+        (``g ⊗ a``) and every entry of the others; for token outputs (a ``Linear`` on every token keeps its
+        positions) what the Jacobians of the first input of the tensor ``x`` hold per output row and class
+        ([`held_entries`][laplace_debiased.posterior.kron_structure.held_entries]); else, and for token outputs
+        without such an ``x``, every parameter."""
         params = laplace_params(self)
-        if self._has_token_outputs() or not self._factored_applies() or not closed_form(self.model, params):
+        if not self._factored_applies() or not closed_form(self.model, params):
             return self.n_params
-        return sum(p.shape[0] + p.shape[1] if p.ndim == 2 else p.numel() for p in params)
+        if not self._has_token_outputs():
+            return sum(p.shape[0] + p.shape[1] if p.ndim == 2 else p.numel() for p in params)
+        if not isinstance(x, torch.Tensor) or len(x) == 0:
+            return self.n_params
+        _, jacs = logit_jacobians(self.model, params, x[:1].to(self._device))
+        return max(1, math.ceil(sum(held_entries(j) for j in jacs) / math.prod(self.fit_output_shape)))
 
     def _glm_functional_samples(
         self,

@@ -121,7 +121,8 @@ def factor_ranks(Fd: torch.Tensor | RowFactor, Fm: torch.Tensor | RowFactor, row
     its tolerance and the sum's count for the part but not for the union.) Where a factor is held as
     rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor]) the union's norm comes from the
     rows' Gram matrix (``‖XᵀX‖_F = ‖XXᵀ‖_F``) and the union is formed densely only where neither the
-    rows nor the spectra decide its rank.
+    rows nor the spectra decide its rank; a part held as rows beside a dense one (``rows`` unknown) is counted
+    from its rows and enters the union as ``XᵀX``, never formed alone.
 
     Args:
         Fd: B's factor ``(d, d)``.
@@ -139,6 +140,12 @@ def factor_ranks(Fd: torch.Tensor | RowFactor, Fm: torch.Tensor | RowFactor, row
     same = Fm is Fd
     spectra = spectra or {}
     held_as_rows = isinstance(Fd, RowFactor) or isinstance(Fm, RowFactor)
+    if rows is None and held_as_rows and not same:  # a part narrower than the factor beside a wider one
+        union = _union(Fd, Fm)
+        tol = roundoff_tolerance(union)
+        rank_d, rank_m = (_rank(F, F.rows if isinstance(F, RowFactor) else None, tol, None, spectra.get(i))
+                          for i, F in enumerate((Fd, Fm)))
+        return rank_d, rank_m, _union_rank(Fd, Fm, union, tol, spectra)
     if rows is None or not held_as_rows:
         dense_d = dense_factor(Fd)
         union = dense_d if same else dense_d + dense_factor(Fm)
@@ -161,6 +168,17 @@ def factor_ranks(Fd: torch.Tensor | RowFactor, Fm: torch.Tensor | RowFactor, row
     if len(Xd) + len(Xm) >= d:
         return rank_d, rank_m, _union_rank(Fd, Fm, union, tol, spectra)
     return rank_d, rank_m, _rank(Fd, torch.cat([Xd, Xm]), tol, rows.gram)
+
+
+def _union(Fd: torch.Tensor | RowFactor, Fm: torch.Tensor | RowFactor) -> torch.Tensor:
+    """``Fd + Fm`` ``(d, d)``, a factor held as rows ([`RowFactor`][laplace_debiased.curvature.linalg.RowFactor])
+    added as ``XᵀX`` to the other, not formed alone."""
+    dense = [F for F in (Fd, Fm) if not isinstance(F, RowFactor)]
+    union = dense[0].clone() if dense else torch.zeros(Fd.shape, dtype=Fd.dtype, device=Fd.device)
+    for F in (Fd, Fm):
+        if isinstance(F, RowFactor):
+            union.addmm_(F.rows.T, F.rows)
+    return union
 
 
 def _union_rank(Fd: torch.Tensor | RowFactor, Fm: torch.Tensor | RowFactor, union: torch.Tensor | None,

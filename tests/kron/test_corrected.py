@@ -18,7 +18,7 @@ from laplace_debiased.kron.corrected import (
     shrinkage_weight,
     stein_weight,
 )
-from laplace_debiased.curvature.linalg import order_weights, symmetric_eigh64
+from laplace_debiased.curvature.linalg import RowFactor, order_weights, symmetric_eigh64
 
 EPS64 = torch.finfo(torch.float64).eps
 
@@ -203,6 +203,29 @@ def test_rows_route_equals_the_dense_corrected_factor(d, mB, mM, seed, n_data, r
     assert abs(rec_rows.change - rec.change) <= 1e3 * d * EPS64 * max(1.0, rec.change)
     assert abs(rec_rows.stderr - rec.stderr) <= 1e3 * d * EPS64 * max(1.0, rec.stderr)
     assert abs(rec_rows.kept - rec.kept) <= 1e3 * d * EPS64
+
+
+@settings(max_examples=25, deadline=None)
+@given(d=st.integers(6, 30), narrow=st.integers(1, 5), extra=st.integers(0, 10), seed=st.integers(0, 10_000),
+       n_data=st.one_of(st.none(), st.integers(60, 200)), rule=st.sampled_from(RULES), narrow_b=st.booleans())
+def test_a_factor_held_as_rows_beside_a_dense_one_equals_the_dense_corrected_factor(
+        d, narrow, extra, seed, n_data, rule, narrow_b):
+    """One batch narrower than the factor (held as rows, its gaps from its Gram matrix, never formed alone), the
+    other at least as wide (dense): the corrected factor and its record are the dense ones, to the round-off of a
+    d × d eigendecomposition."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 2.0, d, dtype=torch.float64)
+    sizes = (narrow, d + extra) if narrow_b else (d + extra, narrow)
+    XB, XM = (torch.randn(m, d, generator=g, dtype=torch.float64) * scale for m in sizes)
+    D, M = XB.T @ XB, XM.T @ XM
+    U, lam, rec = corrected_factor(D, M, *sizes, n_data=n_data, rule=rule)
+    mixed = (RowFactor(XB), M) if narrow_b else (D, RowFactor(XM))
+    U_rows, lam_rows, rec_rows = corrected_factor(*mixed, *sizes, n_data=n_data, rule=rule)
+    tol = 1e3 * d * EPS64 * float(torch.linalg.matrix_norm(D + M))
+    assert torch.allclose((U_rows * lam_rows) @ U_rows.T, (U * lam) @ U.T, atol=tol, rtol=0)
+    for field in ("change", "change_b", "change_b_tilde", "stderr", "kept"):
+        want = getattr(rec, field)
+        assert abs(getattr(rec_rows, field) - want) <= 1e3 * d * EPS64 * max(1.0, want)
 
 
 def test_kron_takes_the_rows_route_for_wide_factors_only():

@@ -17,7 +17,9 @@ from laplace.utils.matrix import KronDecomposed
 from torch import nn
 
 from laplace_debiased.curvature.kfac import factor_rows_of, group_kfac_sums
+from laplace_debiased.curvature.completion import isotropic_factor
 from laplace_debiased.curvature.linalg import (
+    RowFactor,
     debiased_factor,
     degenerate_groups,
     gram_eigenpairs,
@@ -106,6 +108,28 @@ def test_lowrank_factor_rotates_tied_eigenvalues_like_the_dense_route():
     torch.testing.assert_close(_dense(Q, mu), _dense(U, lam), **F64)
     Q, mu = lowrank_debiased_factor(Xd, Xm, torch.float64, null_space="isotropic")
     torch.testing.assert_close(_dense(Q, mu), _isotropic_dense(Xd.T @ Xd, Xm.T @ Xm, torch.float64), **F64)
+
+
+@SETTINGS
+@given(n=st.integers(1, 12), extra=st.integers(1, 20), wide=st.integers(-5, 20), seed=st.integers(0, 2**16),
+       duplicate=st.booleans())
+def test_a_factor_held_as_rows_beside_a_dense_one_equals_dense_route(n, extra, wide, seed, duplicate):
+    """B's rows (``n < d``) beside B̃'s dense factor (B̃ from ``d + wide`` rows, rank-deficient below ``d``): the
+    same factor as the dense route, aligned and isotropic, with ``Q`` orthonormal and nothing of B formed; and
+    the reverse, B dense beside B̃'s rows (``RowFactor``), read through them."""
+    d = n + extra
+    Xd, Xm = _rows(n, d, seed, duplicate), _rows(max(d + wide, 1), d, seed + 1)
+    G, C = Xd.T @ Xd, Xm.T @ Xm
+    tol = dict(rtol=1e-10, atol=1e-12 * float(C.abs().max()))
+    Q, mu = lowrank_debiased_factor(Xd, None, torch.float64, magnitude=C)
+    U, lam = debiased_factor(G, C)
+    torch.testing.assert_close(_dense(Q, mu), _dense(U, lam), **tol)
+    torch.testing.assert_close(Q.T @ Q, torch.eye(Q.shape[1], dtype=torch.float64), **F64)
+    Q, mu = lowrank_debiased_factor(Xd, None, torch.float64, null_space="isotropic", magnitude=C)
+    assert Q.shape[1] <= n
+    torch.testing.assert_close(_dense(Q, mu), _dense(*isotropic_factor(G, C)), **tol)
+    for rule in (debiased_factor, isotropic_factor):  # the reverse: B̃ narrow, read through its rows
+        torch.testing.assert_close(_dense(*rule(C, RowFactor(Xd))), _dense(*rule(C, G)), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -307,7 +331,7 @@ def test_dense_route_where_the_rows_do_not_help():
     assert all(Q.shape[0] == Q.shape[1] for Qs in la2.H.eigenvectors for Q in Qs)
 
 
-def test_group_kfac_sums_drops_rows_once_a_group_has_as_many_as_inputs():
+def test_group_kfac_sums_drops_the_rows_of_a_group_once_it_has_as_many_as_inputs():
     model = _wide_mlp()
     X = torch.randn(35, 40, dtype=torch.float64)
     y = torch.randint(0, 4, (35,))
@@ -315,8 +339,12 @@ def test_group_kfac_sums_drops_rows_once_a_group_has_as_many_as_inputs():
         model, [model[0], model[2]], X, y, [(0, 5, 0), (5, 35, 1)], 2,
         likelihood="classification", lossfunc=nn.CrossEntropyLoss(reduction="sum"), factor=1.0, keep_rows=keep,
     ) for keep in (True, False)]
-    assert sums[0].input_rows[1] is None  # group 1's 30 rows ≥ 30 inputs of the second layer: its sum
-    torch.testing.assert_close(sums[0].input[1], sums[1].input[1], rtol=0, atol=0)
+    # group 1's 30 rows ≥ 30 inputs of the second layer: its sum; group 0's 5 rows stay rows beside it
+    assert sums[0].input[1] is None
+    torch.testing.assert_close(sums[0].input_rows[1][1], sums[1].input[1][1], rtol=0, atol=0)
+    narrow = factor_rows_of(sums[0].input_rows[1][0])
+    assert tuple(narrow.shape) == (5, 30)
+    torch.testing.assert_close(narrow.T @ narrow, sums[1].input[1][0], **F64)
     assert sums[0].input[0] is None  # 5 and 30 rows < 40 inputs: rows, no sum
     first = factor_rows_of(sums[0].input_rows[0][1])
     torch.testing.assert_close(first.T @ first, sums[1].input[0][1], **F64)

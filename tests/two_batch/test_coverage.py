@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_debiased.curvature.linalg import roundoff_tolerance
+from laplace_debiased.curvature.linalg import RowFactor, roundoff_tolerance
 from laplace_debiased.kron.corrected import corrected_kron
 from laplace_debiased.kron.laplace import DebiasedKronLaplace
 from laplace_debiased.two_batch.coverage import factor_ranks, numerical_rank
@@ -64,6 +64,30 @@ def test_the_union_has_at_least_the_rank_of_each_batch(batches, from_rows):
     rd, rm, ru = factor_ranks(Fd, Fm, (Xd, Xm) if from_rows else None)
     assert ru >= max(rd, rm)
     assert ru <= min(len(Xd) + len(Xm), Fd.shape[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(two_batches(), st.sampled_from([0, 1]))
+def test_a_part_held_as_rows_beside_a_dense_one_keeps_the_union_above_each_part(batches, held):
+    """One part held as rows (``RowFactor``, never formed alone), the other dense, their pair's rows unknown (a
+    batch narrower than the factor beside a wider one): the same bounds as the dense counts."""
+    Xd, Xm = batches
+    parts = [Xd.T @ Xd, Xm.T @ Xm]
+    parts[held] = RowFactor((Xd, Xm)[held])
+    rd, rm, ru = factor_ranks(*parts)
+    assert ru >= max(rd, rm)
+    assert ru <= min(len(Xd) + len(Xm), Xd.shape[1])
+
+
+def test_a_part_held_as_rows_beside_a_dense_one_counts_as_the_dense_pair():
+    """Generic float64 rows (every eigenvalue far from the tolerance): 5 rows of B beside 30 of B̃ in 12
+    dimensions, the ranks 5, 12, 12 whichever part is held as rows."""
+    g = torch.Generator().manual_seed(0)
+    Xd, Xm = torch.randn(5, 12, generator=g, dtype=torch.float64), torch.randn(30, 12, generator=g, dtype=torch.float64)
+    Fd, Fm = Xd.T @ Xd, Xm.T @ Xm
+    assert factor_ranks(Fd, Fm) == (5, 12, 12)
+    assert factor_ranks(RowFactor(Xd), Fm) == (5, 12, 12)
+    assert factor_ranks(Fm, RowFactor(Xd)) == (12, 5, 12)
 
 
 @settings(max_examples=30, deadline=None)

@@ -14,6 +14,7 @@ from torch import nn
 
 from laplace_debiased.ekfac.laplace import DebiasedEKFACLaplace
 from laplace_debiased.kron.laplace import DebiasedKronLaplace
+from laplace_debiased.two_batch.chunked import auto_chunk_size
 from laplace_debiased.two_batch.token_outputs import per_example_jacobians, token_jacobians
 from _models import loader, toy_data
 
@@ -94,3 +95,46 @@ def test_the_factored_route_follows_prior_precision_and_refit():
     _, ref = _jacobian_route(la, x, tokens)
     torch.testing.assert_close(v2, ref, rtol=1e-10, atol=1e-10 * float(ref.abs().max()))
     assert not torch.allclose(v1, v2)
+
+
+class _MixedTokens(nn.Module):
+    """``(n, T, 5)`` -> ``(n, T, 3)``: a ``Linear(5, 6)`` on every token, the tokens mixed by their mean (no
+    parameters), a per-token head ``Linear(6, 3)``: every output row reads every position of the first layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(torch.tanh(h + h.mean(1, keepdim=True)))
+
+
+#: per input (4 tokens, 3 classes: 12 output rows and classes), the entries the closed-form Jacobians hold:
+#: ``_Tokens``: the first weight's positions g (4 rows, 3, 20, 4) and u (4, 6, 4), cut to each row's own token
+#: (g ⊗ a: 4 · 3 · 20 + 4 · 6), its bias 4 · 3 · 20, the head's inputs 4 · 20 and shared identity 3 · 3, its
+#: bias 3 · 3; ``_MixedTokens``: the first weight's positions g (4, 3, 6, 4) and u (4, 5, 4), all live, rotated
+#: factor by factor and then formed densely (pairs of positions cost more at one prior precision), 4 · 3 · 6 · 5,
+#: its bias 4 · 3 · 6, the head 4 · 6 + 3 · 3 and 3 · 3
+HELD = {"token": 960 + 96 + 240 + 24 + 240 + 80 + 9 + 9, "mixed": 288 + 80 + 360 + 72 + 24 + 9 + 9}
+
+
+@pytest.mark.parametrize("kind", ["token", "mixed"])
+def test_token_chunk_size_counts_what_the_factored_route_holds(kind):
+    """Token outputs on the factored route: the automatic chunk size counts the Jacobian entries one input holds
+    per output row and class (``HELD``), not every parameter (203 and 57: fewer than held for the mixed tokens);
+    without inputs, every parameter."""
+    if kind == "token":
+        la, x, _ = _fit("token")
+    else:
+        torch.manual_seed(0)
+        X = torch.randn(12, 4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        y = torch.randint(0, 3, (12, 4), generator=torch.Generator().manual_seed(2))
+        la = DebiasedKronLaplace(_MixedTokens().double(), "classification")
+        la.fit(loader(torch.utils.data.TensorDataset(X, y), 6))
+        x = X[:5]
+    assert la._factored_applies()
+    entries = -(-HELD[kind] // 12)
+    assert la._jacobian_entries(x) == entries
+    assert la.chunk_size(x) == auto_chunk_size(12, entries, 8)
+    assert la.chunk_size() == auto_chunk_size(12, la.n_params, 8)
