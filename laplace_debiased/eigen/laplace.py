@@ -110,9 +110,10 @@ class EigenConfig:
         eigval_rtol: Directions with B-eigenvalue ``≤ eigval_rtol · λ_max(G_B)`` are not selected
             (those B does not see; also guards against round-off null-space vectors).
         remeasured_rtol: Directions with ``λ̃ ≤ remeasured_rtol · max λ̃`` (or ``≤ 0``) are removed.
-        estimator: ``"paper"`` (B's eigenvectors, B̃'s Rayleigh quotients) or ``"corrected"`` (the top
-            eigenvectors of B ∪ B̃, eigenvalues less the bias both orders measure;
-            [`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank]).
+        estimator: ``"corrected"`` (the default: the top eigenvectors of B ∪ B̃, eigenvalues less the
+            bias both orders measure;
+            [`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank]) or ``"paper"``
+            (B's eigenvectors, B̃'s Rayleigh quotients).
 
     Raises:
         ValueError: ``rank`` is not a positive int, ``method`` or ``estimator`` unknown, or a tolerance
@@ -123,7 +124,7 @@ class EigenConfig:
     method: eigen.Method = "auto"
     eigval_rtol: float = 1e-6
     remeasured_rtol: float = 1e-8
-    estimator: str = "paper"
+    estimator: str = "corrected"
 
     def __post_init__(self) -> None:
         if self.estimator not in LOWRANK_ESTIMATORS:
@@ -327,9 +328,10 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
             ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
         remeasured_rtol: Floor on the re-measured ``λ̃``, relative to the largest
             ([`EigenConfig`][laplace_debiased.eigen.laplace.EigenConfig]).
-        estimator: ``"paper"`` (the default: B's eigenvectors, B̃'s Rayleigh quotients) or
-            ``"corrected"`` (the top eigenvectors of B ∪ B̃ with the bias both orders measure removed;
-            [`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank]); checked here.
+        estimator: ``"corrected"`` (the default: the top eigenvectors of B ∪ B̃ with the bias both
+            orders measure removed;
+            [`corrected_lowrank`][laplace_debiased.eigen.decompose.corrected_lowrank]) or ``"paper"``
+            (B's eigenvectors, B̃'s Rayleigh quotients); checked here.
         **kwargs: The batch options
             ([`TwoBatchLaplace`][laplace_debiased.two_batch.base.TwoBatchLaplace]) and
             laplace-torch's ``ParametricLaplace`` arguments.
@@ -354,7 +356,7 @@ class DebiasedLowRankLaplace(TwoBatchLaplace, LowRankLaplace):
         method: eigen.Method = "auto",
         eigval_rtol: float = 1e-6,
         remeasured_rtol: float = 1e-8,
-        estimator: str = "paper",
+        estimator: str = "corrected",
         **kwargs: Any,
     ) -> None:
         self.eigen_config = EigenConfig(rank, method, eigval_rtol, remeasured_rtol, estimator)

@@ -140,7 +140,8 @@ def test_debiased_lowrank_matches_dense_top_k_and_rayleigh_quotients(subset, met
     model = tiny_mlp()
     loader = data_loader("classification")
     rank = 4
-    la = make_la(model, "classification", subset, "debiased_lowrank", rank=rank, method=method, backend=backend)
+    la = make_la(model, "classification", subset, "debiased_lowrank", rank=rank, method=method, backend=backend,
+                 estimator="paper")
     la.fit(loader)
     module, B, Bt, N = reference_parts(model, subset, loader, "classification")
     G_B = explicit_curvature(module, B, "classification", curvature)
@@ -216,11 +217,13 @@ def test_lowrank_estimator_is_checked_at_construction_and_saved():
     la = make_la(model, "classification", "all", "debiased_lowrank", rank=3)
     la.fit(data_loader("classification"))
     state = la.state_dict()
-    assert state["eigen_estimator"] == "paper"
+    assert state["eigen_estimator"] == "corrected"  # the default
     with pytest.raises(ValueError, match="estimator"):
-        make_la(model, "classification", "all", "debiased_lowrank", rank=3, estimator="corrected").load_state_dict(state)
-    older = {k: v for k, v in state.items() if k != "eigen_estimator"}  # saved before the option existed
-    make_la(model, "classification", "all", "debiased_lowrank", rank=3).load_state_dict(older)
+        make_la(model, "classification", "all", "debiased_lowrank", rank=3, estimator="paper").load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "eigen_estimator"}  # saved before the option existed: paper
+    with pytest.raises(ValueError, match="estimator"):
+        make_la(model, "classification", "all", "debiased_lowrank", rank=3).load_state_dict(older)
+    make_la(model, "classification", "all", "debiased_lowrank", rank=3, estimator="paper").load_state_dict(older)
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
@@ -267,9 +270,11 @@ def test_all_directions_removed_gives_prior_posterior():
 def test_remeasured_threshold_drops_flat_directions():
     model = tiny_mlp()
     loader = data_loader("classification")
-    ref = make_la(model, "classification", "all", "debiased_lowrank", rank=6, remeasured_rtol=0.0)
+    ref = make_la(model, "classification", "all", "debiased_lowrank", rank=6, remeasured_rtol=0.0,
+                  estimator="paper")
     ref.fit(loader)
-    cut = make_la(model, "classification", "all", "debiased_lowrank", rank=6, remeasured_rtol=0.3)
+    cut = make_la(model, "classification", "all", "debiased_lowrank", rank=6, remeasured_rtol=0.3,
+                  estimator="paper")
     cut.fit(loader)
     keep = ref.H[1] > 0.3 * ref.H[1].max()
     assert 0 < int(keep.sum()) < 6
@@ -519,7 +524,8 @@ def test_multihead_attention_model_fits_and_matches_dense_formula(structure):
     g = torch.Generator().manual_seed(0)
     X, y = torch.randn(16, 12, dtype=torch.float64, generator=g), torch.randint(0, 3, (16,), generator=g)
     loader = DataLoader(TensorDataset(X, y), batch_size=8)
-    la = make_la(model, "classification", "all", structure)
+    la = make_la(model, "classification", "all", structure,
+                 **({"estimator": "paper"} if structure == "debiased_lowrank" else {}))  # B̃'s Rayleigh quotients
     la.fit(loader)
     G_Bt = explicit_curvature(model, [(X[8:], y[8:])], "classification") * 2
     if structure == "debiased_lowrank":
