@@ -1,7 +1,7 @@
-"""The pre-registered evaluations' summaries and decisions (``benchmarks/PROTOCOL.md``, and the
-second registration ``benchmarks/PROTOCOL_V2.md``).
+"""The pre-registered evaluations' summaries and decisions (``benchmarks/PROTOCOL.md``, the
+second registration ``benchmarks/PROTOCOL_V2.md`` and the third ``benchmarks/PROTOCOL_V3.md``).
 
-    python benchmarks/protocol_summary.py [--registration 1|2] [--cache ~/.cache/laplace-debiased-study]
+    python benchmarks/protocol_summary.py [--registration 1|2|3] [--cache ~/.cache/laplace-debiased-study]
 
 Reads what has finished from the registration's two caches (``<cnn>/b<b>/results.jsonl`` of the
 main job, ``<mlp>/b<b>/seed<s>.json`` of ``digits_mlp_estimators.py``; :data:`REGISTRATIONS`), and
@@ -9,8 +9,8 @@ writes ``results/<stem>.{json,md}``: per setting, b and candidate the metric M (
 test-NLL gap to the full batch over δ, points), its paired difference D to the single batch
 (mean ± s.e., draws worse), the margins' verdicts, the paired per-δ differences, and the decision
 by the registration's criterion over the finished settings (a setting is finished when every b has
-all its draws for every candidate). The second registration's report also gives the first one's
-margins on its run.
+all its draws for every candidate). The second and third registrations share margins and
+criterion; their reports also give the first one's margins on their run.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Registration:
     """One pre-registered run: its protocol, caches (under ``--cache``), draws per cell, the
     one-sided 95 % t quantile at ``draws - 1`` degrees of freedom, and the results' file stem."""
 
+    number: int
     protocol: str
     cnn: str
     mlp: str
@@ -48,8 +49,10 @@ class Registration:
     stem: str
 
 
-REGISTRATIONS = {1: Registration("PROTOCOL.md", "digits-cnn", "digits-mlp", 16, T15, "protocol"),
-                 2: Registration("PROTOCOL_V2.md", "v2-digits-cnn", "v2-digits-mlp", 20, 1.729, "protocol_v2")}
+REGISTRATIONS = {1: Registration(1, "PROTOCOL.md", "digits-cnn", "digits-mlp", 16, T15, "protocol"),
+                 2: Registration(2, "PROTOCOL_V2.md", "v2-digits-cnn", "v2-digits-mlp", 20, 1.729, "protocol_v2"),
+                 3: Registration(3, "PROTOCOL_V3.md", "v3-digits-cnn", "v3-digits-mlp", 64, 1.669, "protocol_v3")}
+ORDINALS = {2: "Second", 3: "Third"}
 
 
 def digits_cnn(root: Path) -> dict[int, dict[str, dict[int, dict[float, float]]]]:
@@ -194,13 +197,14 @@ def _setting_lines(setting: str, bs: dict[int, dict], state: str, second: bool) 
 
 def markdown(cells: dict, finished: dict[str, bool], decision: dict, reg: Registration,
              first_decision: dict | None = None) -> str:
-    """The report of registration ``reg``; for the second, ``first_decision`` is the first
+    """The report of registration ``reg``; for the second and third, ``first_decision`` is the first
     registration's criterion applied to this run (reported, not deciding)."""
-    second = reg.stem != "protocol"
+    second = reg.number >= 2
     if second:
-        head = ["# Second pre-registered evaluation of the two-batch K-FAC estimates (benchmarks/PROTOCOL_V2.md)", "",
-                "Written by `python benchmarks/protocol_summary.py --registration 2` from the caches of the commands "
-                "in PROTOCOL_V2.md. M: largest relative test-NLL gap to full-batch K-FAC over δ (points, mean ± s.e. "
+        head = [f"# {ORDINALS[reg.number]} pre-registered evaluation of the two-batch K-FAC estimates "
+                f"(benchmarks/{reg.protocol})", "",
+                f"Written by `python benchmarks/protocol_summary.py --registration {reg.number}` from the caches of "
+                f"the commands in {reg.protocol}. M: largest relative test-NLL gap to full-batch K-FAC over δ (points, mean ± s.e. "
                 "over draws). D: M − M(single) on the same draw (mean ± s.e.; worse: draws with D > 0). "
                 f"u(x) = mean + {reg.t} s.e. Margins: non-inferior if u(D) < {MARGIN} pt; where the single batch "
                 "lies outside the noise floor (the paper's bias-free split detectably closer: u(M_paper − M_single) "
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s, bs in cells.items()}
     done = {s: bs for s, bs in cells.items() if finished[s]}
     first = decide(done)
-    decision, first_decision = (decide_v2(done), first) if args.registration == 2 else (first, None)
+    decision, first_decision = (decide_v2(done), first) if reg.number >= 2 else (first, None)
     record = {"cells": {s: {str(b): c for b, c in bs.items()} for s, bs in cells.items()}, "finished": finished,
               "decision": decision}
     if first_decision is not None:

@@ -87,3 +87,25 @@ def test_second_registration_keeps_the_default_when_nothing_is_non_inferior():
     c = cell(_curves({"single": 0.05, "paper": 0.10, "corrected": 0.08, "shrunk": 0.09, "stein": 0.07}, rng), t=1.729)
     d = decide_v2({"s": {32: c}})
     assert d["eligible"] == [] and d["default"] == "shrunk" and "non-inferior" in d["why"]
+
+
+def test_each_registration_uses_the_t_quantile_of_its_draws():
+    """u(x) = mean + t s.e. with t the one-sided 95 % quantile at draws − 1 degrees of freedom."""
+    from scipy import stats
+
+    from benchmarks.protocol_summary import REGISTRATIONS
+
+    for reg in REGISTRATIONS.values():
+        assert abs(reg.t - stats.t.ppf(0.95, reg.draws - 1)) < 5e-4, reg
+
+
+def test_third_registration_report_names_its_protocol_and_command():
+    from benchmarks.protocol_summary import REGISTRATIONS, markdown
+
+    rng = np.random.default_rng(5)
+    reg = REGISTRATIONS[3]
+    c = cell(_curves({"single": 0.05, "paper": 0.04, "corrected": 0.03, "shrunk": 0.035, "stein": 0.03}, rng,
+                     draws=reg.draws), t=reg.t)
+    text = markdown({"s": {32: c}}, {"s": True}, decide_v2({"s": {32: c}}), reg)
+    assert text.startswith("# Third pre-registered evaluation") and "PROTOCOL_V3.md" in text
+    assert "--registration 3" in text and f"u(x) = mean + {reg.t} s.e." in text
