@@ -326,9 +326,9 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['ratio_per_batch_over_single']:.2f} | {s['eigh_float64']:.3f} | "
             f"{s['eigh_stock']:.3f} | {r['ratio_without_decompositions']:.2f} |"
         )
-    for name, what in (("corrected", "The corrected estimate (`fit(estimator='corrected')`)"),
-                       ("shrunk", "The shrunk estimate (`fit(estimator='shrunk')`, the default)"),
-                       ("stein", "The James–Stein estimate (`fit(estimator='stein')`)")):
+    for name, what in (("corrected", "The corrected estimate (`estimator='corrected'`)"),
+                       ("shrunk", "The shrunk estimate (`estimator='shrunk'`, the default)"),
+                       ("stein", "The James–Stein estimate (`estimator='stein'`)")):
         if all(r["median_seconds"][name] == r["median_seconds"][name] for r in rows):  # timed
             lines += ["", f"{what} on the same two batches, and its decomposition against the paper's:", "",
                       f"| b | {name} 2×b/2 (s) | **{name} / debiased** (target ≤ 1.1) | {name} / single b, "
