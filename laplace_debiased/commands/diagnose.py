@@ -153,17 +153,17 @@ def _two_batch_kron(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likeliho
 
 def correction_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, likelihood: str, batch_size: int,
                        seed: int) -> str:
-    """Markdown: what the default K-FAC fit (``estimator="shrunk"``) changes at this batch
+    """Markdown: what the default K-FAC fit (``estimator="corrected"``) changes at this batch
     size, per layer and factor, or why there is no such fit."""
     lines = ["", "## What debiasing changes at this batch size", "",
-             f"The default debiased K-FAC fit (`estimator='shrunk'`) on two disjoint random batches of "
+             f"The default debiased K-FAC fit (`estimator='corrected'`) on two disjoint random batches of "
              f"{max(batch_size // 2, 2)} samples: per layer and factor, how far the regression-to-the-mean "
              "correction moves the spectrum of the single batch B ∪ B̃, its standard error from the two "
-             "orders of the batches, and the share of the correction kept on the range of B ∪ B̃ (it is shrunk "
-             "by the two orders' disagreement). Near zero: at this batch size a single batch is already "
-             "unbiased there, and the fit keeps it.", ""]
+             "orders of the batches, and the share of the correction kept on the range of B ∪ B̃ (all of it "
+             "here; `estimator='shrunk'` or `'stein'` keep less). Near zero: at this batch size a single batch "
+             "is already unbiased there.", ""]
     try:
-        la = _two_batch_kron(model, X, y, likelihood, batch_size, seed, estimator="shrunk")
+        la = _two_batch_kron(model, X, y, likelihood, batch_size, seed, estimator="corrected")
     except ValueError as err:
         return "\n".join([*lines, f"No debiased K-FAC fit for this model: {err}", ""])
     return "\n".join([*lines, la.correction.markdown(), ""])

@@ -35,11 +35,11 @@ class Method:
         name: The key of its result rows and its ``--methods`` value (``"kron_shrunk"``).
         structure: laplace-torch's ``hessian_structure`` of the fit (``"debiased_kron"``).
         batches: Its batch rule, one of [`BATCH_RULES`][laplace_debiased.evaluation.methods.BATCH_RULES].
-        options: The structure's options of the fit (``{"estimator": "shrunk"}``).
+        options: The structure's options of the fit (``{"estimator": "corrected"}``).
         role: Its short name among the fits of one structure, in the report's sentences
-            (``"shrunk split (default)"``); the table's order is the report's order.
+            (``"corrected split (default)"``); the table's order is the report's order.
         summary: A phrase that completes "<structure>, <summary> <batch sizes>" in the report's
-            labels (``"shrunk"``; unused by a full-batch method).
+            labels (``"corrected"``; unused by a full-batch method).
         description: What it does, for the report's setting; ``{structure}``, ``{b}`` and
             ``{half}`` (b/2) are filled in.
     """
@@ -93,8 +93,8 @@ _PAPER = ("debiased {structure}: directions (eigenvectors) from a batch B of {ha
           "magnitudes re-measured on an independent batch B̃ of {half}")
 _POOLED = ("eigenvectors of both batches of {half} training points together, eigenvalues less the "
            "regression-to-the-mean bias the two batches measure against each other")
-_CORRECTED = f"corrected {{structure}}: {_POOLED} (estimator='corrected')"
-_SHRUNK = (f"shrunk {{structure}} (the default fit): {_POOLED}, that correction shrunk per factor by how much "
+_CORRECTED = f"corrected {{structure}} (the default fit): {_POOLED} (estimator='corrected')"
+_SHRUNK = (f"shrunk {{structure}}: {_POOLED}, that correction shrunk per factor by how much "
            "the two batches disagree on it (estimator='shrunk')")
 _STEIN = (f"stein {{structure}}: {_POOLED}, that correction weighted per factor by its minimum-MSE "
           "(James-Stein) weight (estimator='stein')")
@@ -108,9 +108,9 @@ def _table(*methods: Method) -> Mapping[str, Method]:
 METHODS: Mapping[str, Method] = _table(
     Method("kron_single", "debiased_kron", "single", "single batch", "single batch of", _SINGLE),
     Method("kron_debiased", "debiased_kron", "two", "paper's split", "debiased", _PAPER, {"estimator": "paper"}),
-    Method("kron_corrected", "debiased_kron", "two", "corrected split", "corrected", _CORRECTED,
+    Method("kron_corrected", "debiased_kron", "two", "corrected split (default)", "corrected", _CORRECTED,
            {"estimator": "corrected"}),
-    Method("kron_shrunk", "debiased_kron", "two", "shrunk split (default)", "shrunk", _SHRUNK, {"estimator": "shrunk"}),
+    Method("kron_shrunk", "debiased_kron", "two", "shrunk split", "shrunk", _SHRUNK, {"estimator": "shrunk"}),
     Method("kron_stein", "debiased_kron", "two", "James-Stein split", "stein", _STEIN, {"estimator": "stein"}),
     Method("kron_full", "debiased_kron", "full", "full batch", "full batch", ""),
     Method("lowrank_single", "debiased_lowrank", "single", "single batch", "single batch of", _SINGLE),

@@ -36,7 +36,7 @@ DEFAULTS: dict = {
     "subset": "all",
     # low rank (k = 30 of 9,802 directions) is opt-in: it cannot help on the digits CNN and doubles the time;
     # EKFAC (debiased_ekfac) is opt-in too
-    "methods": ["kron_single", "kron_debiased", "kron_shrunk", "kron_full"],
+    "methods": ["kron_single", "kron_debiased", "kron_corrected", "kron_full"],
     "repeats": 3,
     # both regimes on the digits (N = 300; benchmarks/results/digits_estimators.md): at b = 32 one
     # batch's bias is large and both two-batch fits track the full batch more closely than the single

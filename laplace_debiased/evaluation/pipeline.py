@@ -17,9 +17,9 @@ rule, fitted by [`fit_laplace`][laplace_debiased.evaluation.pipeline.fit_laplace
 * ``*_debiased``, ``kron_corrected``, ``kron_shrunk``: two disjoint batches of ``--batch-size/2``
   samples, B choosing the eigenvectors and B̃ measuring the eigenvalues (``estimator="paper"``),
   or the eigenvectors of B ∪ B̃ with eigenvalues less the regression-to-the-mean gap the batches
-  measure against each other (``"corrected"``,
-  [`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]), that correction
-  shrunk by its noise (``"shrunk"``, the default of a K-FAC fit);
+  measure against each other (``"corrected"``, the default of a K-FAC fit;
+  [`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]), or that correction
+  shrunk by the two orders' disagreement (``"shrunk"``);
 * ``*_full``: every training point (one repeat, the reference of its structure).
 
 The structures are K-FAC (``kron_*``), EKFAC (``ekfac_*``, the exact curvature along the K-FAC

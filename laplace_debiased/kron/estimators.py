@@ -4,9 +4,9 @@ debiased K-FAC Laplace classes ([`laplace_debiased.kron.laplace`][laplace_debias
 ``"paper"``: B's eigenvectors, B̃'s Rayleigh quotients (Tatzel et al., ICLR 2025), with the
 null-space completion of [`laplace_debiased.curvature.completion`][laplace_debiased.curvature.completion]. ``"corrected"``: the
 eigenvectors of B ∪ B̃, eigenvalues less the regression-to-the-mean gap the two batches measure
-against each other ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]). ``"shrunk"``: the same, with each
-factor's correction scaled by ``max(0, 1 - Σe²/Σx²)`` (``e`` the two orders' disagreement; the
-default). ``"stein"``: the same, scaled by the minimum-MSE (James–Stein) weight from the
+against each other ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]; the
+default). ``"shrunk"``: the same, with each factor's correction scaled by ``max(0, 1 - Σe²/Σx²)``
+(``e`` the two orders' disagreement). ``"stein"``: the same, scaled by the minimum-MSE (James–Stein) weight from the
 correction's own noise, the pooled null space filled by the smaller of the two orders' null gaps
 ([`laplace_debiased.kron.corrected`][laplace_debiased.kron.corrected]).
 """
@@ -39,10 +39,11 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
     """The estimate a fit uses.
 
     Args:
-        estimator: the one asked for, or ``None`` for the default: ``"shrunk"`` where
-            ``offered`` has it (measured against the single batch, the paper's and the corrected
-            estimate in docs/benchmarks.md), except that ``cross_fit=True`` or ``null_space="aligned"``
-            (options of the paper's estimate) select ``"paper"``; ``"paper"`` elsewhere.
+        estimator: the one asked for, or ``None`` for the default: ``"corrected"`` where
+            ``offered`` has it (chosen by a pre-registered comparison with the single batch, the
+            paper's, the shrunk and the stein estimate; docs/benchmarks.md), except that
+            ``cross_fit=True`` or ``null_space="aligned"`` (options of the paper's estimate) select
+            ``"paper"``; ``"paper"`` elsewhere.
         offered: the estimates the structure offers
             ([`ESTIMATORS`][laplace_debiased.kron.estimators.ESTIMATORS] for ``debiased_kron``).
         structure: the structure's name, for the error message.
@@ -59,7 +60,7 @@ def resolve_estimator(estimator: str | None, offered: Sequence[str], structure: 
     """
     if estimator is None:
         paper_options = cross_fit or null_space != "isotropic"
-        return "shrunk" if "shrunk" in offered and not paper_options else "paper"
+        return "corrected" if "corrected" in offered and not paper_options else "paper"
     if estimator not in offered:
         raise ValueError(f"{structure} offers estimator in {tuple(offered)}, got {estimator!r}.")
     if estimator in CORRECTED and cross_fit:

@@ -411,7 +411,7 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
     [`RowsKron`][laplace_debiased.kron.laplace.RowsKron] whose factors with fewer rows than their width
     are formed densely only where ``kfacs`` is read, as by ``state_dict``) and ``H`` a
     [`DebiasedKronDecomposed`][laplace_debiased.kron.laplace.DebiasedKronDecomposed]: by default the pooled
-    eigenvectors of B ∪ B̃ with corrected eigenvalues, the correction shrunk by its noise; with
+    eigenvectors of B ∪ B̃ with corrected eigenvalues; with
     ``estimator="paper"`` B's eigenvectors and B̃'s Rayleigh quotients (cross-fitted: a
     [`CrossFitDecomposed`][laplace_debiased.two_batch.cross_fit.CrossFitDecomposed]); ``coverage``
     ([`Coverage`][laplace_debiased.two_batch.coverage.Coverage], logged) records what the curvature covers and
@@ -456,8 +456,9 @@ class DebiasedKronLaplace(TwoBatchLaplace, KronLaplace):
             null_space: For ``estimator="paper"``, B's null space: ``"isotropic"`` (B̃'s mean curvature
                 there) or ``"aligned"`` (B̃'s eigenbasis there)
                 ([`completion`][laplace_debiased.curvature.completion]).
-            estimator: ``"shrunk"`` (default), ``"corrected"``, ``"stein"`` (the correction weighted by its
-                minimum-MSE, James–Stein, weight) or ``"paper"``
+            estimator: ``"corrected"`` (default), ``"shrunk"`` (the correction shrunk by the two
+                orders' disagreement), ``"stein"`` (weighted by its minimum-MSE, James–Stein, weight) or
+                ``"paper"``
                 ([`resolve_estimator`][laplace_debiased.kron.estimators.resolve_estimator]; the maths:
                 [`corrected`][laplace_debiased.kron.corrected]). B̃ = B gives stock K-FAC either way.
             cross_fit: Also fit the swapped roles (basis from B̃, eigenvalues from B) and use the

@@ -83,7 +83,7 @@ def test_batch_size_takes_one_value_or_several():
 
 def test_the_default_job_covers_both_regimes_with_the_single_paper_and_default_fits():
     assert DEFAULTS["batch_size"] == [32, 128]
-    assert DEFAULTS["methods"] == ["kron_single", "kron_debiased", "kron_shrunk", "kron_full"]
+    assert DEFAULTS["methods"] == ["kron_single", "kron_debiased", "kron_corrected", "kron_full"]
 
 
 def test_one_batch_size_keeps_the_method_names_and_several_name_each_b():

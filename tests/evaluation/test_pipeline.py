@@ -77,11 +77,11 @@ def test_tiny_end_to_end_run_with_the_ekfac_methods(tmp_path, monkeypatch):
 def test_corrected_method_is_described_as_two_halves():
     d = METHODS["kron_corrected"].describe(64, 300, 30)
     assert d["label"] == "K-FAC, corrected 32 + 32" and d["samples"] == 64
-    assert "estimator='corrected'" in d["description"]
+    assert "estimator='corrected'" in d["description"] and "default" in d["description"]
     assert METHODS["kron_debiased"].describe(64, 300, 30)["samples"] == 64
     d = METHODS["kron_shrunk"].describe(64, 300, 30)
     assert d["label"] == "K-FAC, shrunk 32 + 32" and d["samples"] == 64
-    assert "estimator='shrunk'" in d["description"] and "default" in d["description"]
+    assert "estimator='shrunk'" in d["description"] and "default" not in d["description"]
 
 
 def test_each_batch_size_draws_its_own_batches():
@@ -141,11 +141,11 @@ def test_tiny_run_with_two_batch_sizes_reports_both_and_refuses_another_list(tmp
     cfg.write_text(json.dumps({
         "train-size": 200, "epochs": 2, "subset": "last_layer", "repeats": 2, "batch-size": [16, 64],
         "prior-precisions": [0.1, 10.0], "links": ["probit_projected"], "quiet": True,
-    }))  # the default methods: kron_single, kron_debiased, kron_shrunk, kron_full
+    }))  # the default methods: kron_single, kron_debiased, kron_corrected, kron_full
     out = tmp_path / "out"
     assert cli.main(["--config", str(cfg), "--out", str(out), "--seed", "1"]) == 0
     rows = [json.loads(r) for r in (out / "results.jsonl").read_text().splitlines()]
-    keys = [f"{m}@b{b}" for m in ("kron_single", "kron_debiased", "kron_shrunk") for b in (16, 64)]
+    keys = [f"{m}@b{b}" for m in ("kron_single", "kron_debiased", "kron_corrected") for b in (16, 64)]
     n_grid = len({r["prior_precision"] for r in rows} - {None})
     for key in keys:
         mine = [r for r in rows if r["method"] == key]
@@ -155,7 +155,7 @@ def test_tiny_run_with_two_batch_sizes_reports_both_and_refuses_another_list(tmp
     assert {r["method"] for r in rows} == {"map", "kron_full", *keys}
     report = (out / "report" / "report.md").read_text()
     section = report.split("## Batch size: where debiasing helps")[1].split("\n## ")[0]
-    for label in ("K-FAC, single batch of 16", "K-FAC, debiased 8 + 8", "K-FAC, shrunk 32 + 32",
+    for label in ("K-FAC, single batch of 16", "K-FAC, debiased 8 + 8", "K-FAC, corrected 32 + 32",
                   "K-FAC, full batch of 200"):
         assert f"| {label} |" in section
     assert "At b = 16, the " in section and "At b = 64, the " in section and "So " in section

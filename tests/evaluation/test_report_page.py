@@ -190,13 +190,13 @@ def test_the_batch_size_section_ranks_fits_only_beyond_the_spread_over_draws(tmp
     assert "| all (300) | kron_full | 1 | 0 (the reference) | 1 | 0.5 |" in part
     assert (tmp_path / "rep" / "batch_size.png").is_file() and "](batch_size.png)" in part
     assert "t = 4.30 (Student's t, 2 degrees of freedom, a two-sided 95 % interval)" in part
-    assert ("At b = 32, the largest test-NLL gaps are 2.17 % for the corrected split, 3.17 % for the paper's split, "
-            "6.00 % for the single batch on average over 3 draws. The order of the corrected split and the paper's "
+    assert ("At b = 32, the largest test-NLL gaps are 2.17 % for the corrected split (default), 3.17 % for the paper's split, "
+            "6.00 % for the single batch on average over 3 draws. The order of the corrected split (default) and the paper's "
             "split is within the spread over draws, so the report does not rank them; the single batch tracked the "
-            "full batch less closely than the corrected split, beyond that spread.") in part
-    assert ("At b = 128, the largest test-NLL gaps are 1.40 % for the single batch, 2.07 % for the corrected split, "
+            "full batch less closely than the corrected split (default), beyond that spread.") in part
+    assert ("At b = 128, the largest test-NLL gaps are 1.40 % for the single batch, 2.07 % for the corrected split (default), "
             "3.60 % for the paper's split on average over 3 draws. The order of the single batch, the corrected "
-            "split and the paper's split is within the spread over draws, so the report does not rank them.") in part
+            "split (default) and the paper's split is within the spread over draws, so the report does not rank them.") in part
     assert "tracked the full batch best" not in part
     assert ("So debiasing helped at b = 32 (11 % of N = 300); at b = 128 (43 % of N = 300) the order of the "
             "closest fits, the single batch among them, is within the spread over draws.") in part
@@ -207,7 +207,7 @@ def test_a_lead_beyond_the_spread_over_draws_is_ranked(tmp_path):
     below the paper's split, paired over 3 draws: both beyond t = 4.30 standard errors."""
     gaps = {**BATCH_GAPS, "kron_debiased@b32": [0.06, 0.03, 0.021], "kron_corrected@b32": [0.03, 0.011, 0.0]}
     part = write_report(_batch_rows(gaps), tmp_path / "rep").read_text().split("## Batch size")[1]
-    assert ("At b = 32, the corrected split tracked the full batch best: its largest test-NLL gap is 1.37 % on "
+    assert ("At b = 32, the corrected split (default) tracked the full batch best: its largest test-NLL gap is 1.37 % on "
             "average over 3 draws, against 3.70 % for the paper's split, 6.00 % for the single batch, a lead over "
             "each beyond the spread over draws.") in part
     assert "So debiasing helped at b = 32" in part
@@ -216,7 +216,7 @@ def test_a_lead_beyond_the_spread_over_draws_is_ranked(tmp_path):
 def test_a_closest_two_batch_fit_within_the_single_batchs_spread_is_not_called_a_help(tmp_path):
     gaps = {**BATCH_GAPS, "kron_single@b32": [0.09, 0.05, 0.03]}  # corrected's lead: -3.5 % ± 0.96 %
     part = write_report(_batch_rows(gaps), tmp_path / "rep").read_text().split("## Batch size")[1]
-    assert ("The order of the corrected split, the paper's split and the single batch is within the spread over "
+    assert ("The order of the corrected split (default), the paper's split and the single batch is within the spread over "
             "draws, so the report does not rank them.") in part
     assert "So at b = 32 and 128 the order of the closest fits, the single batch among them, is within" in part
     assert "debiasing helped" not in part and "tracked the full batch best" not in part

@@ -93,17 +93,19 @@ def test_the_same_loader_object_is_stock_kron_laplace(estimator):
     assert la.correction is None
 
 
-def test_the_default_is_the_shrunk_estimate_unless_a_paper_option_is_asked_for():
+def test_the_default_is_the_corrected_estimate_unless_a_paper_option_is_asked_for():
     ds = toy_data(16, (4,), 3, "classification")
-    for options, expected in (({}, "shrunk"), ({"cross_fit": True}, "paper"), ({"null_space": "aligned"}, "paper")):
+    for options, expected in (({}, "corrected"), ({"cross_fit": True}, "paper"), ({"null_space": "aligned"}, "paper")):
         la = DebiasedKronLaplace(tiny_mlp(), "classification", **options)
         la.fit(loader(ds, 8))
         assert la._estimator == expected
-    shrunk = DebiasedKronLaplace(tiny_mlp(), "classification", estimator="shrunk")
-    shrunk.fit(loader(ds, 8))
-    default = DebiasedKronLaplace(tiny_mlp(), "classification")
-    default.fit(loader(ds, 8))
-    torch.testing.assert_close(default.H.to_matrix(), shrunk.H.to_matrix(), atol=0, rtol=0)
+    fits, ds = {}, toy_data(32, (4,), 3, "classification")  # here the shrunk weight is below 1 in two factors
+    for estimator in (None, "corrected", "shrunk"):
+        fits[estimator] = DebiasedKronLaplace(tiny_mlp(), "classification",
+                                              **({} if estimator is None else {"estimator": estimator}))
+        fits[estimator].fit(loader(ds, 8))
+    torch.testing.assert_close(fits[None].H.to_matrix(), fits["corrected"].H.to_matrix(), atol=0, rtol=0)
+    assert not torch.allclose(fits[None].H.to_matrix(), fits["shrunk"].H.to_matrix())  # the weight matters here
 
 
 def test_refusals_say_what_to_pass():

@@ -269,13 +269,13 @@ def test_constructor_options_equal_the_deprecated_fit_keywords(subset, structure
 def test_factory_passes_the_estimate_to_the_constructor():
     """``Laplace(..., hessian_structure="debiased_kron", estimator="paper")`` (last layer, the
     factory's default) fits the paper's estimate: B's eigenvectors, B̃'s Rayleigh quotients, which
-    differs from the default (shrunk) estimate."""
+    differs from the default (corrected) estimate."""
     data = loader(toy_data(32, (4,), 3, "classification"), 8)
     paper = Laplace(tiny_mlp(), "classification", hessian_structure="debiased_kron", estimator="paper")
     default = Laplace(tiny_mlp(), "classification", hessian_structure="debiased_kron")
     for la in (paper, default):
         la.fit(data)
-    assert (paper._estimator, default._estimator) == ("paper", "shrunk")
+    assert (paper._estimator, default._estimator) == ("paper", "corrected")
     (G, A), (D, C) = paper.H_facs.kfacs[0], paper.H_facs_magnitude.kfacs[0]
     for B_factor, M_factor, eigenvalues in zip((G, A), (D, C), paper.H.eigenvalues[0]):
         U = torch.linalg.eigh(B_factor.double())[1]
@@ -313,7 +313,7 @@ def test_deprecated_fit_keywords_are_checked_and_unknown_ones_refused():
     la = Laplace(tiny_mlp(), "classification", "all", "debiased_kron")
     with pytest.deprecated_call(), pytest.raises(ValueError, match="offers estimator in"):
         la.fit(data, estimator="median")
-    assert la._estimator == "shrunk"  # a refused keyword leaves the options as they were
+    assert la._estimator == "corrected"  # a refused keyword leaves the options as they were
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['rank'\]"):
         la.fit(data, rank=3)
     ekfac = Laplace(tiny_mlp(), "classification", "all", "debiased_ekfac")
