@@ -94,8 +94,8 @@ def one_seed(model, data, full_la, bias, b: int, n_test: int, seed: int, log) ->
             "paper": kron_fit(model, halves, estimator="paper"),
             "paper, halves swapped": kron_fit(model, swapped_halves, estimator="paper"),
             "paper, cross-fit (both orders)": kron_fit(model, halves, estimator="paper", cross_fit=True),
-            "shrunk (default)": kron_fit(model, halves, estimator="shrunk")}
-    kinds = block_kinds(fits["shrunk (default)"])
+            "shrunk": kron_fit(model, halves, estimator="shrunk")}
+    kinds = block_kinds(fits["shrunk"])
     base = fits["single batch"]
     predictives = {k: GridPredictive(la) for k, la in fits.items()}
     for kind in KINDS:

@@ -4,7 +4,7 @@
 
 The quick start's fit (``examples/quickstart.py``): the main job's cached MAP ``digits_cnn``
 (``default_digits_model``), B and B̃ the first two batches of 32 of its seeded training loader,
-``fit`` with its defaults (``null_space="isotropic"``, the default estimator, ``"shrunk"``). Beside
+``fit`` with its defaults (``null_space="isotropic"``, the default estimator, ``"corrected"``; ``"shrunk"`` when its results were written). Beside
 it the same batches with ``estimator="paper"`` (B's eigenvectors, B̃'s Rayleigh quotients: the
 isotropic completion of B's null group that the doc describes), and the full-batch fit (B̃ = B =
 all 300 training images, stock K-FAC). For the layer's output factor ``G`` (32) and input factor

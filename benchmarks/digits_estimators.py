@@ -5,7 +5,7 @@ main job's embedded digits (N = 300), for several batch sizes.
         [--seed S] [--links probit_projected ...] [--name digits_estimators]
 
 Runs the main job (``python -m laplace_debiased``) once per batch size b with the methods
-kron_single (b samples), kron_debiased, kron_corrected, kron_shrunk (``fit``'s default) and kron_stein
+kron_single (b samples), kron_debiased, kron_corrected (the default), kron_shrunk and kron_stein
 (two halves of b/2) and kron_full, ``--repeats`` draws
 each (default 3; ``--seed`` seeds the MAP and the draws, default 0), into ``DIR/b<b>/``, then writes
 ``results/<name>.{json,md,png}`` (default name ``digits_estimators``): per method and b
@@ -35,8 +35,8 @@ from laplace_debiased.evaluation.tracking import (curves_from_json, curves_to_js
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("kron_single", "kron_debiased", "kron_corrected", "kron_shrunk", "kron_stein")
-LABELS = {"kron_single": "single batch b", "kron_debiased": "paper 2 × b/2", "kron_corrected": "corrected 2 × b/2",
-          "kron_shrunk": "shrunk 2 × b/2 (default)", "kron_stein": "stein 2 × b/2"}
+LABELS = {"kron_single": "single batch b", "kron_debiased": "paper 2 × b/2",
+          "kron_corrected": "corrected 2 × b/2 (default)", "kron_shrunk": "shrunk 2 × b/2", "kron_stein": "stein 2 × b/2"}
 LINK = "probit_projected"
 
 
@@ -114,15 +114,15 @@ def by_delta_markdown(results: dict[int, dict], figure: str = "digits_estimators
              "Signed relative test-NLL gap to the full batch (%) at each prior precision δ, mean ± standard error "
              "over the draws (positive: a higher NLL than the full batch's). The table above reports, per draw, the "
              f"largest absolute value of these over the grid. Figure: [{figure}]({figure}).", "",
-             "| δ | " + " | ".join(f"b = {b}: single | b = {b}: shrunk (default)" for b in sizes) + " |",
+             "| δ | " + " | ".join(f"b = {b}: single | b = {b}: corrected (default)" for b in sizes) + " |",
              "|---|" + "---|---|" * len(sizes)]
     for key in results[sizes[0]]["kron_single"]["signed_nll_gap_by_delta"]:
         cells = [mean_stderr_text(100 * np.array(results[b][m]["signed_nll_gap_by_delta"][key]), 2)
-                 for b in sizes for m in ("kron_single", "kron_shrunk")]
+                 for b in sizes for m in ("kron_single", "kron_corrected")]
         lines.append(f"| {float(key):.3g} | " + " | ".join(cells) + " |")
     lines += ["", "The δ at which each draw's gap is largest (δ: draws):", ""]
     for b in sizes:
-        for m in ("kron_single", "kron_shrunk"):
+        for m in ("kron_single", "kron_corrected"):
             curves = curves_from_json(results[b][m]["signed_nll_gap_by_delta"])
             lines.append(f"- b = {b}, {LABELS[m]}: " + ", ".join(f"{d:.3g}: {k}" for d, k in where_largest(curves).items()))
     return "\n".join(lines) + "\n"

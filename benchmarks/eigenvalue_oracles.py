@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python -m benchmarks.eigenvalue_oracles [--batch-sizes 32 64 128] [--repeats 16]
         [--bias-draws 64] [--folds 16] [--out DIR]
 
-The corrected and shrunk estimates (``fit``'s default) take the eigenvectors of B ∪ B̃, which are
+The corrected (the default) and shrunk estimates take the eigenvectors of B ∪ B̃, which are
 the single batch's of ``b = |B ∪ B̃|`` samples, and change only the eigenvalues of each K-FAC
 factor. Two oracles, which know the full-batch factor ``F_N``, show what such an eigenvalue
 estimate can reach: the first removes all of the mean bias, the second all eigenvalue error. For one factor of the single batch, ``F̂ = U diag(λ̂) Uᵀ`` (ascending, float64)
@@ -65,7 +65,7 @@ from laplace_debiased.kron.laplace import DebiasedKronLaplace
 HERE = Path(__file__).resolve().parent
 LINK = "probit_projected"
 POSTERIORS = ("single", "shrunk", "cross_validated", "bias_oracle", "eigenvalue_oracle")
-LABELS = {"single": "single batch b", "shrunk": "shrunk 2 × b/2 (default)",
+LABELS = {"single": "single batch b", "shrunk": "shrunk 2 × b/2",
           "cross_validated": "cross-validated eigenvalues (K folds of b/K)",
           "bias_oracle": "bias oracle (single batch less its exact mean bias)",
           "eigenvalue_oracle": "eigenvalue oracle (true curvature along the single batch's eigenvectors)"}
@@ -286,7 +286,7 @@ def markdown(results: dict[int, dict[str, dict]], command: str, meta: dict) -> s
 
 
 def plot(results: dict[int, dict[str, dict]], path: Path) -> None:
-    short = {"single": "single batch b", "shrunk": "shrunk 2 × b/2 (default)", "cross_validated": "cross-validated",
+    short = {"single": "single batch b", "shrunk": "shrunk 2 × b/2", "cross_validated": "cross-validated",
              "bias_oracle": "bias oracle", "eigenvalue_oracle": "eigenvalue oracle"}
     panels = {f"b = {b} samples": {short[n]: curves_from_json(results[b][n]["signed_nll_gap_by_delta"]) for n in POSTERIORS}
               for b in sorted(results)}

@@ -12,7 +12,7 @@ over repeats is reported:
 * ``corrected``: ``DebiasedKronLaplace(estimator="corrected")`` on the same two
   batches (three float64 eigendecompositions per factor: B ∪ B̃'s and, for the gaps, B's and
   B̃'s; through the rows' Gram matrices for a factor wider than B ∪ B̃);
-* ``shrunk``: ``estimator="shrunk"`` (the default), the same computation and one weight per factor;
+* ``shrunk``: ``estimator="shrunk"``, the same computation and one weight per factor;
 * ``stein``: ``estimator="stein"``, the same and per factor the two batches' difference in the
   pooled eigenbasis (two ``d × d`` products) for the weight;
 * ``single``: laplace-torch's ``KronLaplace.fit`` on one batch of b (the reference of the
@@ -46,7 +46,7 @@ data), float32, Curvlinops GGN (the default backend), ``torch.set_num_threads(--
 ``torch.cuda.synchronize()`` (a fit ends when its kernels do); a GPU run of ALL-CNN-C (target:
 the default costs at most 1.1× the paper's fit) is
 ``python -m benchmarks.fit_cost --model allcnnc --device cuda --threads 8 --batch-sizes 64 256 1024
---methods debiased shrunk single --out DIR``.
+--methods debiased corrected single --out DIR``.
 
 The wide-layer run (machine shared, so under ``nice``):
 ``OMP_NUM_THREADS=1 nice -n 10 python benchmarks/fit_cost.py --model wide_cnn --batch-sizes 64 256
@@ -326,8 +326,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['ratio_per_batch_over_single']:.2f} | {s['eigh_float64']:.3f} | "
             f"{s['eigh_stock']:.3f} | {r['ratio_without_decompositions']:.2f} |"
         )
-    for name, what in (("corrected", "The corrected estimate (`estimator='corrected'`)"),
-                       ("shrunk", "The shrunk estimate (`estimator='shrunk'`, the default)"),
+    for name, what in (("corrected", "The corrected estimate (`estimator='corrected'`, the default)"),
+                       ("shrunk", "The shrunk estimate (`estimator='shrunk'`)"),
                        ("stein", "The James–Stein estimate (`estimator='stein'`)")):
         if all(r["median_seconds"][name] == r["median_seconds"][name] for r in rows):  # timed
             lines += ["", f"{what} on the same two batches, and its decomposition against the paper's:", "",

@@ -15,8 +15,8 @@ Methods, all over every weight except the last row (K-FAC blocks for the convolu
 linear head, one exact dense GGN block per BatchNorm layer, ``Laplace(..., "all",
 "debiased_kron")``), predicted with the linearized network and a shared prior-precision grid:
 
-* ``shrunk``: the same two halves, ``estimator="shrunk"`` (the package's default: the
-  corrected estimate with each factor's correction shrunk by its noise);
+* ``shrunk``: the same two halves, ``estimator="shrunk"`` (the package's default when these
+  results were written: the corrected estimate with each factor's correction shrunk by its noise);
 * ``stein``: the same two halves, ``estimator="stein"`` (the corrected estimate with each
   factor's correction weighted by its minimum-mean-squared-error weight);
 * ``corrected``: the same two halves, ``estimator="corrected"`` (the eigenvectors of B ∪ B̃,

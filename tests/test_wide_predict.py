@@ -1,6 +1,6 @@
 """The wide-layer benchmark (``benchmarks/wide_predict.py``): the decompositions its floor counts
-for the default (``"shrunk"``) estimate of one factor in each regime of rows against width, and
-the ratios its table derives."""
+for the default (``"corrected"``) estimate, and the shrunk and stein ones, of one factor in each
+regime of rows against width, and the ratios its table derives."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from benchmarks.wide_predict import _markdown
 from laplace_debiased.kron.corrected import corrected_kron
 
 
-def _eigh_shapes(d: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the ``eigh`` calls of the shrunk estimate of one ``d × d`` factor whose two
+def _eigh_shapes(d: int, rows: int, rule: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the ``eigh`` calls of the ``rule`` estimate of one ``d × d`` factor whose two
     batches have ``rows`` rows each (float64 rows, ``F = XᵀX``)."""
     g = torch.Generator().manual_seed(d + rows)
     Xd, Xm = (torch.randn(rows, d, generator=g, dtype=torch.float64) for _ in range(2))
     calls: list[int] = []
     eigh = torch.linalg.eigh
     monkeypatch.setattr(torch.linalg, "eigh", lambda A, *a, **k: calls.append(A.shape[-1]) or eigh(A, *a, **k))
-    corrected_kron([[Xd.T @ Xd]], [[Xm.T @ Xm]], 8, 8, rows=[[(Xd, Xm)]], rule="shrunk")
+    corrected_kron([[Xd.T @ Xd]], [[Xm.T @ Xm]], 8, 8, rows=[[(Xd, Xm)]], rule=rule)
     return sorted(calls)
 
 
@@ -28,9 +28,10 @@ def _eigh_shapes(d: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> list[int
     (24, 16, [16, 16, 24]),  # the pooled rows reach it, a batch's do not: the orders through their Gram matrices
     (40, 16, [16, 16, 32]),  # neither: everything through the rows (the pooled Gram matrix of 2 × 16 rows)
 ])
-def test_the_floor_counts_the_decompositions_of_the_shrunk_estimate(d, rows, sizes, monkeypatch):
+@pytest.mark.parametrize("rule", ["corrected", "shrunk", "stein"])
+def test_the_floor_counts_the_decompositions_of_the_default_estimate(d, rows, sizes, rule, monkeypatch):
     """``floor``'s premise: the pooled factor at ``min(d, 2 rows)`` and each order at ``min(d, rows)``."""
-    assert _eigh_shapes(d, rows, monkeypatch) == sizes
+    assert _eigh_shapes(d, rows, rule, monkeypatch) == sizes
     assert sorted([min(d, 2 * rows), min(d, rows), min(d, rows)]) == sizes
 
 
@@ -42,7 +43,7 @@ def test_the_table_divides_by_stock_in_wall_clock_cpu_and_floor():
 
     skipped = {"which": "mlp:debiased_full:64", "model": "mlp", "structure": "debiased_full", "width": 64,
                "skipped": "not run: reason"}
-    floors = [{"which": "floor:eigh:64", "width": 64, "eigh64_s": 0.5, "eigh32_s": 0.25, "shrunk_floor_s": 1.5,
+    floors = [{"which": "floor:eigh:64", "width": 64, "eigh64_s": 0.5, "eigh32_s": 0.25, "default_floor_s": 1.5,
                "paper_floor_s": 0.5}]
     text = _markdown([row("kron", 4.0, 2.0), row("debiased_kron", 1.0, 1.5), skipped], floors, "cmd")
     lines = text.splitlines()
