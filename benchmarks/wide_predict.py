@@ -142,8 +142,10 @@ def child(which: str, a) -> dict:
             "grid14_ms": 1e3 * grid, "peak_gb": peak}
 
 
-def _markdown(rows: list[dict], floors: list[dict], command: str) -> str:
-    lines = [f"Command: `{command}` (one run; {os.cpu_count()}-core machine shared with other jobs, 1 thread).", "",
+def _markdown(rows: list[dict], floors: list[dict], command: str, load: tuple[float, float]) -> str:
+    """The report; ``load``: the machine's 1-minute load average at the start and end of the run."""
+    lines = [f"Command: `{command}` (one run; {os.cpu_count()}-core machine, 1 thread; 1-minute load average "
+             f"{load[0]:.1f} at the start, {load[1]:.1f} at the end).", "",
              "| model | width | structure | fit [s] | fit / stock fit | fit CPU [s] | CPU / stock CPU | fit + first use [s] "
              "| ratio to stock | `la(x)` first [ms/input] | `la(x)` later [ms/input] | 14-δ grid [ms/input] | peak RSS [GB] |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -214,6 +216,7 @@ def main() -> None:
             skipped.append({"which": f"mlp:{s}:{w}", "model": "mlp", "structure": s, "width": w, "skipped": reason})
     whiches += [f"conv:{s}:{a.conv}" for s in ("kron", "debiased_kron") if a.conv]
     whiches += [f"token:debiased_kron:{a.token}"] if a.token else []
+    load_start = os.getloadavg()[0]
     rows = run_children(__file__, whiches, argv)
     floors = run_children(__file__, [f"floor:eigh:{w}" for w in a.widths], argv)
     for r in rows:  # a failed child reports only its name
@@ -226,9 +229,12 @@ def main() -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "OMP_NUM_THREADS=1 python benchmarks/wide_predict.py " + " ".join(sys.argv[1:])
-    out.write_text(json.dumps({"command": command, "rows": rows, "floors": floors}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(_markdown(rows, floors, command))
-    print(_markdown(rows, floors, command))
+    load = (load_start, os.getloadavg()[0])
+    out.write_text(json.dumps({"command": command, "load_average_1min": load, "rows": rows, "floors": floors},
+                              indent=1) + "\n")
+    text = _markdown(rows, floors, command, load)
+    out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ def test_the_table_divides_by_stock_in_wall_clock_cpu_and_floor():
                "skipped": "not run: reason"}
     floors = [{"which": "floor:eigh:64", "width": 64, "eigh64_s": 0.5, "eigh32_s": 0.25, "default_floor_s": 1.5,
                "paper_floor_s": 0.5}]
-    text = _markdown([row("kron", 4.0, 2.0), row("debiased_kron", 1.0, 1.5), skipped], floors, "cmd")
+    text = _markdown([row("kron", 4.0, 2.0), row("debiased_kron", 1.0, 1.5), skipped], floors, "cmd", (0.25, 1.5))
     lines = text.splitlines()
+    assert "1-minute load average 0.2 at the start, 1.5 at the end" in lines[0]  # the machine's state, measured
     header = next(line for line in lines if line.startswith("| model"))
     mine = next(line for line in lines if "| debiased_kron |" in line)
     assert [c.strip() for c in mine.split("|")[4:8]] == ["1.0", "0.25", "1.5", "0.75"]  # wall and CPU ratios
