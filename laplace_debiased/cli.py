@@ -101,6 +101,12 @@ def _process_group() -> Iterator[None]:
         yield
         return
     import torch.distributed as dist
+    # The functions of torch.distributed.nn take ``group=group.WORLD`` as a default, evaluated at
+    # import. Imported after the group begins (torchmetrics imports it, through transformers and
+    # torch._dynamo), they would hold the group past ``destroy_process_group``: its gloo threads
+    # would then run into interpreter exit, whose teardown of them can abort the process
+    # ("terminate called without an active exception"). Imported first, their default is None.
+    import torch.distributed.nn  # noqa: F401
 
     owned = not dist.is_initialized()
     if owned:
