@@ -208,8 +208,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
 
 def _wait_for_every_rank() -> None:
     """Under a process group, return once every rank has finished its command (a barrier), so
-    that no rank destroys the group and exits while gloo still moves a peer's last messages (an
-    exit then can abort the process: "terminate called without an active exception"). A peer
+    that no rank destroys the group while a peer may still be in a collective with it. A peer
     that already ended has nothing left to send: its error is ignored here."""
     import torch.distributed as dist
 

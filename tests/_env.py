@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 - imported before any group, as laplace_debiased.cli does
 import torch.multiprocessing as mp
 
 
@@ -37,8 +38,7 @@ def _rank_main(rank: int, job: Callable[[int, Path], object], port: int, out: st
                             timeout=timedelta(seconds=timeout_s))
     try:
         torch.save(job(rank, Path(out)), Path(out) / f"rank{rank}.pt")
-        # no rank destroys the group while gloo still moves a peer's last messages (under load a
-        # rank that left early aborted its peer: "terminate called without an active exception")
+        # no rank destroys the group while a peer may still be in a collective with it
         if dist.is_initialized():  # a failed distributed fit destroyed the group itself
             dist.barrier()
     finally:
