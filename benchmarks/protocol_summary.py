@@ -3,8 +3,10 @@ second registration ``benchmarks/PROTOCOL_V2.md`` and the third ``benchmarks/PRO
 
     python benchmarks/protocol_summary.py [--registration 1|2|3] [--cache ~/.cache/laplace-debiased-study]
 
-Reads what has finished from the registration's two caches (``<cnn>/b<b>/results.jsonl`` of the
-main job, ``<mlp>/b<b>/seed<s>.json`` of ``digits_mlp_estimators.py``; :data:`REGISTRATIONS`), and
+Reads what has finished from the registration's caches (``<cnn>/b<b>/results.jsonl`` of the
+main job, ``<mlp>/b<b>/seed<s>.json`` of ``digits_mlp_estimators.py`` and, for the third,
+``<cifar>/b<b>/seed<s>.json`` of ``cifar_cnn_estimators.py``, ``PROTOCOL_V3_CIFAR.md``;
+:data:`REGISTRATIONS`), and
 writes ``results/<stem>.{json,md}``: per setting, b and candidate the metric M (largest relative
 test-NLL gap to the full batch over δ, points), its paired difference D to the single batch
 (mean ± s.e., draws worse), the margins' verdicts, the paired per-δ differences, and the decision
@@ -31,14 +33,17 @@ CANDIDATES = ("single", "paper", "corrected", "shrunk", "stein")
 CNN_METHODS = {"single": "kron_single", "paper": "kron_debiased", "corrected": "kron_corrected",
                "shrunk": "kron_shrunk", "stein": "kron_stein"}
 SIZES = (32, 64, 128)
+#: the batch sizes of setting 3, ``cifar_cnn`` (PROTOCOL_V3_CIFAR.md)
+CIFAR_SIZES = (512, 1280, 2304)
 T15 = 1.753  # one-sided 95 % t quantile, 15 degrees of freedom
 MARGIN, FLOOR = 1.0, 2.0  # points
 
 
 @dataclass(frozen=True)
 class Registration:
-    """One pre-registered run: its protocol, caches (under ``--cache``), draws per cell, the
-    one-sided 95 % t quantile at ``draws - 1`` degrees of freedom, and the results' file stem."""
+    """One pre-registered run: its protocol, caches (under ``--cache``; ``cifar``: that of setting 3
+    where the registration ran it, else ``None``), draws per cell, the one-sided 95 % t quantile at
+    ``draws - 1`` degrees of freedom, and the results' file stem."""
 
     number: int
     protocol: str
@@ -47,11 +52,13 @@ class Registration:
     draws: int
     t: float
     stem: str
+    cifar: str | None = None
 
 
 REGISTRATIONS = {1: Registration(1, "PROTOCOL.md", "digits-cnn", "digits-mlp", 16, T15, "protocol"),
                  2: Registration(2, "PROTOCOL_V2.md", "v2-digits-cnn", "v2-digits-mlp", 20, 1.729, "protocol_v2"),
-                 3: Registration(3, "PROTOCOL_V3.md", "v3-digits-cnn", "v3-digits-mlp", 64, 1.669, "protocol_v3")}
+                 3: Registration(3, "PROTOCOL_V3.md", "v3-digits-cnn", "v3-digits-mlp", 64, 1.669, "protocol_v3",
+                                 "v3-cifar-cnn")}
 ORDINALS = {2: "Second", 3: "Third"}
 
 
@@ -71,10 +78,10 @@ def digits_cnn(root: Path) -> dict[int, dict[str, dict[int, dict[float, float]]]
     return out
 
 
-def digits_mlp(root: Path) -> dict[int, dict[str, dict[int, dict[float, float]]]]:
-    """The same for setting 2, from its per-draw JSON files."""
+def per_draw_files(root: Path, sizes: tuple[int, ...] = SIZES) -> dict[int, dict[str, dict[int, dict[float, float]]]]:
+    """The same for setting 2 (or 3, at ``sizes``), from its per-draw JSON files."""
     out: dict = {}
-    for b in SIZES:
+    for b in sizes:
         for path in sorted((root / f"b{b}").glob("seed*.json")):
             r = json.loads(path.read_text())
             full = r["full"]
@@ -200,11 +207,13 @@ def markdown(cells: dict, finished: dict[str, bool], decision: dict, reg: Regist
     """The report of registration ``reg``; for the second and third, ``first_decision`` is the first
     registration's criterion applied to this run (reported, not deciding)."""
     second = reg.number >= 2
+    # setting 3 of the third registration runs as PROTOCOL_V3_CIFAR.md states
+    commands_too = " and PROTOCOL_V3_CIFAR.md" if any("setting 3" in s for s in cells) else ""
     if second:
         head = [f"# {ORDINALS[reg.number]} pre-registered evaluation of the two-batch K-FAC estimates "
                 f"(benchmarks/{reg.protocol})", "",
                 f"Written by `python benchmarks/protocol_summary.py --registration {reg.number}` from the caches of "
-                f"the commands in {reg.protocol}. M: largest relative test-NLL gap to full-batch K-FAC over δ (points, mean ± s.e. "
+                f"the commands in {reg.protocol}{commands_too}. M: largest relative test-NLL gap to full-batch K-FAC over δ (points, mean ± s.e. "
                 "over draws). D: M − M(single) on the same draw (mean ± s.e.; worse: draws with D > 0). "
                 f"u(x) = mean + {reg.t} s.e. Margins: non-inferior if u(D) < {MARGIN} pt; where the single batch "
                 "lies outside the noise floor (the paper's bias-free split detectably closer: u(M_paper − M_single) "
@@ -235,21 +244,31 @@ def markdown(cells: dict, finished: dict[str, bool], decision: dict, reg: Regist
     return "\n".join(lines) + "\n"
 
 
+def summarise(reg: Registration, root: Path) -> dict:
+    """Registration ``reg``'s cells from the caches under ``root``, which settings have finished
+    (every b of the setting with ``reg.draws`` draws for every candidate), and the decision over
+    the finished ones (with the first registration's, reported, for the later ones)."""
+    raw = {"digits CNN (setting 1)": (digits_cnn(root / reg.cnn), SIZES),
+           "digits MLP (setting 2)": (per_draw_files(root / reg.mlp), SIZES)}
+    if reg.cifar is not None:
+        raw["cifar_cnn (setting 3)"] = (per_draw_files(root / reg.cifar, CIFAR_SIZES), CIFAR_SIZES)
+    cells = {s: {b: cell(curves, reg.t) for b, curves in bs.items()} for s, (bs, _) in raw.items() if bs}
+    finished = {s: set(bs) == set(raw[s][1]) and all(c["draws"] >= reg.draws for c in bs.values())
+                for s, bs in cells.items()}
+    done = {s: bs for s, bs in cells.items() if finished[s]}
+    first = decide(done)
+    decision, first_decision = (decide_v2(done), first) if reg.number >= 2 else (first, None)
+    return {"cells": cells, "finished": finished, "decision": decision, "first_decision": first_decision}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--registration", type=int, choices=sorted(REGISTRATIONS), default=1)
     parser.add_argument("--cache", type=Path, default=Path("~/.cache/laplace-debiased-study"))
     args = parser.parse_args(argv)
     reg = REGISTRATIONS[args.registration]
-    root = args.cache.expanduser()
-    raw = {"digits CNN (setting 1)": digits_cnn(root / reg.cnn),
-           "digits MLP (setting 2)": digits_mlp(root / reg.mlp)}
-    cells = {s: {b: cell(curves, reg.t) for b, curves in bs.items()} for s, bs in raw.items() if bs}
-    finished = {s: set(bs) == set(SIZES) and all(c["draws"] >= reg.draws for c in bs.values())
-                for s, bs in cells.items()}
-    done = {s: bs for s, bs in cells.items() if finished[s]}
-    first = decide(done)
-    decision, first_decision = (decide_v2(done), first) if reg.number >= 2 else (first, None)
+    out = summarise(reg, args.cache.expanduser())
+    cells, finished, decision, first_decision = out["cells"], out["finished"], out["decision"], out["first_decision"]
     record = {"cells": {s: {str(b): c for b, c in bs.items()} for s, bs in cells.items()}, "finished": finished,
               "decision": decision}
     if first_decision is not None:

@@ -1,0 +1,40 @@
+"""``benchmarks/cifar_cnn_estimators.py`` (setting 3 of the third registration) on a tiny
+synthetic CIFAR-10 in the official binary layout: one file per draw and b, resumed, and the single
+batch of all N training images equal to the reference, laplace-torch's K-FAC over all N."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.cifar_cnn_estimators import CANDIDATES, DELTAS, main
+from tests.test_benchmark_smoke import write_cifar10_bin
+
+
+@pytest.mark.slow
+def test_draw_files_resume_and_the_single_batch_of_all_data_is_the_reference(tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    write_cifar10_bin(root, n_per_batch=60, n_test=40)  # 300 images: 240 training, 60 validation
+    monkeypatch.setenv("LAPLACE_DEBIASED_CACHE", str(tmp_path / "models"))
+    cache = tmp_path / "draws"
+    args = ["--seeds", "3", "5", "--batch-sizes", "16", "240", "--cache", str(cache), "--data", str(root)]
+    assert main(args) == 0
+    files = sorted(cache.glob("b*/seed*.json"))
+    assert [f.relative_to(cache).as_posix() for f in files] == [
+        "b16/seed3.json", "b16/seed4.json", "b240/seed3.json", "b240/seed4.json"]
+    records = [json.loads(f.read_text()) for f in files]
+    for r in records:
+        assert set(r["nll"]) == set(CANDIDATES) and r["deltas"] == list(DELTAS)
+        assert all(len(v) == len(DELTAS) and all(math.isfinite(x) for x in v) for v in r["nll"].values())
+    # b = N: the single batch holds every training image, in another order. Its K-FAC factors are the
+    # reference's sums reordered, equal to float32 round-off (240 terms: 240 · 2⁻²⁴ ≈ 1.4e-5
+    # relative), and the NLL moves by less than that relative change of the variances.
+    for r in records[2:]:
+        for got, want in zip(r["nll"]["single"], r["full"]):
+            assert abs(got - want) <= 1e-4 * abs(want), (got, want)
+    # resumed: nothing is computed again
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert main(args) == 0
+    assert [f.stat().st_mtime_ns for f in files] == stamps
