@@ -66,11 +66,13 @@ def project_classes(A: Tensor, dim: int = 1) -> Tensor:
 def mc_softmax(
     f: Tensor, cov: Tensor, n_samples: int = 100, generator: torch.Generator | None = None
 ) -> Tensor:
-    """Monte-Carlo predictive ``1/S Σ_s softmax(f + L ε_s)``, ``L Lᵀ = Σ`` (symmetric square root
-    from a float64 eigendecomposition, so rank-deficient ``Σ`` is fine).  f ``(n, C)``, cov
-    ``(n, C, C)`` -> ``(n, C)`` in ``f.dtype``."""
+    """Monte-Carlo predictive ``1/S Σ_s softmax(f + L ε_s)``, ``L = V Λ^{1/2} Vᵀ`` the symmetric
+    square root of ``Σ = V Λ Vᵀ`` (float64 eigendecomposition, so rank-deficient ``Σ`` is fine). Unlike
+    ``V Λ^{1/2}``, it does not depend on the signs or, within a repeated eigenvalue, the basis that
+    ``eigh`` returns, so a round-off change of ``Σ`` changes the samples only by as much.  f ``(n, C)``,
+    cov ``(n, C, C)`` -> ``(n, C)`` in ``f.dtype``."""
     evals, evecs = symmetric_eigh64(cov)
-    root = evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)
+    root = (evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)) @ evecs.transpose(-1, -2)
     eps = torch.randn(n_samples, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
     logits = f.double() + torch.einsum("nij,snj->sni", root, eps.double())
     return torch.softmax(logits, dim=-1).mean(0).to(f.dtype)

@@ -35,3 +35,18 @@ def test_mc_statistically_invariant_to_all_ones_and_matches_probit_roughly():
     assert (p1 - p2).abs().max() < 0.015
     # zero covariance: exactly the softmax
     torch.testing.assert_close(mc_softmax(f, 0 * cov, 3), torch.softmax(f, -1))
+
+
+def test_mc_samples_with_the_symmetric_square_root_of_the_covariance():
+    """With ``Σ = S²`` for a known symmetric positive definite ``S``, the MC predictive is
+    ``1/n Σ_s softmax(f + S ε_s)`` with the ``ε`` the generator gives: the symmetric root, which
+    no choice of eigenvector signs or basis changes (``V Λ^{1/2} ε`` is another sample)."""
+    g = torch.Generator().manual_seed(0)
+    n, C, samples = 3, 4, 50
+    Q = torch.linalg.qr(torch.randn(n, C, C, generator=g, dtype=torch.float64))[0]
+    S = Q @ torch.diag_embed(torch.rand(n, C, generator=g, dtype=torch.float64) + 0.5) @ Q.transpose(1, 2)
+    f = torch.randn(n, C, generator=g, dtype=torch.float64)
+    got = mc_softmax(f, S @ S, samples, torch.Generator().manual_seed(1))
+    eps = torch.randn(samples, n, C, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = torch.softmax(f + torch.einsum("nij,snj->sni", S, eps), dim=-1).mean(0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
