@@ -35,15 +35,30 @@ pass per class) and come from ``torch.func`` (``vmap`` over ``jacrev``) otherwis
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from laplace_debiased.curvature.kfac import labelled_rows
 from laplace_debiased.posterior.from_laplace import curvature_kind, laplace_params, posterior_structure
-from laplace_debiased.posterior.jacobians import logit_jacobians, logit_rows
+from laplace_debiased.posterior.jacobians import LayerJacobian, logit_jacobians, logit_rows
 from laplace_debiased.posterior.links import ALL_LINKS, apply_link, probit_from_variances, project_classes
+
+
+#: the most bytes of per-row Jacobian parts that one piece of a chunk rotates at once: its buffers
+#: then stay below glibc's largest mmap threshold (32 MiB) and are reused from the heap, where larger
+#: ones are mapped and paged in afresh for every chunk (``cifar_cnn``, chunks of 64: half the
+#: predictive's time went to the kernel's page faults; benchmarks/results/predictive_pieces.md)
+PIECE_BYTES = 8 * 2**20
+
+
+def piece_rows(jacs: Sequence[LayerJacobian], n: int) -> int:
+    """How many of a chunk's ``n`` logit rows one piece holds: as many as fit
+    [`PIECE_BYTES`][laplace_debiased.posterior.grid.PIECE_BYTES] of the Jacobians' per-row parts (at
+    least 1, at most ``n``)."""
+    per_row = sum(j.row_bytes(n) for j in jacs)
+    return n if per_row == 0 else max(1, min(n, PIECE_BYTES // per_row))
 
 
 def _batches(data, chunk_size: int) -> Iterable[Tensor]:
@@ -150,25 +165,40 @@ class GridPredictive:
     def _chunk(self, f: Tensor, jacs, prior_precisions, links, n_samples, generator, cell_generators=None) -> dict[str, Tensor]:
         """``link -> (G, n, C)`` probabilities for one chunk of logit rows ``f`` ``(n, C)``
         (tokens as rows) and their Jacobians.  The probits use the
-        structure's variances (never the ``(n, C, C)`` covariance); mc and the bridge need ``Σ``."""
-        rotated = self.structure.rotate(jacs)
+        structure's variances (never the ``(n, C, C)`` covariance); mc and the bridge need ``Σ``.
+        The variances and covariances are computed in pieces of rows
+        ([`piece_rows`][laplace_debiased.posterior.grid.piece_rows]); the links see the whole chunk."""
         f64 = f.double()
+        full = [link for link in links if link in ("mc", "bridge", "bridge_norm")]
+        parts: dict[str, list[Tensor]] = {"probit": [], "probit_projected": [], "covs": []}
+        for rotated in self._rotated_pieces(jacs, len(f)):
+            if "probit" in links:
+                parts["probit"].append(self.structure.variances(rotated, prior_precisions))
+            if "probit_projected" in links:
+                parts["probit_projected"].append(self.structure.variances(rotated, prior_precisions, project=True))
+            if full:
+                parts["covs"].append(self.structure.covariances(rotated, prior_precisions))
         probs: dict[str, Tensor] = {}
         if "probit" in links:
-            var = self.structure.variances(rotated, prior_precisions)
-            probs["probit"] = probit_from_variances(f64, var)
+            probs["probit"] = probit_from_variances(f64, torch.cat(parts["probit"], dim=1))
         if "probit_projected" in links:
-            var = self.structure.variances(rotated, prior_precisions, project=True)
-            probs["probit_projected"] = probit_from_variances(project_classes(f64, -1), var)
-        full = [link for link in links if link in ("mc", "bridge", "bridge_norm")]
+            probs["probit_projected"] = probit_from_variances(project_classes(f64, -1),
+                                                              torch.cat(parts["probit_projected"], dim=1))
         if full:
-            covs = self.structure.covariances(rotated, prior_precisions)
+            covs = torch.cat(parts["covs"], dim=1)
             for link in full:  # mc: ε drawn in f.dtype
                 gens = [generator if cell_generators is None else cell_generators[(d, link)] for d in prior_precisions]
                 probs[link] = torch.stack([
                     apply_link(link, f64 if link != "mc" else f, cov, n_samples, gen) for cov, gen in zip(covs, gens)
                 ])
         return probs
+
+    def _rotated_pieces(self, jacs: Sequence[LayerJacobian], n: int) -> Iterator:
+        """The structure's rotated Jacobians of a chunk's ``n`` logit rows, piece by piece
+        ([`piece_rows`][laplace_debiased.posterior.grid.piece_rows])."""
+        step = piece_rows(jacs, n)
+        for start in range(0, n, step):
+            yield self.structure.rotate([j.rows(start, start + step) for j in jacs])
 
     def covariance(self, x: Tensor, prior_precision: float | Tensor) -> tuple[Tensor, Tensor]:
         """The logits and the GLM covariance ``J P(δ)⁻¹ Jᵀ`` at one prior precision, in the model's
@@ -185,7 +215,7 @@ class GridPredictive:
         fs, covs = [], []
         for chunk in x.split(self.chunk_size):
             f, jacs = logit_jacobians(self.model, self.params, chunk)
-            covs.append(self.structure.covariance(self.structure.rotate(jacs), prior_precision))
+            covs += [self.structure.covariance(r, prior_precision) for r in self._rotated_pieces(jacs, len(logit_rows(f)))]
             fs.append(f)
         return torch.cat(fs), torch.cat(covs)
 

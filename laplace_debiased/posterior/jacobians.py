@@ -47,6 +47,21 @@ class LayerJacobian:
             return torch.einsum("ncot,nkt->ncok", g, u).flatten(2)
         return (self.g.unsqueeze(-1) * self.a[:, None, None, :]).flatten(2)
 
+    def _parts(self) -> list[Tensor]:
+        return [t for t in (self.g, self.a, self.dense, *(self.positions or ())) if t is not None]
+
+    def rows(self, start: int, stop: int) -> LayerJacobian:
+        """The Jacobian of the logit rows ``start:stop`` (a shared leading size 1 stays shared)."""
+        def cut(t: Tensor | None) -> Tensor | None:
+            return t if t is None or t.shape[0] == 1 else t[start:stop]
+
+        positions = None if self.positions is None else (cut(self.positions[0]), cut(self.positions[1]))
+        return LayerJacobian(g=cut(self.g), a=cut(self.a), dense=cut(self.dense), positions=positions)
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes held per logit row of the ``n`` rows (the parts not shared by every row)."""
+        return sum(t.nbytes for t in self._parts() if t.shape[0] == n) // n
+
     def gram(self) -> Tensor:
         """``J Jᵀ`` of shape ``(n, C, C)``."""
         if self.g is None:

@@ -228,3 +228,35 @@ def test_float32_agrees_with_float64(structure, subset, link, log10_delta):
     p64 = predict(las[torch.float64], X, link, delta)
     err = (p32.double() - p64).abs().max()
     assert err < 1e-3, f"max |p32 - p64| = {err:.3g}"
+
+
+def _grids(la, X, links) -> dict:
+    """Every link on a grid of three δ, MC from a generator seeded 0."""
+    return GridPredictive(la, chunk_size=8).grid(X, [1e-3, 0.3, 30.0], links=links, n_samples=20,
+                                                 generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("case", ["conv_kron", "conv_full", "tokens_kron"])
+def test_pieces_of_a_chunk_give_the_whole_chunks_predictive(case, monkeypatch):
+    """A chunk's variances and covariances computed one row at a time (the smallest pieces) equal
+    those of the whole chunk, in the grid and in ``covariance``: rows never mix. The float64 results agree to round-off, the returned
+    probabilities (the model's float32) to a few units of its last place; the MC draws come from
+    the same generator for the whole chunk in both."""
+    from laplace_debiased.posterior import grid as grid_module
+
+    if case == "tokens_kron":
+        from tests.posterior.test_token_grid import _fit, _tokens
+
+        la, X = _fit("debiased_kron", "all"), _tokens(5, seed=2)[0]
+    else:
+        la, X = fit_tiny_conv(case.split("_")[1], "all")
+    links = ("probit", "probit_projected", "mc", "bridge")
+    whole = _grids(la, X[:12], links)
+    whole_cov = GridPredictive(la, chunk_size=8).covariance(X[:12], 0.3)[1]
+    monkeypatch.setattr(grid_module, "PIECE_BYTES", 1)  # one logit row per piece
+    pieces = _grids(la, X[:12], links)
+    for link in (*links, "map"):
+        torch.testing.assert_close(pieces[link], whole[link], rtol=8 * 2.0**-24, atol=8 * 2.0**-24)
+    torch.testing.assert_close(GridPredictive(la, chunk_size=8).covariance(X[:12], 0.3)[1], whole_cov,
+                               rtol=1e-12, atol=1e-12 * float(whole_cov.abs().max()))
+    assert (whole["probit"][0] - whole["probit"][-1]).abs().max() > 1e-3  # δ matters here
