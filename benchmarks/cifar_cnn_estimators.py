@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cifar10.data import load_data  # noqa: E402
 from benchmarks.cifar10.fits import fit_kron  # noqa: E402
 from benchmarks.cifar10.train import MapConfig, train  # noqa: E402
-from benchmarks.digits_mlp_estimators import CANDIDATES, DELTAS  # noqa: E402
+from benchmarks.digits_mlp_estimators import DELTAS, save_draw  # noqa: E402
 from laplace_debiased.kron.laplace import DebiasedKronLaplace  # noqa: E402
 from laplace_debiased.posterior.grid import GridPredictive  # noqa: E402
 
@@ -100,15 +100,7 @@ def run(seeds: list[int], batch_sizes: list[int], cache: Path, data: str | None)
             if path.exists():
                 continue
             start = time.perf_counter()
-            record = {"b": b, "seed": seed, "deltas": DELTAS, "full": ref, "nll": {}, "kept": {}}
-            for c in CANDIDATES:
-                la = fit(model, train_set, c, b, seed)
-                record["nll"][c] = test_nll(la, Xt, yt)
-                if la.correction is not None:
-                    record["kept"][c] = [r["kept"] for r in la.correction.rows()]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.with_suffix(".tmp").write_text(json.dumps(record) + "\n")
-            path.with_suffix(".tmp").replace(path)
+            save_draw(path, b, seed, ref, lambda c: fit(model, train_set, c, b, seed), lambda la: test_nll(la, Xt, yt))
             print(f"cifar_cnn b={b} seed={seed} done ({time.perf_counter() - start:.0f} s)", flush=True)
 
 

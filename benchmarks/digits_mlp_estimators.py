@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,22 @@ def test_nll(la: DebiasedKronLaplace, Js: torch.Tensor, f_mu: torch.Tensor, y: t
     return out
 
 
+def save_draw(path: Path, b: int, seed: int, full: list[float], fitted: Callable[[str], DebiasedKronLaplace],
+              nll: Callable[[DebiasedKronLaplace], list[float]]) -> None:
+    """Write one draw's record to ``path`` (atomically): per candidate ``c`` the test NLL per δ of
+    ``fitted(c)`` (``nll``) and, for a corrected estimate, the share of each factor's correction it
+    kept; ``full`` the reference's NLL per δ."""
+    record = {"b": b, "seed": seed, "deltas": DELTAS, "full": full, "nll": {}, "kept": {}}
+    for c in CANDIDATES:
+        la = fitted(c)
+        record["nll"][c] = nll(la)
+        if la.correction is not None:
+            record["kept"][c] = [r["kept"] for r in la.correction.rows()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(record) + "\n")
+    path.with_suffix(".tmp").replace(path)
+
+
 def run(seeds: list[int], batch_sizes: list[int], cache: Path) -> None:
     torch.set_num_threads(1)
     train, test = data()
@@ -141,15 +158,7 @@ def run(seeds: list[int], batch_sizes: list[int], cache: Path) -> None:
             path = cache / f"b{b}" / f"seed{seed}.json"
             if path.exists():
                 continue
-            record = {"b": b, "seed": seed, "deltas": DELTAS, "full": ref, "nll": {}, "kept": {}}
-            for c in CANDIDATES:
-                la = fit(model, train, c, b, seed)
-                record["nll"][c] = test_nll(la, Js, f_mu, y)
-                if la.correction is not None:
-                    record["kept"][c] = [r["kept"] for r in la.correction.rows()]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.with_suffix(".tmp").write_text(json.dumps(record) + "\n")
-            path.with_suffix(".tmp").replace(path)
+            save_draw(path, b, seed, ref, lambda c: fit(model, train, c, b, seed), lambda la: test_nll(la, Js, f_mu, y))
             print(f"digits MLP b={b} seed={seed} done", flush=True)
 
 

@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from benchmarks.cifar_cnn_estimators import CANDIDATES, DELTAS, main
+from benchmarks.cifar_cnn_estimators import main
+from benchmarks.digits_mlp_estimators import CANDIDATES, DELTAS
 from tests.test_benchmark_smoke import write_cifar10_bin
 
 
