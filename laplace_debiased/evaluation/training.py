@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -201,7 +202,7 @@ def train_map(
     model.eval()
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".part")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.part")  # its own: another job may save the same model
         torch.save({"state_dict": model.state_dict(), "history": history, "config": asdict(config)}, tmp)
         tmp.replace(path)
     return model, history

@@ -96,3 +96,34 @@ def test_training_logs_one_line_never_one_per_epoch(tmp_path, monkeypatch):
     lines.clear()
     train_map(_model(), _data(), cfg, cache_dir=tmp_path, use_cache=False, log=lines.append)
     assert len(lines) == 1 and "MAP training" in terminal.getvalue() and "train_loss=" in terminal.getvalue()
+
+
+def test_a_concurrent_training_of_the_same_model_saving_meanwhile_loses_nothing(tmp_path, monkeypatch):
+    """Two jobs training the same MAP into one cache (another process, simulated here by a second
+    pid) may save in any order: each writes its own temporary file and moves it into place, so the
+    later move neither fails nor leaves a partial file, and the cache holds the (identical) model."""
+    import os
+
+    from laplace_debiased.evaluation import training
+
+    cfg = TrainConfig(epochs=3, lr=3e-2, batch_size=16, weight_decay=0.0)
+    real_save, pid = torch.save, os.getpid()
+    saves: list = []
+
+    def save_then_the_other_job_saves(obj, f):
+        real_save(obj, f)
+        saves.append(f)
+        if len(saves) == 1:  # the other job finishes its training and saves before this one moves its file
+            monkeypatch.setattr(os, "getpid", lambda: pid + 1)
+            train_map(_model(), _data(), cfg, cache_dir=tmp_path, use_cache=True, log=None)
+            monkeypatch.setattr(os, "getpid", lambda: pid)
+
+    monkeypatch.setattr(training.torch, "save", save_then_the_other_job_saves)
+    model, _ = train_map(_model(), _data(), cfg, cache_dir=tmp_path, log=None)
+    monkeypatch.setattr(training.torch, "save", real_save)
+    assert len(saves) == 2
+    files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert len(files) == 1 and files[0].endswith(".pt"), files  # no temporary file left
+    cached, _ = train_map(_model(), _data(), cfg, cache_dir=tmp_path, log=None)
+    for p, q in zip(model.parameters(), cached.parameters()):
+        assert torch.equal(p, q)
