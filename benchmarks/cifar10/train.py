@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,13 +149,13 @@ def train(cfg: MapConfig, X: torch.Tensor, y: torch.Tensor, Xv: torch.Tensor, yv
                **{f"val_{k}": v for k, v in nll_acc(model, Xv, yv).items()},
                "seconds": time.perf_counter() - start}
         history.append(row)
-        tmp = ckpt.with_suffix(".part")
+        tmp = ckpt.with_name(f"last.{os.getpid()}.part")  # its own: another job may train the same model
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                     "gen": gen.get_state(), "history": history}, tmp)
         tmp.replace(ckpt)
         log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     model.eval()
-    tmp = final.with_suffix(".part")
+    tmp = final.with_name(f"map.{os.getpid()}.part")
     torch.save({"state_dict": model.state_dict(), "history": history, "config": asdict(cfg)}, tmp)
     tmp.replace(final)
     return model, history
