@@ -8,8 +8,8 @@ CIFAR-10: paired draws, each draw cached so that an interrupted run resumes (set
 The MAP: the CIFAR-10 benchmark's ``cifar_cnn`` (56,714 weights), trained by
 ``python -m benchmarks.cifar10.train`` (its defaults: N = 10,000 training images, 60 epochs of Adam
 with a cosine schedule, seed 0; trained here when its cache has no model). The test set: 2,000 images,
-the first of a permutation of the CIFAR-10 test set seeded by 0 (those of the benchmark's
-``--n-test 2000``). Each draw ``s`` permutes the N training images (``numpy.random.default_rng(s)``)
+the first of a permutation of the CIFAR-10 test set by ``numpy.random.default_rng([0, 1])`` (not
+those of the benchmark's ``--n-test 2000``, whose generator draws the validation subset first). Each draw ``s`` permutes the N training images (``numpy.random.default_rng(s)``)
 and reads its first ``b``: the single batch is all ``b`` (B̃ = B, stock K-FAC), the two-batch estimates
 read the same ``b`` as B (first ``b/2``) and B̃ (next ``b/2``), with ``estimator=`` ``"paper"``,
 ``"corrected"``, ``"shrunk"`` and ``"stein"``. The reference: K-FAC over all N (batches of 500),
