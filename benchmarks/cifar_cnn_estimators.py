@@ -47,10 +47,10 @@ FULL_BATCH = 500
 CHUNK = 16
 
 
-def test_set(test: TensorDataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 2,000 test images (module docstring)."""
+def test_set(test: TensorDataset, n: int = N_TEST) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` test images of a permutation seeded by 0 (module docstring)."""
     X, y = test.tensors
-    idx = np.random.default_rng([0, 1]).permutation(len(y))[:N_TEST]
+    idx = np.random.default_rng([0, 1]).permutation(len(y))[:n]
     return X[idx], y[idx]
 
 
@@ -79,14 +79,16 @@ def fit(model, train_set: TensorDataset, candidate: str, b: int, seed: int):
     return fit_kron(model, train_set, idx, debiased=True, estimator=candidate)
 
 
-def run(seeds: list[int], batch_sizes: list[int], cache: Path, data: str | None) -> None:
+def run(seeds: list[int], batch_sizes: list[int], cache: Path, data: str | None, cfg: MapConfig = MapConfig(),
+        n_test: int = N_TEST) -> None:
+    """Every draw of ``seeds`` at every b of ``batch_sizes`` not yet in ``cache``, on the MAP of ``cfg``
+    (trained first if its cache has none) and ``n_test`` test images."""
     torch.set_num_threads(1)
     cifar = load_data(data)
-    cfg = MapConfig()
     X, y = cifar.train.tensors
     train_set = TensorDataset(X[:cfg.n_train], y[:cfg.n_train])
     model, _ = train(cfg, *train_set.tensors, *cifar.val.tensors, log=lambda s: print(s, flush=True))
-    Xt, yt = test_set(cifar.test)
+    Xt, yt = test_set(cifar.test, n_test)
     reference = cache / "full.json"
     if reference.exists():
         ref = json.loads(reference.read_text())["nll"]
@@ -101,7 +103,7 @@ def run(seeds: list[int], batch_sizes: list[int], cache: Path, data: str | None)
                 continue
             start = time.perf_counter()
             save_draw(path, b, seed, ref, lambda c: fit(model, train_set, c, b, seed), lambda la: test_nll(la, Xt, yt))
-            print(f"cifar_cnn b={b} seed={seed} done ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(f"{cfg.model} b={b} seed={seed} done ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

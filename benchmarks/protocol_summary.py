@@ -4,9 +4,9 @@ second registration ``benchmarks/PROTOCOL_V2.md`` and the third ``benchmarks/PRO
     python benchmarks/protocol_summary.py [--registration 1|2|3] [--cache ~/.cache/laplace-debiased-study]
 
 Reads what has finished from the registration's caches (``<cnn>/b<b>/results.jsonl`` of the
-main job, ``<mlp>/b<b>/seed<s>.json`` of ``digits_mlp_estimators.py`` and, for the third,
-``<cifar>/b<b>/seed<s>.json`` of ``cifar_cnn_estimators.py``, ``PROTOCOL_V3_CIFAR.md``;
-:data:`REGISTRATIONS`), and
+main job, ``<mlp>/b<b>/seed<s>.json`` of ``digits_mlp_estimators.py`` and, for the third, its later
+settings' ``<cache>/b<b>/seed<s>.json`` of ``cifar_cnn_estimators.py`` (``PROTOCOL_V3_CIFAR.md``) and
+``resnet20_estimators.py`` (``PROTOCOL_V3_RESNET.md``); :data:`REGISTRATIONS`), and
 writes ``results/<stem>.{json,md}``: per setting, b and candidate the metric M (largest relative
 test-NLL gap to the full batch over δ, points), its paired difference D to the single batch
 (mean ± s.e., draws worse), the margins' verdicts, the paired per-δ differences, and the decision
@@ -33,16 +33,25 @@ CANDIDATES = ("single", "paper", "corrected", "shrunk", "stein")
 CNN_METHODS = {"single": "kron_single", "paper": "kron_debiased", "corrected": "kron_corrected",
                "shrunk": "kron_shrunk", "stein": "kron_stein"}
 SIZES = (32, 64, 128)
-#: the batch sizes of setting 3, ``cifar_cnn`` (PROTOCOL_V3_CIFAR.md)
-CIFAR_SIZES = (512, 1280, 2304)
 T15 = 1.753  # one-sided 95 % t quantile, 15 degrees of freedom
 MARGIN, FLOOR = 1.0, 2.0  # points
 
 
 @dataclass(frozen=True)
+class Later:
+    """A setting that a registration named and a later protocol file ran: its name in the report, its
+    cache (under ``--cache``, one JSON per draw and b), its batch sizes and that protocol."""
+
+    name: str
+    cache: str
+    sizes: tuple[int, ...]
+    protocol: str
+
+
+@dataclass(frozen=True)
 class Registration:
-    """One pre-registered run: its protocol, caches (under ``--cache``; ``cifar``: that of setting 3
-    where the registration ran it, else ``None``), draws per cell, the one-sided 95 % t quantile at
+    """One pre-registered run: its protocol, the caches of settings 1 and 2 (under ``--cache``), the
+    settings it named that later protocol files ran, draws per cell, the one-sided 95 % t quantile at
     ``draws - 1`` degrees of freedom, and the results' file stem."""
 
     number: int
@@ -52,13 +61,14 @@ class Registration:
     draws: int
     t: float
     stem: str
-    cifar: str | None = None
+    later: tuple[Later, ...] = ()
 
 
 REGISTRATIONS = {1: Registration(1, "PROTOCOL.md", "digits-cnn", "digits-mlp", 16, T15, "protocol"),
                  2: Registration(2, "PROTOCOL_V2.md", "v2-digits-cnn", "v2-digits-mlp", 20, 1.729, "protocol_v2"),
                  3: Registration(3, "PROTOCOL_V3.md", "v3-digits-cnn", "v3-digits-mlp", 64, 1.669, "protocol_v3",
-                                 "v3-cifar-cnn")}
+                                 (Later("cifar_cnn (setting 3)", "v3-cifar-cnn", (512, 1280, 2304), "PROTOCOL_V3_CIFAR.md"),
+                                  Later("ResNet-20 (setting 4)", "v3-resnet20", (512,), "PROTOCOL_V3_RESNET.md")))}
 ORDINALS = {2: "Second", 3: "Third"}
 
 
@@ -207,8 +217,7 @@ def markdown(cells: dict, finished: dict[str, bool], decision: dict, reg: Regist
     """The report of registration ``reg``; for the second and third, ``first_decision`` is the first
     registration's criterion applied to this run (reported, not deciding)."""
     second = reg.number >= 2
-    # setting 3 of the third registration runs as PROTOCOL_V3_CIFAR.md states
-    commands_too = " and PROTOCOL_V3_CIFAR.md" if any("setting 3" in s for s in cells) else ""
+    commands_too = "".join(f" and {later.protocol}" for later in reg.later if later.name in cells)
     if second:
         head = [f"# {ORDINALS[reg.number]} pre-registered evaluation of the two-batch K-FAC estimates "
                 f"(benchmarks/{reg.protocol})", "",
@@ -250,8 +259,8 @@ def summarise(reg: Registration, root: Path) -> dict:
     the finished ones (with the first registration's, reported, for the later ones)."""
     raw = {"digits CNN (setting 1)": (digits_cnn(root / reg.cnn), SIZES),
            "digits MLP (setting 2)": (per_draw_files(root / reg.mlp), SIZES)}
-    if reg.cifar is not None:
-        raw["cifar_cnn (setting 3)"] = (per_draw_files(root / reg.cifar, CIFAR_SIZES), CIFAR_SIZES)
+    for later in reg.later:
+        raw[later.name] = (per_draw_files(root / later.cache, later.sizes), later.sizes)
     cells = {s: {b: cell(curves, reg.t) for b, curves in bs.items()} for s, (bs, _) in raw.items() if bs}
     finished = {s: set(bs) == set(raw[s][1]) and all(c["draws"] >= reg.draws for c in bs.values())
                 for s, bs in cells.items()}

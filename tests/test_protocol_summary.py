@@ -4,6 +4,7 @@ the paired differences, the margins and the decision criterion of ``benchmarks/P
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from benchmarks.protocol_summary import CANDIDATES, cell, decide, decide_v2
 
@@ -126,24 +127,27 @@ def _write_draws(root, sizes, seeds, levels: dict[str, float]) -> None:
             (root / f"b{b}" / f"seed{s}.json").write_text(json.dumps(record))
 
 
-def test_third_registration_reads_setting_3_and_decides_on_it_once_every_draw_has_finished(tmp_path):
-    """Setting 3 (PROTOCOL_V3_CIFAR.md) enters the third registration's decision only when all
-    its batch sizes have the registered draws; before, it is reported as unfinished."""
-    from benchmarks.protocol_summary import CIFAR_SIZES, REGISTRATIONS, SIZES, markdown, summarise
+@pytest.mark.parametrize("which", [0, 1], ids=["cifar_cnn", "resnet20"])
+def test_third_registration_reads_a_later_setting_and_decides_on_it_once_every_draw_has_finished(tmp_path, which):
+    """Settings 3 and 4 (PROTOCOL_V3_CIFAR.md, PROTOCOL_V3_RESNET.md) enter the third registration's
+    decision only when all their batch sizes have the registered draws; before, they are reported as
+    unfinished."""
+    from benchmarks.protocol_summary import REGISTRATIONS, SIZES, markdown, summarise
 
     reg = REGISTRATIONS[3]
+    later = reg.later[which]
     good = {"single": 0.10, "paper": 0.02, "corrected": 0.01, "shrunk": 0.015, "stein": 0.012}
     _write_draws(tmp_path / reg.mlp, SIZES, range(reg.draws), good)
-    # on cifar_cnn the corrected estimate is 5 points worse than the single batch
+    # on the later setting the corrected estimate is 5 points worse than the single batch
     bad = {"single": 0.01, "paper": 0.02, "corrected": 0.06, "shrunk": 0.012, "stein": 0.011}
-    _write_draws(tmp_path / reg.cifar, CIFAR_SIZES, range(reg.draws - 1), bad)
+    _write_draws(tmp_path / later.cache, later.sizes, range(reg.draws - 1), bad)
     out = summarise(reg, tmp_path)
-    setting = "cifar_cnn (setting 3)"
-    assert set(out["cells"][setting]) == set(CIFAR_SIZES) and not out["finished"][setting]
+    assert set(out["cells"][later.name]) == set(later.sizes) and not out["finished"][later.name]
     assert out["decision"]["default"] == "corrected"  # decided on setting 2 alone
-    assert "PROTOCOL_V3_CIFAR.md" in markdown(out["cells"], out["finished"], out["decision"], reg)
-    _write_draws(tmp_path / reg.cifar, CIFAR_SIZES, [reg.draws - 1], bad)
+    assert later.protocol in markdown(out["cells"], out["finished"], out["decision"], reg)
+    _write_draws(tmp_path / later.cache, later.sizes, [reg.draws - 1], bad)
     out = summarise(reg, tmp_path)
-    assert out["finished"][setting] and out["cells"][setting][512]["draws"] == reg.draws
-    assert not out["cells"][setting][512]["D"]["corrected"]["non_inferior"]
+    b = later.sizes[0]
+    assert out["finished"][later.name] and out["cells"][later.name][b]["draws"] == reg.draws
+    assert not out["cells"][later.name][b]["D"]["corrected"]["non_inferior"]
     assert out["decision"]["default"] != "corrected"
