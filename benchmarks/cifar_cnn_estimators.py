@@ -62,11 +62,11 @@ def test_nll(la, X: torch.Tensor, y: torch.Tensor) -> list[float]:
 
 
 def fit_full(model, train_set: TensorDataset) -> DebiasedKronLaplace:
-    """K-FAC over all of ``train_set`` in batches of ``FULL_BATCH``, B̃ = B: laplace-torch's K-FAC,
-    decomposed by the package in float64 as the single batch is (laplace-torch's own float32
+    """K-FAC over all of ``train_set`` (B̃ = B = every loader batch of ``FULL_BATCH``): laplace-torch's
+    K-FAC, decomposed by the package in float64 as the single batch is (laplace-torch's own float32
     decomposition leaves round-off in the factors' null spaces that the smallest δ reads)."""
-    la = DebiasedKronLaplace(model, "classification")
     loader = DataLoader(train_set, batch_size=FULL_BATCH)
+    la = DebiasedKronLaplace(model, "classification", n_direction_batches=len(loader), n_magnitude_batches=len(loader))
     la.fit(loader, magnitude_loader=loader)
     return la
 
@@ -91,11 +91,15 @@ def run(seeds: list[int], batch_sizes: list[int], cache: Path, data: str | None,
     Xt, yt = test_set(cifar.test, n_test)
     reference = cache / "full.json"
     if reference.exists():
-        ref = json.loads(reference.read_text())["nll"]
+        stored = json.loads(reference.read_text())
+        if stored.get("images") != len(train_set):
+            raise ValueError(f"{reference} is not the K-FAC of all {len(train_set)} training images (it records "
+                             f"{stored.get('images', 'no count')}); move it aside and run again to recompute it.")
+        ref = stored["nll"]
     else:
         ref = test_nll(fit_full(model, train_set), Xt, yt)
         reference.parent.mkdir(parents=True, exist_ok=True)
-        reference.write_text(json.dumps({"deltas": DELTAS, "nll": ref}) + "\n")
+        reference.write_text(json.dumps({"deltas": DELTAS, "nll": ref, "images": len(train_set)}) + "\n")
     for seed in seeds:
         for b in batch_sizes:
             path = cache / f"b{b}" / f"seed{seed}.json"

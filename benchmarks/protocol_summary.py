@@ -89,12 +89,18 @@ def digits_cnn(root: Path) -> dict[int, dict[str, dict[int, dict[float, float]]]
 
 
 def per_draw_files(root: Path, sizes: tuple[int, ...] = SIZES) -> dict[int, dict[str, dict[int, dict[float, float]]]]:
-    """The same for setting 2 (or 3, at ``sizes``), from its per-draw JSON files."""
+    """The same for setting 2 (or a later one, at ``sizes``), from its per-draw JSON files. The
+    reference is the setting's ``full.json`` where the cache has one (written once by the drivers of
+    the later settings), else each draw's copy of it (setting 2)."""
+    reference = root / "full.json"
+    shared = json.loads(reference.read_text()) if reference.exists() else None
     out: dict = {}
     for b in sizes:
         for path in sorted((root / f"b{b}").glob("seed*.json")):
             r = json.loads(path.read_text())
-            full = r["full"]
+            if shared is not None and shared["deltas"] != r["deltas"]:
+                raise ValueError(f"{path}: its prior precisions differ from those of {reference}.")
+            full = r["full"] if shared is None else shared["nll"]
             for c in CANDIDATES:
                 out.setdefault(b, {}).setdefault(c, {})[r["seed"]] = {
                     d: (v - f) / abs(f) for d, v, f in zip(r["deltas"], r["nll"][c], full)}

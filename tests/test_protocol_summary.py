@@ -151,3 +151,25 @@ def test_third_registration_reads_a_later_setting_and_decides_on_it_once_every_d
     assert out["finished"][later.name] and out["cells"][later.name][b]["draws"] == reg.draws
     assert not out["cells"][later.name][b]["D"]["corrected"]["non_inferior"]
     assert out["decision"]["default"] != "corrected"
+
+
+def test_a_later_setting_is_measured_against_its_one_reference(tmp_path):
+    """Where a cache has ``full.json``, every draw's M is against it, not against the draw's copy."""
+    import json
+
+    from benchmarks.protocol_summary import per_draw_files
+
+    _write_draws(tmp_path, (512,), range(3), {"single": 0.10, "paper": 0.02, "corrected": 0.01, "shrunk": 0.0,
+                                              "stein": 0.01})
+    before = per_draw_files(tmp_path, (512,))
+    (tmp_path / "full.json").write_text(json.dumps({"deltas": [0.01, 1.0], "nll": [1.0, 2.0]}))
+    after = per_draw_files(tmp_path, (512,))
+    for c, draws in before[512].items():
+        for s, gaps in draws.items():
+            # NLL 1 + level + shared at δ = 1: against 1 the gap is level + shared, against 2 it is
+            # (1 + level + shared - 2) / 2
+            assert after[512][c][s][1.0] == pytest.approx((gaps[1.0] - 1.0) / 2)
+            assert after[512][c][s][0.01] == gaps[0.01] == 0.0
+    (tmp_path / "full.json").write_text(json.dumps({"deltas": [0.1, 1.0], "nll": [1.0, 2.0]}))
+    with pytest.raises(ValueError, match="prior precisions differ"):
+        per_draw_files(tmp_path, (512,))

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks import resnet20_estimators
+from benchmarks import cifar_cnn_estimators, resnet20_estimators
 from benchmarks.digits_mlp_estimators import CANDIDATES, DELTAS
 from tests.test_benchmark_smoke import write_cifar10_bin
 
@@ -22,6 +22,8 @@ def test_draw_files_resume_and_the_single_batch_of_all_data_is_the_reference(tmp
     monkeypatch.setenv("LAPLACE_DEBIASED_CACHE", str(tmp_path / "models"))
     # the pipeline, not the training, is under test: one epoch
     monkeypatch.setattr(resnet20_estimators, "MAP", replace(resnet20_estimators.MAP, epochs=1))
+    # the reference reads all 160 training images in three loader batches, as it reads 10,000 in 20
+    monkeypatch.setattr(cifar_cnn_estimators, "FULL_BATCH", 60)
     cache = tmp_path / "draws"
     args = ["--seeds", "3", "5", "--batch-sizes", "16", "160", "--cache", str(cache), "--data", str(root)]
     assert resnet20_estimators.main(args) == 0
