@@ -1,27 +1,32 @@
-"""``benchmarks/cifar_cnn_estimators.py`` (setting 3 of the third registration) on a tiny
-synthetic CIFAR-10 in the official binary layout: one file per draw and b, resumed, and the single
-batch of all N training images equal to the reference, K-FAC over all N in several loader batches."""
+"""``benchmarks/cifar_cnn_estimators.py`` and ``benchmarks/resnet20_estimators.py`` (settings 3 and 4
+of the third registration) on a tiny synthetic CIFAR-10 in the official binary layout: one file per
+draw and b, resumed, and the single batch of all N training images equal to the reference, K-FAC
+over all N in several loader batches."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
-from benchmarks import cifar_cnn_estimators
-from benchmarks.cifar_cnn_estimators import main
+from benchmarks import cifar_cnn_estimators, resnet20_estimators
 from benchmarks.digits_mlp_estimators import CANDIDATES, DELTAS
 from tests.test_benchmark_smoke import write_cifar10_bin
 
 
 @pytest.mark.slow
-def test_draw_files_resume_and_the_single_batch_of_all_data_is_the_reference(tmp_path, monkeypatch):
+@pytest.mark.parametrize("driver", [cifar_cnn_estimators, resnet20_estimators], ids=["cifar_cnn", "resnet20"])
+def test_draw_files_resume_and_the_single_batch_of_all_data_is_the_reference(tmp_path, monkeypatch, driver):
     root = tmp_path / "data"
     write_cifar10_bin(root, n_per_batch=60, n_test=40)  # 300 images: 240 training, 60 validation
     monkeypatch.setenv("LAPLACE_DEBIASED_CACHE", str(tmp_path / "models"))
     # the reference reads all 240 training images in three loader batches, as it reads 10,000 in 20
     monkeypatch.setattr(cifar_cnn_estimators, "FULL_BATCH", 100)
+    if driver is resnet20_estimators:  # the pipeline, not the training, is under test: one epoch
+        monkeypatch.setattr(driver, "MAP", replace(driver.MAP, epochs=1))
+    main = driver.main
     cache = tmp_path / "draws"
     args = ["--seeds", "3", "5", "--batch-sizes", "16", "240", "--cache", str(cache), "--data", str(root)]
     assert main(args) == 0
