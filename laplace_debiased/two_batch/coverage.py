@@ -230,11 +230,14 @@ class FactorCoverage:
 
     def describe(self) -> str:
         """``"input factor: z of d eigenvalues zero = dimension d − rank r reached by B ∪ B̃"``
-        (the first equality holds for ``null_space="aligned"``; otherwise the two counts differ
-        and both are given)."""
+        (the equality holds for ``null_space="aligned"``; otherwise the two counts differ, and
+        ``"...zero; dimension d − rank r reached by B ∪ B̃ = u unreached"`` gives both)."""
+        zeros = f"{self.factor} factor: {self.zero_eigenvalues} of {self.dimension} eigenvalues zero"
         reach = f"dimension {self.dimension} − rank {self.rank_union} reached by B ∪ B̃"
-        relation = "=" if self.zero_eigenvalues == self.dimension - self.rank_union else "; unreached:"
-        return f"{self.factor} factor: {self.zero_eigenvalues} of {self.dimension} eigenvalues zero {relation} {reach}"
+        unreached = self.dimension - self.rank_union
+        if self.zero_eigenvalues == unreached:
+            return f"{zeros} = {reach}"
+        return f"{zeros}; {reach} = {unreached} unreached"
 
 
 @dataclass(frozen=True)

@@ -272,6 +272,18 @@ def test_sample_limited_zeros_warn_with_the_reachable_rank():
     assert "null_space='isotropic'" in text and "n_magnitude_batches" in text
 
 
+@pytest.mark.parametrize(
+    ("zeros", "text"),
+    [(20, "input factor: 20 of 24 eigenvalues zero = dimension 24 − rank 4 reached by B ∪ B̃"),
+     (23, "input factor: 23 of 24 eigenvalues zero; dimension 24 − rank 4 reached by B ∪ B̃ = 20 unreached")],
+    ids=["equal", "more zeros than unreached"],
+)
+def test_a_factor_describes_its_zeros_against_the_reachable_rank(zeros, text):
+    """The two counts are compared in one phrase: ``=`` where every zero is outside the reach of
+    B ∪ B̃, and otherwise the unreached count stated beside the zero count."""
+    assert coverage.FactorCoverage("input", 24, 1, 3, 4, zeros, 0).describe() == text
+
+
 def test_advice_never_names_the_treatment_in_use():
     """Sample-limited zeros under the isotropic completion (B̃ without curvature above round-off on
     B's null space): the advice is more samples, not the option already active."""
