@@ -10,6 +10,9 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from benchmarks import cifar_cnn_estimators, resnet20_estimators
 from benchmarks.digits_mlp_estimators import CANDIDATES, DELTAS
@@ -60,10 +63,6 @@ def test_draw_files_resume_and_the_single_batch_of_all_data_is_the_reference(tmp
 def test_the_reference_is_the_curvature_of_every_training_image(monkeypatch, full_batch):
     """The reference reads all N images whatever the loader's batch size: its posterior precision
     equals that of one batch of all N (the single batch at b = N), with BatchNorm's dense blocks."""
-    import torch
-    from torch import nn
-    from torch.utils.data import TensorDataset
-
     monkeypatch.setattr(cifar_cnn_estimators, "FULL_BATCH", full_batch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 5)).eval()

@@ -3,10 +3,13 @@ the paired differences, the margins and the decision criterion of ``benchmarks/P
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from benchmarks.protocol_summary import CANDIDATES, cell, decide, decide_v2
+from benchmarks.protocol_summary import (CANDIDATES, REGISTRATIONS, SIZES, cell, decide, decide_v2, markdown,
+                                        per_draw_files, summarise)
 
 
 def _curves(levels: dict[str, float], rng: np.random.Generator, draws: int = 16) -> dict:
@@ -94,15 +97,11 @@ def test_each_registration_uses_the_t_quantile_of_its_draws():
     """u(x) = mean + t s.e. with t the one-sided 95 % quantile at draws − 1 degrees of freedom."""
     from scipy import stats
 
-    from benchmarks.protocol_summary import REGISTRATIONS
-
     for reg in REGISTRATIONS.values():
         assert abs(reg.t - stats.t.ppf(0.95, reg.draws - 1)) < 5e-4, reg
 
 
 def test_third_registration_report_names_its_protocol_and_command():
-    from benchmarks.protocol_summary import REGISTRATIONS, markdown
-
     rng = np.random.default_rng(5)
     reg = REGISTRATIONS[3]
     c = cell(_curves({"single": 0.05, "paper": 0.04, "corrected": 0.03, "shrunk": 0.035, "stein": 0.03}, rng,
@@ -116,8 +115,6 @@ def _write_draws(root, sizes, seeds, levels: dict[str, float]) -> None:
     """Per-draw JSON files in the format of ``digits_mlp_estimators.py`` / ``cifar_cnn_estimators.py``:
     the full batch's NLL 1 at two δ, each candidate's ``1 + level`` at the second (a relative gap of
     ``level``) plus a draw effect shared by the candidates."""
-    import json
-
     for b in sizes:
         for s in seeds:
             shared = 0.001 * (s % 7)
@@ -132,8 +129,6 @@ def test_third_registration_reads_a_later_setting_and_decides_on_it_once_every_d
     """Settings 3 and 4 (PROTOCOL_V3_CIFAR.md, PROTOCOL_V3_RESNET.md) enter the third registration's
     decision only when all their batch sizes have the registered draws; before, they are reported as
     unfinished."""
-    from benchmarks.protocol_summary import REGISTRATIONS, SIZES, markdown, summarise
-
     reg = REGISTRATIONS[3]
     later = reg.later[which]
     good = {"single": 0.10, "paper": 0.02, "corrected": 0.01, "shrunk": 0.015, "stein": 0.012}
@@ -155,10 +150,6 @@ def test_third_registration_reads_a_later_setting_and_decides_on_it_once_every_d
 
 def test_a_later_setting_is_measured_against_its_one_reference(tmp_path):
     """Where a cache has ``full.json``, every draw's M is against it, not against the draw's copy."""
-    import json
-
-    from benchmarks.protocol_summary import per_draw_files
-
     _write_draws(tmp_path, (512,), range(3), {"single": 0.10, "paper": 0.02, "corrected": 0.01, "shrunk": 0.0,
                                               "stein": 0.01})
     before = per_draw_files(tmp_path, (512,))
